@@ -1,0 +1,92 @@
+"""The error taxonomy of persist (DESIGN section 14).
+
+Two axes: *usage* errors (the call can never succeed as made: fix the call) versus
+*location* errors (Blob/Consensus misbehaved), and for location errors whether the
+operation definitely did not happen (``Determinate``) or may have happened
+(``Indeterminate``). ``UpperMismatch`` is not a failure of persist but the ordinary
+"you lost the race" answer of ``compare_and_append``. ``CorruptionError`` means a blob
+failed its checksum: nothing is returned in that case.
+
+Every message names the shard, the values involved and what to do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.frontier import Antichain
+
+
+class PersistError(Exception):
+    """Base class of every error raised by persist_lib."""
+
+
+class InvalidUsage(PersistError, ValueError):
+    """The call can never succeed as made: fix the call (or reopen the handle)."""
+
+
+class SchemaMismatch(InvalidUsage):
+    """A shard was opened with schemas other than the ones recorded in its state."""
+
+
+class LeaseExpired(InvalidUsage):
+    """The handle's lease lapsed and maintenance expired it: open a new handle."""
+
+
+class ShardTombstoned(InvalidUsage):
+    """The shard was finalized (its since and upper are empty): it can't be opened."""
+
+
+class InvalidUri(InvalidUsage):
+    """A Blob or Consensus URI could not be understood."""
+
+
+class InvalidBlobKey(InvalidUsage):
+    """A blob key does not follow the key grammar (or would escape the blob root)."""
+
+
+class UpperMismatch(PersistError):
+    """``compare_and_append`` lost: the shard upper is not the expected one.
+
+    ``current`` carries the shard's actual upper so the caller can decide what to do.
+    """
+
+    def __init__(self, shard: str, expected: Antichain, current: Antichain) -> None:
+        self.shard = shard
+        self.expected = expected
+        self.current = current
+        super().__init__(
+            f"shard {shard}: upper mismatch: expected upper {expected} but the shard upper is "
+            f"{current}; re-read the upper and retry from {current} (or give up if another "
+            "writer already wrote the data)"
+        )
+
+
+class ExternalError(PersistError):
+    """A Blob or Consensus operation failed."""
+
+
+class Determinate(ExternalError):
+    """The operation definitely did not happen: it is safe to retry."""
+
+
+class Indeterminate(ExternalError):
+    """The operation may or may not have happened: retry only idempotent operations."""
+
+
+class BlobNotFound(Determinate):
+    """A blob that the state references is not in the blob store."""
+
+
+class CorruptionError(PersistError):
+    """A blob failed its checksum or could not be decoded: stop; nothing wrong is returned."""
+
+
+class Timeout(PersistError):
+    """A wait (for an upper to advance, for a location to answer) ran out of time."""
+
+
+def describe(value: Any) -> str:
+    """Renders a value for an error message (frontiers print as ``[t]`` / ``[]``)."""
+    return str(value)
