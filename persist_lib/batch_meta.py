@@ -1,0 +1,99 @@
+"""Metadata of batches and parts as recorded in shard state ("hollow" batches).
+
+A *part* is one immutable Parquet blob (or, when tiny, bytes inlined in state) of
+updates sorted by ``(k, v, t)``. A *batch* is a list of parts plus a description
+``[lower, upper)`` (every update time ``t`` satisfies ``lower <= t < upper``) and a
+``since`` (times below it may have been forwarded to it by compaction).
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any
+
+from persist_lib.frontier import Antichain
+
+
+@dataclass(frozen=True)
+class PartMeta:
+    """One part of a batch: where its bytes are and how to verify them."""
+
+    key: str | None  # blob key; None when the part is inlined in state
+    size: int  # encoded bytes
+    count: int  # number of updates (rows)
+    sha256: str  # hex digest of the encoded bytes, verified on every read
+    tmin: int  # smallest update time in the part
+    tmax: int  # largest update time in the part
+    inline: bytes | None = None  # the encoded bytes, for tiny parts kept in state
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "size": self.size,
+            "count": self.count,
+            "sha256": self.sha256,
+            "tmin": self.tmin,
+            "tmax": self.tmax,
+        }
+        if self.key is not None:
+            d["key"] = self.key
+        if self.inline is not None:
+            d["inline"] = base64.b64encode(self.inline).decode("ascii")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PartMeta:
+        inline = d.get("inline")
+        return cls(
+            key=d.get("key"),
+            size=int(d["size"]),
+            count=int(d["count"]),
+            sha256=str(d["sha256"]),
+            tmin=int(d["tmin"]),
+            tmax=int(d["tmax"]),
+            inline=base64.b64decode(inline) if inline is not None else None,
+        )
+
+    @property
+    def location(self) -> str:
+        return self.key if self.key is not None else "<inline>"
+
+
+@dataclass(frozen=True)
+class HollowBatch:
+    """A batch as state knows it: description plus part metadata, not the data."""
+
+    lower: Antichain
+    upper: Antichain
+    since: Antichain
+    parts: tuple[PartMeta, ...] = field(default_factory=tuple)
+
+    @property
+    def len(self) -> int:
+        """Number of updates in the batch."""
+        return sum(p.count for p in self.parts)
+
+    @property
+    def size(self) -> int:
+        """Encoded bytes of the batch."""
+        return sum(p.size for p in self.parts)
+
+    def blob_keys(self) -> list[str]:
+        return [p.key for p in self.parts if p.key is not None]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "lower": self.lower.to_json(),
+            "upper": self.upper.to_json(),
+            "since": self.since.to_json(),
+            "parts": [p.to_json() for p in self.parts],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> HollowBatch:
+        return cls(
+            lower=Antichain.from_json(d["lower"]),
+            upper=Antichain.from_json(d["upper"]),
+            since=Antichain.from_json(d["since"]),
+            parts=tuple(PartMeta.from_json(p) for p in d["parts"]),
+        )
