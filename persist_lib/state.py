@@ -1,0 +1,331 @@
+"""Shard state: the small metadata that consensus versions (DESIGN section 5).
+
+``ShardState`` is an immutable value. Transitions (``persist_lib.transitions``) build
+a new value from an old one; the ``Machine`` commits the *field-level diff* between
+the two at ``seqno + 1``. Two encodings exist, both JSON with an explicit format
+version:
+
+* a **diff** (one consensus entry): the changed scalar fields and, per map field, the
+  entries set and the keys deleted, plus a pointer to the latest rollup;
+* a **rollup** (a blob): the whole state at one seqno, written every ~128 seqnos so that
+  opening a shard costs one rollup fetch plus a bounded number of diffs.
+
+Map entries are immutable objects; the diff compares them by identity first, so the
+cost of diffing is proportional to the number of entries, and of encoding to the
+size of what changed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from persist_lib.batch_meta import HollowBatch
+from persist_lib.errors import CorruptionError, InvalidUsage
+from persist_lib.frontier import Antichain
+
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+CODE_VERSION = "0.1.0"
+
+
+@dataclass(frozen=True)
+class LeasedReaderState:
+    """A leased reader: holds back ``since`` (compaction) and ``seqno`` (GC)."""
+
+    since: Antichain
+    seqno: int  # the oldest state version this reader may still read from
+    last_heartbeat_ms: int
+    lease_duration_ms: int
+    purpose: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "since": self.since.to_json(),
+            "seqno": self.seqno,
+            "hb": self.last_heartbeat_ms,
+            "lease": self.lease_duration_ms,
+            "purpose": self.purpose,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LeasedReaderState:
+        return cls(Antichain.from_json(d["since"]), d["seqno"], d["hb"], d["lease"], d["purpose"])
+
+
+@dataclass(frozen=True)
+class CriticalReaderState:
+    """A critical reader: holds back ``since`` forever, fenced by an opaque token."""
+
+    since: Antichain
+    opaque: str
+    purpose: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"since": self.since.to_json(), "opaque": self.opaque, "purpose": self.purpose}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> CriticalReaderState:
+        return cls(Antichain.from_json(d["since"]), d["opaque"], d["purpose"])
+
+
+@dataclass(frozen=True)
+class WriterState:
+    """A writer: its lease and the idempotency token of its most recent write."""
+
+    last_heartbeat_ms: int
+    lease_duration_ms: int
+    most_recent_write_token: str | None = None
+    most_recent_write_upper: Antichain = field(default_factory=Antichain.minimum)
+    purpose: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "hb": self.last_heartbeat_ms,
+            "lease": self.lease_duration_ms,
+            "token": self.most_recent_write_token,
+            "upper": self.most_recent_write_upper.to_json(),
+            "purpose": self.purpose,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> WriterState:
+        return cls(d["hb"], d["lease"], d["token"], Antichain.from_json(d["upper"]), d["purpose"])
+
+
+@dataclass(frozen=True)
+class GarbageEntry:
+    """A blob that became unreachable at ``seqno`` (epoch-based reclamation)."""
+
+    seqno: int
+    size: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seqno": self.seqno, "size": self.size}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> GarbageEntry:
+        return cls(d["seqno"], d.get("size", 0))
+
+
+@dataclass(frozen=True)
+class RollupRef:
+    """A full-state rollup of this shard at ``seqno``, stored in blob at ``key``."""
+
+    key: str
+    size: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "size": self.size}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RollupRef:
+        return cls(d["key"], d.get("size", 0))
+
+
+# Map fields of the state: name -> (value decoder, key decoder).
+_MAP_CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[str], Any]]] = {
+    "leased_readers": (LeasedReaderState.from_json, str),
+    "critical_readers": (CriticalReaderState.from_json, str),
+    "writers": (WriterState.from_json, str),
+    "batches": (HollowBatch.from_json, int),
+    "rollups": (RollupRef.from_json, int),
+    "garbage": (GarbageEntry.from_json, str),
+}
+
+# Scalar fields that are frontiers (encoded as int | None).
+_FRONTIER_SCALARS = {"since", "upper"}
+
+@dataclass(frozen=True)
+class ShardState:
+    """Everything persist knows about one shard at one seqno.
+
+    ``batches`` is the trace: batch id -> batch, contiguous in time when ordered by
+    ``lower`` (see ``trace_batches``). ``since`` is the shard since (the meet of every
+    reader's since); ``upper`` the shard upper (the trace upper).
+    """
+
+    shard_id: str
+    seqno: int = 0  # 0: the shard doesn't exist yet (no consensus entry)
+    walltime_ms: int = 0
+    code_version: str = CODE_VERSION
+    schemas: dict[str, Any] | None = None  # codec.Schemas.to_json()
+    since: Antichain = field(default_factory=Antichain.minimum)
+    upper: Antichain = field(default_factory=Antichain.minimum)
+    next_id: int = 1
+    tombstone: bool = False
+    last_gc_seqno: int = 0
+    leased_readers: Mapping[str, LeasedReaderState] = field(default_factory=dict)
+    critical_readers: Mapping[str, CriticalReaderState] = field(default_factory=dict)
+    writers: Mapping[str, WriterState] = field(default_factory=dict)
+    batches: Mapping[int, HollowBatch] = field(default_factory=dict)
+    rollups: Mapping[int, RollupRef] = field(default_factory=dict)
+    garbage: Mapping[str, GarbageEntry] = field(default_factory=dict)
+
+    # ----- derived views -------------------------------------------------------------
+
+    @property
+    def exists(self) -> bool:
+        return self.seqno > 0
+
+    def trace_batches(self) -> list[tuple[int, HollowBatch]]:
+        """The trace in time order (batches are contiguous: each upper is the next lower)."""
+        return sorted(self.batches.items(), key=lambda kv: (kv[1].lower.time or 0, kv[0]))
+
+    def seqno_since(self) -> int:
+        """The oldest seqno some leased reader may still read: GC must not pass it."""
+        holds = [r.seqno for r in self.leased_readers.values()]
+        return min([self.seqno, *holds])
+
+    def latest_rollup(self) -> tuple[int, RollupRef] | None:
+        if not self.rollups:
+            return None
+        s = max(self.rollups)
+        return s, self.rollups[s]
+
+    def blob_keys(self) -> set[str]:
+        """Every blob key this state version references (parts, rollups, garbage)."""
+        keys: set[str] = set()
+        for b in self.batches.values():
+            keys.update(b.blob_keys())
+        keys.update(r.key for r in self.rollups.values())
+        keys.update(self.garbage)
+        return keys
+
+    def evolve(self, **changes: Any) -> ShardState:
+        return replace(self, **changes)
+
+    # ----- encoding ---------------------------------------------------------------------
+
+    def _scalars_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name in _MAP_CODECS:
+                continue
+            v = getattr(self, f.name)
+            out[f.name] = v.to_json() if isinstance(v, Antichain) else v
+        return out
+
+    def to_rollup_json(self) -> dict[str, Any]:
+        return {
+            "format": [FORMAT_MAJOR, FORMAT_MINOR],
+            "kind": "rollup",
+            "scalars": self._scalars_json(),
+            "maps": {
+                name: {str(k): v.to_json() for k, v in getattr(self, name).items()}
+                for name in _MAP_CODECS
+            },
+        }
+
+    def encode_rollup(self) -> bytes:
+        return json.dumps(self.to_rollup_json(), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode_rollup(cls, data: bytes, *, shard: str, key: str) -> ShardState:
+        d = _loads(data, shard=shard, what=f"rollup {key}")
+        _check_format(d, shard=shard, what=f"rollup {key}")
+        if d.get("kind") != "rollup":
+            raise CorruptionError(f"shard {shard}: blob {key} is not a state rollup")
+        return _from_parts(d["scalars"], d["maps"])
+
+
+def _from_parts(scalars: dict[str, Any], maps: dict[str, dict[str, Any]]) -> ShardState:
+    kw: dict[str, Any] = {}
+    for name, v in scalars.items():
+        kw[name] = Antichain.from_json(v) if name in _FRONTIER_SCALARS else v
+    for name, (dec, kdec) in _MAP_CODECS.items():
+        kw[name] = {kdec(k): dec(v) for k, v in maps.get(name, {}).items()}
+    return ShardState(**kw)
+
+
+def _loads(data: bytes, *, shard: str, what: str) -> dict[str, Any]:
+    try:
+        d = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptionError(f"shard {shard}: {what} is not valid state encoding: {e}") from None
+    if not isinstance(d, dict):
+        raise CorruptionError(f"shard {shard}: {what} is not valid state encoding")
+    return d
+
+
+def _check_format(d: dict[str, Any], *, shard: str, what: str) -> None:
+    fmt = d.get("format")
+    if not isinstance(fmt, list) or len(fmt) != 2:
+        raise CorruptionError(f"shard {shard}: {what} has no format version")
+    if fmt[0] > FORMAT_MAJOR:
+        raise InvalidUsage(
+            f"shard {shard}: {what} was written in state format {fmt[0]}.{fmt[1]}, newer than "
+            f"this code understands ({FORMAT_MAJOR}.{FORMAT_MINOR}); upgrade persist_lib"
+        )
+
+
+def encode_diff(old: ShardState, new: ShardState) -> bytes:
+    """The field-level diff from ``old`` (at seqno N) to ``new`` (at seqno N+1)."""
+    old_s = old._scalars_json()
+    new_s = new._scalars_json()
+    scalars = {k: v for k, v in new_s.items() if old_s.get(k, _MISSING) != v}
+    maps: dict[str, Any] = {}
+    for name in _MAP_CODECS:
+        a: Mapping[Any, Any] = getattr(old, name)
+        b: Mapping[Any, Any] = getattr(new, name)
+        if a is b:
+            continue
+        set_: dict[str, Any] = {}
+        for k, v in b.items():
+            ov = a.get(k, _MISSING)
+            if ov is v or ov == v:
+                continue
+            set_[str(k)] = v.to_json()
+        dels = [str(k) for k in a if k not in b]
+        if set_ or dels:
+            maps[name] = {"set": set_, "del": dels}
+    lr = new.latest_rollup()
+    doc = {
+        "format": [FORMAT_MAJOR, FORMAT_MINOR],
+        "kind": "diff",
+        "prev": old.seqno,
+        "rollup": [lr[0], lr[1].key] if lr else None,
+        "scalars": scalars,
+        "maps": maps,
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+_MISSING = object()
+
+
+def diff_rollup_pointer(data: bytes, *, shard: str) -> tuple[int, str] | None:
+    """The latest rollup a consensus entry points to (read from the head to open a shard)."""
+    d = _loads(data, shard=shard, what="consensus entry")
+    _check_format(d, shard=shard, what="consensus entry")
+    r = d.get("rollup")
+    return (int(r[0]), str(r[1])) if r else None
+
+
+def apply_diff(old: ShardState, data: bytes, seqno: int) -> ShardState:
+    """Applies the consensus entry at ``seqno`` (which must be ``old.seqno + 1``)."""
+    shard = old.shard_id
+    d = _loads(data, shard=shard, what=f"consensus entry {seqno}")
+    _check_format(d, shard=shard, what=f"consensus entry {seqno}")
+    if d.get("kind") != "diff" or d.get("prev") != old.seqno or seqno != old.seqno + 1:
+        raise CorruptionError(
+            f"shard {shard}: consensus entry {seqno} does not follow state {old.seqno} "
+            f"(it says prev={d.get('prev')})"
+        )
+    changes: dict[str, Any] = {}
+    for name, v in d["scalars"].items():
+        changes[name] = Antichain.from_json(v) if name in _FRONTIER_SCALARS else v
+    for name, m in d["maps"].items():
+        dec, kdec = _MAP_CODECS[name]
+        cur = dict(getattr(old, name))
+        for k in m.get("del", []):
+            cur.pop(kdec(k), None)
+        for k, v in m.get("set", {}).items():
+            cur[kdec(k)] = dec(v)
+        changes[name] = cur
+    new = replace(old, **changes)
+    if new.seqno != seqno:
+        raise CorruptionError(f"shard {shard}: consensus entry {seqno} carries seqno {new.seqno}")
+    return new

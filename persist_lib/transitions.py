@@ -1,0 +1,367 @@
+"""Pure state transitions: ``(state, now, args) -> (new state | None, result)``.
+
+Nothing here does I/O. A transition returns ``None`` as the new state when there is
+nothing to write (a no-op), or raises an ``InvalidUsage`` when the call can never
+succeed. The ``Machine`` applies them in a compare-and-set loop; after an
+indeterminate CAS it re-runs the transition against fresh state, so every transition
+must recognise its own already-applied effect (idempotency): compare-and-append by
+the writer's token, registration by the pre-minted id, and so on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Any
+
+from persist_lib.batch_meta import HollowBatch
+from persist_lib.errors import InvalidUsage, LeaseExpired, SchemaMismatch, ShardTombstoned
+from persist_lib.frontier import Antichain
+from persist_lib.state import (
+    CriticalReaderState,
+    LeasedReaderState,
+    RollupRef,
+    ShardState,
+    WriterState,
+)
+
+Result = tuple[ShardState | None, Any]
+
+# Tiny parts may live inline in state; this bounds the total so state stays small.
+DEFAULT_INLINE_MAX_TOTAL = 1 << 20
+
+
+def _check_not_tombstone(state: ShardState) -> None:
+    if state.tombstone:
+        raise ShardTombstoned(
+            f"shard {state.shard_id} was finalized (its since and upper are empty) and is now "
+            "a tombstone: it can't be opened, read or written; use a new shard id"
+        )
+
+
+def _require_writer(state: ShardState, writer_id: str) -> WriterState:
+    _check_not_tombstone(state)
+    w = state.writers.get(writer_id)
+    if w is None:
+        raise LeaseExpired(
+            f"shard {state.shard_id}: writer {writer_id} is not registered (its lease expired or "
+            "it was expired explicitly); open a new write handle"
+        )
+    return w
+
+
+def _require_reader(state: ShardState, reader_id: str) -> LeasedReaderState:
+    _check_not_tombstone(state)
+    r = state.leased_readers.get(reader_id)
+    if r is None:
+        raise LeaseExpired(
+            f"shard {state.shard_id}: reader {reader_id} is not registered (its lease expired or "
+            "it was expired explicitly); open a new read handle"
+        )
+    return r
+
+
+def recompute_since(state: ShardState) -> Antichain:
+    """The shard since: the meet of every reader's since; it never moves backwards."""
+    sinces = [r.since for r in state.leased_readers.values()]
+    sinces += [r.since for r in state.critical_readers.values()]
+    if not sinces:
+        return state.since
+    return max(state.since, min(sinces))
+
+
+# ----- registration ----------------------------------------------------------------
+
+
+def register(
+    state: ShardState,
+    now_ms: int,
+    *,
+    schemas_json: dict[str, Any],
+    schemas_equal: Any,
+    writer_id: str | None,
+    writer_lease_ms: int,
+    reader_id: str | None,
+    reader_lease_ms: int,
+    purpose: str,
+) -> Result:
+    """Creates the shard if needed, checks schemas, registers a writer and/or a reader."""
+    _check_not_tombstone(state)
+    changes: dict[str, Any] = {}
+    if state.schemas is None:
+        changes["schemas"] = schemas_json
+    elif not schemas_equal(state.schemas):
+        raise SchemaMismatch(f"shard {state.shard_id}: {schemas_equal.describe_mismatch(state.schemas)}")
+    writers = state.writers
+    readers = state.leased_readers
+    if writer_id is not None and writer_id not in writers:
+        writers = dict(writers)
+        writers[writer_id] = WriterState(
+            last_heartbeat_ms=now_ms,
+            lease_duration_ms=writer_lease_ms,
+            most_recent_write_upper=state.upper,
+            purpose=purpose,
+        )
+        changes["writers"] = writers
+    if reader_id is not None and reader_id not in readers:
+        if state.since.is_empty():
+            raise InvalidUsage(
+                f"shard {state.shard_id}: its since is the empty frontier (every reader released "
+                "it), so it can no longer be read; no new reader can be registered"
+            )
+        readers = dict(readers)
+        readers[reader_id] = LeasedReaderState(
+            since=state.since,
+            seqno=state.seqno + 1,
+            last_heartbeat_ms=now_ms,
+            lease_duration_ms=reader_lease_ms,
+            purpose=purpose,
+        )
+        changes["leased_readers"] = readers
+    if not changes:
+        return None, None  # already registered (a retry after an indeterminate CAS)
+    return replace(state, **changes), None
+
+
+def register_critical_reader(
+    state: ShardState,
+    now_ms: int,
+    *,
+    schemas_json: dict[str, Any],
+    schemas_equal: Any,
+    reader_id: str,
+    initial_opaque: str,
+    purpose: str,
+) -> Result:
+    """Registers a critical since handle (idempotent: an existing one is returned as is)."""
+    _check_not_tombstone(state)
+    changes: dict[str, Any] = {}
+    if state.schemas is None:
+        changes["schemas"] = schemas_json
+    elif not schemas_equal(state.schemas):
+        raise SchemaMismatch(f"shard {state.shard_id}: {schemas_equal.describe_mismatch(state.schemas)}")
+    if reader_id in state.critical_readers:
+        if not changes:
+            return None, state.critical_readers[reader_id]
+    else:
+        crit = dict(state.critical_readers)
+        crit[reader_id] = CriticalReaderState(since=state.since, opaque=initial_opaque, purpose=purpose)
+        changes["critical_readers"] = crit
+    new = replace(state, **changes)
+    return new, new.critical_readers[reader_id]
+
+
+# ----- writes ---------------------------------------------------------------------
+
+
+class CaaOutcome(Enum):
+    APPLIED = "applied"
+    ALREADY_COMMITTED = "already_committed"
+    UPPER_MISMATCH = "upper_mismatch"
+    INLINE_BACKPRESSURE = "inline_backpressure"
+
+
+@dataclass(frozen=True)
+class CaaResult:
+    outcome: CaaOutcome
+    current_upper: Antichain
+
+
+def inline_bytes(state: ShardState) -> int:
+    return sum(p.size for b in state.batches.values() for p in b.parts if p.inline is not None)
+
+
+def compare_and_append(
+    state: ShardState,
+    now_ms: int,
+    *,
+    writer_id: str,
+    batch: HollowBatch,
+    token: str,
+    inline_max_total: int = DEFAULT_INLINE_MAX_TOTAL,
+) -> Result:
+    """Appends ``batch`` iff the shard upper equals ``batch.lower``.
+
+    The writer's idempotency token is checked first: if it matches, this exact write
+    already committed (we are retrying after an indeterminate error) and nothing is
+    done. A batch with no updates advances the upper by widening the trace's last
+    batch (no new batch, no blob).
+    """
+    w = _require_writer(state, writer_id)
+    if w.most_recent_write_token == token:
+        return None, CaaResult(CaaOutcome.ALREADY_COMMITTED, state.upper)
+    if state.upper != batch.lower:
+        return None, CaaResult(CaaOutcome.UPPER_MISMATCH, state.upper)
+    if batch.upper < batch.lower:
+        raise InvalidUsage(
+            f"shard {state.shard_id}: new upper {batch.upper} is before the expected upper "
+            f"{batch.lower}; an upper never moves backwards"
+        )
+    writers = dict(state.writers)
+    writers[writer_id] = replace(
+        w, last_heartbeat_ms=now_ms, most_recent_write_token=token, most_recent_write_upper=batch.upper
+    )
+    if batch.upper == batch.lower:
+        if batch.parts:
+            raise InvalidUsage(
+                f"shard {state.shard_id}: a batch with an empty time interval "
+                f"[{batch.lower}, {batch.upper}) can't contain updates"
+            )
+        return replace(state, writers=writers), CaaResult(CaaOutcome.APPLIED, state.upper)
+    new_inline = sum(p.size for p in batch.parts if p.inline is not None)
+    if new_inline and inline_bytes(state) + new_inline > inline_max_total:
+        return None, CaaResult(CaaOutcome.INLINE_BACKPRESSURE, state.upper)
+    batches = dict(state.batches)
+    next_id = state.next_id
+    trace = state.trace_batches()
+    if not batch.parts and trace:
+        # Progress only: widen the last batch instead of adding an empty one.
+        last_id, last = trace[-1]
+        batches[last_id] = replace(last, upper=batch.upper)
+    else:
+        batches[next_id] = replace(batch, since=max(batch.since, state.since))
+        next_id += 1
+    new = replace(state, writers=writers, batches=batches, next_id=next_id, upper=batch.upper)
+    return new, CaaResult(CaaOutcome.APPLIED, batch.upper)
+
+
+def heartbeat_writer(state: ShardState, now_ms: int, *, writer_id: str) -> Result:
+    w = _require_writer(state, writer_id)
+    writers = dict(state.writers)
+    writers[writer_id] = replace(w, last_heartbeat_ms=max(w.last_heartbeat_ms, now_ms))
+    return replace(state, writers=writers), None
+
+
+def expire_writer(state: ShardState, now_ms: int, *, writer_id: str) -> Result:
+    if writer_id not in state.writers:
+        return None, False
+    writers = dict(state.writers)
+    del writers[writer_id]
+    return replace(state, writers=writers), True
+
+
+# ----- reads ----------------------------------------------------------------------
+
+
+def downgrade_since(
+    state: ShardState, now_ms: int, *, reader_id: str, new_since: Antichain, seqno_hold: int
+) -> Result:
+    """Moves a leased reader's since forward (or keeps it: a heartbeat) and its seqno hold."""
+    r = _require_reader(state, reader_id)
+    if new_since < r.since:
+        raise InvalidUsage(
+            f"shard {state.shard_id}: reader {reader_id} can't downgrade its since to {new_since}: "
+            f"it is already {r.since} and a since never moves backwards"
+        )
+    readers = dict(state.leased_readers)
+    readers[reader_id] = replace(
+        r,
+        since=new_since,
+        seqno=max(r.seqno, min(seqno_hold, state.seqno + 1)),
+        last_heartbeat_ms=max(r.last_heartbeat_ms, now_ms),
+    )
+    new = replace(state, leased_readers=readers)
+    return replace(new, since=recompute_since(new)), None
+
+
+def expire_reader(state: ShardState, now_ms: int, *, reader_id: str) -> Result:
+    if reader_id not in state.leased_readers:
+        return None, False
+    readers = dict(state.leased_readers)
+    del readers[reader_id]
+    new = replace(state, leased_readers=readers)
+    return replace(new, since=recompute_since(new)), True
+
+
+@dataclass(frozen=True)
+class CriticalDowngradeResult:
+    ok: bool
+    current_opaque: str
+    since: Antichain
+
+
+def compare_and_downgrade_since(
+    state: ShardState,
+    now_ms: int,
+    *,
+    reader_id: str,
+    expected_opaque: str,
+    new_opaque: str,
+    new_since: Antichain,
+) -> Result:
+    """Fenced since downgrade of a critical reader: applies iff its opaque is ``expected``."""
+    _check_not_tombstone(state)
+    r = state.critical_readers.get(reader_id)
+    if r is None:
+        raise InvalidUsage(
+            f"shard {state.shard_id}: critical reader {reader_id} is not registered; open it with "
+            "open_critical_since first"
+        )
+    if r.opaque != expected_opaque:
+        if r.opaque == new_opaque and r.since == new_since:
+            return None, CriticalDowngradeResult(True, r.opaque, r.since)  # our retry applied
+        return None, CriticalDowngradeResult(False, r.opaque, r.since)
+    if new_since < r.since:
+        raise InvalidUsage(
+            f"shard {state.shard_id}: critical reader {reader_id} can't downgrade its since to "
+            f"{new_since}: it is already {r.since} and a since never moves backwards"
+        )
+    crit = dict(state.critical_readers)
+    crit[reader_id] = replace(r, since=new_since, opaque=new_opaque)
+    new = replace(state, critical_readers=crit)
+    return replace(new, since=recompute_since(new)), CriticalDowngradeResult(True, new_opaque, new_since)
+
+
+def expire_critical_reader(state: ShardState, now_ms: int, *, reader_id: str) -> Result:
+    if reader_id not in state.critical_readers:
+        return None, False
+    crit = dict(state.critical_readers)
+    del crit[reader_id]
+    new = replace(state, critical_readers=crit)
+    return replace(new, since=recompute_since(new)), True
+
+
+# ----- maintenance ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpiredLeases:
+    readers: tuple[str, ...]
+    writers: tuple[str, ...]
+
+
+def expire_leases(state: ShardState, now_ms: int) -> Result:
+    """Expires readers and writers whose last heartbeat is older than their lease.
+
+    Heartbeat times were recorded in consensus by the handles; they are judged here by
+    the expirer's clock (``now_ms``).
+    """
+    if not state.exists or state.tombstone:
+        return None, ExpiredLeases((), ())
+    dead_r = tuple(
+        rid for rid, r in state.leased_readers.items() if r.last_heartbeat_ms + r.lease_duration_ms < now_ms
+    )
+    dead_w = tuple(
+        wid for wid, w in state.writers.items() if w.last_heartbeat_ms + w.lease_duration_ms < now_ms
+    )
+    if not dead_r and not dead_w:
+        return None, ExpiredLeases((), ())
+    readers = {k: v for k, v in state.leased_readers.items() if k not in dead_r}
+    writers = {k: v for k, v in state.writers.items() if k not in dead_w}
+    new = replace(state, leased_readers=readers, writers=writers)
+    return replace(new, since=recompute_since(new)), ExpiredLeases(dead_r, dead_w)
+
+
+def add_rollup(state: ShardState, now_ms: int, *, seqno: int, key: str, size: int) -> Result:
+    """Links a rollup of this shard at ``seqno``; a no-op if one at or after it is linked.
+
+    The result tells the caller whether its blob was linked (if not, it deletes it).
+    """
+    latest = state.latest_rollup()
+    if latest is not None and latest[0] >= seqno:
+        return None, state.rollups.get(seqno) == RollupRef(key, size)
+    if seqno > state.seqno:
+        raise InvalidUsage(f"shard {state.shard_id}: rollup seqno {seqno} is beyond state {state.seqno}")
+    rollups = dict(state.rollups)
+    rollups[seqno] = RollupRef(key, size)
+    return replace(state, rollups=rollups), True
