@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Any
 
 from persist_lib.batch_meta import HollowBatch
+from persist_lib.codec import Schemas
 from persist_lib.errors import InvalidUsage, LeaseExpired, SchemaMismatch, ShardTombstoned
 from persist_lib.frontier import Antichain
 from persist_lib.state import (
@@ -36,6 +37,19 @@ def _check_not_tombstone(state: ShardState) -> None:
         raise ShardTombstoned(
             f"shard {state.shard_id} was finalized (its since and upper are empty) and is now "
             "a tombstone: it can't be opened, read or written; use a new shard id"
+        )
+
+
+def _check_schemas(state: ShardState, schemas: Schemas, changes: dict[str, Any]) -> None:
+    if state.schemas is None:
+        changes["schemas"] = schemas.to_json()
+        return
+    recorded = Schemas.from_json(state.schemas)
+    if recorded != schemas:
+        raise SchemaMismatch(
+            f"shard {state.shard_id} was created with schemas {recorded.describe()} but was "
+            f"opened with {schemas.describe()}; open it with the recorded schemas (or write "
+            "to a new shard)"
         )
 
 
@@ -77,8 +91,7 @@ def register(
     state: ShardState,
     now_ms: int,
     *,
-    schemas_json: dict[str, Any],
-    schemas_equal: Any,
+    schemas: Schemas,
     writer_id: str | None,
     writer_lease_ms: int,
     reader_id: str | None,
@@ -88,10 +101,7 @@ def register(
     """Creates the shard if needed, checks schemas, registers a writer and/or a reader."""
     _check_not_tombstone(state)
     changes: dict[str, Any] = {}
-    if state.schemas is None:
-        changes["schemas"] = schemas_json
-    elif not schemas_equal(state.schemas):
-        raise SchemaMismatch(f"shard {state.shard_id}: {schemas_equal.describe_mismatch(state.schemas)}")
+    _check_schemas(state, schemas, changes)
     writers = state.writers
     readers = state.leased_readers
     if writer_id is not None and writer_id not in writers:
@@ -127,8 +137,7 @@ def register_critical_reader(
     state: ShardState,
     now_ms: int,
     *,
-    schemas_json: dict[str, Any],
-    schemas_equal: Any,
+    schemas: Schemas,
     reader_id: str,
     initial_opaque: str,
     purpose: str,
@@ -136,10 +145,7 @@ def register_critical_reader(
     """Registers a critical since handle (idempotent: an existing one is returned as is)."""
     _check_not_tombstone(state)
     changes: dict[str, Any] = {}
-    if state.schemas is None:
-        changes["schemas"] = schemas_json
-    elif not schemas_equal(state.schemas):
-        raise SchemaMismatch(f"shard {state.shard_id}: {schemas_equal.describe_mismatch(state.schemas)}")
+    _check_schemas(state, schemas, changes)
     if reader_id in state.critical_readers:
         if not changes:
             return None, state.critical_readers[reader_id]

@@ -1,0 +1,276 @@
+"""``PersistClient``: opens shards on a location and hands out read/write handles.
+
+One client holds one Blob and one Consensus (wrapped in retries with backoff up to a
+deadline). Handles of every client in a process share one cached state per shard.
+A background thread heartbeats live handles every lease/4 (configurable).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from persist_lib import transitions as tr
+from persist_lib.codec import Schemas
+from persist_lib.config import PersistConfig
+from persist_lib.errors import ExternalError, InvalidUsage, LeaseExpired
+from persist_lib.ids import CriticalReaderId, ReaderId, ShardId, WriterId
+from persist_lib.location.base import Blob, Consensus
+from persist_lib.location.retry import RetryingBlob, RetryingConsensus, RetryPolicy
+from persist_lib.location.uri import SensitiveUrl, open_blob, open_consensus
+from persist_lib.machine import Machine, describe_state
+from persist_lib.read import ReadHandle, SinceHandle
+from persist_lib.write import WriteHandle
+
+log = logging.getLogger(__name__)
+
+ShardLike = ShardId | str
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("PERSIST_HOME") or ".persist").resolve()
+
+
+def default_uris(home: str | os.PathLike[str] | None = None) -> tuple[str, str]:
+    """The embedded default location: ``$PERSIST_HOME`` (else ``./.persist``), unless
+    ``PERSIST_BLOB_URI`` / ``PERSIST_CONSENSUS_URI`` select real backends."""
+    h = Path(home).resolve() if home is not None else default_home()
+    blob = os.environ.get("PERSIST_BLOB_URI") or f"file://{h / 'blob'}"
+    consensus = os.environ.get("PERSIST_CONSENSUS_URI") or f"sqlite:///{h / 'consensus.db'}"
+    return blob, consensus
+
+
+class PersistClient:
+    """Entry point of the library: ``PersistClient.open(blob_uri, consensus_uri)``."""
+
+    def __init__(
+        self,
+        blob: Blob,
+        consensus: Consensus,
+        config: PersistConfig | None = None,
+        *,
+        blob_uri: str = "",
+        consensus_uri: str = "",
+    ) -> None:
+        self.config = config or PersistConfig()
+        policy = RetryPolicy(deadline_s=self.config.retry_deadline_s)
+        self.raw_blob = blob
+        self.raw_consensus = consensus
+        self.blob: Blob = RetryingBlob(blob, policy)
+        self.consensus: Consensus = RetryingConsensus(consensus, policy)
+        self.blob_uri = blob_uri
+        self.consensus_uri = consensus_uri
+        self._handles: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._hb_thread: threading.Thread | None = None
+        self._hb_stop = threading.Event()
+        self._lock = threading.Lock()
+        self._machines: dict[str, Machine] = {}
+
+    # ----- construction ---------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls, blob_uri: str, consensus_uri: str, config: PersistConfig | None = None
+    ) -> PersistClient:
+        return cls(
+            open_blob(blob_uri),
+            open_consensus(consensus_uri),
+            config,
+            blob_uri=blob_uri,
+            consensus_uri=consensus_uri,
+        )
+
+    @classmethod
+    def default(
+        cls, home: str | os.PathLike[str] | None = None, config: PersistConfig | None = None
+    ) -> PersistClient:
+        """The embedded default: file blob + SQLite consensus under ``$PERSIST_HOME``."""
+        blob, consensus = default_uris(home)
+        if blob.startswith("file://"):
+            Path(blob[len("file://") :]).mkdir(parents=True, exist_ok=True)
+        return cls.open(blob, consensus, config)
+
+    def close(self) -> None:
+        self._hb_stop.set()
+        self.blob.close()
+        self.consensus.close()
+
+    def __enter__(self) -> PersistClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"PersistClient(blob={SensitiveUrl(self.blob_uri)!s}, "
+            f"consensus={SensitiveUrl(self.consensus_uri)!s})"
+        )
+
+    # ----- handles --------------------------------------------------------------------
+
+    def machine(self, shard: ShardLike) -> Machine:
+        sid = str(ShardId.parse(shard))
+        with self._lock:
+            m = self._machines.get(sid)
+            if m is None:
+                m = self._machines[sid] = Machine(sid, self.blob, self.consensus, self.config)
+            return m
+
+    def open(
+        self,
+        shard: ShardLike,
+        key_schema: pa.Schema,
+        val_schema: pa.Schema,
+        *,
+        purpose: str = "",
+    ) -> tuple[WriteHandle, ReadHandle]:
+        """Opens (creating it if new) ``shard``: a writer and a leased reader, in one transition."""
+        schemas = Schemas.create(key_schema, val_schema)
+        m = self.machine(shard)
+        wid, rid = str(WriterId.new()), str(ReaderId.new())
+        self._register(m, schemas, wid, rid, purpose)
+        w = WriteHandle(self, m, wid, schemas, purpose)
+        r = ReadHandle(self, m, rid, schemas, purpose)
+        self._track(w)
+        self._track(r)
+        return w, r
+
+    def open_writer(
+        self, shard: ShardLike, key_schema: pa.Schema, val_schema: pa.Schema, *, purpose: str = ""
+    ) -> WriteHandle:
+        schemas = Schemas.create(key_schema, val_schema)
+        m = self.machine(shard)
+        wid = str(WriterId.new())
+        self._register(m, schemas, wid, None, purpose)
+        w = WriteHandle(self, m, wid, schemas, purpose)
+        self._track(w)
+        return w
+
+    def open_leased_reader(
+        self, shard: ShardLike, key_schema: pa.Schema, val_schema: pa.Schema, *, purpose: str = ""
+    ) -> ReadHandle:
+        schemas = Schemas.create(key_schema, val_schema)
+        m = self.machine(shard)
+        rid = str(ReaderId.new())
+        self._register(m, schemas, None, rid, purpose)
+        r = ReadHandle(self, m, rid, schemas, purpose)
+        self._track(r)
+        return r
+
+    def open_critical_since(
+        self,
+        shard: ShardLike,
+        key_schema: pa.Schema,
+        val_schema: pa.Schema,
+        *,
+        reader_id: str | None = None,
+        initial_opaque: str = "",
+        purpose: str = "",
+    ) -> SinceHandle:
+        """A since handle that never expires, fenced by an opaque token.
+
+        Pass the same ``reader_id`` to re-open an existing one (e.g. after a restart).
+        """
+        schemas = Schemas.create(key_schema, val_schema)
+        rid = str(CriticalReaderId(reader_id)) if reader_id else str(CriticalReaderId.new())
+        m = self.machine(shard)
+        m.apply(
+            "register_critical_reader",
+            lambda s, now: tr.register_critical_reader(
+                s, now, schemas=schemas, reader_id=rid, initial_opaque=initial_opaque, purpose=purpose
+            ),
+        )
+        return SinceHandle(m, rid, schemas)
+
+    def _register(
+        self, m: Machine, schemas: Schemas, wid: str | None, rid: str | None, purpose: str
+    ) -> None:
+        cfg = self.config
+        m.apply(
+            "register",
+            lambda s, now: tr.register(
+                s, now, schemas=schemas, writer_id=wid, writer_lease_ms=cfg.writer_lease_ms,
+                reader_id=rid, reader_lease_ms=cfg.reader_lease_ms, purpose=purpose,
+            ),
+        )
+
+    # ----- inspection and maintenance --------------------------------------------------
+
+    def list_shards(self) -> list[str]:
+        return sorted(k for k in self.consensus.list_keys() if _is_shard_id(k))
+
+    def inspect(self, shard: ShardLike) -> dict[str, Any]:
+        """The shard's state as JSON: seqno, since, upper, batches, readers, writers, rollups."""
+        m = self.machine(shard)
+        s = m.fetch_latest()
+        if not s.exists:
+            raise InvalidUsage(f"shard {m.shard_id} does not exist at {self!r}")
+        return describe_state(s)
+
+    def expire_leases(self, shard: ShardLike | None = None, now: int | None = None) -> dict[str, Any]:
+        """Expires lapsed readers and writers on one shard or every shard.
+
+        ``now`` (ms since the epoch) defaults to this client's clock. Returns what was
+        expired per shard.
+        """
+        shards = [str(ShardId.parse(shard))] if shard is not None else self.list_shards()
+        out: dict[str, Any] = {}
+        for sid in shards:
+            m = self.machine(sid)
+            res, _ = m.apply(
+                "expire_leases",
+                lambda s, n: tr.expire_leases(s, now if now is not None else n),
+            )
+            if res.readers or res.writers:
+                out[sid] = {"readers": list(res.readers), "writers": list(res.writers)}
+        return out
+
+    # ----- heartbeats -----------------------------------------------------------------
+
+    def _track(self, handle: Any) -> None:
+        handle.last_heartbeat_monotonic = time.monotonic()
+        self._handles.add(handle)
+        if self.config.background_heartbeats and self._hb_thread is None:
+            with self._lock:
+                if self._hb_thread is None:
+                    self._hb_thread = threading.Thread(
+                        target=self._heartbeat_loop, name="persist-heartbeat", daemon=True
+                    )
+                    self._hb_thread.start()
+
+    def _forget_handle(self, handle: Any) -> None:
+        self._handles.discard(handle)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._hb_stop.wait(1.0):
+            for h in list(self._handles):
+                lease_ms = (
+                    self.config.writer_lease_ms
+                    if isinstance(h, WriteHandle)
+                    else self.config.reader_lease_ms
+                )
+                if time.monotonic() - h.last_heartbeat_monotonic < lease_ms / 4000.0:
+                    continue
+                try:
+                    h.heartbeat()
+                    h.last_heartbeat_monotonic = time.monotonic()
+                except LeaseExpired:
+                    self._handles.discard(h)
+                except (ExternalError, InvalidUsage) as e:
+                    log.warning("heartbeat of %r failed: %s", h, e)
+
+
+def _is_shard_id(k: str) -> bool:
+    try:
+        ShardId.parse(k)
+        return True
+    except InvalidUsage:
+        return False

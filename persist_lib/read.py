@@ -1,0 +1,448 @@
+"""Read handles: leased readers (snapshot, splits, listen) and critical since handles.
+
+A leased ``ReadHandle`` holds a ``since`` (compaction may not forward times past it)
+and a *seqno hold* (GC may not delete anything a state version at or after the hold
+references). Every read registers the seqno of the state version it reads from until
+it is done, and the hold only moves up to the oldest such registration, so a blob a
+read is fetching can't be deleted under it — unless the lease lapses, in which case
+the read fails with ``LeaseExpired`` rather than returning partial data.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from persist_lib import state as st
+from persist_lib import transitions as tr
+from persist_lib.batch_meta import PartMeta
+from persist_lib.codec import Schemas, to_user_table
+from persist_lib.consolidate import consolidate, snapshot_at, time_range
+from persist_lib.errors import BlobNotFound, InvalidUsage, LeaseExpired, Timeout
+from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
+from persist_lib.location.base import Blob
+from persist_lib.machine import Machine
+from persist_lib.parts import fetch_part
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.client import PersistClient
+
+
+@dataclass(frozen=True)
+class ListenUpdates:
+    """Updates with times in ``[lower, upper)``: key fields, value fields, ``ts``, ``diff``."""
+
+    table: pa.Table
+    lower: Antichain
+    upper: Antichain
+
+
+@dataclass(frozen=True)
+class ListenProgress:
+    """Every update at a time before ``upper`` has been emitted."""
+
+    upper: Antichain
+
+
+ListenEvent = ListenUpdates | ListenProgress
+
+
+@dataclass(frozen=True)
+class SnapshotSplit:
+    """A picklable piece of a snapshot that any process with the blob URI can fetch.
+
+    Concatenating the fetched splits and consolidating gives the snapshot.
+    """
+
+    blob_uri: str
+    shard_id: str
+    schemas_json: dict[str, Any]
+    as_of: int
+    parts: tuple[PartMeta, ...]
+
+    def fetch(self, blob: Blob | None = None) -> pa.Table:
+        from persist_lib.location.uri import open_blob
+
+        schemas = Schemas.from_json(self.schemas_json)
+        b = blob if blob is not None else open_blob(self.blob_uri)
+        tables = [snapshot_at(fetch_part(b, p, schemas, self.shard_id), self.as_of) for p in self.parts]
+        internal = consolidate(_concat(tables, schemas))
+        return to_user_table(internal, schemas)
+
+
+def _concat(tables: list[pa.Table], schemas: Schemas) -> pa.Table:
+    from persist_lib.codec import empty_updates
+
+    if not tables:
+        return empty_updates(schemas)
+    return pa.concat_tables(tables)
+
+
+class ReadHandle:
+    """A leased reader of one shard."""
+
+    def __init__(
+        self, client: PersistClient, machine: Machine, reader_id: str, schemas: Schemas, purpose: str
+    ) -> None:
+        self._client = client
+        self._machine = machine
+        self.reader_id = reader_id
+        self.schemas = schemas
+        self.purpose = purpose
+        self._holds: Counter[int] = Counter()
+        self._split_holds: list[int] = []
+        self._lock = threading.Lock()
+        self._expired = False
+        self.last_heartbeat_monotonic = time.monotonic()
+
+    @property
+    def shard_id(self) -> str:
+        return self._machine.shard_id
+
+    @property
+    def since(self) -> Antichain:
+        """This reader's since (it may read at any time at or beyond it)."""
+        return self._me(self._machine.cached()).since
+
+    @property
+    def upper(self) -> Antichain:
+        return self._machine.cached().upper
+
+    # ----- snapshots ----------------------------------------------------------------
+
+    def snapshot(self, as_of: int, timeout_s: float | None = None) -> pa.Table:
+        """The shard's contents at ``as_of``: every update at ``t <= as_of``, consolidated.
+
+        Waits (up to ``timeout_s``) while ``as_of`` is not yet complete (``as_of >= upper``);
+        ``as_of`` below this reader's since is an ``InvalidUsage``.
+        """
+        self._check_open()
+        as_of = check_time(as_of, "as_of")
+        state = self._wait_for_upper_beyond(as_of, timeout_s)
+        self._check_as_of(state, as_of)
+        with self._hold(state.seqno):
+            parts = [p for _, b in state.trace_batches() if b.lower.less_equal(as_of) for p in b.parts]
+            tables = self._fetch_all(parts, lambda t: snapshot_at(t, as_of))
+        return to_user_table(consolidate(_concat(tables, self.schemas)), self.schemas)
+
+    def snapshot_splits(self, as_of: int, num_splits: int, timeout_s: float | None = None) -> list[SnapshotSplit]:
+        """Splits of the snapshot at ``as_of`` that other processes (Spark executors) fetch.
+
+        This handle keeps a seqno hold for the splits until ``release_splits`` (or
+        ``expire``), so their parts can't be garbage collected while they're fetched.
+        """
+        self._check_open()
+        as_of = check_time(as_of, "as_of")
+        if num_splits < 1:
+            raise InvalidUsage(f"shard {self.shard_id}: num_splits must be >= 1, got {num_splits}")
+        state = self._wait_for_upper_beyond(as_of, timeout_s)
+        self._check_as_of(state, as_of)
+        with self._lock:
+            self._holds[state.seqno] += 1
+            self._split_holds.append(state.seqno)
+        parts = sorted(
+            (p for _, b in state.trace_batches() if b.lower.less_equal(as_of) for p in b.parts),
+            key=lambda p: -p.size,
+        )
+        buckets: list[list[PartMeta]] = [[] for _ in range(num_splits)]
+        sizes = [0] * num_splits
+        for p in parts:  # greedy: largest part into the lightest split
+            i = sizes.index(min(sizes))
+            buckets[i].append(p)
+            sizes[i] += p.size
+        sj = self.schemas.to_json()
+        return [
+            SnapshotSplit(self._client.blob_uri, self.shard_id, sj, as_of, tuple(b)) for b in buckets
+        ]
+
+    def release_splits(self) -> None:
+        """Releases the seqno holds taken by ``snapshot_splits``."""
+        with self._lock:
+            for s in self._split_holds:
+                self._holds[s] -= 1
+                if self._holds[s] <= 0:
+                    del self._holds[s]
+            self._split_holds.clear()
+
+    # ----- listen -------------------------------------------------------------------
+
+    def listen(self, as_of: int) -> Listen:
+        """Every update at times ``> as_of``, in time order, with progress events.
+
+        Together with ``snapshot(as_of)`` it reproduces the collection at every later time.
+        """
+        self._check_open()
+        as_of = check_time(as_of, "as_of")
+        state = self._machine.cached()
+        if not state.exists:
+            state = self._machine.fetch_latest()
+        self._check_as_of(state, as_of)
+        return Listen(self, as_of)
+
+    # ----- since -----------------------------------------------------------------------
+
+    def downgrade_since(self, new_since: FrontierLike) -> None:
+        """Gives up reading at times before ``new_since`` (never moves backwards)."""
+        self._check_open()
+        since = as_frontier(new_since, "new_since")
+        self._apply_since(since)
+
+    def heartbeat(self) -> None:
+        """Extends the lease (and moves the seqno hold up to the oldest outstanding read)."""
+        self._check_open()
+        self._apply_since(None)
+
+    def _apply_since(self, since: Antichain | None) -> None:
+        def fn(s: st.ShardState, now: int) -> tr.Result:
+            target = since if since is not None else self._me(s).since
+            return tr.downgrade_since(
+                s, now, reader_id=self.reader_id, new_since=target, seqno_hold=self._hold_seqno(s)
+            )
+
+        self._machine.apply("downgrade_since", fn)
+        self.last_heartbeat_monotonic = time.monotonic()
+
+    def _hold_seqno(self, s: st.ShardState) -> int:
+        with self._lock:
+            held = min(self._holds) if self._holds else None
+        return s.seqno if held is None else min(held, s.seqno)
+
+    def expire(self) -> None:
+        """Unregisters this reader, releasing its since and seqno holds."""
+        if self._expired:
+            return
+        self._expired = True
+        self._client._forget_handle(self)
+        self._machine.apply(
+            "expire_reader", lambda s, now: tr.expire_reader(s, now, reader_id=self.reader_id)
+        )
+
+    close = expire
+
+    def __enter__(self) -> ReadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.expire()
+
+    def __repr__(self) -> str:
+        return f"ReadHandle(shard={self.shard_id}, reader={self.reader_id})"
+
+    # ----- internals ------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._expired:
+            raise InvalidUsage(
+                f"shard {self.shard_id}: read handle {self.reader_id} was expired; open a new one"
+            )
+
+    def _me(self, s: st.ShardState) -> st.LeasedReaderState:
+        r = s.leased_readers.get(self.reader_id)
+        if r is None:
+            if s.exists and not self._expired:
+                # Maybe our cache is stale (we registered in a newer state): re-read once.
+                s = self._machine.fetch_latest()
+                r = s.leased_readers.get(self.reader_id)
+            if r is None:
+                raise LeaseExpired(
+                    f"shard {self.shard_id}: reader {self.reader_id} is no longer registered (its "
+                    "lease expired and maintenance expired it); open a new read handle"
+                )
+        return r
+
+    def _check_as_of(self, s: st.ShardState, as_of: int) -> None:
+        since = self._me(s).since
+        if not since.less_equal(as_of):
+            raise InvalidUsage(
+                f"shard {self.shard_id}: can't read as of {as_of}: it is before this reader's since "
+                f"{since} (history before the since may have been compacted away); read as of a "
+                "time >= the since"
+            )
+
+    def _wait_for_upper_beyond(self, as_of: int, timeout_s: float | None) -> st.ShardState:
+        timeout = self._client.config.snapshot_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        s = self._machine.cached()
+        if not s.exists or s.upper.less_equal(as_of):
+            s = self._machine.fetch_latest()
+        while s.upper.less_equal(as_of):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Timeout(
+                    f"shard {self.shard_id}: waited {timeout:.1f}s for the upper to pass {as_of} "
+                    f"but it is still {s.upper}; data at that time isn't complete yet"
+                )
+            s = self._machine.wait_for_newer(s.seqno, remaining)
+        return s
+
+    @contextmanager
+    def _hold(self, seqno: int) -> Iterator[None]:
+        with self._lock:
+            self._holds[seqno] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds[seqno] -= 1
+                if self._holds[seqno] <= 0:
+                    del self._holds[seqno]
+
+    def _fetch_all(self, parts: list[PartMeta], post: Any) -> list[pa.Table]:
+        blob = self._client.blob
+
+        def one(p: PartMeta) -> pa.Table:
+            return post(fetch_part(blob, p, self.schemas, self.shard_id))
+
+        try:
+            if len(parts) <= 1:
+                return [one(p) for p in parts]
+            with ThreadPoolExecutor(max_workers=self._client.config.fetch_parallelism) as ex:
+                return list(ex.map(one, parts))
+        except BlobNotFound:
+            # A missing blob we were entitled to read means our lease lapsed (expiry
+            # dropped our seqno hold and GC ran); anything else is a real loss.
+            self._me(self._machine.fetch_latest())
+            raise
+
+
+class Listen:
+    """An ongoing subscription: ``next(timeout)`` returns the events since the last call."""
+
+    def __init__(self, handle: ReadHandle, as_of: int) -> None:
+        self._h = handle
+        self.as_of = as_of
+        self._frontier: Antichain = Antichain([as_of + 1])
+
+    @property
+    def frontier(self) -> Antichain:
+        """Every update at a time before this has been emitted."""
+        return self._frontier
+
+    def next(self, timeout_s: float = 1.0) -> list[ListenEvent]:
+        """New events, waiting up to ``timeout_s`` for the upper to advance ([] if it didn't)."""
+        h = self._h
+        h._check_open()
+        if self._frontier.is_empty():
+            return []
+        f = self._frontier.time
+        assert f is not None
+        deadline = time.monotonic() + timeout_s
+        s = h._machine.cached()
+        if not s.exists or s.upper <= self._frontier:
+            s = h._machine.fetch_latest()
+        while s.upper <= self._frontier:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                h._me(s)  # a lapsed lease surfaces here too
+                return []
+            s = h._machine.wait_for_newer(s.seqno, remaining)
+        h._me(s)
+        upper = s.upper
+        hi = upper.time
+        with h._hold(s.seqno):
+            parts = [
+                p
+                for _, b in s.trace_batches()
+                if (b.upper.is_empty() or (b.upper.time or 0) > f)
+                and (hi is None or (b.lower.time or 0) < hi)
+                for p in b.parts
+                if p.tmax >= f and (hi is None or p.tmin < hi)
+            ]
+            tables = h._fetch_all(parts, lambda t: time_range(t, f, hi))
+        events: list[ListenEvent] = []
+        internal = consolidate(_concat(tables, h.schemas))
+        if internal.num_rows:
+            internal = internal.sort_by([("t", "ascending")])
+            events.append(ListenUpdates(to_user_table(internal, h.schemas), self._frontier, upper))
+        events.append(ListenProgress(upper))
+        self._frontier = upper
+        return events
+
+    def __iter__(self) -> Iterator[ListenEvent]:
+        """Blocks forever (until the shard upper becomes empty), yielding events."""
+        while not self._frontier.is_empty():
+            yield from self.next(timeout_s=self._h._client.config.listen_poll_max_s)
+
+    def read_until(self, upper: int, timeout_s: float = 30.0) -> pa.Table:
+        """Convenience: every update in ``(as_of, upper)``... up to a frontier ``>= upper``."""
+        deadline = time.monotonic() + timeout_s
+        out: list[pa.Table] = []
+        while self._frontier.less_than(upper):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Timeout(
+                    f"shard {self._h.shard_id}: listen did not reach {upper} within {timeout_s}s "
+                    f"(frontier {self._frontier})"
+                )
+            for e in self.next(min(remaining, 1.0)):
+                if isinstance(e, ListenUpdates):
+                    out.append(e.table)
+        if not out:
+            from persist_lib.codec import empty_updates
+
+            return to_user_table(empty_updates(self._h.schemas), self._h.schemas)
+        return pa.concat_tables(out)
+
+
+class SinceHandle:
+    """A critical since handle: no lease, never expires, fenced by an opaque token."""
+
+    def __init__(self, machine: Machine, reader_id: str, schemas: Schemas) -> None:
+        self._machine = machine
+        self.reader_id = reader_id
+        self.schemas = schemas
+
+    @property
+    def shard_id(self) -> str:
+        return self._machine.shard_id
+
+    def _me(self) -> st.CriticalReaderState:
+        s = self._machine.fetch_latest()
+        r = s.critical_readers.get(self.reader_id)
+        if r is None:
+            raise InvalidUsage(
+                f"shard {self.shard_id}: critical reader {self.reader_id} is not registered"
+            )
+        return r
+
+    @property
+    def since(self) -> Antichain:
+        return self._me().since
+
+    @property
+    def opaque(self) -> str:
+        return self._me().opaque
+
+    def compare_and_downgrade_since(
+        self, expected_opaque: str, new_opaque: str, new_since: FrontierLike
+    ) -> tr.CriticalDowngradeResult:
+        """Downgrades the since iff the recorded opaque is ``expected_opaque``.
+
+        Returns a result with ``ok`` False (and the current opaque) when fenced out.
+        """
+        since = as_frontier(new_since, "new_since")
+        res, _ = self._machine.apply(
+            "compare_and_downgrade_since",
+            lambda s, now: tr.compare_and_downgrade_since(
+                s, now, reader_id=self.reader_id, expected_opaque=expected_opaque,
+                new_opaque=new_opaque, new_since=since,
+            ),
+        )
+        return res
+
+    def expire(self) -> None:
+        self._machine.apply(
+            "expire_critical_reader",
+            lambda s, now: tr.expire_critical_reader(s, now, reader_id=self.reader_id),
+        )
+
+    def __repr__(self) -> str:
+        return f"SinceHandle(shard={self.shard_id}, reader={self.reader_id})"

@@ -1,0 +1,285 @@
+"""``WriteHandle``: compare-and-append and definite append (DESIGN section 6).
+
+A writer has one outstanding state change at a time (backpressure). Its batches are
+built (and their parts uploaded) before the compare-and-set; a batch whose CAS loses
+is deleted again (best effort: the leaked-blob sweeper catches the rest). Each append
+carries an idempotency token, so a retry after an indeterminate consensus error never
+applies the write twice.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist_lib import transitions as tr
+from persist_lib.batch_builder import BatchBuilder, build_batch, delete_batch_blobs
+from persist_lib.batch_meta import HollowBatch, PartMeta
+from persist_lib.codec import Schemas, normalize_updates
+from persist_lib.errors import Indeterminate, InvalidUsage, UpperMismatch
+from persist_lib.frontier import Antichain, FrontierLike, as_frontier
+from persist_lib.machine import Machine
+from persist_lib.parts import part_blob_key
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.client import PersistClient
+
+
+class WriteHandle:
+    """Writes batches of updates to one shard."""
+
+    def __init__(
+        self, client: PersistClient, machine: Machine, writer_id: str, schemas: Schemas, purpose: str
+    ) -> None:
+        self._client = client
+        self._machine = machine
+        self.writer_id = writer_id
+        self.schemas = schemas
+        self.purpose = purpose
+        self._lock = threading.Lock()  # one outstanding state change at a time
+        self._expired = False
+        self.last_heartbeat_monotonic = 0.0
+
+    # ----- frontiers ----------------------------------------------------------------
+
+    @property
+    def shard_id(self) -> str:
+        return self._machine.shard_id
+
+    @property
+    def upper(self) -> Antichain:
+        """The shard upper as last seen by this process (see ``fetch_recent_upper``)."""
+        return self._machine.cached().upper
+
+    def fetch_recent_upper(self) -> Antichain:
+        """The shard upper, read from consensus now."""
+        return self._machine.fetch_latest().upper
+
+    # ----- writes -------------------------------------------------------------------
+
+    def compare_and_append(
+        self, updates: Any, expected_upper: FrontierLike, new_upper: FrontierLike
+    ) -> None:
+        """Appends ``updates`` and advances the upper to ``new_upper`` iff it is ``expected_upper``.
+
+        Raises ``UpperMismatch`` (with ``.current``) if the shard upper is something else;
+        nothing is written in that case. Every update time must lie in
+        ``[expected_upper, new_upper)``.
+        """
+        expected = as_frontier(expected_upper, "expected_upper")
+        new = as_frontier(new_upper, "new_upper")
+        with self._lock:
+            self._check_open()
+            self._check_frontiers(expected, new)
+            table = normalize_updates(updates, self.schemas, shard=self.shard_id)
+            self._check_times(table, expected, new)
+            batch = self._build(table, expected, new)
+            self._commit_or_delete(batch, expected, new)
+
+    def append(self, updates: Any, lower: FrontierLike, upper: FrontierLike) -> None:
+        """Definite append for replicated writers that all write the identical collection.
+
+        If the shard upper is already ``>= upper`` the call is a successful no-op (another
+        instance wrote these times). If it lies inside ``(lower, upper)``, only the updates
+        at times ``>= shard upper`` are added. If it is below ``lower`` the batch would
+        leave a gap, and ``UpperMismatch`` is raised.
+        """
+        lo = as_frontier(lower, "lower")
+        hi = as_frontier(upper, "upper")
+        with self._lock:
+            self._check_open()
+            self._check_frontiers(lo, hi)
+            table = normalize_updates(updates, self.schemas, shard=self.shard_id)
+            self._check_times(table, lo, hi)
+            cur = self._machine.cached().upper
+            while True:
+                if cur >= hi:
+                    return
+                if cur < lo:
+                    cur = self._machine.fetch_latest().upper
+                    if cur < lo:
+                        raise UpperMismatch(self.shard_id, lo, cur)
+                    continue
+                part = table
+                if cur > lo:
+                    assert cur.time is not None
+                    part = table.filter(pc.greater_equal(table["t"], cur.time))
+                batch = self._build(part, cur, hi)
+                try:
+                    self._commit_or_delete(batch, cur, hi)
+                    return
+                except UpperMismatch as e:
+                    cur = e.current
+
+    def builder(self, lower: FrontierLike) -> BatchBuilder:
+        """A bounded-memory builder for batches too large to pass in one table.
+
+        Feed it with ``add`` (normalized via ``normalize``) and hand the result of
+        ``finish(upper)`` to ``compare_and_append_batch``.
+        """
+        cfg = self._client.config
+        return BatchBuilder(
+            self._client.blob,
+            self.schemas,
+            shard=self.shard_id,
+            writer=self.writer_id,
+            lower=as_frontier(lower, "lower"),
+            target_part_bytes=cfg.blob_target_size,
+            max_inflight_uploads=cfg.max_inflight_uploads,
+            inline_threshold=cfg.inline_threshold,
+        )
+
+    def normalize(self, updates: Any) -> pa.Table:
+        """Validates ``updates`` against the shard schemas (for use with ``builder``)."""
+        return normalize_updates(updates, self.schemas, shard=self.shard_id)
+
+    def compare_and_append_batch(
+        self, batch: HollowBatch, expected_upper: FrontierLike, new_upper: FrontierLike
+    ) -> None:
+        """Commits a batch built by ``builder`` (or by Spark executors) with one CAS."""
+        expected = as_frontier(expected_upper, "expected_upper")
+        new = as_frontier(new_upper, "new_upper")
+        with self._lock:
+            self._check_open()
+            self._check_frontiers(expected, new)
+            if batch.lower != expected or batch.upper != new:
+                raise InvalidUsage(
+                    f"shard {self.shard_id}: the batch covers [{batch.lower}, {batch.upper}) but "
+                    f"was appended as [{expected}, {new}); build it with the same bounds"
+                )
+            for p in batch.parts:
+                if p.tmin < (expected.time or 0) or not (new.is_empty() or p.tmax < (new.time or 0)):
+                    raise InvalidUsage(
+                        f"shard {self.shard_id}: the batch has updates at times [{p.tmin}, {p.tmax}] "
+                        f"outside [{expected}, {new})"
+                    )
+            self._commit_or_delete(batch, expected, new)
+
+    def heartbeat(self) -> None:
+        self._check_open()
+        self._machine.apply(
+            "heartbeat_writer", lambda s, now: tr.heartbeat_writer(s, now, writer_id=self.writer_id)
+        )
+
+    def expire(self) -> None:
+        """Unregisters this writer. The handle can't be used afterwards."""
+        if self._expired:
+            return
+        self._expired = True
+        self._client._forget_handle(self)
+        self._machine.apply(
+            "expire_writer", lambda s, now: tr.expire_writer(s, now, writer_id=self.writer_id)
+        )
+
+    close = expire
+
+    def __enter__(self) -> WriteHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.expire()
+
+    def __repr__(self) -> str:
+        return f"WriteHandle(shard={self.shard_id}, writer={self.writer_id})"
+
+    # ----- internals ------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._expired:
+            raise InvalidUsage(
+                f"shard {self.shard_id}: write handle {self.writer_id} was expired; open a new one"
+            )
+
+    def _check_frontiers(self, lower: Antichain, upper: Antichain) -> None:
+        if upper < lower:
+            raise InvalidUsage(
+                f"shard {self.shard_id}: new upper {upper} is before the expected upper/lower "
+                f"{lower}; an upper never moves backwards"
+            )
+        if lower.is_empty():
+            raise InvalidUsage(
+                f"shard {self.shard_id}: can't append at the empty frontier: the shard is closed "
+                "for writes once its upper is []"
+            )
+
+    def _check_times(self, table: pa.Table, lower: Antichain, upper: Antichain) -> None:
+        if table.num_rows == 0:
+            return
+        mm = pc.min_max(table["t"]).as_py()
+        tmin, tmax = int(mm["min"]), int(mm["max"])
+        lo = lower.time or 0
+        bad = None
+        if tmin < lo:
+            bad = tmin
+        elif upper.time is not None and tmax >= upper.time:
+            bad = tmax
+        if bad is not None:
+            raise InvalidUsage(
+                f"shard {self.shard_id}: update time {bad} is outside the batch interval "
+                f"[{lower}, {upper}) (update times must be >= the expected upper/lower and < the "
+                "new upper); nothing was written"
+            )
+
+    def _build(self, table: pa.Table, lower: Antichain, upper: Antichain) -> HollowBatch:
+        cfg = self._client.config
+        return build_batch(
+            self._client.blob,
+            self.schemas,
+            table,
+            shard=self.shard_id,
+            writer=self.writer_id,
+            lower=lower,
+            upper=upper,
+            target_part_bytes=cfg.blob_target_size,
+            max_inflight_uploads=cfg.max_inflight_uploads,
+            inline_threshold=cfg.inline_threshold,
+        )
+
+    def _commit_or_delete(self, batch: HollowBatch, expected: Antichain, new: Antichain) -> None:
+        try:
+            self._commit(batch, expected, new)
+        except Indeterminate:
+            raise  # it may have committed: keep the blobs (a leak beats a dangling reference)
+        except BaseException:
+            delete_batch_blobs(self._client.blob, batch)
+            raise
+
+    def _commit(self, batch: HollowBatch, expected: Antichain, new: Antichain) -> None:
+        token = uuid.uuid4().hex
+        cfg = self._client.config
+        while True:
+            res, _ = self._machine.apply(
+                "compare_and_append",
+                lambda s, now, b=batch: tr.compare_and_append(
+                    s, now, writer_id=self.writer_id, batch=b, token=token,
+                    inline_max_total=cfg.inline_max_total,
+                ),
+            )
+            self.last_heartbeat_monotonic = _monotonic()
+            if res.outcome in (tr.CaaOutcome.APPLIED, tr.CaaOutcome.ALREADY_COMMITTED):
+                return
+            if res.outcome is tr.CaaOutcome.UPPER_MISMATCH:
+                raise UpperMismatch(self.shard_id, expected, res.current_upper)
+            batch = self._uninline(batch)  # inline backpressure: move tiny parts to blob
+
+    def _uninline(self, batch: HollowBatch) -> HollowBatch:
+        parts: list[PartMeta] = []
+        for p in batch.parts:
+            if p.inline is None:
+                parts.append(p)
+                continue
+            key = part_blob_key(self.shard_id, self.writer_id)
+            self._client.blob.set(key, p.inline)
+            parts.append(replace(p, key=key, inline=None))
+        return replace(batch, parts=tuple(parts))
+
+
+def _monotonic() -> float:
+    import time
+
+    return time.monotonic()
