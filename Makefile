@@ -1,0 +1,32 @@
+# Quick start: `make demo` runs the main job on the embedded default; `make test` runs the tests.
+# Both set up the machine first (system packages when missing, .venv, the project).
+PY := .venv/bin/python
+PYTEST_ARGS ?=
+SEEDS ?= 200
+
+.PHONY: setup demo test test-long lint typecheck bench bench-full clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(PY) -m persist_lib.demo
+
+test: setup
+	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)
+
+test-long: setup
+	$(PY) -m pytest -m slow -q $(PYTEST_ARGS)
+
+lint: setup
+	.venv/bin/ruff check persist_lib dagster_project jobs sensors bench tests
+	.venv/bin/mypy
+
+bench: setup
+	$(PY) -m bench --quick
+
+bench-full: setup
+	$(PY) -m bench --full
+
+clean:
+	rm -rf .persist .dagster_home .demo bench/out .pytest_cache .mypy_cache .ruff_cache
