@@ -144,6 +144,9 @@ class Machine:
         """Brings the cached state up to the consensus head and returns it."""
         self.metrics.state_fetches += 1
         cur = self.shared.current()
+        if not cur.exists:
+            # Cold cache: start from the latest rollup, not from seqno 1.
+            return self.shared.offer(self._load_from_rollup())
         while True:
             entries = self.consensus.scan(self.shard_id, cur.seqno + 1, SCAN_LIMIT)
             if not entries:

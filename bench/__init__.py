@@ -1,0 +1,1 @@
+"""Benchmarks: programs that print figures (JSON + a markdown table), never tests."""
