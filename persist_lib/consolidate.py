@@ -1,0 +1,283 @@
+"""Sorting, consolidation and time forwarding of update tables (internal layout).
+
+**Order.** An update table is sorted by ``(k..., v..., t)``: columns are compared left
+to right, each column by its value with *nulls first*; numbers numerically; floats by
+IEEE-754 total order (``-NaN < -inf < ... < -0.0 < 0.0 < ... < inf < NaN``, so ``-0.0``
+and ``0.0`` are *different* values and a NaN equals only a NaN with the same bits);
+strings and binaries bytewise; ``false < true``; a struct as (null-ness, then its
+fields left to right); a list lexicographically by its elements (a prefix first).
+
+**How** (measured on 1M rows of ``(int64, string) -> double``: ~0.2 s, against ~0.36 s
+for Arrow's multi-column ``sort_indices`` + run detection and ~0.6 s for
+``group_by().aggregate()`` + ``sort_by``): each column is turned into a dense rank
+(``dictionary_encode`` hashes the column, only the *distinct* values get sorted), the
+ranks are combined into one int64 key per row (re-densified when the product of the
+cardinalities would overflow), numpy sorts that single key once, and runs of equal
+keys are summed with ``np.add.reduceat``. Only list columns (top-level or inside a
+struct) take a per-row Python path: their values are converted to canonical, ordered
+Python tuples (temporal values as integers, floats by total order), which costs
+roughly 1-3 µs per list element.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist_lib.codec import D_COL, T_COL
+from persist_lib.errors import InvalidUsage
+
+_I64_MAX = (1 << 63) - 1
+# Combined keys stay below this so that ``key * card + rank`` never overflows int64.
+_KEY_LIMIT = 1 << 62
+
+Ranks = tuple[np.ndarray, int]  # dense ranks (0 = null, 1.. = values in order), cardinality
+
+
+def _chunked(col: pa.Array | pa.ChunkedArray) -> pa.ChunkedArray:
+    return col if isinstance(col, pa.ChunkedArray) else pa.chunked_array([col], col.type)
+
+
+def _dense_by_dictionary(col: pa.ChunkedArray) -> Ranks:
+    """Dense ranks of a hashable, sortable column: hash it, sort only distinct values."""
+    n = len(col)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), 1
+    de = pc.dictionary_encode(col)
+    if de.num_chunks > 1:
+        de = de.unify_dictionaries()
+    dictionary = de.chunk(de.num_chunks - 1).dictionary
+    u = len(dictionary)
+    rank_of = np.empty(u + 1, dtype=np.int64)
+    rank_of[pc.sort_indices(dictionary).to_numpy()] = np.arange(1, u + 1, dtype=np.int64)
+    rank_of[u] = 0  # nulls (encoded as index u below) come first
+    parts = []
+    for ch in de.chunks:
+        idx = ch.indices
+        if idx.null_count:
+            idx = idx.fill_null(u)
+        parts.append(idx.to_numpy(zero_copy_only=False))
+    indices = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return rank_of[indices], u + 1
+
+
+def _float_total_order(col: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Maps floats to int64s with the same (IEEE total) order; keeps nulls."""
+    bits = col.type.bit_width
+    itype = {16: np.int16, 32: np.int32, 64: np.int64}[bits]
+    filled = col.fill_null(0) if col.null_count else col
+    vals = filled.to_numpy().view(itype).astype(np.int64)  # sign-extends narrow widths
+    flip = (1 << (bits - 1)) - 1  # the magnitude bits
+    vals = np.where(vals < 0, vals ^ flip, vals)
+    valid = col.is_valid().to_numpy(zero_copy_only=False) if col.null_count else None
+    return pa.chunked_array([pa.array(vals, mask=None if valid is None else ~valid)])
+
+
+def _float_key(v: float) -> int:
+    b: int = struct.unpack("<q", struct.pack("<d", v))[0]
+    return b ^ _I64_MAX if b < 0 else b
+
+
+def _storage_type(t: pa.DataType) -> pa.DataType:
+    """``t`` with every temporal type replaced by its integer storage (for ``to_pylist``)."""
+    if pa.types.is_date32(t) or pa.types.is_time32(t):
+        return pa.int32()
+    if (
+        pa.types.is_date64(t)
+        or pa.types.is_timestamp(t)
+        or pa.types.is_time64(t)
+        or pa.types.is_duration(t)
+    ):
+        return pa.int64()
+    if pa.types.is_struct(t):
+        return pa.struct(
+            [pa.field(t.field(i).name, _storage_type(t.field(i).type)) for i in range(t.num_fields)]
+        )
+    if pa.types.is_list(t):
+        return pa.list_(_storage_type(t.value_type))
+    if pa.types.is_large_list(t):
+        return pa.large_list(_storage_type(t.value_type))
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(_storage_type(t.value_type), t.list_size)
+    return t
+
+
+def _canonical(t: pa.DataType) -> Callable[[Any], Any]:
+    """A function mapping a ``to_pylist`` value of (storage) type ``t`` to an ordered key."""
+    if pa.types.is_floating(t):
+        return lambda v: (0,) if v is None else (1, _float_key(float(v)))
+    if pa.types.is_struct(t):
+        fields = [(t.field(i).name, _canonical(t.field(i).type)) for i in range(t.num_fields)]
+        return lambda v: (0,) if v is None else (1, tuple(f(v[name]) for name, f in fields))
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        elem = _canonical(t.value_type)
+        return lambda v: (0,) if v is None else (1, tuple(elem(x) for x in v))
+    return lambda v: (0,) if v is None else (1, v)
+
+
+def _dense_by_python(col: pa.ChunkedArray) -> Ranks:
+    """Dense ranks of a column Arrow can't hash or sort (lists): the slow, correct path."""
+    st = _storage_type(col.type)
+    if not st.equals(col.type):
+        col = col.cast(st)
+    conv = _canonical(st)
+    keys = [conv(v) for v in col.to_pylist()]
+    uniq = sorted(set(keys))
+    pos = {k: i for i, k in enumerate(uniq)}  # (0,) -- the null -- sorts first anyway
+    return np.fromiter((pos[k] for k in keys), dtype=np.int64, count=len(keys)), len(uniq)
+
+
+def _is_listish(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def column_ranks(col: pa.Array | pa.ChunkedArray) -> list[Ranks]:
+    """Dense rank columns whose lexicographic order is the order of ``col`` (see module doc).
+
+    A struct expands into its validity followed by its (recursively ranked) fields.
+    """
+    col = _chunked(col)
+    t = col.type
+    if pa.types.is_struct(t):
+        valid = col.is_valid().to_numpy(zero_copy_only=False).astype(np.int64)
+        out: list[Ranks] = [(valid, 2)]
+        children = col.flatten()  # children are null wherever the struct is
+        for child in children:
+            out.extend(column_ranks(child))
+        return out
+    if _is_listish(t):
+        return [_dense_by_python(col)]
+    if pa.types.is_floating(t):
+        return [_dense_by_dictionary(_float_total_order(col))]
+    return [_dense_by_dictionary(col)]
+
+
+def row_keys(columns: Sequence[pa.Array | pa.ChunkedArray], n: int) -> np.ndarray:
+    """One int64 per row such that equal keys <=> equal rows and key order = row order."""
+    key: np.ndarray | None = None
+    card = 1
+    for col in columns:
+        for ranks, m in column_ranks(col):
+            if key is None:
+                key, card = ranks, m
+                continue
+            if card * m >= _KEY_LIMIT:
+                key, card = _dense_by_dictionary(pa.chunked_array([pa.array(key)]))
+            key = key * m + ranks
+            card = card * m
+    return np.zeros(n, dtype=np.int64) if key is None else key
+
+
+def _key_columns(table: pa.Table) -> list[str]:
+    if T_COL not in table.column_names or D_COL not in table.column_names:
+        raise InvalidUsage(
+            f"not an update table: expected columns 't' and 'd', got {table.column_names}"
+        )
+    return [n for n in table.column_names if n not in (T_COL, D_COL)]
+
+
+def consolidate(table: pa.Table) -> pa.Table:
+    """Sorts by ``(k..., v..., t)`` and sums the diffs of equal ``(k, v, t)``; drops zeros.
+
+    Diffs add with int64 wrap-around (like the rest of numpy); the result has one chunk
+    per column and the input's schema.
+    """
+    n = table.num_rows
+    if n == 0:
+        return table
+    cols = [table.column(c) for c in _key_columns(table)] + [table.column(T_COL)]
+    key = row_keys(cols, n)
+    order = np.argsort(key, kind="stable")
+    sorted_key = key[order]
+    boundary = np.empty(n, dtype=bool)
+    boundary[0] = True
+    np.not_equal(sorted_key[1:], sorted_key[:-1], out=boundary[1:])
+    starts = np.flatnonzero(boundary)
+    d = table.column(D_COL).to_numpy()
+    sums = np.add.reduceat(d[order], starts)
+    keep = sums != 0
+    out = table.take(pa.array(order[starts[keep]]))
+    di = table.schema.get_field_index(D_COL)
+    return out.set_column(di, table.schema.field(di), pa.array(sums[keep], pa.int64()))
+
+
+def is_consolidated(table: pa.Table) -> bool:
+    """Whether ``table`` is sorted, free of duplicate ``(k, v, t)`` and of zero diffs."""
+    n = table.num_rows
+    if n == 0:
+        return True
+    if pc.any(pc.equal(table.column(D_COL), 0)).as_py():
+        return False
+    cols = [table.column(c) for c in _key_columns(table)] + [table.column(T_COL)]
+    key = row_keys(cols, n)
+    return bool(np.all(key[1:] > key[:-1]))
+
+
+def merge_sorted(tables: Iterable[pa.Table]) -> pa.Table:
+    """Merges update tables (sorted or not) into one consolidated table.
+
+    The baseline: concatenate and consolidate (the inputs being sorted is not
+    exploited). A streaming k-way merge under a memory budget belongs to compaction.
+    """
+    ts = list(tables)
+    if not ts:
+        raise InvalidUsage("merge_sorted needs at least one table (for its schema)")
+    return consolidate(pa.concat_tables(ts))
+
+
+# ---------------------------------------------------------------------------------------
+# Time forwarding and filtering. None of these consolidate: callers do, once, at the end.
+
+
+def _replace_t(table: pa.Table, t: pa.Array | pa.ChunkedArray) -> pa.Table:
+    ti = table.schema.get_field_index(T_COL)
+    return table.set_column(ti, table.schema.field(ti), t)
+
+
+def snapshot_at(table: pa.Table, as_of: int) -> pa.Table:
+    """Keeps updates with ``t <= as_of`` and forwards every time to ``as_of``."""
+    kept = table.filter(pc.less_equal(table.column(T_COL), as_of))
+    return _replace_t(kept, pa.array(np.full(kept.num_rows, as_of, dtype=np.int64)))
+
+
+def advance_to_since(table: pa.Table, since: int) -> pa.Table:
+    """Forwards times below ``since`` to ``since`` (what compaction does to history)."""
+    t = table.column(T_COL)
+    if len(t) == 0 or pc.min(t).as_py() >= since:
+        return table
+    return _replace_t(table, pc.max_element_wise(t, pa.scalar(since, pa.int64())))
+
+
+def time_range(table: pa.Table, lower: int | None = None, upper: int | None = None) -> pa.Table:
+    """Keeps updates with ``lower <= t < upper`` (``None`` bounds are open)."""
+    t = table.column(T_COL)
+    mask = None
+    if lower is not None:
+        mask = pc.greater_equal(t, lower)
+    if upper is not None:
+        m = pc.less(t, upper)
+        mask = m if mask is None else pc.and_(mask, m)
+    return table if mask is None else table.filter(mask)
+
+
+def forward_and_filter(
+    table: pa.Table,
+    as_of: int | None = None,
+    since: int | None = None,
+    lower: int | None = None,
+    upper: int | None = None,
+) -> pa.Table:
+    """Applies, in this order: ``time_range(lower, upper)``, ``advance_to_since(since)``,
+    ``snapshot_at(as_of)``. Does not consolidate."""
+    if lower is not None or upper is not None:
+        table = time_range(table, lower, upper)
+    if since is not None:
+        table = advance_to_since(table, since)
+    if as_of is not None:
+        table = snapshot_at(table, as_of)
+    return table
