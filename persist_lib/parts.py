@@ -1,0 +1,246 @@
+"""Encoding, verifying and fetching parts (DESIGN section 6).
+
+A part is one Parquet file with columns ``k`` (struct of the key fields), ``v``
+(struct of the value fields; absent for the unit value, as Parquet can't store an
+empty struct), ``t`` and ``d`` (int64), sorted by ``(k, v, t)``, zstd-compressed,
+with ``persist.format=1`` and the schemas' fingerprint in its key-value metadata.
+Its SHA-256 is recorded in state and verified on *every* read before any byte is
+decoded: a part that fails verification or decoding raises ``CorruptionError`` and
+never yields data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import uuid
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from persist_lib.batch_meta import PartMeta
+from persist_lib.codec import D_COL, T_COL, Schemas, internal_schema
+from persist_lib.errors import BlobNotFound, CorruptionError, InvalidBlobKey, InvalidUsage
+from persist_lib.location.base import Blob
+
+FORMAT_VERSION = "1"
+META_FORMAT = b"persist.format"
+META_SCHEMAS = b"persist.schemas"
+# One row group up to this many rows: parts are read whole, so more groups only cost.
+ROW_GROUP_ROWS = 1 << 20
+BLOB_KEY_RE = re.compile(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_.=-]+)*$")
+
+
+def _stored_type(t: pa.DataType) -> pa.DataType:
+    """The type a field is written as: ``t`` with ``date64`` replaced by ``int64``.
+
+    Parquet stores date64 as date32 (days), which would drop the milliseconds of a
+    date64 that isn't midnight-aligned; the int64 storage keeps it exact and decoding
+    casts back to the recorded type.
+    """
+    if pa.types.is_date64(t):
+        return pa.int64()
+    if pa.types.is_struct(t):
+        return pa.struct([_stored_field(t.field(i)) for i in range(t.num_fields)])
+    if pa.types.is_list(t):
+        return pa.list_(_stored_field(t.value_field))
+    if pa.types.is_large_list(t):
+        return pa.large_list(_stored_field(t.value_field))
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(_stored_field(t.value_field), t.list_size)
+    return t
+
+
+def _stored_field(f: pa.Field) -> pa.Field:
+    return pa.field(f.name, _stored_type(f.type), f.nullable, f.metadata)
+
+
+def _part_schema(schemas: Schemas, fingerprint: str) -> pa.Schema:
+    fields = [pa.field("k", pa.struct([_stored_field(f) for f in schemas.key]), nullable=False)]
+    if len(schemas.val):
+        fields.append(
+            pa.field("v", pa.struct([_stored_field(f) for f in schemas.val]), nullable=False)
+        )
+    fields += [pa.field(T_COL, pa.int64(), nullable=False), pa.field(D_COL, pa.int64(), nullable=False)]
+    return pa.schema(
+        fields, metadata={META_FORMAT: FORMAT_VERSION.encode(), META_SCHEMAS: fingerprint.encode()}
+    )
+
+
+def encode_part(table: pa.Table, schemas: Schemas) -> bytes:
+    """Encodes an update table (already sorted and consolidated: not re-sorted) as Parquet.
+
+    Statistics are written for ``t`` only: nothing prunes on ``k``/``v`` statistics and
+    skipping them saves ~10% of the encode time.
+    """
+    nk, nv = len(schemas.key), len(schemas.val)
+    if table.num_columns != nk + nv + 2:
+        raise InvalidUsage(
+            f"encode_part: expected an update table with {nk + nv + 2} columns for "
+            f"{schemas.describe()}, got {table.column_names}"
+        )
+    schema = _part_schema(schemas, schemas.fingerprint())
+    kt = schema.field("k").type
+    vt = schema.field("v").type if nv else None
+    batches = []
+    # Per record batch, so that struct assembly is zero-copy whatever the chunking.
+    stored = [f.type for f in kt] + ([f.type for f in vt] if vt is not None else [])
+    for rb in table.to_batches():
+        cols = [
+            c if c.type.equals(st) else c.cast(st)
+            for c, st in zip(rb.columns[: nk + nv], stored, strict=True)
+        ] + rb.columns[nk + nv :]
+        arrays: list[pa.Array] = [pa.StructArray.from_arrays(cols[:nk], fields=list(kt))]
+        if vt is not None:
+            arrays.append(pa.StructArray.from_arrays(cols[nk : nk + nv], fields=list(vt)))
+        arrays += [cols[nk + nv], cols[nk + nv + 1]]
+        batches.append(pa.RecordBatch.from_arrays(arrays, schema=schema))
+    out = pa.Table.from_batches(batches, schema=schema)
+    sink = pa.BufferOutputStream()
+    pq.write_table(
+        out,
+        sink,
+        compression="zstd",
+        row_group_size=ROW_GROUP_ROWS,
+        write_statistics=[T_COL],
+    )
+    return sink.getvalue().to_pybytes()
+
+
+def _corrupt(shard: str, key: str, what: str) -> CorruptionError:
+    return CorruptionError(
+        f"shard {shard}: part {key}: {what}; the blob was altered or truncated; nothing was "
+        "returned. Stop and investigate the blob store (do not retry blindly)"
+    )
+
+
+def verify_part_bytes(
+    data: bytes, *, expected_sha256: str, expected_size: int | None, shard: str, key: str
+) -> None:
+    """Raises ``CorruptionError`` unless ``data`` has the recorded size and SHA-256."""
+    if expected_size is not None and len(data) != expected_size:
+        raise _corrupt(shard, key, f"size mismatch: expected {expected_size} bytes, got {len(data)}")
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected_sha256.lower():
+        raise _corrupt(
+            shard,
+            key,
+            f"checksum mismatch: expected sha256 {expected_sha256[:12]}..., got {actual[:12]}...",
+        )
+
+
+def decode_part(
+    data: bytes,
+    schemas: Schemas,
+    *,
+    expected_sha256: str,
+    expected_size: int | None,
+    shard: str,
+    key: str,
+) -> pa.Table:
+    """Verifies, then decodes a part into an update table (internal layout)."""
+    verify_part_bytes(
+        data, expected_sha256=expected_sha256, expected_size=expected_size, shard=shard, key=key
+    )
+    try:
+        raw = pq.read_table(pa.BufferReader(data))
+    except Exception as e:  # any decoding failure of verified bytes is corruption
+        raise _corrupt(shard, key, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
+    meta = raw.schema.metadata or {}
+    if meta.get(META_FORMAT) != FORMAT_VERSION.encode():
+        raise _corrupt(
+            shard, key, f"unknown part format {meta.get(META_FORMAT)!r} (expected {FORMAT_VERSION})"
+        )
+    fp = schemas.fingerprint()
+    if meta.get(META_SCHEMAS) != fp.encode():
+        raise _corrupt(
+            shard,
+            key,
+            f"part was written for other schemas (fingerprint {meta.get(META_SCHEMAS)!r}, "
+            f"expected {fp[:12]}... for {schemas.describe()})",
+        )
+    nv = len(schemas.val)
+    expected_cols = ["k", "v", T_COL, D_COL] if nv else ["k", T_COL, D_COL]
+    if raw.column_names != expected_cols:
+        raise _corrupt(shard, key, f"columns {raw.column_names}, expected {expected_cols}")
+    target = internal_schema(schemas)
+    try:
+        cols: list[pa.ChunkedArray] = list(raw.column("k").flatten())
+        if nv:
+            cols += raw.column("v").flatten()
+        cols += [raw.column(T_COL), raw.column(D_COL)]
+        if len(cols) != len(target):
+            raise ValueError(f"{len(cols)} fields, expected {len(target)}")
+        out = []
+        for col, f in zip(cols, target, strict=True):
+            # Parquet can't hold some types exactly (date64, timestamp[s], list item
+            # names): cast back to the recorded type, which is lossless for our data.
+            if str(col.type) != str(f.type):
+                col = pc.cast(col, f.type, safe=True)
+            out.append(col)
+        result = pa.Table.from_arrays(out, schema=target)
+    except Exception as e:
+        raise _corrupt(shard, key, f"part does not match {schemas.describe()} ({e})") from e
+    if result.column(T_COL).null_count or result.column(D_COL).null_count:
+        raise _corrupt(shard, key, "null times or diffs")
+    return result
+
+
+def part_meta_for(data: bytes, table: pa.Table, key: str | None, inline: bool) -> PartMeta:
+    """The state's record of an encoded part: size, update count, SHA-256, time bounds."""
+    if table.num_rows == 0:
+        raise InvalidUsage("part_meta_for: a part must hold at least one update")
+    if inline == (key is not None):
+        raise InvalidUsage(
+            f"part_meta_for: a part is either inline (key None) or in blob (with a key), got "
+            f"key={key!r} inline={inline}"
+        )
+    mm = pc.min_max(table.column(T_COL))
+    return PartMeta(
+        key=key,
+        size=len(data),
+        count=table.num_rows,
+        sha256=hashlib.sha256(data).hexdigest(),
+        tmin=int(mm["min"].as_py()),
+        tmax=int(mm["max"].as_py()),
+        inline=bytes(data) if inline else None,
+    )
+
+
+def part_blob_key(shard: str, writer: str) -> str:
+    """A fresh, unique blob key ``{shard}/{writer}/p{uuid4}`` for a part."""
+    key = f"{shard}/{writer}/p{uuid.uuid4()}"
+    if not BLOB_KEY_RE.match(key) or ".." in key:
+        raise InvalidBlobKey(
+            f"shard {shard}: writer {writer!r}: part key {key!r} does not follow the blob key "
+            "grammar [A-Za-z0-9_-]+(/[A-Za-z0-9_.=-]+)*; use ids made of letters, digits, _ and -"
+        )
+    return key
+
+
+def fetch_part(blob: Blob, part: PartMeta, schemas: Schemas, shard: str) -> pa.Table:
+    """Reads one part (inline bytes or from blob), verifies and decodes it."""
+    if part.inline is not None:
+        data = part.inline
+    elif part.key is not None:
+        got = blob.get(part.key)
+        if got is None:
+            raise BlobNotFound(
+                f"shard {shard}: part {part.key} is missing from {blob.describe()}: it was deleted "
+                "(garbage collected while still referenced?) or never written; re-read the shard "
+                "state and retry from a newer seqno"
+            )
+        data = got
+    else:
+        raise CorruptionError(
+            f"shard {shard}: part metadata has neither a blob key nor inline bytes: {part}"
+        )
+    return decode_part(
+        data,
+        schemas,
+        expected_sha256=part.sha256,
+        expected_size=part.size,
+        shard=shard,
+        key=part.location,
+    )
