@@ -1,0 +1,298 @@
+"""Building batches: buffer updates, cut sorted parts, upload them with bounded memory.
+
+``BatchBuilder`` accepts update tables in any order and any chunking. When the
+buffered Arrow bytes reach ``target_part_bytes`` the buffer is handed to a
+background task that consolidates it, encodes a part and uploads it (or keeps it
+inline when tiny). At most ``max_inflight_uploads`` such tasks run at once and
+``add`` blocks while that many are pending, so a builder holds roughly
+``(max_inflight_uploads + 1) x target_part_bytes`` of updates however large the
+batch. Each part is sorted and consolidated on its own: a batch is a set of sorted
+runs, not one globally sorted run.
+
+Every blob key the builder might have written is remembered until the batch is
+handed over, so any failure (an upload error, out-of-range times, a lost
+compare-and-append via ``abort``) deletes what was written: no partial state is left
+behind by the builder itself (a crash is left to the leaked-blob sweeper).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist_lib.batch_meta import HollowBatch, PartMeta
+from persist_lib.codec import T_COL, Schemas, check_update_table
+from persist_lib.consolidate import consolidate
+from persist_lib.errors import InvalidUsage
+from persist_lib.frontier import Antichain, FrontierLike, as_frontier
+from persist_lib.location.base import Blob
+from persist_lib.parts import encode_part, part_blob_key, part_meta_for
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET_PART_BYTES = 128 << 20
+DEFAULT_INLINE_THRESHOLD = 4096
+
+
+class BatchBuilder:
+    """Builds one batch of a shard from chunks of updates (not thread-safe: one caller)."""
+
+    def __init__(
+        self,
+        blob: Blob,
+        schemas: Schemas,
+        *,
+        shard: str,
+        writer: str,
+        lower: FrontierLike,
+        target_part_bytes: int = DEFAULT_TARGET_PART_BYTES,
+        max_inflight_uploads: int = 2,
+        inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+        executor: Executor | None = None,
+    ) -> None:
+        if target_part_bytes <= 0:
+            raise InvalidUsage(f"shard {shard}: target_part_bytes must be > 0, got {target_part_bytes}")
+        if max_inflight_uploads < 1:
+            raise InvalidUsage(
+                f"shard {shard}: max_inflight_uploads must be >= 1, got {max_inflight_uploads}"
+            )
+        self.blob = blob
+        self.schemas = schemas
+        self.shard = shard
+        self.writer = writer
+        self.lower = as_frontier(lower, "lower")
+        self.target_part_bytes = target_part_bytes
+        self.max_inflight_uploads = max_inflight_uploads
+        self.inline_threshold = inline_threshold
+        self._own_executor = executor is None
+        self._executor: Executor = executor or ThreadPoolExecutor(
+            max_workers=max_inflight_uploads, thread_name_prefix=f"persist-part-{shard}"
+        )
+        self._buffer: list[pa.Table] = []
+        self._buffered_bytes = 0
+        self._futures: list[Future[PartMeta | None]] = []  # in part order
+        self._keys: list[str] = []  # every key a task may have written
+        self._keys_lock = threading.Lock()
+        self._tmin: int | None = None
+        self._tmax: int | None = None
+        self._rows_added = 0
+        self._state = "open"  # -> "finished" | "aborted"
+
+    # -- public API ----------------------------------------------------------------
+
+    @property
+    def num_updates_added(self) -> int:
+        """Rows added so far (before consolidation)."""
+        return self._rows_added
+
+    def add(self, updates: Any) -> None:
+        """Buffers a chunk of updates (internal layout; other forms are normalized).
+
+        Blocks while ``max_inflight_uploads`` parts are being written. If a part upload
+        failed, aborts the builder and raises that error. An invalid chunk raises
+        ``InvalidUsage`` and is not added (the builder stays usable).
+        """
+        self._check_open("add")
+        table = check_update_table(updates, self.schemas, shard=self.shard)
+        n = table.num_rows
+        if n == 0:
+            return
+        mm = pc.min_max(table.column(T_COL))
+        lo, hi = int(mm["min"].as_py()), int(mm["max"].as_py())
+        self._tmin = lo if self._tmin is None else min(self._tmin, lo)
+        self._tmax = hi if self._tmax is None else max(self._tmax, hi)
+        self._rows_added += n
+        bytes_per_row = max(table.nbytes / n, 1.0)
+        offset = 0
+        while offset < n:
+            room = self.target_part_bytes - self._buffered_bytes
+            rows = max(1, min(n - offset, math.ceil(room / bytes_per_row)))
+            piece = table if rows == n else table.slice(offset, rows)
+            self._buffer.append(piece)
+            self._buffered_bytes += int(rows * bytes_per_row)
+            offset += rows
+            if self._buffered_bytes >= self.target_part_bytes:
+                self._flush()
+
+    def finish(self, upper: FrontierLike, since: FrontierLike | None = None) -> HollowBatch:
+        """Flushes, waits for every upload and returns the batch ``[lower, upper)``.
+
+        Every added update time must lie in ``[lower, upper)``; otherwise (and on any
+        upload failure) every part already written is deleted and the error raised.
+        """
+        self._check_open("finish")
+        try:
+            up = as_frontier(upper, "upper")
+            sn = self.lower if since is None else as_frontier(since, "since")
+            self._check_bounds(up)
+            if self._buffer:
+                self._flush()
+            parts: list[PartMeta] = []
+            for fut in self._futures:
+                meta = fut.result()  # raises the task's error, if any
+                if meta is not None:
+                    parts.append(meta)
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "finished"
+        self._shutdown()
+        return HollowBatch(lower=self.lower, upper=up, since=sn, parts=tuple(parts))
+
+    def abort(self) -> int:
+        """Deletes every part this builder wrote (best effort); the builder is then closed.
+
+        Also valid after ``finish`` (when the batch's compare-and-append lost). Returns
+        the number of blob keys whose deletion was attempted successfully.
+        """
+        if self._state == "aborted":
+            return 0
+        self._state = "aborted"
+        self._buffer.clear()
+        self._buffered_bytes = 0
+        for fut in self._futures:
+            fut.cancel()
+        for fut in self._futures:
+            if not fut.cancelled():
+                try:
+                    fut.result()
+                except BaseException:
+                    pass  # cleaning up: the error was (or will be) raised by the caller
+        self._shutdown()
+        with self._keys_lock:
+            keys = list(self._keys)
+        deleted = 0
+        for key in keys:
+            try:
+                self.blob.delete(key)
+                deleted += 1
+            except Exception as e:  # best effort: the leaked-blob sweeper catches the rest
+                log.warning("shard %s: could not delete part %s while aborting: %s", self.shard, key, e)
+        return deleted
+
+    def __enter__(self) -> BatchBuilder:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # A builder left unfinished (error or not) cleans up what it wrote. A finished
+        # batch is the caller's: after an indeterminate append it may be committed.
+        if self._state == "open":
+            self.abort()
+
+    # -- internals -----------------------------------------------------------------
+
+    def _check_open(self, what: str) -> None:
+        if self._state != "open":
+            raise InvalidUsage(
+                f"shard {self.shard}: batch builder of writer {self.writer} is {self._state}; "
+                f"cannot {what}: start a new builder"
+            )
+
+    def _check_bounds(self, upper: Antichain) -> None:
+        lower = self.lower
+        if upper < lower:
+            raise InvalidUsage(
+                f"shard {self.shard}: batch upper {upper} is less than its lower {lower}"
+            )
+        if self._tmin is None or self._tmax is None:
+            return
+        bad: int | None = None
+        if not lower.less_equal(self._tmin):
+            bad = self._tmin
+        elif upper.less_equal(self._tmax):
+            bad = self._tmax
+        if bad is not None:
+            raise InvalidUsage(
+                f"shard {self.shard}: update time {bad} is outside the batch bounds "
+                f"[lower {lower}, upper {upper}) (times added range over [{self._tmin}, "
+                f"{self._tmax}]); every update time t must satisfy lower <= t < upper. "
+                "Nothing was written"
+            )
+
+    def _raise_failures(self, done: set[Future[PartMeta | None]]) -> None:
+        for fut in done:
+            if not fut.done() or fut.cancelled():
+                continue
+            err = fut.exception()
+            if err is not None:
+                self.abort()
+                raise err
+
+    def _wait_for_capacity(self) -> None:
+        while True:
+            pending = [f for f in self._futures if not f.done()]
+            self._raise_failures({f for f in self._futures if f.done()})
+            if len(pending) < self.max_inflight_uploads:
+                return
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            self._raise_failures(done)
+
+    def _flush(self) -> None:
+        buffered = self._buffer
+        self._buffer = []
+        self._buffered_bytes = 0
+        table = buffered[0] if len(buffered) == 1 else pa.concat_tables(buffered)
+        self._wait_for_capacity()
+        key = part_blob_key(self.shard, self.writer)
+        with self._keys_lock:
+            self._keys.append(key)
+        self._futures.append(self._executor.submit(self._write_part, table, key))
+
+    def _write_part(self, table: pa.Table, key: str) -> PartMeta | None:
+        """Runs in the pool: consolidate, encode, then upload or keep inline."""
+        part = consolidate(table)
+        if part.num_rows == 0:
+            return None
+        data = encode_part(part, self.schemas)
+        if len(data) <= self.inline_threshold:
+            return part_meta_for(data, part, None, inline=True)
+        self.blob.set(key, data)
+        return part_meta_for(data, part, key, inline=False)
+
+    def _shutdown(self) -> None:
+        if self._own_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def build_batch(
+    blob: Blob,
+    schemas: Schemas,
+    table: Any,
+    *,
+    shard: str,
+    writer: str,
+    lower: FrontierLike,
+    upper: FrontierLike,
+    since: FrontierLike | None = None,
+    **kw: Any,
+) -> HollowBatch:
+    """One-shot: builds a batch ``[lower, upper)`` from one table (or any update form)."""
+    builder = BatchBuilder(blob, schemas, shard=shard, writer=writer, lower=lower, **kw)
+    try:
+        builder.add(table)
+        return builder.finish(upper, since)
+    except BaseException:
+        builder.abort()
+        raise
+
+
+def delete_batch_blobs(blob: Blob, batch: HollowBatch) -> int:
+    """Best-effort deletion of a batch's blob parts (e.g. after a lost compare-and-append).
+
+    Returns the number of keys deleted without error; failures are logged and left to
+    the leaked-blob sweeper.
+    """
+    deleted = 0
+    for key in batch.blob_keys():
+        try:
+            blob.delete(key)
+            deleted += 1
+        except Exception as e:
+            log.warning("could not delete part %s of an abandoned batch: %s", key, e)
+    return deleted
