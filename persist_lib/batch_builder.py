@@ -57,7 +57,9 @@ class BatchBuilder:
         executor: Executor | None = None,
     ) -> None:
         if target_part_bytes <= 0:
-            raise InvalidUsage(f"shard {shard}: target_part_bytes must be > 0, got {target_part_bytes}")
+            raise InvalidUsage(
+                f"shard {shard}: target_part_bytes must be > 0, got {target_part_bytes}"
+            )
         if max_inflight_uploads < 1:
             raise InvalidUsage(
                 f"shard {shard}: max_inflight_uploads must be >= 1, got {max_inflight_uploads}"
@@ -173,7 +175,9 @@ class BatchBuilder:
                 self.blob.delete(key)
                 deleted += 1
             except Exception as e:  # best effort: the leaked-blob sweeper catches the rest
-                log.warning("shard %s: could not delete part %s while aborting: %s", self.shard, key, e)
+                log.warning(
+                    "shard %s: could not delete part %s while aborting: %s", self.shard, key, e
+                )
         return deleted
 
     def __enter__(self) -> BatchBuilder:

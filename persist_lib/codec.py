@@ -225,14 +225,19 @@ def internal_schema(schemas: Schemas) -> pa.Schema:
     fields = [
         pa.field(KEY_PREFIX + f.name, f.type, f.nullable, f.metadata) for f in schemas.key
     ] + [pa.field(VAL_PREFIX + f.name, f.type, f.nullable, f.metadata) for f in schemas.val]
-    fields += [pa.field(T_COL, pa.int64(), nullable=False), pa.field(D_COL, pa.int64(), nullable=False)]
+    fields += [
+        pa.field(T_COL, pa.int64(), nullable=False),
+        pa.field(D_COL, pa.int64(), nullable=False),
+    ]
     return pa.schema(fields)
 
 
 def user_schema(schemas: Schemas) -> pa.Schema:
     """The user-facing layout: key fields, value fields, ``ts``, ``diff`` (int64)."""
     return pa.schema(
-        list(schemas.key) + list(schemas.val) + [pa.field(TS, pa.int64()), pa.field(DIFF, pa.int64())]
+        list(schemas.key)
+        + list(schemas.val)
+        + [pa.field(TS, pa.int64()), pa.field(DIFF, pa.int64())]
     )
 
 
@@ -535,4 +540,3 @@ def check_update_table(table: pa.Table, schemas: Schemas, *, shard: str) -> pa.T
     if isinstance(table, pa.Table) and table.schema.equals(internal_schema(schemas)):
         return table
     return normalize_updates(table, schemas, shard=shard)
-

@@ -62,7 +62,10 @@ def _part_schema(schemas: Schemas, fingerprint: str) -> pa.Schema:
         fields.append(
             pa.field("v", pa.struct([_stored_field(f) for f in schemas.val]), nullable=False)
         )
-    fields += [pa.field(T_COL, pa.int64(), nullable=False), pa.field(D_COL, pa.int64(), nullable=False)]
+    fields += [
+        pa.field(T_COL, pa.int64(), nullable=False),
+        pa.field(D_COL, pa.int64(), nullable=False),
+    ]
     return pa.schema(
         fields, metadata={META_FORMAT: FORMAT_VERSION.encode(), META_SCHEMAS: fingerprint.encode()}
     )
@@ -120,7 +123,9 @@ def verify_part_bytes(
 ) -> None:
     """Raises ``CorruptionError`` unless ``data`` has the recorded size and SHA-256."""
     if expected_size is not None and len(data) != expected_size:
-        raise _corrupt(shard, key, f"size mismatch: expected {expected_size} bytes, got {len(data)}")
+        raise _corrupt(
+            shard, key, f"size mismatch: expected {expected_size} bytes, got {len(data)}"
+        )
     actual = hashlib.sha256(data).hexdigest()
     if actual != expected_sha256.lower():
         raise _corrupt(
