@@ -149,8 +149,18 @@ def decode_part(
         data, expected_sha256=expected_sha256, expected_size=expected_size, shard=shard, key=key
     )
     try:
-        raw = pq.read_table(pa.BufferReader(data))
+        return _decode_verified(data, schemas, shard, key)
+    except CorruptionError:
+        raise
     except Exception as e:  # any decoding failure of verified bytes is corruption
+        raise _corrupt(shard, key, f"cannot decode the part ({type(e).__name__}: {e})") from e
+
+
+def _decode_verified(data: bytes, schemas: Schemas, shard: str, key: str) -> pa.Table:
+    """Decodes checksum-verified bytes; raises (anything) if they aren't a valid part."""
+    try:
+        raw = pq.read_table(pa.BufferReader(data))
+    except Exception as e:
         raise _corrupt(shard, key, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
     meta = raw.schema.metadata or {}
     if meta.get(META_FORMAT) != FORMAT_VERSION.encode():
@@ -170,23 +180,21 @@ def decode_part(
     if raw.column_names != expected_cols:
         raise _corrupt(shard, key, f"columns {raw.column_names}, expected {expected_cols}")
     target = internal_schema(schemas)
-    try:
-        cols: list[pa.ChunkedArray] = list(raw.column("k").flatten())
-        if nv:
-            cols += raw.column("v").flatten()
-        cols += [raw.column(T_COL), raw.column(D_COL)]
-        if len(cols) != len(target):
-            raise ValueError(f"{len(cols)} fields, expected {len(target)}")
-        out = []
-        for col, f in zip(cols, target, strict=True):
-            # Parquet can't hold some types exactly (date64, timestamp[s], list item
-            # names): cast back to the recorded type, which is lossless for our data.
-            if str(col.type) != str(f.type):
-                col = pc.cast(col, f.type, safe=True)
-            out.append(col)
-        result = pa.Table.from_arrays(out, schema=target)
-    except Exception as e:
-        raise _corrupt(shard, key, f"part does not match {schemas.describe()} ({e})") from e
+    cols: list[pa.ChunkedArray] = list(raw.column("k").flatten())
+    if nv:
+        cols += raw.column("v").flatten()
+    cols += [raw.column(T_COL), raw.column(D_COL)]
+    if len(cols) != len(target):
+        raise _corrupt(shard, key, f"{len(cols)} fields, expected {len(target)}")
+    out = []
+    for col, f in zip(cols, target, strict=True):
+        # Parquet can't hold some types exactly (date64, timestamp[s], list item
+        # names): cast back to the recorded type, which is lossless for our data.
+        if str(col.type) != str(f.type):
+            col = pc.cast(col, f.type, safe=True)
+        out.append(col)
+    result = pa.Table.from_arrays(out, schema=target)
+    result.validate(full=False)
     if result.column(T_COL).null_count or result.column(D_COL).null_count:
         raise _corrupt(shard, key, "null times or diffs")
     return result
