@@ -215,8 +215,8 @@ class BatchBuilder:
             raise InvalidUsage(
                 f"shard {self.shard}: update time {bad} is outside the batch bounds "
                 f"[lower {lower}, upper {upper}) (times added range over [{self._tmin}, "
-                f"{self._tmax}]); every update time t must satisfy lower <= t < upper. "
-                "Nothing was written"
+                f"{self._tmax}]); every update time t must satisfy lower <= t < upper; the parts "
+                "already written were deleted"
             )
 
     def _raise_failures(self, done: set[Future[PartMeta | None]]) -> None:
