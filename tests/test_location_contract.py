@@ -1,0 +1,667 @@
+"""The location contract: one suite that every Blob and Consensus backend must pass.
+
+A port of Materialize's ``blob_impl_test`` / ``consensus_impl_test``
+(research/reliability.md section 1), run against every backend through the
+``blob_uri`` / ``consensus_uri`` fixtures (mem, file, s3 via moto; mem, sqlite, postgres
+via a throwaway server), plus the wrappers (retry, unreliable) and the error semantics
+each backend promises (what is ``Determinate`` and what is ``Indeterminate``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import socket
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from persist_lib.errors import Determinate, Indeterminate, InvalidBlobKey, InvalidUsage
+from persist_lib.location import (
+    Blob,
+    CaSResult,
+    Consensus,
+    FaultRates,
+    FileBlob,
+    MemBlob,
+    MemConsensus,
+    RetryingBlob,
+    RetryingConsensus,
+    RetryPolicy,
+    SqliteConsensus,
+    UnreliableBlob,
+    UnreliableConsensus,
+    UnreliableHandle,
+    VersionedData,
+    open_blob,
+    open_consensus,
+    retry_external,
+)
+
+COMMITTED = CaSResult.COMMITTED
+MISMATCH = CaSResult.EXPECTATION_MISMATCH
+
+
+@pytest.fixture
+def blob(blob_uri: str) -> Iterator[Blob]:
+    b = open_blob(blob_uri)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def consensus(consensus_uri: str) -> Iterator[Consensus]:
+    c = open_consensus(consensus_uri)
+    yield c
+    c.close()
+
+
+# -- Blob contract --------------------------------------------------------------------
+
+
+def test_blob_get_set_overwrite_delete(blob: Blob) -> None:
+    assert blob.get("k0") is None
+    assert list(blob.list_keys_and_metadata("")) == []
+    blob.set("k0", b"v0")
+    assert blob.get("k0") == b"v0"
+    blob.set("k0", b"v1-longer")  # overwrite
+    assert blob.get("k0") == b"v1-longer"
+    deleted = blob.delete("k0")
+    assert deleted in (len(b"v1-longer"), None)  # the size, if the backend knows it
+    assert deleted == len(b"v1-longer")  # every backend here does
+    assert blob.get("k0") is None
+    assert blob.delete("k0") is None  # idempotent
+    assert blob.delete("never-existed") is None
+    blob.set("empty", b"")
+    assert blob.get("empty") == b""
+    assert blob.delete("empty") == 0
+
+
+def test_blob_reopen_sees_same_data(blob_uri: str) -> None:
+    a = open_blob(blob_uri)
+    a.set("shard-1/part-1", b"durable")
+    a.close()
+    b = open_blob(blob_uri)
+    assert b.get("shard-1/part-1") == b"durable"
+    assert [m.key for m in b.list_keys_and_metadata("")] == ["shard-1/part-1"]
+    b.close()
+
+
+def test_blob_list_keys_and_prefixes(blob: Blob) -> None:
+    values = {
+        "s1/batch/p1": b"a" * 3,
+        "s1/batch/p2": b"b" * 5,
+        "s1/rollup/r1": b"c",
+        "s2/batch/p1": b"dd",
+        "s10/x": b"e",
+    }
+    for k, v in values.items():
+        blob.set(k, v)
+    listed = {m.key: m for m in blob.list_keys_and_metadata("")}
+    assert set(listed) == set(values)
+    assert all(listed[k].size_in_bytes == len(v) for k, v in values.items())
+    now_ms = time.time() * 1000
+    assert all(abs(m.last_modified_ms - now_ms) < 3_600_000 for m in listed.values())
+    assert sorted(m.key for m in blob.list_keys_and_metadata("s1/")) == [
+        "s1/batch/p1",
+        "s1/batch/p2",
+        "s1/rollup/r1",
+    ]
+    # a prefix is a string prefix, not a directory: "s1" also matches "s10/..."
+    assert sorted(m.key for m in blob.list_keys_and_metadata("s1")) == sorted(
+        ["s1/batch/p1", "s1/batch/p2", "s1/rollup/r1", "s10/x"]
+    )
+    assert [m.key for m in blob.list_keys_and_metadata("s1/batch/p")] == [
+        "s1/batch/p1",
+        "s1/batch/p2",
+    ]
+    assert list(blob.list_keys_and_metadata("nope/")) == []
+    blob.delete("s1/batch/p1")
+    assert [m.key for m in blob.list_keys_and_metadata("s1/batch/")] == ["s1/batch/p2"]
+
+
+def test_blob_values_10kib_and_20mib(blob: Blob) -> None:
+    rng = random.Random(7)
+    small = rng.randbytes(10 * 1024)
+    big = rng.randbytes(20 * 1024 * 1024 + 123)  # > 8 MiB: the multipart path on S3
+    blob.set("small", small)
+    blob.set("big", big)
+    assert blob.get("small") == small
+    got = blob.get("big")
+    assert got is not None and len(got) == len(big) and got == big
+    sizes = {m.key: m.size_in_bytes for m in blob.list_keys_and_metadata("")}
+    assert sizes == {"small": len(small), "big": len(big)}
+    assert blob.delete("big") == len(big)
+
+
+def test_blob_concurrent_sets_never_torn(blob: Blob) -> None:
+    a, b = b"A" * 200_000, b"B" * 300_000
+    stop = threading.Event()
+    seen: set[int] = set()
+
+    def reader() -> None:
+        while not stop.is_set():
+            v = blob.get("k")
+            if v is not None:
+                assert v in (a, b)
+                seen.add(len(v))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for i in range(10):
+            blob.set("k", a if i % 2 else b)
+    finally:
+        stop.set()
+        t.join()
+    assert blob.get("k") == a
+    assert seen <= {len(a), len(b)}
+
+
+# -- Consensus contract ---------------------------------------------------------------
+
+
+def _v(seqno: int, data: bytes | None = None) -> VersionedData:
+    return VersionedData(seqno, data if data is not None else f"v{seqno}".encode())
+
+
+def test_consensus_empty_key(consensus: Consensus) -> None:
+    assert consensus.head("k") is None
+    assert consensus.scan("k", 0, 10) == []
+    assert list(consensus.list_keys()) == []
+    with pytest.raises(InvalidUsage, match="empty"):
+        consensus.truncate("k", 0)
+    # expected Some on an empty key: mismatch
+    assert consensus.compare_and_set("k", 0, _v(1)) == MISMATCH
+    assert consensus.compare_and_set("k", 5, _v(6)) == MISMATCH
+    assert consensus.head("k") is None
+
+
+def test_consensus_cas_sequence(consensus: Consensus) -> None:
+    key = "shard-a"
+    assert consensus.compare_and_set(key, None, _v(0)) == COMMITTED
+    assert consensus.head(key) == _v(0)
+    # a second first write loses
+    assert consensus.compare_and_set(key, None, _v(0, b"other")) == MISMATCH
+    assert consensus.compare_and_set(key, None, _v(7)) == MISMATCH
+    assert consensus.head(key) == _v(0)
+    assert consensus.compare_and_set(key, 0, _v(1)) == COMMITTED
+    # wrong expectations, higher and lower, leave the log alone
+    assert consensus.compare_and_set(key, 2, _v(3)) == MISMATCH
+    assert consensus.compare_and_set(key, 0, _v(1, b"late")) == MISMATCH
+    assert consensus.compare_and_set(key, -1, _v(0)) == MISMATCH
+    assert consensus.head(key) == _v(1)
+    # new must be expected + 1
+    for bad in (_v(1), _v(3), _v(0)):
+        with pytest.raises(InvalidUsage, match=r"expected \+ 1"):
+            consensus.compare_and_set(key, 1, bad)
+    with pytest.raises(InvalidUsage):
+        consensus.compare_and_set(key, None, _v(-1))
+    assert consensus.compare_and_set(key, 1, _v(2)) == COMMITTED
+    assert consensus.head(key) == _v(2)
+
+
+def test_consensus_first_write_at_any_seqno(consensus: Consensus) -> None:
+    assert consensus.compare_and_set("k", None, _v(41)) == COMMITTED
+    assert consensus.head("k") == _v(41)
+    assert consensus.compare_and_set("k", 40, _v(41)) == MISMATCH
+    assert consensus.compare_and_set("k", 41, _v(42)) == COMMITTED
+    assert consensus.scan("k", 0, 10) == [_v(41), _v(42)]
+
+
+def test_consensus_scan_bounds_and_limits(consensus: Consensus) -> None:
+    key = "k"
+    consensus.compare_and_set(key, None, _v(0))
+    for s in range(1, 6):
+        assert consensus.compare_and_set(key, s - 1, _v(s)) == COMMITTED
+    assert consensus.scan(key, 0, 100) == [_v(s) for s in range(6)]
+    assert consensus.scan(key, 0, 1) == [_v(0)]
+    assert consensus.scan(key, 2, 2) == [_v(2), _v(3)]
+    assert consensus.scan(key, 5, 10) == [_v(5)]
+    assert consensus.scan(key, 6, 10) == []
+    assert consensus.scan(key, -3, 2) == [_v(0), _v(1)]
+    with pytest.raises(InvalidUsage):
+        consensus.scan(key, 0, 0)
+
+
+def test_consensus_truncate(consensus: Consensus) -> None:
+    key = "k"
+    consensus.compare_and_set(key, None, _v(0))
+    for s in range(1, 5):
+        consensus.compare_and_set(key, s - 1, _v(s))
+    assert consensus.truncate(key, 2) == 2
+    assert consensus.scan(key, 0, 10) == [_v(2), _v(3), _v(4)]
+    assert consensus.truncate(key, 2) == 0  # idempotent
+    assert consensus.truncate(key, 1) == 0  # below what is left: nothing to do
+    with pytest.raises(InvalidUsage, match="beyond the head"):
+        consensus.truncate(key, 5)
+    assert consensus.scan(key, 0, 10) == [_v(2), _v(3), _v(4)]
+    assert consensus.truncate(key, 4) == 2  # up to the head, never the head itself
+    assert consensus.head(key) == _v(4)
+    assert consensus.scan(key, 0, 10) == [_v(4)]
+    # a stale CAS whose expected row was truncated away still loses
+    assert consensus.compare_and_set(key, 2, _v(3)) == MISMATCH
+    assert consensus.compare_and_set(key, None, _v(0)) == MISMATCH
+    assert consensus.compare_and_set(key, 4, _v(5)) == COMMITTED
+    assert consensus.scan(key, 0, 10) == [_v(4), _v(5)]
+
+
+def test_consensus_keys_are_isolated_and_listed(consensus: Consensus) -> None:
+    assert consensus.compare_and_set("a", None, _v(0, b"a0")) == COMMITTED
+    assert consensus.compare_and_set("b", None, _v(0, b"b0")) == COMMITTED
+    assert consensus.compare_and_set("a", 0, _v(1, b"a1")) == COMMITTED
+    assert consensus.head("a") == _v(1, b"a1")
+    assert consensus.head("b") == _v(0, b"b0")
+    assert consensus.truncate("a", 1) == 1
+    assert consensus.scan("b", 0, 10) == [_v(0, b"b0")]
+    assert sorted(consensus.list_keys()) == ["a", "b"]
+    unicode_key = "shard-\u00e9-\U0001f600"
+    assert consensus.compare_and_set(unicode_key, None, _v(0)) == COMMITTED
+    assert consensus.head(unicode_key) == _v(0)
+    assert sorted(consensus.list_keys()) == sorted(["a", "b", unicode_key])
+
+
+def test_consensus_large_and_binary_values(consensus: Consensus) -> None:
+    rng = random.Random(3)
+    v10k = rng.randbytes(10 * 1024)
+    v1m = rng.randbytes(1024 * 1024)
+    assert consensus.compare_and_set("k", None, VersionedData(0, v10k)) == COMMITTED
+    assert consensus.compare_and_set("k", 0, VersionedData(1, v1m)) == COMMITTED
+    assert consensus.compare_and_set("k", 1, VersionedData(2, b"")) == COMMITTED
+    assert consensus.compare_and_set("k", 2, VersionedData(3, b"\x00\xff" * 7)) == COMMITTED
+    assert [e.data for e in consensus.scan("k", 0, 10)] == [v10k, v1m, b"", b"\x00\xff" * 7]
+
+
+def test_consensus_reopen_and_second_instance(consensus_uri: str) -> None:
+    a = open_consensus(consensus_uri)
+    b = open_consensus(consensus_uri)
+    try:
+        assert a.compare_and_set("k", None, _v(0)) == COMMITTED
+        assert b.head("k") == _v(0)
+        assert b.compare_and_set("k", None, _v(0)) == MISMATCH
+        assert b.compare_and_set("k", 0, _v(1)) == COMMITTED
+        assert a.head("k") == _v(1)
+        assert a.compare_and_set("k", 0, _v(1)) == MISMATCH
+    finally:
+        a.close()
+        b.close()
+    c = open_consensus(consensus_uri)
+    assert c.scan("k", 0, 10) == [_v(0), _v(1)]
+    c.close()
+
+
+def test_consensus_wait_for_change(consensus_uri: str) -> None:
+    waiter = open_consensus(consensus_uri)
+    writer = open_consensus(consensus_uri)
+    try:
+        assert waiter.compare_and_set("k", None, _v(0)) == COMMITTED
+        t0 = time.monotonic()
+        waiter.wait_for_change("k", None, timeout_s=30)  # head is already beyond None
+        waiter.wait_for_change("k", 5, timeout_s=30)  # ... and not at 5
+        assert time.monotonic() - t0 < 10
+        t0 = time.monotonic()
+        waiter.wait_for_change("k", 0, timeout_s=0.05)  # times out: no change
+        assert time.monotonic() - t0 >= 0.04
+
+        def cas_later() -> None:
+            time.sleep(0.2)
+            writer.compare_and_set("k", 0, _v(1))
+
+        t = threading.Thread(target=cas_later)
+        t0 = time.monotonic()
+        t.start()
+        waiter.wait_for_change("k", 0, timeout_s=30)
+        elapsed = time.monotonic() - t0
+        t.join()
+        assert waiter.head("k") == _v(1)
+        assert elapsed < 10, f"wait_for_change took {elapsed:.2f}s after a CAS"
+    finally:
+        waiter.close()
+        writer.close()
+
+
+def test_consensus_concurrent_threads_single_winner(consensus_uri: str) -> None:
+    c = open_consensus(consensus_uri)
+    c.compare_and_set("k", None, _v(0))
+    wins: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def worker(wid: int) -> None:
+        for _ in range(15):
+            h = c.head("k")
+            assert h is not None
+            if c.compare_and_set("k", h.seqno, _v(h.seqno + 1, f"w{wid}".encode())) == COMMITTED:
+                with lock:
+                    wins.append((h.seqno + 1, wid))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    head = c.head("k")
+    assert head is not None
+    seqnos = sorted(s for s, _ in wins)
+    assert seqnos == list(range(1, head.seqno + 1))  # gapless, one winner per seqno
+    stored = {e.seqno: e.data for e in c.scan("k", 1, 1000)}
+    assert all(stored[s] == f"w{w}".encode() for s, w in wins)
+    c.close()
+
+
+# -- wrappers -------------------------------------------------------------------------
+
+
+def test_wrappers_pass_the_contract_when_available(tmp_path: Path) -> None:
+    handle = UnreliableHandle(seed=1)
+    handle.totally_available()
+    c = RetryingConsensus(UnreliableConsensus(MemConsensus(f"w-{tmp_path.name}"), handle))
+    b = RetryingBlob(UnreliableBlob(FileBlob(tmp_path / "b"), handle))
+    test_consensus_cas_sequence(c)
+    test_consensus_truncate(MemConsensus(f"w2-{tmp_path.name}"))
+    test_blob_get_set_overwrite_delete(b)
+    assert handle.snapshot_counts()["calls"] > 20
+    assert sum(v for k, v in handle.snapshot_counts().items() if k != "calls") == 0
+
+
+def test_unreliable_default_split_matches_materialize() -> None:
+    rates = UnreliableHandle().rates
+    assert rates.applied_then_timeout == pytest.approx(0.0475)
+    assert rates.determinate == pytest.approx(0.0475)
+    assert rates.timeout_only == pytest.approx(0.0025)
+    assert rates.total() == pytest.approx(0.0975)
+    handle = UnreliableHandle(seed=42)
+    blob = UnreliableBlob(MemBlob("unreliable-split"), handle)
+    outcomes = {"ok": 0, "Determinate": 0, "Indeterminate": 0}
+    for i in range(4000):
+        try:
+            blob.set(f"k{i}", b"x")
+            outcomes["ok"] += 1
+        except (Determinate, Indeterminate) as e:
+            outcomes[type(e).__name__] += 1
+    counts = handle.snapshot_counts()
+    assert counts["calls"] == 4000
+    assert 100 < counts["determinate"] < 300  # ~190
+    assert 100 < counts["applied_then_timeout"] < 300
+    assert counts["timeout_only"] < 40
+    assert outcomes["Determinate"] == counts["determinate"]
+    # applied-then-timeout really applied the write
+    stored = len(list(MemBlob("unreliable-split").list_keys_and_metadata("k")))
+    assert stored == outcomes["ok"] + counts["applied_then_timeout"]
+    # same seed, same faults
+    h2 = UnreliableHandle(seed=42)
+    b2 = UnreliableBlob(MemBlob("unreliable-split-2"), h2)
+    for i in range(4000):
+        try:
+            b2.set(f"k{i}", b"x")
+        except (Determinate, Indeterminate):
+            pass
+    assert h2.snapshot_counts() == counts
+
+
+def test_unreliable_outage_scripting() -> None:
+    handle = UnreliableHandle(seed=0)
+    c = UnreliableConsensus(MemConsensus("outage"), handle)
+    handle.totally_unavailable()
+    with pytest.raises(Indeterminate, match="not run"):
+        c.compare_and_set("k", None, _v(0))
+    assert MemConsensus("outage").head("k") is None
+    handle.totally_unavailable(kind="determinate")
+    with pytest.raises(Determinate):
+        c.head("k")
+    handle.partially_available(determinate=0, applied_then_timeout=1.0, timeout_only=0)
+    with pytest.raises(Indeterminate, match="was applied"):
+        c.compare_and_set("k", None, _v(0))
+    assert MemConsensus("outage").head("k") == _v(0)
+    slept: list[float] = []
+    h3 = UnreliableHandle(0, FaultRates(stall=1.0), stall_s=0.5, sleep=slept.append)
+    assert UnreliableConsensus(MemConsensus("outage"), h3).head("k") == _v(0)
+    assert slept == [0.5]
+    handle.totally_available()
+    assert c.compare_and_set("k", 0, _v(1)) == COMMITTED
+    with pytest.raises(InvalidUsage):
+        FaultRates(determinate=0.7, timeout_only=0.7)
+
+
+def test_retry_policy_backoff_deadline_and_kinds() -> None:
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    policy = RetryPolicy(
+        initial_backoff_s=0.01, max_backoff_s=0.08, deadline_s=1.0, jitter=0.0,
+        sleep=sleep, clock=lambda: now[0],
+    )
+    calls = [0]
+
+    def flaky() -> str:
+        calls[0] += 1
+        if calls[0] < 5:
+            raise Determinate("boom")
+        return "ok"
+
+    assert retry_external(flaky, "flaky op", policy, retry_indeterminate=False) == "ok"
+    assert slept == pytest.approx([0.01, 0.02, 0.04, 0.08])
+
+    def always() -> None:
+        raise Determinate("still down")
+
+    slept.clear()
+    now[0] = 0.0
+    with pytest.raises(Determinate, match="consensus head of 'k'.*giving up.*still down"):
+        retry_external(always, "consensus head of 'k'", policy, retry_indeterminate=True)
+    assert sum(slept) == pytest.approx(1.0)  # never sleeps past the deadline
+
+    def indeterminate() -> None:
+        raise Indeterminate("maybe")
+
+    with pytest.raises(Indeterminate, match="^maybe$"):  # not retried: propagates as is
+        retry_external(indeterminate, "cas", policy, retry_indeterminate=False)
+    usage = [0]
+
+    def bad_usage() -> None:
+        usage[0] += 1
+        raise InvalidUsage("nope")
+
+    with pytest.raises(InvalidUsage):
+        retry_external(bad_usage, "x", policy, retry_indeterminate=True)
+    assert usage[0] == 1
+    jittered = RetryPolicy(initial_backoff_s=1.0, jitter=0.5, rng=random.Random(1))
+    assert all(0.5 <= jittered.jittered(0) <= 1.0 for _ in range(50))
+
+
+def test_retrying_consensus_cas_resolves_only_determinate() -> None:
+    no_sleep = RetryPolicy(deadline_s=5, sleep=lambda s: None)
+    h = UnreliableHandle(0, FaultRates(determinate=0.5), sleep=lambda s: None)
+    c = RetryingConsensus(UnreliableConsensus(MemConsensus("retry-cas"), h), no_sleep)
+    for s in range(20):  # determinate failures are retried away
+        assert c.compare_and_set("k", s - 1 if s else None, _v(s)) == COMMITTED
+    assert h.snapshot_counts()["determinate"] > 5
+    h.partially_available(determinate=0, applied_then_timeout=1.0, timeout_only=0)
+    with pytest.raises(Indeterminate):  # never blindly retried: the caller resolves it
+        c.compare_and_set("k", 19, _v(20))
+    assert MemConsensus("retry-cas").head("k") == _v(20)
+    # idempotent ops retry indeterminate failures too
+    h.partially_available(determinate=0, applied_then_timeout=0.5, timeout_only=0.2)
+    assert c.head("k") == _v(20)
+    b = RetryingBlob(UnreliableBlob(MemBlob("retry-blob"), h), no_sleep)
+    for i in range(20):
+        b.set(f"k{i}", b"v")
+    assert len(list(b.list_keys_and_metadata(""))) == 20
+
+
+# -- backend-specific error semantics -------------------------------------------------
+
+
+def test_file_blob_oserror_is_determinate_and_cleans_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blob = FileBlob(tmp_path / "root")
+    real_write = os.write
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(Determinate, match=r"'a/b'.*ENOSPC.*free disk space") as ei:
+        blob.set("a/b", b"x")
+    assert str(tmp_path / "root") in str(ei.value)
+    monkeypatch.setattr(os, "write", real_write)
+    assert os.listdir(tmp_path / "root" / "a") == []  # no temp file left behind
+    blob.set("a/b", b"x")
+    assert blob.get("a/b") == b"x"
+
+
+def test_file_blob_key_prefix_conflict_is_usage_error(tmp_path: Path) -> None:
+    blob = FileBlob(tmp_path)
+    blob.set("a", b"1")
+    with pytest.raises(InvalidBlobKey, match="conflicts"):
+        blob.set("a/b", b"2")
+    assert blob.get("a/b") is None
+    blob.set("c/d", b"3")
+    with pytest.raises(InvalidBlobKey, match="conflicts"):
+        blob.set("c", b"4")
+    assert blob.get("c") is None
+    assert blob.delete("c") is None
+
+
+def test_sqlite_locked_is_determinate(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "dir" / "c.db"  # parents are created
+    c = SqliteConsensus(path, busy_timeout_ms=50)
+    assert c.compare_and_set("k", None, _v(0)) == COMMITTED
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # hold the write lock
+    try:
+        with pytest.raises(Determinate, match="locked"):
+            c.compare_and_set("k", 0, _v(1))
+        assert c.head("k") == _v(0)  # WAL: reads don't wait for the writer
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert c.compare_and_set("k", 0, _v(1)) == COMMITTED
+    c.close()
+    with pytest.raises(InvalidUsage, match="closed"):
+        c.head("k")
+
+
+class _Proxy:
+    """A TCP proxy we can cut, to lose a connection while a statement is in flight."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        for s in self.conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+        self.cut()
+
+
+@pytest.mark.postgres
+def test_postgres_error_kinds(pg_consensus_url: str) -> None:
+    from persist_lib.location.postgres_consensus import PostgresConsensus
+
+    # connection refused before anything was sent: determinate
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    refused = PostgresConsensus(
+        f"postgresql://persist:pw@127.0.0.1:{closed_port}/db", connect_timeout_s=2
+    )
+    with pytest.raises(Determinate, match="cannot connect"):
+        refused.compare_and_set("k", None, _v(0))
+
+    # connection lost while the CAS is in flight: indeterminate (and it may commit!)
+    c = PostgresConsensus(pg_consensus_url)
+    assert c.compare_and_set("k", None, _v(0)) == COMMITTED
+    info = psycopg.conninfo.conninfo_to_dict(pg_consensus_url)
+    proxy = _Proxy((str(info["host"]), int(info["port"])))
+    proxied = PostgresConsensus(
+        pg_consensus_url.replace(f":{info['port']}/", f":{proxy.port}/"), notify=False
+    )
+    assert proxied.head("k") == _v(0)
+    locker = psycopg.connect(pg_consensus_url)
+    locker.execute("LOCK TABLE consensus IN ACCESS EXCLUSIVE MODE")  # blocks the CAS
+    result: list[BaseException | CaSResult] = []
+
+    def cas() -> None:
+        try:
+            result.append(proxied.compare_and_set("k", 0, _v(1)))
+        except BaseException as e:  # noqa: BLE001
+            result.append(e)
+
+    t = threading.Thread(target=cas)
+    t.start()
+    deadline = time.monotonic() + 10
+    with psycopg.connect(pg_consensus_url, autocommit=True) as watcher:
+        while time.monotonic() < deadline:  # wait until the CAS is blocked on the lock
+            waiting = watcher.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            ).fetchone()
+            if waiting and waiting[0] >= 1:
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail("the proxied CAS never blocked on the table lock")
+    proxy.cut()
+    t.join(timeout=10)
+    locker.rollback()  # release the lock: the orphaned CAS may now commit
+    locker.close()
+    assert len(result) == 1 and isinstance(result[0], Indeterminate), result
+    assert "may or may not" in str(result[0])
+    # resolving the indeterminate outcome: re-read the head
+    # (the server only notices the lost client when it answers, so the orphaned CAS
+    # runs to completion once the lock is released: the write happened after all)
+    deadline = time.monotonic() + 10
+    while c.head("k") == _v(0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c.head("k") == _v(1)
+    proxy.close()
+
+    # a server-reported error (here: the table is gone) is determinate
+    with psycopg.connect(pg_consensus_url, autocommit=True) as admin:
+        admin.execute("ALTER TABLE consensus RENAME TO consensus_away")
+    with pytest.raises(Determinate, match="SQLSTATE 42P01"):
+        c.head("k")
+    c.close()
+    proxied.close()
+    refused.close()
