@@ -66,6 +66,37 @@ def _dense_by_dictionary(col: pa.ChunkedArray) -> Ranks:
     return rank_of[indices], u + 1
 
 
+def _dense_by_sort(col: pa.ChunkedArray) -> Ranks:
+    """Dense ranks by sorting the whole column: better when most values are distinct."""
+    ranks = pc.rank(col, sort_keys="ascending", tiebreaker="dense").to_numpy().astype(np.int64)
+    if col.null_count:  # nulls were ranked last; they come first
+        ranks[~col.is_valid().to_numpy(zero_copy_only=False)] = 0
+    return ranks, int(ranks.max()) + 1
+
+
+_SAMPLE = 4096
+
+
+def _estimated_distinct(col: pa.ChunkedArray) -> float:
+    """Estimates the number of distinct values from duplicates in a fixed random sample."""
+    n = len(col)
+    idx = np.sort(np.random.default_rng(0).choice(n, _SAMPLE, replace=False))
+    sample = col.take(pa.array(idx))
+    dups = _SAMPLE - pc.count_distinct(sample, mode="all").as_py()
+    if dups <= 0:
+        return float(n)
+    # Birthday estimate: s samples from u equally likely values have ~s^2/2u duplicates.
+    return min(float(n), _SAMPLE * _SAMPLE / (2.0 * dups))
+
+
+def _dense(col: pa.ChunkedArray) -> Ranks:
+    """Dense ranks, by hashing (few distinct values) or by sorting (mostly distinct)."""
+    n = len(col)
+    if n > 4 * _SAMPLE and _estimated_distinct(col) > n / 4:
+        return _dense_by_sort(col)
+    return _dense_by_dictionary(col)
+
+
 def _float_total_order(col: pa.ChunkedArray) -> pa.ChunkedArray:
     """Maps floats to int64s with the same (IEEE total) order; keeps nulls."""
     bits = col.type.bit_width
@@ -153,23 +184,48 @@ def column_ranks(col: pa.Array | pa.ChunkedArray) -> list[Ranks]:
     if _is_listish(t):
         return [_dense_by_python(col)]
     if pa.types.is_floating(t):
-        return [_dense_by_dictionary(_float_total_order(col))]
-    return [_dense_by_dictionary(col)]
+        return [_dense(_float_total_order(col))]
+    return [_dense(col)]
+
+
+def _int_column(key: np.ndarray) -> pa.ChunkedArray:
+    return pa.chunked_array([pa.array(key)])
 
 
 def row_keys(columns: Sequence[pa.Array | pa.ChunkedArray], n: int) -> np.ndarray:
-    """One int64 per row such that equal keys <=> equal rows and key order = row order."""
+    """One int64 per row such that equal keys <=> equal rows and key order = row order.
+
+    After the first column, rows whose value is unique are settled: later columns are
+    only ranked for the rows still tied (for a mostly-distinct leading key, that skips
+    all the other columns).
+    """
     key: np.ndarray | None = None
     card = 1
-    for col in columns:
+    active: np.ndarray | None = None  # indices of the rows still tied; None = all rows
+    for ci, col in enumerate(columns):
+        if active is not None:
+            if len(active) == 0:
+                break
+            col = col.take(pa.array(active))
         for ranks, m in column_ranks(col):
             if key is None:
                 key, card = ranks, m
                 continue
             if card * m >= _KEY_LIMIT:
-                key, card = _dense_by_dictionary(pa.chunked_array([pa.array(key)]))
-            key = key * m + ranks
+                key, card = _dense(_int_column(key))
+            # Settled rows get rank 0: their prefix is unique, so order is unaffected.
+            key = key * m
+            if active is None:
+                key += ranks
+            else:
+                key[active] += ranks
             card = card * m
+        if ci == 0 and len(columns) > 1 and key is not None:
+            if card > 4 * n:
+                key, card = _dense(_int_column(key))
+            tied = np.bincount(key, minlength=card)[key] > 1
+            if not tied.all():
+                active = np.flatnonzero(tied)
     return np.zeros(n, dtype=np.int64) if key is None else key
 
 

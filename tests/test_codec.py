@@ -8,6 +8,7 @@ import math
 import struct
 from collections import Counter
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from persist_lib import consolidate as consolidate_mod
 from persist_lib.codec import (
     Schemas,
     empty_updates,
@@ -386,6 +388,17 @@ names = st.sampled_from(["", "a", "b", "ab", "é", "\x00"])
 
 
 def _check(table: pa.Table, cols: list[str]) -> None:
+    _check_once(table, cols)
+    # Force the other ranking strategies (hash vs sort) that big tables choose between.
+    for estimate in (lambda col: float(len(col)), lambda col: 1.0):
+        with (
+            mock.patch.object(consolidate_mod, "_SAMPLE", 1),
+            mock.patch.object(consolidate_mod, "_estimated_distinct", estimate),
+        ):
+            _check_once(table, cols)
+
+
+def _check_once(table: pa.Table, cols: list[str]) -> None:
     rows = table.to_pylist()
     out = consolidate(table)
     assert out.schema == table.schema
@@ -470,6 +483,27 @@ def test_consolidate_many_wide_columns_redensifies() -> None:
         cols[f"k.c{i}"][: n // 2] = cols[f"k.c{i}"][n // 2 :]
     table = pa.table({**cols, "t": rng.integers(0, 2, n), "d": rng.integers(-1, 2, n)})
     _check(table, [f"k.c{i}" for i in range(5)])
+
+
+def test_consolidate_big_tables_with_nulls_and_ties() -> None:
+    # Big enough for the sampling estimate; a unique-ish leading column with some
+    # nulls and ties, then columns that only matter for the tied rows.
+    rng = np.random.default_rng(3)
+    n = 30_000
+    lead = rng.integers(0, 40_000, n).astype(object)
+    lead[rng.random(n) < 0.01] = None
+    names_ = np.array(["a", "b", None, "c"], dtype=object)[rng.integers(0, 4, n)]
+    fl = np.array([0.0, -0.0, math.nan, 1.5], dtype=object)[rng.integers(0, 4, n)]
+    table = pa.table(
+        {
+            "k.id": pa.array(list(lead), pa.int64()),
+            "k.name": pa.array(list(names_), pa.string()),
+            "v.f": pa.array(list(fl), pa.float64()),
+            "t": rng.integers(0, 3, n),
+            "d": rng.integers(-1, 2, n),
+        }
+    )
+    _check(table, ["k.id", "k.name", "v.f"])
 
 
 def test_consolidate_all_supported_scalar_types() -> None:
