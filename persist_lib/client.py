@@ -47,8 +47,20 @@ def default_uris(home: str | os.PathLike[str] | None = None) -> tuple[str, str]:
     return blob, consensus
 
 
+class _OpenDescriptor:
+    """``PersistClient.open(blob_uri, consensus_uri)`` on the class opens a location;
+    ``client.open(shard, key_schema, val_schema)`` on an instance opens a shard."""
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return objtype._open_location
+        return obj._open_shard
+
+
 class PersistClient:
     """Entry point of the library: ``PersistClient.open(blob_uri, consensus_uri)``."""
+
+    open = _OpenDescriptor()
 
     def __init__(
         self,
@@ -76,9 +88,10 @@ class PersistClient:
     # ----- construction ---------------------------------------------------------------
 
     @classmethod
-    def open(
+    def _open_location(
         cls, blob_uri: str, consensus_uri: str, config: PersistConfig | None = None
     ) -> PersistClient:
+        """``PersistClient.open(blob_uri, consensus_uri)``: a client on a location."""
         return cls(
             open_blob(blob_uri),
             open_consensus(consensus_uri),
@@ -95,7 +108,7 @@ class PersistClient:
         blob, consensus = default_uris(home)
         if blob.startswith("file://"):
             Path(blob[len("file://") :]).mkdir(parents=True, exist_ok=True)
-        return cls.open(blob, consensus, config)
+        return cls._open_location(blob, consensus, config)
 
     def close(self) -> None:
         self._hb_stop.set()
@@ -124,7 +137,7 @@ class PersistClient:
                 m = self._machines[sid] = Machine(sid, self.blob, self.consensus, self.config)
             return m
 
-    def open(
+    def _open_shard(
         self,
         shard: ShardLike,
         key_schema: pa.Schema,

@@ -255,10 +255,11 @@ def test_reopen_from_rollups_after_many_appends() -> None:
 def test_critical_since_handle_fencing(client: PersistClient) -> None:
     shard = ShardId.new()
     w, r = client.open(shard, KEY, VAL)
+    h = client.open_critical_since(shard, KEY, VAL, initial_opaque="epoch-1")
     r.downgrade_since(100)
     w.compare_and_append([], 0, 50)
-    h = client.open_critical_since(shard, KEY, VAL, initial_opaque="epoch-1")
     assert h.since == Antichain([0])
+    assert client.inspect(shard)["since"] == [0]  # the critical reader holds it back
     res = h.compare_and_downgrade_since("epoch-0", "epoch-2", 10)
     assert not res.ok and res.current_opaque == "epoch-1"
     res = h.compare_and_downgrade_since("epoch-1", "epoch-2", 10)
