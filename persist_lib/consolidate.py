@@ -7,16 +7,25 @@ and ``0.0`` are *different* values and a NaN equals only a NaN with the same bit
 strings and binaries bytewise; ``false < true``; a struct as (null-ness, then its
 fields left to right); a list lexicographically by its elements (a prefix first).
 
-**How** (measured on 1M rows of ``(int64, string) -> double``: ~0.2 s, against ~0.36 s
-for Arrow's multi-column ``sort_indices`` + run detection and ~0.6 s for
-``group_by().aggregate()`` + ``sort_by``): each column is turned into a dense rank
-(``dictionary_encode`` hashes the column, only the *distinct* values get sorted), the
-ranks are combined into one int64 key per row (re-densified when the product of the
-cardinalities would overflow), numpy sorts that single key once, and runs of equal
-keys are summed with ``np.add.reduceat``. Only list columns (top-level or inside a
-struct) take a per-row Python path: their values are converted to canonical, ordered
-Python tuples (temporal values as integers, floats by total order), which costs
-roughly 1-3 µs per list element.
+**How.** Each column is turned into dense int64 ranks: by hashing
+(``dictionary_encode``, then sorting only the distinct values) when a fixed random
+sample suggests few distinct values, else by one Arrow sort of the column
+(``rank``). The ranks of successive columns are combined into one int64 key per row
+(re-densified when the product of the cardinalities would overflow); rows whose
+first column is already unique are settled, so later columns are ranked only for
+the rows still tied. numpy then sorts the single key once and sums runs of equal
+keys with ``np.add.reduceat``.
+
+Measured on 1M rows ``(id int64, name string) -> amount double`` on the dev box
+(2 cores): ~0.25 s with 200k ids x 5000 names x 10 times; ~0.3 s when all rows are
+distinct. For comparison: Arrow's multi-column ``sort_indices`` + run detection took
+0.3-0.5 s and ``group_by().aggregate()`` + ``sort_by`` ~0.6 s on the same data.
+
+List columns are ranked by ranking their elements (recursively) and sorting the rows
+of a padded ``rows x max_len`` matrix of element ranks (``np.lexsort``). Only lists
+longer than 64 elements take a per-row Python path (values become canonical,
+ordered Python tuples: temporal values as integers, floats by total order), which
+costs ~4 µs per list element.
 """
 
 from __future__ import annotations
@@ -163,6 +172,48 @@ def _dense_by_python(col: pa.ChunkedArray) -> Ranks:
     return np.fromiter((pos[k] for k in keys), dtype=np.int64, count=len(keys)), len(uniq)
 
 
+# Lists longer than this (or too many cells in all) are ranked by the Python path.
+_MAX_VECTOR_LIST_LEN = 64
+_MAX_VECTOR_LIST_CELLS = 1 << 25
+
+
+def _dense_lists(col: pa.ChunkedArray) -> Ranks:
+    """Dense ranks of a list column, vectorized: rank the elements (recursively), lay
+    them out as a padded ``rows x max_len`` matrix (0 = past the end, so a prefix sorts
+    first) and sort its rows lexicographically. Falls back to the Python path for very
+    long lists."""
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    n = len(arr)
+    lengths = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
+    lengths = lengths.astype(np.int64)
+    max_len = int(lengths.max()) if n else 0
+    values = pc.list_flatten(arr)
+    if (
+        max_len > _MAX_VECTOR_LIST_LEN
+        or n * max_len > _MAX_VECTOR_LIST_CELLS
+        or int(lengths.sum()) != len(values)
+    ):
+        return _dense_by_python(col)
+    valid = arr.is_valid().to_numpy(zero_copy_only=False).astype(np.int64)
+    elem = row_keys([values], len(values)) + 1  # element keys >= 1 (nulls: 1)
+    mat = np.zeros((n, max_len), dtype=np.int64)
+    if len(values):
+        starts = np.cumsum(lengths) - lengths
+        rows = np.repeat(np.arange(n), lengths)
+        pos = np.arange(len(values)) - np.repeat(starts, lengths)
+        mat[rows, pos] = elem
+    # np.lexsort sorts by its *last* key first: validity, then element 0, 1, ...
+    order = np.lexsort([mat[:, j] for j in range(max_len - 1, -1, -1)] + [valid])
+    smat, svalid = mat[order], valid[order]
+    new = np.empty(n, dtype=bool)
+    if n:
+        new[0] = True
+        new[1:] = (svalid[1:] != svalid[:-1]) | np.any(smat[1:] != smat[:-1], axis=1)
+    ranks = np.empty(n, dtype=np.int64)
+    ranks[order] = np.cumsum(new) - 1  # 0 = the smallest: a null list if there is one
+    return ranks, int(ranks.max()) + 1 if n else 1
+
+
 def _is_listish(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
 
@@ -182,7 +233,7 @@ def column_ranks(col: pa.Array | pa.ChunkedArray) -> list[Ranks]:
             out.extend(column_ranks(child))
         return out
     if _is_listish(t):
-        return [_dense_by_python(col)]
+        return [_dense_lists(col)]
     if pa.types.is_floating(t):
         return [_dense(_float_total_order(col))]
     return [_dense(col)]

@@ -396,6 +396,9 @@ def _check(table: pa.Table, cols: list[str]) -> None:
             mock.patch.object(consolidate_mod, "_estimated_distinct", estimate),
         ):
             _check_once(table, cols)
+    if any(pa.types.is_list(f.type) or pa.types.is_large_list(f.type) for f in table.schema):
+        with mock.patch.object(consolidate_mod, "_MAX_VECTOR_LIST_LEN", 0):  # the Python path
+            _check_once(table, cols)
 
 
 def _check_once(table: pa.Table, cols: list[str]) -> None:
