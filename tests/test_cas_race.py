@@ -108,8 +108,7 @@ class BrokenPgCas:
 
     def head(self, key: str) -> VersionedData | None:
         row = self.conn.execute(
-            "SELECT seqno, data FROM broken_consensus WHERE shard = %s "
-            "ORDER BY seqno DESC LIMIT 1",
+            "SELECT seqno, data FROM broken_consensus WHERE shard = %s ORDER BY seqno DESC LIMIT 1",
             (key,),
         ).fetchone()
         return None if row is None else VersionedData(row[0], bytes(row[1]))
@@ -203,7 +202,9 @@ def truncater(uri: str, stop: Any, out: Any) -> None:
         h = c.head(KEY)
         for e in c.scan(KEY, 0, 100_000):
             if observed.setdefault(e.seqno, e.data) != e.data:
-                conflicts.append(f"seqno {e.seqno} changed from {observed[e.seqno]!r} to {e.data!r}")
+                conflicts.append(
+                    f"seqno {e.seqno} changed from {observed[e.seqno]!r} to {e.data!r}"
+                )
         if h is not None and h.seqno >= 3:
             if c.truncate(KEY, h.seqno - 2) > 0:
                 truncations += 1
@@ -276,11 +277,15 @@ def test_checker_flags_synthetic_violations() -> None:
     lost = History(claims=[Claim(0, 0, 1, b"a"), Claim(1, 0, 1, b"b")], stored={0: b"", 1: b"b"})
     problems = check_history(lost)
     assert any("2 winners" in x for x in problems) and any("stored" in x for x in problems)
-    gap = History(claims=[Claim(0, 0, 1, b"a"), Claim(0, 2, 3, b"c")], stored={0: b"", 1: b"a", 3: b"c"})
+    gap = History(
+        claims=[Claim(0, 0, 1, b"a"), Claim(0, 2, 3, b"c")], stored={0: b"", 1: b"a", 3: b"c"}
+    )
     assert any("gaps" in x for x in check_history(gap))
 
 
-@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
 def test_cas_race_is_linearizable(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -291,7 +296,9 @@ def test_cas_race_is_linearizable(
     h = run_race("real", uri)
     assert check_history(h) == []
     # exactly one first write won each key, and the log holds the winner's bytes
-    assert sorted(k for k, _ in h.first_wins) == sorted(f"first-{r}" for r in range(FIRST_WRITE_KEYS))
+    assert sorted(k for k, _ in h.first_wins) == sorted(
+        f"first-{r}" for r in range(FIRST_WRITE_KEYS)
+    )
     c = open_consensus(uri)
     for k, wid in h.first_wins:
         head = c.head(k)

@@ -437,8 +437,12 @@ def test_retry_policy_backoff_deadline_and_kinds() -> None:
         now[0] += s
 
     policy = RetryPolicy(
-        initial_backoff_s=0.01, max_backoff_s=0.08, deadline_s=1.0, jitter=0.0,
-        sleep=sleep, clock=lambda: now[0],
+        initial_backoff_s=0.01,
+        max_backoff_s=0.08,
+        deadline_s=1.0,
+        jitter=0.0,
+        sleep=sleep,
+        clock=lambda: now[0],
     )
     calls = [0]
 

@@ -91,7 +91,9 @@ def validate_key(key: str) -> list[str]:
     """The segments of ``key``; raises ``InvalidBlobKey`` naming the key and the rule."""
     problem = _key_problem(key)
     if problem is not None:
-        shown = repr(key) if not isinstance(key, str) or len(key) <= 200 else repr(key[:200]) + "..."
+        shown = (
+            repr(key) if not isinstance(key, str) or len(key) <= 200 else repr(key[:200]) + "..."
+        )
         raise InvalidBlobKey(f"invalid blob key {shown}: {problem}; keys must be {KEY_GRAMMAR}")
     return key.split("/")
 

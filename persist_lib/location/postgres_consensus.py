@@ -258,8 +258,7 @@ class PostgresConsensus(Consensus):
             ") {tail}"
         ).format(t=t, tail=tail)
         self._q_head = sql.SQL(
-            "SELECT seqno, data FROM {} WHERE shard = %s AND seqno >= 0 "
-            "ORDER BY seqno DESC LIMIT 1"
+            "SELECT seqno, data FROM {} WHERE shard = %s AND seqno >= 0 ORDER BY seqno DESC LIMIT 1"
         ).format(t)
         self._q_scan = sql.SQL(
             "SELECT seqno, data FROM {} WHERE shard = %s AND seqno >= %s ORDER BY seqno LIMIT %s"
@@ -332,11 +331,17 @@ class PostgresConsensus(Consensus):
                 )
                 if self.schema:
                     conn.execute(
-                        sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.schema))
+                        sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                            sql.Identifier(self.schema)
+                        )
                     )
                 conn.execute(self._q_create)
-        except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable,
-                psycopg.errors.DuplicateObject, psycopg.errors.DuplicateSchema):
+        except (
+            psycopg.errors.UniqueViolation,
+            psycopg.errors.DuplicateTable,
+            psycopg.errors.DuplicateObject,
+            psycopg.errors.DuplicateSchema,
+        ):
             pass  # created concurrently by someone without the lock: fine
         except psycopg.Error as e:
             if conn.broken or conn.closed:

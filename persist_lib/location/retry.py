@@ -124,9 +124,7 @@ def retry_external(
 
 
 def _exhausted(e: ExternalError, what: str, attempts: int, elapsed: float) -> ExternalError:
-    msg = (
-        f"{what}: still failing after {attempts} attempt(s) over {elapsed:.1f}s, giving up: {e}"
-    )
+    msg = f"{what}: still failing after {attempts} attempt(s) over {elapsed:.1f}s, giving up: {e}"
     try:
         return type(e)(msg)
     except TypeError:  # a subclass with another constructor: keep the kind

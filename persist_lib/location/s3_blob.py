@@ -68,7 +68,9 @@ class S3Blob(Blob):
         if not bucket:
             raise InvalidUsage("S3Blob needs a bucket name")
         if part_size < _MIN_PART_SIZE:
-            raise InvalidUsage(f"S3 multipart part size must be >= {_MIN_PART_SIZE}, got {part_size}")
+            raise InvalidUsage(
+                f"S3 multipart part size must be >= {_MIN_PART_SIZE}, got {part_size}"
+            )
         self.bucket = bucket
         p = prefix.strip("/")
         self.prefix = f"{p}/" if p else ""
@@ -120,21 +122,33 @@ class S3Blob(Blob):
             err = self._client_error(op, key, write, e)
         except (EndpointConnectionError, ConnectTimeoutError) as e:
             err = Determinate(
-                self._msg(op, key, f"could not connect: {e}", "the operation did not happen; "
-                          "check endpoint_url and that the server is up")
+                self._msg(
+                    op,
+                    key,
+                    f"could not connect: {e}",
+                    "the operation did not happen; check endpoint_url and that the server is up",
+                )
             )
         except (NoCredentialsError, PartialCredentialsError) as e:
             err = Determinate(
-                self._msg(op, key, f"no usable credentials ({type(e).__name__})",
-                          "set access_key_id/secret_access_key or the AWS_* variables")
+                self._msg(
+                    op,
+                    key,
+                    f"no usable credentials ({type(e).__name__})",
+                    "set access_key_id/secret_access_key or the AWS_* variables",
+                )
             )
         except ParamValidationError as e:
             err = InvalidUsage(self._msg(op, key, f"invalid request: {e}", "fix the call"))
         except BotoCoreError as e:
             if write:
                 err = Indeterminate(
-                    self._msg(op, key, f"{type(e).__name__}: {e}",
-                              "the write may or may not have happened")
+                    self._msg(
+                        op,
+                        key,
+                        f"{type(e).__name__}: {e}",
+                        "the write may or may not have happened",
+                    )
                 )
             else:
                 err = Determinate(self._msg(op, key, f"{type(e).__name__}: {e}", "retry"))
@@ -142,7 +156,9 @@ class S3Blob(Blob):
         raise err
 
     def _msg(self, op: str, key: str, problem: str, hint: str) -> str:
-        return self._redact(f"S3 blob {self.describe()}: {op} of key {key!r} failed: {problem}; {hint}")
+        return self._redact(
+            f"S3 blob {self.describe()}: {op} of key {key!r} failed: {problem}; {hint}"
+        )
 
     def _client_error(self, op: str, key: str, write: bool, e: ClientError) -> Exception:
         err = e.response.get("Error", {}) or {}
@@ -152,12 +168,19 @@ class S3Blob(Blob):
         problem = f"HTTP {status} {code}" + (f": {message}" if message else "")
         if code == "NoSuchBucket":
             return Determinate(self._msg(op, key, problem, f"create bucket {self.bucket!r} first"))
-        if status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId",
-                                             "SignatureDoesNotMatch"):
-            return Determinate(self._msg(op, key, problem, "check the credentials and the bucket policy"))
+        if status in (401, 403) or code in (
+            "AccessDenied",
+            "InvalidAccessKeyId",
+            "SignatureDoesNotMatch",
+        ):
+            return Determinate(
+                self._msg(op, key, problem, "check the credentials and the bucket policy")
+            )
         if status >= 500 or status == 0:
             if write:
-                return Indeterminate(self._msg(op, key, problem, "the write may or may not have happened"))
+                return Indeterminate(
+                    self._msg(op, key, problem, "the write may or may not have happened")
+                )
             return Determinate(self._msg(op, key, problem, "server error; retry"))
         return Determinate(self._msg(op, key, problem, "the operation did not happen"))
 
@@ -258,8 +281,8 @@ class S3Blob(Blob):
             return int(head.get("ContentLength", 0))
 
         n = self._call("delete (head)", key, False, size)
-        if n is None:
-            return None
+        # Delete even when HEAD said 404: a HEAD can't tell a missing key from a missing
+        # bucket (no error body), and a concurrent writer may have just finished.
         self._call(
             "delete", key, True, lambda: self._client.delete_object(Bucket=self.bucket, Key=k)
         )

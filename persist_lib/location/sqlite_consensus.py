@@ -55,9 +55,7 @@ _CAS = (
     "INSERT INTO consensus (shard, seqno, data) SELECT ?, ?, ? "
     "WHERE (SELECT seqno FROM consensus WHERE shard = ? ORDER BY seqno DESC LIMIT 1) IS ?"
 )
-_SCAN = (
-    "SELECT seqno, data FROM consensus WHERE shard = ? AND seqno >= ? ORDER BY seqno LIMIT ?"
-)
+_SCAN = "SELECT seqno, data FROM consensus WHERE shard = ? AND seqno >= ? ORDER BY seqno LIMIT ?"
 _TRUNCATE = (
     "DELETE FROM consensus WHERE shard = ? AND seqno < ? "
     "AND EXISTS (SELECT 1 FROM consensus WHERE shard = ? AND seqno >= ?)"
@@ -165,13 +163,17 @@ class SqliteConsensus(Consensus):
             )
         if primary == _SQLITE_FULL:
             return Determinate(f"{where} failed: {e} ({name}); it did not happen; free disk space")
-        if write and (primary == _SQLITE_IOERR or primary is None or not isinstance(
-            e, sqlite3.OperationalError | sqlite3.IntegrityError
-        )):
+        if write and (
+            primary == _SQLITE_IOERR
+            or primary is None
+            or not isinstance(e, sqlite3.OperationalError | sqlite3.IntegrityError)
+        ):
             return Indeterminate(f"{where} failed: {e} ({name}); it may have been applied")
         return Determinate(f"{where} failed: {e} ({name}); it did not happen")
 
-    def _run(self, op: str, key: str | None, write: bool, fn: Callable[[sqlite3.Connection], T]) -> T:
+    def _run(
+        self, op: str, key: str | None, write: bool, fn: Callable[[sqlite3.Connection], T]
+    ) -> T:
         conn = self._conn()
         err: Exception | None = None
         try:

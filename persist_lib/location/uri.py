@@ -130,9 +130,7 @@ class SensitiveUrl:
 
 def _invalid(kind: str, uri: str, problem: str, forms: tuple[str, ...]) -> InvalidUri:
     listed = "; ".join(forms)
-    return InvalidUri(
-        f"invalid {kind} URI {redact(uri)!r}: {problem}. Accepted forms: {listed}"
-    )
+    return InvalidUri(f"invalid {kind} URI {redact(uri)!r}: {problem}. Accepted forms: {listed}")
 
 
 def _params(

@@ -182,9 +182,7 @@ class PgServer:
 
         if self._external_url:
             parts = urlsplit(self._external_url)
-            return psycopg.connect(
-                urlunsplit(parts._replace(path="/" + dbname)), autocommit=True
-            )
+            return psycopg.connect(urlunsplit(parts._replace(path="/" + dbname)), autocommit=True)
         return psycopg.connect(
             host=self.sockdir, port=self.port, user="postgres", dbname=dbname, autocommit=True
         )
@@ -208,7 +206,9 @@ class PgServer:
         from psycopg import sql
 
         with self._admin_connect() as conn:
-            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+            exists = conn.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (name,)
+            ).fetchone()
             if not exists:
                 conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
 
@@ -219,8 +219,10 @@ class PgServer:
             self._stopped = True
         if self._external_url or not self.tmpdir:
             return
-        if self.bindir and self.datadir and os.path.exists(
-            os.path.join(self.datadir, "postmaster.pid")
+        if (
+            self.bindir
+            and self.datadir
+            and os.path.exists(os.path.join(self.datadir, "postmaster.pid"))
         ):
             subprocess.run(
                 self._cmd(
