@@ -387,7 +387,7 @@ def _time_or_diff_column(col: pa.ChunkedArray, name: str, shard: str) -> pa.Chun
         idx = _first_true(col.is_null())
         raise InvalidUsage(
             f"shard {shard}: column {name!r} has {col.null_count} null(s) (first in row {idx}); "
-            f"every update needs a {'time' if name == TS else 'diff'}"
+            f"every update needs a {'time' if name in (TS, T_COL) else 'diff'}"
         )
     if not col.type.equals(pa.int64()):
         try:
@@ -535,8 +535,24 @@ def normalize_updates(updates: Any, schemas: Schemas, *, shard: str) -> pa.Table
     return _normalize_tuples(updates, schemas, shard)
 
 
-def check_update_table(table: pa.Table, schemas: Schemas, *, shard: str) -> pa.Table:
-    """Returns ``table`` if it already is in the internal layout, else normalizes it."""
-    if isinstance(table, pa.Table) and table.schema.equals(internal_schema(schemas)):
-        return table
+def check_update_table(table: Any, schemas: Schemas, *, shard: str) -> pa.Table:
+    """Returns ``table`` if it already is an update table (internal layout), else
+    normalizes it: user layouts and tuples, and internal-layout tables whose types or
+    nullability flags differ (e.g. built by hand, or on a Spark executor)."""
+    target = internal_schema(schemas)
+    if isinstance(table, pa.RecordBatch):
+        table = pa.Table.from_batches([table])
+    if isinstance(table, pa.Table):
+        if table.schema.equals(target):
+            return table
+        if table.column_names == target.names:
+            fields = list(schemas.key) + list(schemas.val)
+            cols = [
+                _conform_column(table.column(i), f, shard, what="field")
+                for i, f in enumerate(fields)
+            ]
+            t = _time_or_diff_column(table.column(T_COL), T_COL, shard)
+            _check_times(t, shard)
+            cols += [t, _time_or_diff_column(table.column(D_COL), D_COL, shard)]
+            return pa.Table.from_arrays(cols, schema=target)
     return normalize_updates(table, schemas, shard=shard)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from persist_lib import consolidate as consolidate_mod
 from persist_lib.codec import (
     Schemas,
+    check_update_table,
     empty_updates,
     internal_schema,
     normalize_updates,
@@ -339,6 +340,24 @@ def test_normalize_non_nullable_fields() -> None:
 def test_normalize_tuple_errors(updates: list[Any], match: str) -> None:
     with pytest.raises(InvalidUsage, match="^shard s1: " + match):
         norm(updates)
+
+
+def test_check_update_table() -> None:
+    t = norm([(((1, "a"), (1.0,)), 0, 1)])
+    assert check_update_table(t, S, shard="s1") is t
+    # Internal layout built by hand (nullable t/d, narrower ints) is conformed.
+    loose = pa.table(
+        {"k.id": pa.array([1], pa.int32()), "k.name": ["a"], "v.amount": [1.0], "t": [0], "d": [1]}
+    )
+    assert check_update_table(loose, S, shard="s1").equals(t)
+    assert check_update_table(loose.to_batches()[0], S, shard="s1").equals(t)
+    with raises(r"^shard s1: column 't' has 1 null\(s\).*every update needs a time"):
+        check_update_table(loose.set_column(3, "t", pa.array([None], pa.int64())), S, shard="s1")
+    with raises(r"^shard s1: update time must be >= 0 but row 0 has time -1"):
+        check_update_table(loose.set_column(3, "t", pa.array([-1])), S, shard="s1")
+    # User layout and tuples go through normalize_updates.
+    assert check_update_table(to_user_table(t, S), S, shard="s1").equals(t)
+    assert check_update_table([(((1, "a"), (1.0,)), 0, 1)], S, shard="s1").equals(t)
 
 
 def test_normalize_rejects_other_objects() -> None:
