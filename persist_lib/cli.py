@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from persist_lib.client import PersistClient, default_uris
+from persist_lib.config import PersistConfig
 from persist_lib.errors import InvalidUsage, PersistError
 from persist_lib.location.uri import redact
 
@@ -70,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=consensus,
         help="consensus URI (default: $PERSIST_CONSENSUS_URI or the embedded default)",
     )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds to keep retrying an unavailable location before giving up (default 30)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     for name, (_, help_, add_args) in sorted(_COMMANDS.items()):
         sp = sub.add_parser(name, help=help_, description=help_)
@@ -82,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     fn = _COMMANDS[ns.command][0]
     try:
-        with PersistClient.open(ns.blob, ns.consensus) as client:
+        config = PersistConfig(retry_deadline_s=ns.timeout, background_heartbeats=False)
+        with PersistClient.open(ns.blob, ns.consensus, config) as client:
             out = fn(client, ns)
     except InvalidUsage as e:
         print(f"persist {ns.command}: error: {redact(str(e))}", file=sys.stderr)
