@@ -73,6 +73,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -99,7 +100,9 @@ class _Listener:
     """One LISTEN connection in a daemon thread; bumps generations and wakes waiters."""
 
     def __init__(self, owner: PostgresConsensus) -> None:
-        self._owner = owner
+        # A weak reference, so an unclosed PostgresConsensus can still be collected
+        # (its finalizer then stops this thread).
+        self._owner = weakref.ref(owner)
         self.cond = threading.Condition()
         self.healthy = False
         self.gen_all = 0  # bumped on (re)connect and on payload-less notifications
@@ -123,6 +126,10 @@ class _Listener:
                 self._thread.start()
         self._ready.wait(wait_s)
 
+    def stop_soon(self) -> None:
+        """Tells the thread to exit without waiting for it (safe from a finalizer)."""
+        self._stop.set()
+
     def stop(self) -> None:
         self._stop.set()
         with self.cond:
@@ -145,7 +152,13 @@ class _Listener:
         while not self._stop.is_set():
             conn: psycopg.Connection[Any] | None = None
             try:
-                conn = self._owner._connect()
+                owner = self._owner()
+                if owner is None:
+                    return
+                try:
+                    conn = owner._connect()
+                finally:
+                    del owner
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(NOTIFY_CHANNEL)))
                 with self.cond:
                     self.healthy = True
@@ -156,7 +169,10 @@ class _Listener:
                     for n in conn.notifies(timeout=0.2):
                         self._bump(n.payload)
             except Exception as e:  # noqa: BLE001 - reconnect on anything
-                log.debug("persist consensus listener: %s", self._owner._redact(str(e)))
+                owner = self._owner()
+                text = owner._redact(str(e)) if owner is not None else redact(str(e))
+                del owner
+                log.debug("persist consensus listener: %s", text)
             finally:
                 with self.cond:
                     self.healthy = False
@@ -197,10 +213,14 @@ class PostgresConsensus(Consensus):
         self._secrets = self._find_secrets(self.url.raw)
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._conns: list[psycopg.Connection[Any]] = []
+        # (pid, owning thread, connection): closed when their thread ends (on the next
+        # connect) or at close(); never closed from a forked child, which would end the
+        # parent's session (psycopg itself never finalizes a parent's connection).
+        self._conns: list[tuple[int, threading.Thread, psycopg.Connection[Any]]] = []
         self._setup_done = False
         self._closed = False
         self._listener = _Listener(self)
+        weakref.finalize(self, self._listener.stop_soon)
         self._build_queries()
 
     # -- description / redaction ---------------------------------------------------
@@ -304,9 +324,22 @@ class PostgresConsensus(Consensus):
         conn = self._connect()
         self._local.conn = conn
         self._local.pid = os.getpid()
+        pid = os.getpid()
         with self._lock:
-            self._conns = [c for c in self._conns if not c.closed]
-            self._conns.append(conn)
+            keep: list[tuple[int, threading.Thread, psycopg.Connection[Any]]] = []
+            dead: list[tuple[int, threading.Thread, psycopg.Connection[Any]]] = []
+            for entry in self._conns:
+                p, thread, c = entry
+                if c.closed or p != pid:
+                    continue
+                (keep if thread.is_alive() else dead).append(entry)
+            keep.append((pid, threading.current_thread(), conn))
+            self._conns = keep
+        for _, _, c in dead:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001
+                pass
         if not self._setup_done:
             self._setup(conn)
         return conn
@@ -364,7 +397,9 @@ class PostgresConsensus(Consensus):
         self._listener.stop()
         with self._lock:
             conns, self._conns = self._conns, []
-        for c in conns:
+        for pid, _, c in conns:
+            if pid != os.getpid():
+                continue
             try:
                 c.close()
             except Exception:  # noqa: BLE001

@@ -12,8 +12,10 @@ Why it looks the way it does (research/reliability.md section 5):
 - ``synchronous=FULL`` by default. In WAL mode ``NORMAL`` skips the fsync at each
   commit: a commit acknowledged to the caller can be lost on power failure (not on a
   process crash), which breaks persist's durability promise, so it is opt-in
-  (``?synchronous=NORMAL``). Measured on this machine's disk: FULL ~0.3 ms per CAS,
-  NORMAL ~0.1 ms; not worth the risk.
+  (``?synchronous=NORMAL``). Measured on the dev VM (500 sequential 1 KB CAS, one
+  process): FULL 1-2.4 ms per CAS, NORMAL 0.04-0.09 ms. NORMAL is ~25x faster, but a
+  few ms per state change is small next to the blob writes that precede it, so the
+  default stays durable.
 - One connection per thread (created lazily, re-created after ``fork``), all closed
   by ``close()``. "database is locked" after the busy timeout is ``Determinate``
   (the single statement did not run); an I/O error while writing is ``Indeterminate``.
@@ -90,7 +92,9 @@ class SqliteConsensus(Consensus):
         self.busy_timeout_ms = busy_timeout_ms
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._conns: list[sqlite3.Connection] = []
+        # (pid, owning thread, connection): closed when their thread ends (on the next
+        # connect) or at close(); connections inherited over fork are left alone.
+        self._conns: list[tuple[int, threading.Thread, sqlite3.Connection]] = []
         self._closed = False
         try:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -137,15 +141,30 @@ class SqliteConsensus(Consensus):
         assert conn is not None
         self._local.conn = conn
         self._local.pid = os.getpid()
+        pid = os.getpid()
         with self._lock:
-            self._conns.append(conn)
+            keep: list[tuple[int, threading.Thread, sqlite3.Connection]] = []
+            dead: list[tuple[int, threading.Thread, sqlite3.Connection]] = []
+            for entry in self._conns:
+                if entry[0] != pid:
+                    continue
+                (keep if entry[1].is_alive() else dead).append(entry)
+            keep.append((pid, threading.current_thread(), conn))
+            self._conns = keep
+        for _, _, c in dead:
+            try:
+                c.close()
+            except sqlite3.Error:
+                pass
         return conn
 
     def close(self) -> None:
         with self._lock:
             conns, self._conns = self._conns, []
             self._closed = True
-        for c in conns:
+        for pid, _, c in conns:
+            if pid != os.getpid():
+                continue
             try:
                 c.close()
             except sqlite3.Error:
