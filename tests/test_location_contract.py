@@ -669,3 +669,68 @@ def test_postgres_error_kinds(pg_consensus_url: str) -> None:
     c.close()
     proxied.close()
     refused.close()
+
+
+@pytest.mark.postgres
+def test_postgres_contract_under_serializable(pg_consensus_url: str) -> None:
+    """The same CAS is correct under SERIALIZABLE; its 40001s are Determinate (retried)."""
+    url = pg_consensus_url + "?options=-c%20default_transaction_isolation%3Dserializable"
+    raw = open_consensus(url)
+    level = psycopg.connect(url).execute("SHOW transaction_isolation").fetchone()
+    assert level == ("serializable",)
+    test_consensus_cas_sequence(raw)
+    test_consensus_truncate(raw)
+    c = RetryingConsensus(raw, RetryPolicy(deadline_s=30))
+    assert c.compare_and_set("race", None, _v(0)) == COMMITTED
+    wins: list[int] = []
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(15):
+                h = c.head("race")
+                assert h is not None
+                if c.compare_and_set("race", h.seqno, _v(h.seqno + 1)) == COMMITTED:
+                    wins.append(h.seqno + 1)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    head = c.head("race")
+    assert head is not None and sorted(wins) == list(range(1, head.seqno + 1))
+    c.close()
+
+
+@pytest.mark.postgres
+def test_postgres_error_classification(pg_consensus_url: str) -> None:
+    """How psycopg errors map to Determinate/Indeterminate (the rules in the docstring)."""
+    from persist_lib.location.postgres_consensus import PostgresConsensus
+
+    c = PostgresConsensus(pg_consensus_url)
+    with psycopg.connect(pg_consensus_url) as conn:
+        cases = [
+            (psycopg.errors.SerializationFailure("could not serialize"), True, Determinate),
+            (psycopg.errors.DeadlockDetected("deadlock detected"), True, Determinate),
+            (psycopg.errors.QueryCanceled("statement timeout"), True, Determinate),
+            (psycopg.errors.AdminShutdown("terminating connection"), True, Determinate),
+            (
+                psycopg.OperationalError("server closed the connection unexpectedly"),
+                True,
+                Indeterminate,
+            ),
+            (
+                psycopg.OperationalError("server closed the connection unexpectedly"),
+                False,
+                Determinate,
+            ),
+        ]
+        for err, write, kind in cases:
+            got = c._translate("compare_and_set", "k", write, conn, err)
+            assert type(got) is kind, (err, write, got)
+            assert "'k'" in str(got)
+    c.close()
