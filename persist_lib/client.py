@@ -112,6 +112,9 @@ class PersistClient:
 
     def close(self) -> None:
         self._hb_stop.set()
+        bg = self.__dict__.pop("_bg_compactor", None)
+        if bg is not None:
+            bg.close()
         self.blob.close()
         self.consensus.close()
 
@@ -135,6 +138,8 @@ class PersistClient:
             m = self._machines.get(sid)
             if m is None:
                 m = self._machines[sid] = Machine(sid, self.blob, self.consensus, self.config)
+                if self.config.compaction_enabled:
+                    self.background_compactor().attach(m)
             return m
 
     def _open_shard(
@@ -279,6 +284,47 @@ class PersistClient:
                     self._handles.discard(h)
                 except (ExternalError, InvalidUsage) as e:
                     log.warning("heartbeat of %r failed: %s", h, e)
+
+    # ----- maintenance (persist_lib.maintenance) --------------------------------------
+
+    def compact(self, shard: ShardLike) -> dict[str, Any]:
+        """Runs the shard's pending merges now (see ``persist_lib.maintenance.compact``)."""
+        from persist_lib import maintenance
+
+        return maintenance.compact(self, shard)
+
+    def gc(self, shard: ShardLike) -> dict[str, Any]:
+        """One idempotent garbage-collection run (see ``persist_lib.maintenance.gc``)."""
+        from persist_lib import maintenance
+
+        return maintenance.gc(self, shard)
+
+    def unreferenced_blobs(
+        self, shard: ShardLike, older_than_ms: int | None = None, *, delete: bool = False
+    ) -> list[dict[str, Any]]:
+        """Leaked blobs of ``shard`` (older than the grace period; ``delete`` removes them)."""
+        from persist_lib import maintenance
+
+        return maintenance.unreferenced_blobs(self, shard, older_than_ms, delete=delete)
+
+    def finalize(self, shard: ShardLike) -> dict[str, Any]:
+        """Deletes a shard whose since and upper are empty, leaving a tombstone."""
+        from persist_lib import maintenance
+
+        return maintenance.finalize(self, shard)
+
+    def background_compactor(self) -> Any:
+        """This client's in-process compaction pool (created on first use)."""
+        from persist_lib.maintenance import BackgroundCompactor
+
+        with _BG_LOCK:
+            bg = self.__dict__.get("_bg_compactor")
+            if bg is None:
+                bg = self.__dict__["_bg_compactor"] = BackgroundCompactor(self)
+            return bg
+
+
+_BG_LOCK = threading.Lock()  # creates a client's background compactor once
 
 
 def _is_shard_id(k: str) -> bool:

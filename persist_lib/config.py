@@ -38,6 +38,11 @@ class PersistConfig:
     # Compaction (in-process, background). Filled in by the maintenance layer.
     compaction_enabled: bool = False
     compaction_memory_budget: int = 256 * MiB
+    compaction_workers: int = 2  # background merge threads per client
+    compaction_queue_max: int = 20  # queued merges per client; excess dropped (re-derived later)
+    gc_in_background: bool = True  # with compaction_enabled: GC once garbage is deletable
+    # Leaked-blob sweeper: blobs younger than this are never reported (uploads precede CAS).
+    leak_grace_ms: int = 60 * 60 * 1000
     # Injected clock (ms since the epoch) and RNG, so tests are deterministic.
     now_ms: Callable[[], int] = field(default=system_clock_ms)
     rng: random.Random = field(default_factory=random.Random)

@@ -377,4 +377,12 @@ def describe_state(s: st.ShardState) -> dict[str, Any]:
         },
         "rollups": {str(k): v.key for k, v in sorted(s.rollups.items())},
         "garbage": {"blobs": len(s.garbage), "bytes": sum(g.size for g in s.garbage.values())},
+        **_spine_info(s),
     }
+
+
+def _spine_info(s: st.ShardState) -> dict[str, Any]:
+    """Compaction debt and the spine's levels/pending merges (for ``persist inspect``)."""
+    from persist_lib.spine import compaction_debt, describe_spine
+
+    return {"compaction_debt": compaction_debt(s), "spine": describe_spine(s)}

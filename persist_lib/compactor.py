@@ -1,0 +1,790 @@
+"""The compactor: a streaming k-way merge of sorted runs under a memory budget.
+
+A *run* is a sequence of parts whose rows are sorted across part boundaries. A batch
+written by a user is a set of runs of one part each (``BatchBuilder`` sorts each part
+on its own); a batch written by this compactor is one run (its writer id starts with
+``COMPACTOR_WRITER_PREFIX``). That is only a hint: crossing a part boundary inside a
+run checks the order, and a violation restarts the merge with one run per part.
+
+**Memory.** Every part is verified (SHA-256 of the whole blob) before a byte of it is
+decoded, so a run holds its current part's encoded bytes; the rows are then decoded
+incrementally (``ParquetFile.iter_batches``) in chunks of about ``chunk_bytes``. The
+merge holds, per open run, one encoded part plus at most two chunks, and the output
+goes through a ``BatchBuilder`` with a small part target. When the runs don't fit in
+the budget together, they are merged in groups first (intermediate runs written to
+blob and deleted afterwards), as Materialize does. ``MergeStats`` records the most
+rows and bytes held at once, which tests assert on.
+
+**One merge step.** Let ``F`` be the smallest *last* buffered row over the runs that
+have more input: every future row of every run is ``>= F``, so all buffered rows
+``< F`` can be emitted, consolidated (equal ``(k, v, t)`` summed; zeros dropped).
+Rows are compared by ``consolidate.row_keys`` ranks computed over one concatenation,
+which is what makes rows of different chunks comparable. Times below ``since`` are
+forwarded to ``since`` as chunks are read; forwarding is monotone, so runs stay sorted.
+
+**Applying.** One ``apply_merge_res`` transition replaces exactly the inputs. If it
+doesn't apply (the inputs changed), the output's blobs are deleted — unless a
+consensus call was indeterminate, in which case a leak (for the sweeper) is preferred
+to a dangling reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from persist_lib import maintenance_transitions as mt
+from persist_lib.batch_builder import BatchBuilder
+from persist_lib.batch_meta import HollowBatch, PartMeta
+from persist_lib.codec import D_COL, T_COL, Schemas, internal_schema
+from persist_lib.config import PersistConfig
+from persist_lib.consolidate import advance_to_since, row_keys
+from persist_lib.errors import BlobNotFound, CorruptionError, ExternalError, InvalidUsage
+from persist_lib.frontier import Antichain
+from persist_lib.location.base import Blob
+from persist_lib.machine import Machine
+from persist_lib.parts import (
+    FORMAT_VERSION,
+    META_FORMAT,
+    META_SCHEMAS,
+    part_blob_key,
+    verify_part_bytes,
+)
+from persist_lib.spine import CompactionRequest
+
+log = logging.getLogger(__name__)
+
+COMPACTOR_WRITER_PREFIX = "cmp-"
+MiB = 1 << 20
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _upload_pool() -> ThreadPoolExecutor:
+    """One process-wide pool for output part uploads (a pool per merge costs more than
+    a small merge itself). Builders bound their own in-flight uploads."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="persist-compactor-upload")
+        return _POOL
+
+
+class _DecodedCache:
+    """Decoded small parts by (SHA-256, schemas): a merge's output is often the next
+    merge's input, and decoding a tiny Parquet file costs more than merging it. Only a
+    lookup *after* the fetched bytes passed their checksum may use it."""
+
+    def __init__(self, max_bytes: int = 16 * MiB, max_entry: int = 1 * MiB) -> None:
+        self.max_bytes = max_bytes
+        self.max_entry = max_entry
+        self._d: OrderedDict[tuple[str, str], pa.Table] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def get(self, sha: str, fp: str) -> pa.Table | None:
+        with self._lock:
+            t = self._d.get((sha, fp))
+            if t is not None:
+                self._d.move_to_end((sha, fp))
+                self.hits += 1
+            return t
+
+    def put(self, sha: str, fp: str, t: pa.Table) -> None:
+        n = t.nbytes
+        if n > self.max_entry:
+            return
+        with self._lock:
+            if (sha, fp) in self._d:
+                return
+            self._d[(sha, fp)] = t
+            self._bytes += n
+            while self._bytes > self.max_bytes and self._d:
+                _, old = self._d.popitem(last=False)
+                self._bytes -= old.nbytes
+
+
+_DECODED = _DecodedCache()
+
+
+def fetch_small_part(blob: Blob, p: PartMeta, schemas: Schemas, shard: str) -> pa.Table:
+    """``parts.fetch_part`` for small parts, with the decoded-part cache behind the
+    checksum: the bytes are always fetched and verified first."""
+    if p.inline is not None:
+        data = p.inline
+    else:
+        assert p.key is not None
+        got = blob.get(p.key)
+        if got is None:
+            raise BlobNotFound(
+                f"shard {shard}: compaction input part {p.key} is missing (it was garbage "
+                "collected: the inputs were replaced meanwhile); the merge is abandoned"
+            )
+        data = got
+    verify_part_bytes(data, expected_sha256=p.sha256, expected_size=p.size, shard=shard, key=p.location)
+    fp = schemas.fingerprint()
+    hit = _DECODED.get(p.sha256, fp)
+    if hit is not None:
+        return hit
+    t = decode_whole(data, p, schemas, shard)
+    _DECODED.put(p.sha256, fp, t)
+    return t
+
+
+def new_compactor_writer_id() -> str:
+    return f"{COMPACTOR_WRITER_PREFIX}{uuid.uuid4()}"
+
+
+def _writer_of(key: str) -> str:
+    parts = key.split("/")
+    return parts[1] if len(parts) >= 3 else ""
+
+
+# ----- memory plan ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a budget is split: output part size, per-run chunk size, and merge fan-in."""
+
+    budget: int
+    output_part_bytes: int
+    chunk_bytes: int
+    fan_in: int
+
+    @classmethod
+    def for_runs(cls, budget: int, max_part_bytes: int, target_part_bytes: int) -> MemoryPlan:
+        """Output parts get ~1/16 of the budget (a builder holds ~3.5 of them at once);
+        70% is for the runs: per run one encoded part plus ~8 chunks of working space
+        (its buffer, the step's concatenation, ranks and the emitted copy)."""
+        if budget < 1 * MiB:
+            raise InvalidUsage(f"compaction memory budget must be >= 1 MiB, got {budget} bytes")
+        out = max(64 << 10, min(target_part_bytes, budget // 16))
+        chunk = max(16 << 10, min(4 * MiB, budget // 256))
+        per_run = max_part_bytes + 8 * chunk
+        fan_in = max(2, int(budget * 0.7) // max(per_run, 1))
+        return cls(budget, out, chunk, fan_in)
+
+
+@dataclass
+class MergeStats:
+    """What a merge did; ``peak_*`` are the most held at once (the memory bound)."""
+
+    runs: int = 0
+    passes: int = 0
+    fan_in: int = 0
+    input_rows: int = 0
+    output_rows: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0  # output parts (blob or inline), including intermediate runs
+    intermediate_bytes: int = 0
+    peak_rows_held: int = 0
+    peak_bytes_held: int = 0
+    steps: int = 0
+    restarted_per_part: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class _RunOrderViolation(Exception):
+    """Parts assumed to form one sorted run don't; merge again with a run per part."""
+
+
+# ----- reading runs ---------------------------------------------------------------------
+
+
+def _corrupt(shard: str, key: str, what: str) -> CorruptionError:
+    return CorruptionError(
+        f"shard {shard}: part {key}: {what}; the blob was altered or truncated; nothing was "
+        "returned. Stop and investigate the blob store (do not retry blindly)"
+    )
+
+
+def _raw_to_internal(raw: pa.Table, schemas: Schemas, target: pa.Schema, shard: str, key: str) -> pa.Table:
+    """Flattens a decoded Parquet slice (``k``/``v`` structs) into the internal layout
+    (the same mapping ``parts.decode_part`` applies to a whole part)."""
+    try:
+        cols: list[pa.ChunkedArray] = list(raw.column("k").flatten())
+        if len(schemas.val):
+            cols += raw.column("v").flatten()
+        cols += [raw.column(T_COL), raw.column(D_COL)]
+        if len(cols) != len(target):
+            raise ValueError(f"{len(cols)} fields, expected {len(target)}")
+        out = []
+        for col, f in zip(cols, target, strict=True):
+            if str(col.type) != str(f.type):
+                col = pc.cast(col, f.type, safe=True)
+            out.append(col)
+        table = pa.Table.from_arrays(out, schema=target)
+    except Exception as e:
+        raise _corrupt(shard, key, f"part does not match {schemas.describe()} ({e})") from e
+    if table.column(T_COL).null_count or table.column(D_COL).null_count:
+        raise _corrupt(shard, key, "null times or diffs")
+    return table
+
+
+def _open_verified(data: bytes, part: PartMeta, schemas: Schemas, shard: str) -> pq.ParquetFile:
+    """Verifies a part's bytes (size and SHA-256) and its Parquet metadata, then opens it."""
+    key = part.location
+    verify_part_bytes(data, expected_sha256=part.sha256, expected_size=part.size, shard=shard, key=key)
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(data), pre_buffer=False)
+        meta = pf.schema_arrow.metadata or {}
+    except Exception as e:
+        raise _corrupt(shard, key, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
+    if meta.get(META_FORMAT) != FORMAT_VERSION.encode():
+        raise _corrupt(shard, key, f"unknown part format {meta.get(META_FORMAT)!r}")
+    if meta.get(META_SCHEMAS) != schemas.fingerprint().encode():
+        raise _corrupt(shard, key, f"part was written for other schemas than {schemas.describe()}")
+    expected_cols = ["k", "v", T_COL, D_COL] if len(schemas.val) else ["k", T_COL, D_COL]
+    if pf.schema_arrow.names != expected_cols:
+        raise _corrupt(shard, key, f"columns {pf.schema_arrow.names}, expected {expected_cols}")
+    return pf
+
+
+def decode_whole(data: bytes, part: PartMeta, schemas: Schemas, shard: str) -> pa.Table:
+    """Verifies and decodes a whole (small) part into the internal layout.
+
+    Same checks as ``parts.decode_part`` but through ``ParquetFile.read``, which costs
+    ~0.3 ms for a tiny part against ~2 ms for ``pq.read_table`` (dataset machinery).
+    """
+    pf = _open_verified(data, part, schemas, shard)
+    try:
+        raw = pf.read(use_threads=False)
+    except Exception as e:
+        raise _corrupt(shard, part.location, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
+    return _raw_to_internal(raw, schemas, internal_schema(schemas), shard, part.location)
+
+
+def iter_part_chunks(
+    data: bytes, part: PartMeta, schemas: Schemas, shard: str, batch_rows: int
+) -> Iterator[pa.Table]:
+    """Verifies a part's bytes, then yields its rows (internal layout) in chunks."""
+    key = part.location
+    pf = _open_verified(data, part, schemas, shard)
+    target = internal_schema(schemas)
+    it = pf.iter_batches(batch_size=max(1, batch_rows), use_threads=False)
+    while True:
+        try:
+            rb = next(it)
+        except StopIteration:
+            return
+        except Exception as e:
+            raise _corrupt(shard, key, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
+        yield _raw_to_internal(pa.Table.from_batches([rb]), schemas, target, shard, key)
+
+
+def _consolidate_sorted_equal(t: pa.Table) -> pa.Table:
+    """Collapses a table whose rows are all equal in ``(k, v, t)`` to one row (or none)."""
+    if t.num_rows <= 1:
+        return t if t.num_rows == 0 or t.column(D_COL)[0].as_py() != 0 else t.slice(0, 0)
+    total = int(np.sum(t.column(D_COL).to_numpy(), dtype=np.int64))
+    if total == 0:
+        return t.slice(0, 0)
+    one = t.slice(0, 1)
+    di = one.schema.get_field_index(D_COL)
+    return one.set_column(di, one.schema.field(di), pa.array([total], pa.int64()))
+
+
+def _consolidate(t: pa.Table) -> pa.Table:
+    from persist_lib.consolidate import consolidate
+
+    return consolidate(t)
+
+
+class _Run:
+    """A sorted run being read chunk by chunk, with its buffer of not-yet-emitted rows."""
+
+    def __init__(self, merger: _Merger, parts: list[PartMeta], check_order: bool) -> None:
+        self.m = merger
+        self.parts = parts
+        self.check_order = check_order
+        self.next_part = 0
+        self.chunks: Iterator[pa.Table] | None = None
+        self.part_bytes = 0  # encoded bytes of the current part held in memory
+        self.prev_last: pa.Table | None = None  # last row of the previous part (order check)
+        self.buf: pa.Table | None = None
+        self.exhausted = False
+        self._first_of_part = False
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.buf is None else self.buf.num_rows
+
+    def held_bytes(self) -> int:
+        return self.part_bytes + (0 if self.buf is None else self.buf.nbytes)
+
+    def _next_chunk(self) -> pa.Table | None:
+        m = self.m
+        while True:
+            if self.chunks is None:
+                if self.next_part >= len(self.parts):
+                    self.part_bytes = 0
+                    return None
+                p = self.parts[self.next_part]
+                self.next_part += 1
+                data = m.fetch_bytes(p)
+                self.part_bytes = len(data)
+                m.stats.bytes_read += len(data)
+                self.chunks = iter_part_chunks(data, p, m.schemas, m.shard, m.batch_rows())
+                self._first_of_part = True
+            try:
+                c = next(self.chunks)
+            except StopIteration:
+                self.chunks = None
+                continue
+            m.stats.input_rows += c.num_rows
+            m.observe_row_width(c)
+            if m.since is not None:
+                before = c
+                c = advance_to_since(c, m.since)
+                if c is not before and c.num_rows > 1:
+                    c = _consolidate(c)  # forwarding made equal rows: fold them now
+            if c.num_rows == 0:
+                continue
+            if self._first_of_part:
+                self._first_of_part = False
+                if self.check_order and self.prev_last is not None:
+                    pair = pa.concat_tables([self.prev_last, c.slice(0, 1)])
+                    k = row_keys([pair.column(n) for n in pair.column_names if n != D_COL], 2)
+                    if k[0] > k[1]:
+                        raise _RunOrderViolation()
+            if self.check_order:
+                self.prev_last = c.slice(c.num_rows - 1, 1)
+            return c
+
+    def refill(self) -> None:
+        """Reads the next non-empty chunk into the buffer (or marks the run exhausted)."""
+        if self.exhausted:
+            return
+        c = self._next_chunk()
+        if c is None:
+            self.exhausted = True
+            return
+        self.buf = c if self.buf is None or self.buf.num_rows == 0 else pa.concat_tables([self.buf, c])
+
+
+class _Merger:
+    """One k-way merge pass of some runs into a sink (a ``BatchBuilder``)."""
+
+    def __init__(
+        self,
+        blob: Blob,
+        schemas: Schemas,
+        shard: str,
+        since: int | None,
+        plan: MemoryPlan,
+        stats: MergeStats,
+    ) -> None:
+        self.blob = blob
+        self.schemas = schemas
+        self.shard = shard
+        self.since = since
+        self.plan = plan
+        self.stats = stats
+        self._row_width = 64.0
+        self._key_cols = [n for n in internal_schema(schemas).names if n != D_COL]
+
+    def fetch_bytes(self, p: PartMeta) -> bytes:
+        if p.inline is not None:
+            return p.inline
+        assert p.key is not None
+        data = self.blob.get(p.key)
+        if data is None:
+            raise BlobNotFound(
+                f"shard {self.shard}: compaction input part {p.key} is missing (it was garbage "
+                "collected: the inputs were replaced meanwhile); the merge is abandoned"
+            )
+        return data
+
+    def observe_row_width(self, c: pa.Table) -> None:
+        if c.num_rows:
+            self._row_width = max(8.0, c.nbytes / c.num_rows)
+
+    def batch_rows(self) -> int:
+        return max(64, int(self.plan.chunk_bytes / self._row_width))
+
+    def _account(self, runs: list[_Run], extra_rows: int = 0, extra_bytes: int = 0) -> None:
+        rows = sum(r.rows for r in runs) + extra_rows
+        held = sum(r.held_bytes() for r in runs) + extra_bytes
+        s = self.stats
+        s.peak_rows_held = max(s.peak_rows_held, rows)
+        s.peak_bytes_held = max(s.peak_bytes_held, held)
+
+    def merge(self, runs: list[_Run], sink: BatchBuilder) -> None:
+        for r in runs:
+            r.refill()
+        while True:
+            active = [r for r in runs if r.rows > 0]
+            if not active:
+                if all(r.exhausted for r in runs):
+                    return
+                for r in runs:
+                    r.refill()
+                continue
+            self._account(runs)
+            self.stats.steps += 1
+            self._step(runs, active, sink)
+
+    def _step(self, runs: list[_Run], active: list[_Run], sink: BatchBuilder) -> None:
+        # Rank the first and last buffered row of every active run together.
+        ends = []
+        for r in active:
+            assert r.buf is not None
+            ends += [r.buf.slice(0, 1), r.buf.slice(r.buf.num_rows - 1, 1)]
+        et = pa.concat_tables(ends)
+        ek = row_keys([et.column(n) for n in self._key_cols], et.num_rows)
+        firsts, lasts = ek[0::2], ek[1::2]
+        open_idx = [i for i, r in enumerate(active) if not r.exhausted]
+        if open_idx:
+            f_i = min(open_idx, key=lambda i: lasts[i])
+            kf_end = lasts[f_i]
+            included = [i for i in range(len(active)) if firsts[i] < kf_end]
+        else:
+            f_i, kf_end = -1, None
+            included = list(range(len(active)))
+        if included:
+            tables = [active[i].buf for i in included]
+            if f_i >= 0:
+                fb = active[f_i].buf
+                assert fb is not None
+                tables.append(fb.slice(fb.num_rows - 1, 1))  # F itself, as a ranking sentinel
+            cat = pa.concat_tables(tables)  # type: ignore[arg-type]
+            n = cat.num_rows
+            keys = row_keys([cat.column(c) for c in self._key_cols], n)
+            kf = keys[-1] if f_i >= 0 else None
+            self._account(runs, extra_rows=n, extra_bytes=cat.nbytes + keys.nbytes * 3)
+            off = 0
+            take_masks = []
+            for i in included:
+                r = active[i]
+                assert r.buf is not None
+                m = r.buf.num_rows
+                rk = keys[off : off + m]
+                if m > 1 and not bool(np.all(rk[1:] >= rk[:-1])):
+                    raise _RunOrderViolation() if r.check_order else CorruptionError(
+                        f"shard {self.shard}: a part of the compaction input is not sorted by "
+                        "(k, v, t); it was written by a faulty writer. Nothing was applied"
+                    )
+                cnt = m if kf is None else int(np.count_nonzero(rk < kf))
+                take_masks.append((off, cnt))
+                r.buf = r.buf.slice(cnt)
+                off += m
+            idx = np.concatenate([np.arange(o, o + c, dtype=np.int64) for o, c in take_masks])
+            if len(idx):
+                self._emit(cat, keys, idx, sink)
+        # Runs whose last row is F hold only rows equal to F now: fold them, refill.
+        for i, r in enumerate(active):
+            if r.buf is not None and r.buf.num_rows and kf_end is not None and lasts[i] == kf_end:
+                r.buf = _consolidate_sorted_equal(r.buf)
+        for r in runs:
+            if r.rows <= 1 and not r.exhausted:
+                r.refill()
+
+    def _emit(self, cat: pa.Table, keys: np.ndarray, idx: np.ndarray, sink: BatchBuilder) -> None:
+        k = keys[idx]
+        order = np.argsort(k, kind="stable")
+        sk = k[order]
+        n = len(sk)
+        boundary = np.empty(n, dtype=bool)
+        boundary[0] = True
+        np.not_equal(sk[1:], sk[:-1], out=boundary[1:])
+        starts = np.flatnonzero(boundary)
+        d = cat.column(D_COL).to_numpy()[idx][order]
+        sums = np.add.reduceat(d, starts)
+        keep = sums != 0
+        if not keep.any():
+            return
+        rows = idx[order[starts[keep]]]
+        out = cat.take(pa.array(rows))
+        di = out.schema.get_field_index(D_COL)
+        out = out.set_column(di, out.schema.field(di), pa.array(sums[keep], pa.int64()))
+        self.stats.output_rows += out.num_rows
+        sink.add(out)
+
+
+# ----- merging batches ------------------------------------------------------------------
+
+
+def forward_time(since: Antichain, upper: Antichain) -> int | None:
+    """The time history is forwarded to: ``since``, but never past ``upper - 1``.
+
+    Every time of a batch ``[lower, upper)`` below ``min(since, upper - 1)`` collapses to
+    that one time, which consolidates exactly as much as forwarding to ``since`` would
+    (readers read at ``as_of >= since``; listeners never revisit a batch below their
+    frontier) while keeping every update time inside the batch's description.
+    """
+    candidates = [t for t in (since.time, None if upper.time is None else upper.time - 1) if t is not None]
+    return min(candidates) if candidates else None
+
+
+def batch_runs(b: HollowBatch) -> list[list[PartMeta]]:
+    """The sorted runs of a batch: one run if a compactor wrote it, else one per part."""
+    if len(b.parts) > 1:
+        writers = {_writer_of(p.key) for p in b.parts if p.key is not None}
+        if len(writers) == 1 and next(iter(writers)).startswith(COMPACTOR_WRITER_PREFIX):
+            return [list(b.parts)]
+    return [[p] for p in b.parts]
+
+
+@dataclass
+class MergeOutput:
+    batch: HollowBatch
+    stats: MergeStats
+    intermediate_keys: list[str] = field(default_factory=list)
+
+
+def merge_batches(
+    blob: Blob,
+    schemas: Schemas,
+    *,
+    shard: str,
+    inputs: tuple[HollowBatch, ...],
+    lower: Antichain,
+    upper: Antichain,
+    since: Antichain,
+    memory_budget: int,
+    target_part_bytes: int,
+    inline_threshold: int,
+    writer: str | None = None,
+) -> MergeOutput:
+    """Merges ``inputs`` into one batch ``[lower, upper)`` forwarded to ``since``.
+
+    Output parts are written to blob (tiny ones inline) under a compactor writer id;
+    intermediate runs are deleted before returning. On error, everything written is
+    deleted (best effort) and the error re-raised.
+    """
+    writer = writer or new_compactor_writer_id()
+    since_t = forward_time(since, upper)
+    runs_parts: list[list[PartMeta]] = [run for b in inputs for run in batch_runs(b)]
+    try:
+        return _merge(
+            blob, schemas, shard, runs_parts, lower, upper, since, since_t, memory_budget,
+            target_part_bytes, inline_threshold, writer, check_order=True,
+        )
+    except _RunOrderViolation:
+        log.warning("shard %s: compactor runs were not sorted; merging with a run per part", shard)
+        per_part = [[p] for b in inputs for p in b.parts]
+        out = _merge(
+            blob, schemas, shard, per_part, lower, upper, since, since_t, memory_budget,
+            target_part_bytes, inline_threshold, writer, check_order=False,
+        )
+        out.stats.restarted_per_part = True
+        return out
+
+
+def _merge(
+    blob: Blob,
+    schemas: Schemas,
+    shard: str,
+    runs_parts: list[list[PartMeta]],
+    lower: Antichain,
+    upper: Antichain,
+    since: Antichain,
+    since_t: int | None,
+    budget: int,
+    target_part_bytes: int,
+    inline_threshold: int,
+    writer: str,
+    *,
+    check_order: bool,
+) -> MergeOutput:
+    max_part = max((p.size for run in runs_parts for p in run), default=0)
+    plan = MemoryPlan.for_runs(budget, max_part, target_part_bytes)
+    stats = MergeStats(runs=len(runs_parts), fan_in=plan.fan_in)
+    intermediate: list[str] = []
+
+    def builder(inline: int) -> BatchBuilder:
+        return BatchBuilder(
+            blob, schemas, shard=shard, writer=writer, lower=lower,
+            target_part_bytes=plan.output_part_bytes, max_inflight_uploads=1,
+            inline_threshold=inline, executor=_upload_pool(),
+        )
+
+    total_in = sum(p.size for run in runs_parts for p in run)
+    if total_in <= plan.chunk_bytes:
+        # Small merge (the common case right after appends): decode whole, one consolidate.
+        stats.passes = 1
+        tables = []
+        for run in runs_parts:
+            for p in run:
+                t = fetch_small_part(blob, p, schemas, shard)
+                stats.bytes_read += p.size
+                stats.input_rows += t.num_rows
+                tables.append(advance_to_since(t, since_t) if since_t is not None else t)
+        merged = _consolidate(pa.concat_tables(tables)) if tables else None
+        stats.peak_rows_held = sum(t.num_rows for t in tables)
+        stats.peak_bytes_held = total_in + sum(t.nbytes for t in tables) * 2
+        out = builder(inline_threshold)
+        try:
+            if merged is not None and merged.num_rows:
+                stats.output_rows = merged.num_rows
+                out.add(merged)
+            batch = out.finish(upper, since)
+        except BaseException:
+            out.abort()
+            raise
+        stats.bytes_written = batch.size
+        if merged is not None and len(batch.parts) == 1 and batch.parts[0].count == merged.num_rows:
+            _DECODED.put(batch.parts[0].sha256, schemas.fingerprint(), merged)
+        return MergeOutput(batch, stats, [])
+
+    def run_pass(group: list[list[PartMeta]], sink: BatchBuilder, first_pass: bool) -> None:
+        merger = _Merger(blob, schemas, shard, since_t if first_pass else None, plan, stats)
+        merger.merge([_Run(merger, parts, check_order) for parts in group], sink)
+
+    try:
+        level = runs_parts
+        first = True
+        while len(level) > plan.fan_in:
+            stats.passes += 1
+            nxt: list[list[PartMeta]] = []
+            for g in range(0, len(level), plan.fan_in):
+                group = level[g : g + plan.fan_in]
+                if len(group) == 1:
+                    nxt.append(group[0])
+                    continue
+                b = builder(0)
+                try:
+                    run_pass(group, b, first)
+                    hb = b.finish(upper)
+                except BaseException:
+                    b.abort()
+                    raise
+                intermediate.extend(hb.blob_keys())
+                stats.intermediate_bytes += hb.size
+                stats.bytes_written += hb.size
+                nxt.append(list(hb.parts))
+            level = nxt
+            first = False
+        stats.passes += 1
+        out = builder(inline_threshold)
+        try:
+            run_pass(level, out, first)
+            batch = out.finish(upper, since)
+        except BaseException:
+            out.abort()
+            raise
+        stats.bytes_written += batch.size
+        return MergeOutput(batch, stats, intermediate)
+    finally:
+        for k in intermediate:
+            try:
+                blob.delete(k)
+            except ExternalError as e:  # the leaked-blob sweeper finds it later
+                log.warning("shard %s: could not delete intermediate run part %s: %s", shard, k, e)
+
+
+# ----- the compactor --------------------------------------------------------------------
+
+
+@dataclass
+class CompactionResult:
+    request: CompactionRequest
+    outcome: mt.MergeOutcome
+    output: HollowBatch | None
+    stats: MergeStats
+    seconds: float
+    deleted_output: bool = False
+
+    @property
+    def applied(self) -> bool:
+        return self.outcome in (mt.MergeOutcome.APPLIED, mt.MergeOutcome.ALREADY_APPLIED)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "request": self.request.describe(),
+            "outcome": self.outcome.value,
+            "output_updates": self.output.len if self.output is not None else 0,
+            "output_bytes": self.output.size if self.output is not None else 0,
+            "output_parts": len(self.output.parts) if self.output is not None else 0,
+            "seconds": round(self.seconds, 4),
+            "stats": self.stats.to_json(),
+        }
+
+
+def _metadata_only_output(req: CompactionRequest) -> HollowBatch:
+    """For a request with at most one non-empty input: widen it, reuse its parts."""
+    non_empty = [b for b in req.inputs if b.parts]
+    assert len(non_empty) <= 1
+    since = non_empty[0].since if non_empty else req.since
+    parts = non_empty[0].parts if non_empty else ()
+    return HollowBatch(lower=req.lower, upper=req.upper, since=since, parts=parts)
+
+
+def compact_request(machine: Machine, schemas: Schemas, config: PersistConfig, req: CompactionRequest) -> CompactionResult:
+    """Runs one merge and applies it with one transition (or deletes its output)."""
+    t0 = time.monotonic()
+    stats = MergeStats()
+    if not req.rewrites_data or sum(1 for b in req.inputs if b.parts) == 0:
+        output = _metadata_only_output(req)
+        produced_keys: list[str] = []
+    else:
+        merged = merge_batches(
+            machine.blob, schemas, shard=machine.shard_id, inputs=req.inputs, lower=req.lower,
+            upper=req.upper, since=req.since, memory_budget=config.compaction_memory_budget,
+            target_part_bytes=config.blob_target_size, inline_threshold=config.inline_threshold,
+        )
+        output, stats = merged.batch, merged.stats
+        reused = {k for b in req.inputs for k in b.blob_keys()}
+        produced_keys = [k for k in output.blob_keys() if k not in reused]
+    # If applying raises, it is unknown whether it landed: the output is kept (a leak,
+    # for the sweeper, beats a dangling reference).
+    indeterminate_before = machine.metrics.indeterminate_retries
+    res = _apply(machine, config, req, output)
+    if res.outcome is mt.MergeOutcome.NOT_APPLIED_INLINE_BUDGET:
+        output = _uninline(machine, output)
+        reused = {k for b in req.inputs for k in b.blob_keys()}
+        produced_keys = [k for k in output.blob_keys() if k not in reused]
+        res = _apply(machine, config, req, output)
+    deleted = False
+    if not res.applied and machine.metrics.indeterminate_retries == indeterminate_before:
+        for k in produced_keys:
+            try:
+                machine.blob.delete(k)
+            except ExternalError as e:
+                log.warning("shard %s: could not delete unapplied output %s: %s", machine.shard_id, k, e)
+        deleted = True
+    return CompactionResult(req, res.outcome, output, stats, time.monotonic() - t0, deleted)
+
+
+def _apply(machine: Machine, config: PersistConfig, req: CompactionRequest, output: HollowBatch) -> mt.MergeResult:
+    res, _ = machine.apply(
+        "apply_merge_res",
+        lambda s, now: mt.apply_merge_res(
+            s, now, input_ids=req.batch_ids, inputs=req.inputs, output=output,
+            inline_max_total=config.inline_max_total,
+        ),
+    )
+    assert isinstance(res, mt.MergeResult)
+    return res
+
+
+def _uninline(machine: Machine, batch: HollowBatch) -> HollowBatch:
+    parts: list[PartMeta] = []
+    writers = [_writer_of(k) for k in batch.blob_keys()]
+    writer = writers[0] if writers else new_compactor_writer_id()
+    for p in batch.parts:
+        if p.inline is None:
+            parts.append(p)
+            continue
+        key = part_blob_key(machine.shard_id, writer)
+        machine.blob.set(key, p.inline)
+        parts.append(replace(p, key=key, inline=None))
+    return replace(batch, parts=tuple(parts))

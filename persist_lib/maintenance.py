@@ -1,0 +1,324 @@
+"""Maintenance API: compaction, garbage collection, leaked blobs, finalization.
+
+Functions take a ``PersistClient`` and a shard, and return JSON-able summaries (what
+the CLI prints and a Dagster op records as metadata). ``BackgroundCompactor`` runs the
+spine's merges in-process, fed by every committed state change of the client.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from persist_lib import gc as gcmod
+from persist_lib import maintenance_transitions as mt
+from persist_lib import state as st
+from persist_lib.codec import Schemas
+from persist_lib.compactor import CompactionResult, compact_request
+from persist_lib.errors import ExternalError, InvalidUsage, PersistError
+from persist_lib.ids import ShardId
+from persist_lib.machine import Machine
+from persist_lib.spine import CompactionRequest, compaction_debt, compaction_requests
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.client import PersistClient
+
+log = logging.getLogger(__name__)
+
+ShardLike = ShardId | str
+DEFAULT_MAX_ROUNDS = 256
+
+
+def _machine(client: PersistClient, shard: ShardLike) -> Machine:
+    return client.machine(shard)
+
+
+def _existing(m: Machine) -> st.ShardState:
+    s = m.fetch_latest()
+    if not s.exists:
+        raise InvalidUsage(f"shard {m.shard_id} does not exist at this location")
+    return s
+
+
+def _schemas(s: st.ShardState) -> Schemas:
+    if s.schemas is None:
+        raise InvalidUsage(f"shard {s.shard_id} has no recorded schemas yet (nothing was written)")
+    return Schemas.from_json(s.schemas)
+
+
+# ----- compaction -------------------------------------------------------------------------
+
+
+def compact(
+    client: PersistClient, shard: ShardLike, *, max_rounds: int = DEFAULT_MAX_ROUNDS
+) -> dict[str, Any]:
+    """Runs the spine's pending merges now, round after round, until none is left.
+
+    A merge whose inputs changed meanwhile is not applied (and its output deleted); the
+    next round plans again from the new state. ``max_rounds`` bounds the work when
+    writers keep appending.
+    """
+    m = _machine(client, shard)
+    s = _existing(m)
+    before = len(s.batches)
+    debt_before = compaction_debt(s)
+    results: list[CompactionResult] = []
+    rounds = 0
+    while rounds < max_rounds:
+        if s.tombstone:
+            break
+        reqs = compaction_requests(s)
+        if not reqs:
+            break
+        rounds += 1
+        schemas = _schemas(s)
+        for req in reqs:
+            results.append(compact_request(m, schemas, client.config, req))
+        s = m.fetch_latest()
+    applied = [r for r in results if r.applied]
+    return {
+        "shard": m.shard_id,
+        "rounds": rounds,
+        "merges_applied": len(applied),
+        "merges_not_applied": len(results) - len(applied),
+        "updates_read": sum(r.request.num_updates for r in results),
+        "bytes_read": sum(r.stats.bytes_read for r in results),
+        "bytes_written": sum(r.stats.bytes_written for r in results),
+        "peak_bytes_held": max((r.stats.peak_bytes_held for r in results), default=0),
+        "peak_rows_held": max((r.stats.peak_rows_held for r in results), default=0),
+        "batches_before": before,
+        "batches_after": len(s.batches),
+        "compaction_debt_before": debt_before,
+        "compaction_debt_after": compaction_debt(s),
+        "seconds": round(sum(r.seconds for r in results), 4),
+    }
+
+
+def compact_once(client: PersistClient, shard: ShardLike) -> list[CompactionResult]:
+    """Runs the merges the spine wants right now (one round); returns their results."""
+    m = _machine(client, shard)
+    s = _existing(m)
+    reqs = compaction_requests(s)
+    if not reqs:
+        return []
+    schemas = _schemas(s)
+    return [compact_request(m, schemas, client.config, r) for r in reqs]
+
+
+# ----- garbage collection -----------------------------------------------------------------
+
+
+def gc(client: PersistClient, shard: ShardLike) -> dict[str, Any]:
+    """One idempotent GC run: deletes unreachable blobs, truncates consensus, old rollups."""
+    m = _machine(client, shard)
+    _existing(m)
+    return gcmod.collect_garbage(m).to_json()
+
+
+def unreferenced_blobs(
+    client: PersistClient,
+    shard: ShardLike,
+    older_than_ms: int | None = None,
+    *,
+    delete: bool = False,
+) -> list[dict[str, Any]]:
+    """Leaked blobs of ``shard``: under ``{shard}/``, referenced by no live state version,
+    older than ``older_than_ms`` (default ``config.leak_grace_ms``, 1 h). ``delete=True``
+    deletes them. Use a grace of 0 only when no writer or compactor is running."""
+    sid = str(ShardId.parse(shard))
+    grace = client.config.leak_grace_ms if older_than_ms is None else older_than_ms
+    return gcmod.unreferenced_blobs(
+        client.blob,
+        client.consensus,
+        sid,
+        now_ms=client.config.now_ms(),
+        older_than_ms=grace,
+        delete=delete,
+    )
+
+
+# ----- finalization -----------------------------------------------------------------------
+
+
+def finalize(client: PersistClient, shard: ShardLike) -> dict[str, Any]:
+    """Deletes a shard whose since and upper are both empty, leaving a tombstone.
+
+    Steps (each idempotent, so a crash anywhere is resumed by calling it again):
+    become a tombstone (batches become garbage, every handle is dropped) → write a
+    rollup of the tombstone → shrink state to that rollup alone → delete every other
+    blob under ``{shard}/`` → truncate consensus below the tombstone rollup. What stays
+    is one consensus entry and the tombstone's own rollup (opening a shard needs a
+    rollup once consensus is truncated); opening it again raises ``ShardTombstoned``.
+    """
+    m = _machine(client, shard)
+    s = _existing(m)
+    if not s.tombstone:
+        mt.check_finalizable(s)
+        m.apply("become_tombstone", mt.become_tombstone)
+    s = m.fetch_latest()
+    latest = s.latest_rollup()
+    rollup_written = False
+    if latest is None or not _rollup_is_tombstone(m, latest):
+        rollup_written = m.write_rollup()
+        s = m.fetch_latest()
+        latest = s.latest_rollup()
+    if latest is None or not _rollup_is_tombstone(m, latest):
+        raise ExternalError(
+            f"shard {m.shard_id}: could not write the tombstone rollup; run finalize again"
+        )
+    keep_seqno, keep = latest
+    m.apply("tombstone_shrink", lambda st_, now: mt.tombstone_shrink(st_, now, keep_rollup=keep_seqno))
+    listed = [b.key for b in client.blob.list_keys_and_metadata(f"{m.shard_id}/")]
+    summary = gcmod.GcSummary(m.shard_id)
+    doomed = [k for k in listed if k != keep.key]
+    deleted = gcmod._delete_all(client.blob, doomed, summary)
+    truncated = client.consensus.truncate(m.shard_id, keep_seqno)
+    return {
+        "shard": m.shard_id,
+        "tombstone": True,
+        "rollup_written": rollup_written,
+        "blobs_deleted": len(deleted),
+        "consensus_entries_truncated": truncated,
+        "kept_rollup": keep.key,
+        "errors": summary.errors,
+    }
+
+
+def _rollup_is_tombstone(m: Machine, rollup: tuple[int, st.RollupRef]) -> bool:
+    seqno, ref = rollup
+    state = gcmod._load_rollup(m.blob, m.shard_id, seqno, ref.key)
+    return state is not None and state.tombstone
+
+
+# ----- background compaction --------------------------------------------------------------
+
+
+class BackgroundCompactor:
+    """A small worker pool running the spine's merges for a client's shards.
+
+    Fed by ``Machine.on_commit``: each committed state re-derives the merges it needs.
+    The queue is bounded (``config.compaction_queue_max``); excess requests are dropped
+    because a later commit re-derives them. A merge already queued or running for the
+    same batches is not queued twice. When ``config.gc_in_background`` is set, a GC run
+    is queued after merges whenever garbage became deletable.
+    """
+
+    def __init__(self, client: PersistClient) -> None:
+        cfg = client.config
+        self.client = client
+        self.queue_max = cfg.compaction_queue_max
+        self._pool = ThreadPoolExecutor(
+            max_workers=cfg.compaction_workers, thread_name_prefix="persist-compaction"
+        )
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending: set[tuple[str, tuple[int, ...]]] = set()
+        self._gc_pending: set[str] = set()
+        self._closed = False
+        self.dropped = 0
+        self.completed = 0
+        self.applied = 0
+        self.failed = 0
+        self.gc_runs = 0
+
+    def attach(self, m: Machine) -> None:
+        if getattr(m, "_background_compactor", None) is self:
+            return
+        m._background_compactor = self  # type: ignore[attr-defined]
+        m.on_commit.append(lambda s: self.offer(m, s))
+
+    def offer(self, m: Machine, state: st.ShardState) -> None:
+        """Queues the merges ``state`` needs (never raises: it runs inside a commit)."""
+        try:
+            if self._closed or state.tombstone or state.schemas is None:
+                return
+            reqs = compaction_requests(state)
+            if gcmod.eligible_garbage(state) and self.client.config.gc_in_background:
+                self._submit_gc(m)
+            for req in reqs:
+                self._submit(m, req)
+        except Exception as e:  # maintenance must never fail the user's operation
+            log.warning("shard %s: planning background compaction failed: %s", m.shard_id, e)
+
+    def _submit(self, m: Machine, req: CompactionRequest) -> None:
+        key = (m.shard_id, req.batch_ids)
+        with self._lock:
+            if key in self._pending or self._closed:
+                return
+            if len(self._pending) >= self.queue_max:
+                self.dropped += 1
+                return
+            self._pending.add(key)
+        try:
+            self._pool.submit(self._run, m, req, key)
+        except RuntimeError:  # the pool was shut down concurrently
+            with self._lock:
+                self._pending.discard(key)
+                self._idle.notify_all()
+
+    def _submit_gc(self, m: Machine) -> None:
+        with self._lock:
+            if m.shard_id in self._gc_pending or self._closed:
+                return
+            self._gc_pending.add(m.shard_id)
+        try:
+            self._pool.submit(self._run_gc, m)
+        except RuntimeError:
+            with self._lock:
+                self._gc_pending.discard(m.shard_id)
+                self._idle.notify_all()
+
+    def _run(self, m: Machine, req: CompactionRequest, key: tuple[str, tuple[int, ...]]) -> None:
+        try:
+            s = m.cached()
+            res = compact_request(m, _schemas(s), self.client.config, req)
+            with self._lock:
+                self.completed += 1
+                self.applied += int(res.applied)
+        except (PersistError, OSError) as e:
+            with self._lock:
+                self.failed += 1
+            log.info("shard %s: background compaction of %s failed: %s", m.shard_id, req.batch_ids, e)
+        except Exception:
+            with self._lock:
+                self.failed += 1
+            log.exception("shard %s: background compaction crashed", m.shard_id)
+        finally:
+            with self._lock:
+                self._pending.discard(key)
+                self._idle.notify_all()
+
+    def _run_gc(self, m: Machine) -> None:
+        try:
+            gcmod.collect_garbage(m)
+            with self._lock:
+                self.gc_runs += 1
+        except Exception as e:
+            log.info("shard %s: background GC failed: %s", m.shard_id, e)
+        finally:
+            with self._lock:
+                self._gc_pending.discard(m.shard_id)
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        """Waits until nothing is queued or running (tests and benchmarks use this)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending and not self._gc_pending, timeout_s)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "pending": len(self._pending),
+                "completed": self.completed,
+                "applied": self.applied,
+                "failed": self.failed,
+                "dropped": self.dropped,
+                "gc_runs": self.gc_runs,
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
