@@ -164,6 +164,8 @@ BAD_CONSENSUS = [
     ("postgresql://user:pw@/db", "missing host"),
     ("postgres://user:pw@host", "missing database name"),
     ("postgresql://user:pw@host/", "missing database name"),
+    ("postgresql://u:pw@host/db?bogus_option=1", "libpq rejects it"),
+    ("postgresql://u:pw@host:notaport/db", "port 'notaport' is not a number"),
     ("mem://", "missing name"),
 ]
 

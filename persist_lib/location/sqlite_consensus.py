@@ -106,7 +106,7 @@ class SqliteConsensus(Consensus):
         self._conn()  # fail fast on a bad path; creates the table
 
     def describe(self) -> str:
-        return f"sqlite://{self.path}"
+        return f"sqlite:///{self.path}"  # absolute path: sqlite:////abs/path
 
     def __repr__(self) -> str:
         return f"SqliteConsensus({self.path!r})"

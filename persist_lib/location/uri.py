@@ -352,6 +352,20 @@ def open_consensus(uri: str) -> Consensus:
             raise _invalid(
                 "consensus", uri, "missing database name (postgresql://.../DBNAME)", forms
             )
+        for hp in host.split(","):
+            port = (
+                hp.rpartition("]")[2].partition(":")[2]
+                if hp.startswith("[")
+                else hp.partition(":")[2]
+            )
+            if port and not port.isdigit():
+                raise _invalid("consensus", uri, f"port {port!r} is not a number", forms)
+        import psycopg
+
+        try:
+            psycopg.conninfo.conninfo_to_dict(uri)  # libpq's own parser: reject early
+        except psycopg.Error as e:
+            raise _invalid("consensus", uri, f"libpq rejects it: {redact(str(e))}", forms) from None
         from persist_lib.location.postgres_consensus import PostgresConsensus
 
         return PostgresConsensus(uri)
