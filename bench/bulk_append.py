@@ -1,0 +1,104 @@
+"""2. Bulk append: one table of 5M updates (quick: 1M), MB/s of Arrow data.
+
+persist: one ``compare_and_append`` with the default 128 MiB target parts (the batch
+builder sorts and consolidates each part, encodes Parquet/zstd, SHA-256s and fsyncs it),
+and the same through ``WriteHandle.builder`` fed in 1M-row chunks.
+Anchors: delta-rs ``write_deltalake`` of the same table into a new table, and raw
+``pyarrow.parquet.write_table(table, path, compression="zstd")`` (the limit: Parquet
+encoding alone, no sort, no checksum, no fsync).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from bench.common import KEY_SCHEMA, VAL_SCHEMA, Ctx, du, persist_file_client, row, update_batch
+
+NAME = "bulk_append"
+
+
+def _persist(ctx: Ctx, table: Any, *, builder: bool) -> dict[str, Any]:
+    from persist_lib.ids import ShardId
+
+    name = "persist_bulk_builder" if builder else "persist_bulk"
+    d = ctx.dir(name)
+    client = persist_file_client(d)
+    shard = ShardId.new()
+    w = client.open_writer(shard, KEY_SCHEMA, VAL_SCHEMA)
+    gc.collect()
+    with ctx.profile(name):
+        t0 = time.perf_counter()
+        if builder:
+            b = w.builder(0)
+            step = 1_000_000
+            for off in range(0, table.num_rows, step):
+                b.add(w.normalize(table.slice(off, step)))
+            w.compare_and_append_batch(b.finish(1), 0, 1)
+        else:
+            w.compare_and_append(table, 0, 1)
+        el = time.perf_counter() - t0
+    info = client.inspect(shard)
+    client.close()
+    return {
+        "seconds": round(el, 3),
+        "arrow_MB_per_s": round(table.nbytes / 1e6 / el, 1),
+        "rows_per_s": int(table.num_rows / el),
+        "parts": sum(len(b["parts"]) for b in info["batches"]),
+        "parquet_MB": round(info["bytes"] / 1e6, 1),
+        "updates_stored": info["num_updates"],
+    }
+
+
+def _delta(ctx: Ctx, table: Any) -> dict[str, Any]:
+    from deltalake import write_deltalake
+
+    p = ctx.dir("delta_bulk")
+    gc.collect()
+    t0 = time.perf_counter()
+    write_deltalake(str(p), table, mode="append")
+    el = time.perf_counter() - t0
+    return {
+        "seconds": round(el, 3),
+        "arrow_MB_per_s": round(table.nbytes / 1e6 / el, 1),
+        "rows_per_s": int(table.num_rows / el),
+        "parquet_MB": round(du(p) / 1e6, 1),
+    }
+
+
+def _raw(ctx: Ctx, table: Any) -> dict[str, Any]:
+    p = ctx.dir("raw_parquet") / "t.parquet"
+    gc.collect()
+    t0 = time.perf_counter()
+    pq.write_table(table, p, compression="zstd")
+    el = time.perf_counter() - t0
+    return {
+        "seconds": round(el, 3),
+        "arrow_MB_per_s": round(table.nbytes / 1e6 / el, 1),
+        "rows_per_s": int(table.num_rows / el),
+        "parquet_MB": round(p.stat().st_size / 1e6, 1),
+    }
+
+
+def run(ctx: Ctx) -> dict[str, Any]:
+    n = ctx.pick(1_000_000, 5_000_000)
+    table = update_batch(n, 0, 12345)
+    det: dict[str, Any] = {"rows": n, "arrow_MB": round(table.nbytes / 1e6, 1)}
+    det["persist"] = _persist(ctx, table, builder=False)
+    det["delta"] = _delta(ctx, table)
+    det["raw_parquet_zstd"] = _raw(ctx, table)
+    det["persist_builder"] = _persist(ctx, table, builder=True)
+    p, dl, raw, pb = det["persist"], det["delta"], det["raw_parquet_zstd"], det["persist_builder"]
+    label = f"{n / 1e6:g}M rows, {det['arrow_MB']} MB Arrow"
+    rows = [
+        row(NAME, f"MB/s of Arrow, one compare_and_append ({label})", p["arrow_MB_per_s"], "MB/s",
+            "delta-rs write_deltalake", dl["arrow_MB_per_s"], goal_ratio=(">=", 1.0)),
+        row(NAME, "MB/s of Arrow, one compare_and_append", p["arrow_MB_per_s"], "MB/s",
+            "raw pq.write_table zstd", raw["arrow_MB_per_s"], goal_ratio=(">=", 0.8)),
+        row(NAME, "MB/s of Arrow, builder fed 1M-row chunks", pb["arrow_MB_per_s"], "MB/s",
+            "delta-rs write_deltalake", dl["arrow_MB_per_s"]),
+    ]
+    return {"rows": rows, "detail": det}
