@@ -188,13 +188,14 @@ class MergeStats:
     runs: int = 0
     passes: int = 0
     fan_in: int = 0
-    input_rows: int = 0
+    rows_read: int = 0  # including re-reads of intermediate runs
     output_rows: int = 0
     bytes_read: int = 0
     bytes_written: int = 0  # output parts (blob or inline), including intermediate runs
     intermediate_bytes: int = 0
     peak_rows_held: int = 0
-    peak_bytes_held: int = 0
+    peak_bytes_held: int = 0  # run buffers, encoded parts held, one step's working set
+    output_reserve_bytes: int = 0  # what the output builder may hold (~3.5 output parts)
     steps: int = 0
     restarted_per_part: bool = False
 
@@ -349,7 +350,7 @@ class _Run:
             except StopIteration:
                 self.chunks = None
                 continue
-            m.stats.input_rows += c.num_rows
+            m.stats.rows_read += c.num_rows
             m.observe_row_width(c)
             if m.since is not None:
                 before = c
@@ -607,7 +608,9 @@ def _merge(
 ) -> MergeOutput:
     max_part = max((p.size for run in runs_parts for p in run), default=0)
     plan = MemoryPlan.for_runs(budget, max_part, target_part_bytes)
-    stats = MergeStats(runs=len(runs_parts), fan_in=plan.fan_in)
+    stats = MergeStats(
+        runs=len(runs_parts), fan_in=plan.fan_in, output_reserve_bytes=int(3.5 * plan.output_part_bytes)
+    )
     intermediate: list[str] = []
 
     def builder(inline: int) -> BatchBuilder:
@@ -626,7 +629,7 @@ def _merge(
             for p in run:
                 t = fetch_small_part(blob, p, schemas, shard)
                 stats.bytes_read += p.size
-                stats.input_rows += t.num_rows
+                stats.rows_read += t.num_rows
                 tables.append(advance_to_since(t, since_t) if since_t is not None else t)
         merged = _consolidate(pa.concat_tables(tables)) if tables else None
         stats.peak_rows_held = sum(t.num_rows for t in tables)
@@ -645,38 +648,35 @@ def _merge(
             _DECODED.put(batch.parts[0].sha256, schemas.fingerprint(), merged)
         return MergeOutput(batch, stats, [])
 
-    def run_pass(group: list[list[PartMeta]], sink: BatchBuilder, first_pass: bool) -> None:
-        merger = _Merger(blob, schemas, shard, since_t if first_pass else None, plan, stats)
+    def run_pass(group: list[list[PartMeta]], sink: BatchBuilder) -> None:
+        # Forwarding is idempotent, so every pass forwards (intermediate runs are cheap).
+        merger = _Merger(blob, schemas, shard, since_t, plan, stats)
         merger.merge([_Run(merger, parts, check_order) for parts in group], sink)
 
     try:
-        level = runs_parts
-        first = True
+        level = list(runs_parts)
         while len(level) > plan.fan_in:
+            # Merge just enough of the smallest runs to fit the fan-in (least rewriting).
+            level.sort(key=lambda run: sum(p.size for p in run))
+            g = min(plan.fan_in, len(level) - plan.fan_in + 1)
+            group, level = level[:g], level[g:]
             stats.passes += 1
-            nxt: list[list[PartMeta]] = []
-            for g in range(0, len(level), plan.fan_in):
-                group = level[g : g + plan.fan_in]
-                if len(group) == 1:
-                    nxt.append(group[0])
-                    continue
-                b = builder(0)
-                try:
-                    run_pass(group, b, first)
-                    hb = b.finish(upper)
-                except BaseException:
-                    b.abort()
-                    raise
-                intermediate.extend(hb.blob_keys())
-                stats.intermediate_bytes += hb.size
-                stats.bytes_written += hb.size
-                nxt.append(list(hb.parts))
-            level = nxt
-            first = False
+            b = builder(0)
+            try:
+                run_pass(group, b)
+                hb = b.finish(upper)
+            except BaseException:
+                b.abort()
+                raise
+            intermediate.extend(hb.blob_keys())
+            stats.intermediate_bytes += hb.size
+            stats.bytes_written += hb.size
+            if hb.parts:
+                level.append(list(hb.parts))
         stats.passes += 1
         out = builder(inline_threshold)
         try:
-            run_pass(level, out, first)
+            run_pass(level, out)
             batch = out.finish(upper, since)
         except BaseException:
             out.abort()
