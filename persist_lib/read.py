@@ -172,6 +172,33 @@ class ReadHandle:
                     del self._holds[s]
             self._split_holds.clear()
 
+    def updates_between(self, lower: int, upper: int, timeout_s: float | None = None) -> pa.Table:
+        """Every update at times in ``[lower, upper)``, consolidated (times not forwarded).
+
+        Waits until the shard upper reaches ``upper``; ``lower`` must be at or beyond this
+        reader's since. The building block of incremental (listen-range) reads.
+        """
+        self._check_open()
+        lower = check_time(lower, "lower")
+        upper = check_time(upper, "upper")
+        if upper < lower:
+            raise InvalidUsage(f"shard {self.shard_id}: range [{lower}, {upper}) is backwards")
+        if upper == lower:
+            return to_user_table(_concat([], self.schemas), self.schemas)
+        state = self._wait_for_upper_beyond(upper - 1, timeout_s)
+        self._check_as_of(state, lower)
+        with self._hold(state.seqno):
+            parts = [
+                p
+                for _, b in state.trace_batches()
+                if (b.upper.is_empty() or (b.upper.time or 0) > lower) and (b.lower.time or 0) < upper
+                for p in b.parts
+                if p.tmax >= lower and p.tmin < upper
+            ]
+            tables = self._fetch_all(parts, lambda t: time_range(t, lower, upper))
+        internal = consolidate(_concat(tables, self.schemas))
+        return to_user_table(internal.sort_by([("t", "ascending")]), self.schemas)
+
     # ----- listen -------------------------------------------------------------------
 
     def listen(self, as_of: int) -> Listen:

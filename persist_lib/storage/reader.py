@@ -1,0 +1,270 @@
+"""The collection reader (fat client): one definite collection across handovers.
+
+It holds a leased reader on the metadata shard (its since is the reader's since, and
+the controller only collects an old rendition once every such hold has passed its
+handover) and leased readers on the shards of the renditions it reads (seqno holds,
+so GC never deletes what it is fetching).
+
+At a handover at ``h`` from ``old`` to ``new`` the listener has emitted ``old``'s
+updates at times ``< h``, so its output accumulates to ``old@(h-1)``; it then emits at
+time ``h`` the negation of ``old``'s snapshot at ``h-1`` plus ``new``'s snapshot at
+``h``, so the output accumulates to ``new@h`` — the active rendition's contents — and
+continues with ``new``'s updates after ``h``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist_lib.codec import Schemas, empty_updates, to_user_table
+from persist_lib.consolidate import consolidate
+from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned, Timeout
+from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
+from persist_lib.read import ListenEvent, ListenProgress, ListenUpdates, ReadHandle
+from persist_lib.storage.metadata import Handover, active_in, timeline_from_updates
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.storage.controller import StorageController
+
+
+class CollectionDeleted(InvalidUsage):
+    """The collection was deleted: its readers and writers can't be used any more."""
+
+
+class CollectionReader:
+    def __init__(
+        self, ctl: StorageController, name: str, schemas: Schemas, meta_reader: ReadHandle
+    ) -> None:
+        self._ctl = ctl
+        self.name = name
+        self.schemas = schemas
+        self._meta = meta_reader
+        self._renditions: dict[str, list[ReadHandle]] = {}
+        self._expired = False
+
+    # ----- frontiers -------------------------------------------------------------
+
+    @property
+    def since(self) -> Antichain:
+        return self._guard(lambda: self._meta.since)
+
+    def downgrade_since(self, new_since: FrontierLike) -> None:
+        """Gives up reading before ``new_since`` on the metadata shard and every rendition."""
+        since = as_frontier(new_since, "new_since")
+
+        def go() -> None:
+            self._meta.downgrade_since(since)
+            for readers in self._renditions.values():
+                for r in readers:
+                    if r.since < since:
+                        r.downgrade_since(since)
+
+        self._guard(go)
+
+    def expire(self) -> None:
+        if self._expired:
+            return
+        self._expired = True
+        for readers in self._renditions.values():
+            for r in readers:
+                try:
+                    r.expire()
+                except (LeaseExpired, ShardTombstoned):
+                    pass
+        try:
+            self._meta.expire()
+        except (LeaseExpired, ShardTombstoned):
+            pass
+
+    close = expire
+
+    def __enter__(self) -> CollectionReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.expire()
+
+    # ----- reads --------------------------------------------------------------------
+
+    def snapshot(self, as_of: int, timeout_s: float | None = None) -> pa.Table:
+        """The collection at ``as_of``: the snapshot of the rendition active then."""
+        as_of = check_time(as_of, "as_of")
+
+        def go() -> pa.Table:
+            rendition = self._active_at(as_of, timeout_s)
+            return self._rendition_snapshot(rendition, as_of, timeout_s)
+
+        return self._guard(go)
+
+    def active_rendition(self, as_of: int, timeout_s: float | None = None) -> str:
+        return self._guard(lambda: self._active_at(check_time(as_of, "as_of"), timeout_s))
+
+    def listen(self, as_of: int) -> CollectionListen:
+        as_of = check_time(as_of, "as_of")
+        return self._guard(lambda: CollectionListen(self, as_of))
+
+    # ----- internals ------------------------------------------------------------------
+
+    def _guard(self, fn):  # type: ignore[no-untyped-def]
+        if self._expired:
+            raise InvalidUsage(f"collection {self.name}: this read handle was expired")
+        try:
+            return fn()
+        except (LeaseExpired, ShardTombstoned) as e:
+            if not self._ctl._collection_exists(self.name):
+                raise CollectionDeleted(
+                    f"collection {self.name} was deleted; its read handles can't be used any more"
+                ) from e
+            raise
+
+    def _active_at(self, as_of: int, timeout_s: float | None) -> str:
+        snap = self._meta.snapshot(as_of, timeout_s)
+        return active_in(snap.to_pylist(), as_of, self._meta.shard_id)
+
+    def _readers_for(self, rendition: str) -> list[ReadHandle]:
+        rs = self._renditions.get(rendition)
+        if rs is None:
+            rs = self._ctl._open_rendition_readers(self.name, rendition)
+            since = self._meta.since
+            for r in rs:
+                if r.since < since:
+                    r.downgrade_since(since)
+            self._renditions[rendition] = rs
+        return rs
+
+    def _rendition_snapshot(self, rendition: str, as_of: int, timeout_s: float | None) -> pa.Table:
+        tables = [r.snapshot(as_of, timeout_s) for r in self._readers_for(rendition)]
+        return pa.concat_tables(tables) if tables else to_user_table(empty_updates(self.schemas), self.schemas)
+
+    def _rendition_range(self, rendition: str, lower: int, upper: int, timeout_s: float | None) -> pa.Table:
+        tables = [r.updates_between(lower, upper, timeout_s) for r in self._readers_for(rendition)]
+        return pa.concat_tables(tables)
+
+    def _rendition_upper(self, rendition: str) -> Antichain:
+        return min(r._machine.fetch_latest().upper for r in self._readers_for(rendition))
+
+
+class CollectionListen:
+    """Follows a collection from ``as_of``: update chunks and progress, across handovers."""
+
+    def __init__(self, reader: CollectionReader, as_of: int) -> None:
+        self._r = reader
+        self.as_of = as_of
+        self._frontier = Antichain([as_of + 1])
+        self._current = reader._active_at(as_of, None)
+        self._meta_listen = reader._meta.listen(as_of)
+        self._meta_upper = Antichain([as_of + 1])
+        self._pending: list[Handover] = []
+        self._meta_rows: list[dict] = []
+
+    @property
+    def frontier(self) -> Antichain:
+        return self._frontier
+
+    @property
+    def current_rendition(self) -> str:
+        return self._current
+
+    def _poll_metadata(self, timeout_s: float) -> None:
+        for e in self._meta_listen.next(timeout_s):
+            if isinstance(e, ListenUpdates):
+                self._meta_rows.extend(e.table.to_pylist())
+            else:
+                self._meta_upper = e.upper
+        # Handovers strictly after as_of, relative to the rendition active at as_of.
+        base = [{"rendition": self._current_at_as_of(), "ts": self.as_of, "diff": 1}]
+        self._pending = [h for h in timeline_from_updates(base + self._meta_rows) if h.at > self.as_of]
+
+    def _current_at_as_of(self) -> str:
+        if not hasattr(self, "_as_of_rendition"):
+            self._as_of_rendition = self._current
+        return self._as_of_rendition
+
+    def next(self, timeout_s: float = 1.0) -> list[ListenEvent]:
+        """Events since the last call, waiting up to ``timeout_s`` for progress."""
+        r = self._r
+
+        def go() -> list[ListenEvent]:
+            deadline = time.monotonic() + timeout_s
+            events: list[ListenEvent] = []
+            while True:
+                f = self._frontier.time
+                if f is None:
+                    return events
+                self._poll_metadata(0.0)
+                handover = next((h for h in self._pending if h.at >= f), None)
+                if handover is not None and handover.at == f and self._meta_upper.less_than(f + 1) is False:
+                    # The metadata is decided through f and says: switch at f.
+                    new = handover.new
+                    if r._rendition_upper(new).less_equal(f) or r._rendition_upper(self._current).less_than(f):
+                        pass  # wait for both renditions to be readable around f
+                    else:
+                        old_snap = (
+                            r._rendition_snapshot(self._current, f - 1, None)
+                            if f > 0
+                            else to_user_table(empty_updates(r.schemas), r.schemas)
+                        )
+                        new_snap = r._rendition_snapshot(new, f, None)
+                        chunk = _combine(old_snap, new_snap, f, r.schemas)
+                        if chunk.num_rows:
+                            events.append(ListenUpdates(chunk, self._frontier, Antichain([f + 1])))
+                        self._current = new
+                        self._frontier = Antichain([f + 1])
+                        events.append(ListenProgress(self._frontier))
+                        continue
+                target = self._meta_upper
+                if handover is not None:
+                    target = min(target, Antichain([handover.at]))
+                target = min(target, r._rendition_upper(self._current))
+                if target > self._frontier and target.time is not None:
+                    tbl = r._rendition_range(self._current, f, target.time, None)
+                    if tbl.num_rows:
+                        events.append(ListenUpdates(tbl, self._frontier, target))
+                    self._frontier = target
+                    events.append(ListenProgress(target))
+                    continue
+                if events:
+                    return events
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return events
+                # Nothing to do yet: wait for the metadata or the rendition to move.
+                self._poll_metadata(min(remaining, 0.05))
+                if self._meta_upper <= self._frontier or (handover is None and target == self._frontier):
+                    time.sleep(min(remaining, 0.02))
+
+        return r._guard(go)
+
+    def read_until(self, upper: int, timeout_s: float = 30.0) -> pa.Table:
+        deadline = time.monotonic() + timeout_s
+        out: list[pa.Table] = []
+        while self._frontier.less_than(upper):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Timeout(
+                    f"collection {self._r.name}: listen did not reach {upper} within {timeout_s}s "
+                    f"(frontier {self._frontier})"
+                )
+            for e in self.next(min(remaining, 1.0)):
+                if isinstance(e, ListenUpdates):
+                    out.append(e.table)
+        if not out:
+            return to_user_table(empty_updates(self._r.schemas), self._r.schemas)
+        return pa.concat_tables(out)
+
+
+def _combine(old_snap: pa.Table, new_snap: pa.Table, t: int, schemas: Schemas) -> pa.Table:
+    """``-old + new`` with every time set to ``t``, consolidated (user layout)."""
+    neg = old_snap.set_column(
+        old_snap.schema.get_field_index("diff"), "diff", pc.negate(old_snap["diff"])
+    )
+    both = pa.concat_tables([neg, new_snap])
+    both = both.set_column(both.schema.get_field_index("ts"), "ts", pa.array([t] * both.num_rows, pa.int64()))
+    from persist_lib.codec import normalize_updates
+
+    internal = consolidate(normalize_updates(both, schemas, shard="handover"))
+    return to_user_table(internal, schemas)
