@@ -1,11 +1,12 @@
 """Garbage collection by exact reachability (DESIGN section 9), and the leaked-blob sweeper.
 
-**Epoch-based reclamation.** A blob that became unreachable at seqno ``X`` sits in
-state's ``garbage`` as ``GarbageEntry(X, size)``. No state version at or after ``X``
-references it, and every leased reader promises (its seqno hold) never to read a
-version older than its hold. So once ``seqno_since() > X`` — and a rollup exists at or
-after ``X``, so that no future open replays a version that references it — nobody can
-reach it and it is deleted. No retention period is involved.
+**Epoch-based reclamation.** A blob last referenced by state version ``X`` (the
+transition to ``X + 1`` replaced it) sits in state's ``garbage`` as
+``GarbageEntry(X, size)``. No version after ``X`` references it, and every leased
+reader promises (its seqno hold) never to read a version older than its hold. So once
+``seqno_since() > X`` — and a rollup exists after ``X``, so that no future open starts
+from a version that references it — nobody can reach it and it is deleted. No
+retention period is involved.
 
 One GC run, in an order that makes a crash at any point harmless and the next run
 resume where it stopped (every step is idempotent):
@@ -98,11 +99,10 @@ def _delete_all(blob: Blob, keys: list[str], summary: GcSummary) -> list[str]:
 
 
 def eligible_garbage(state: st.ShardState) -> dict[str, st.GarbageEntry]:
-    """Garbage no reader can reach: ``seqno_since() > X`` and a rollup at or after ``X``."""
+    """Garbage no reader can reach: ``seqno_since() > X`` and a rollup after ``X``."""
     ss = state.seqno_since()
-    latest = state.latest_rollup()
-    top = latest[0] if latest else -1
-    return {k: e for k, e in state.garbage.items() if e.seqno < ss and e.seqno <= top}
+    top = _latest_rollup_seqno(state)
+    return {k: e for k, e in state.garbage.items() if e.seqno < ss and e.seqno < top}
 
 
 def oldest_needed_rollup(state: st.ShardState) -> int | None:
@@ -119,9 +119,9 @@ def collect_garbage(machine: Machine, *, write_rollup_if_needed: bool = True) ->
     if not state.exists:
         return summary
     ss = state.seqno_since()
-    # A rollup at or after the garbage's seqno is a precondition: write one if missing.
+    # A rollup after the garbage's seqno is a precondition: write one if missing.
     blocked_on_rollup = [
-        e for e in state.garbage.values() if e.seqno < ss and e.seqno > _latest_rollup_seqno(state)
+        e for e in state.garbage.values() if e.seqno < ss and e.seqno >= _latest_rollup_seqno(state)
     ]
     if blocked_on_rollup and write_rollup_if_needed:
         summary.rollup_written = machine.write_rollup()

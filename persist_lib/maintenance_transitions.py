@@ -4,10 +4,12 @@ Same contract as ``persist_lib.transitions``: ``(state, now_ms, args) -> (new st
 None, result)``, no I/O, and each one recognises its own already-applied effect, since
 the ``Machine`` re-runs a transition against fresh state after an indeterminate CAS.
 
-Epoch-based reclamation (DESIGN section 9): a blob that stops being referenced by the
-trace at seqno ``X`` (the seqno of the state this transition produces) is recorded in
-``garbage`` as ``GarbageEntry(X, size)``. GC may delete it once every reader's seqno
-hold is past ``X`` and removes the entry afterwards.
+Epoch-based reclamation (DESIGN section 9): a blob that the transition from version
+``X`` to ``X + 1`` stops referencing is recorded in ``garbage`` as
+``GarbageEntry(X, size)``, ``X`` being the current seqno when the transition runs: the
+last version that references it. GC may delete it once every reader's seqno hold is
+past ``X`` (``seqno_since() > X``: nobody reads version ``X`` or older any more) and
+removes the entry afterwards.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def apply_merge_res(
     if out_inline > in_inline and inline_bytes(state) - in_inline + out_inline > inline_max_total:
         return None, MergeResult(MergeOutcome.NOT_APPLIED_INLINE_BUDGET)
 
-    seqno = state.seqno + 1  # the seqno this transition's state will have
+    seqno = state.seqno  # the last version that references the replaced inputs
     batches = dict(state.batches)
     for bid in input_ids:
         del batches[bid]
@@ -181,7 +183,7 @@ def become_tombstone(state: ShardState, now_ms: int) -> Result:
     if not state.exists:
         raise InvalidUsage(f"shard {state.shard_id} does not exist; there is nothing to finalize")
     check_finalizable(state)
-    seqno = state.seqno + 1
+    seqno = state.seqno
     garbage = dict(state.garbage)
     for b in state.batches.values():
         for p in b.parts:
