@@ -298,8 +298,11 @@ class StorageController:
         meta = spec["metadata_shard"]
         self._downgrade_critical(meta, METADATA_KEY, METADATA_VAL, target)
         own = self._meta_reader(name, meta)
-        if own.since < target:
-            own.downgrade_since(target)
+        # The controller reads the metadata at upper - 1: never give that up.
+        meta_upper = own._machine.fetch_latest().upper
+        own_target = target if meta_upper.time is None else min(target, Antichain([max(meta_upper.time - 1, 0)]))
+        if own.since < own_target:
+            own.downgrade_since(own_target)
         meta_since = self.client.machine(meta).fetch_latest().since
         cap = min(target, meta_since)
         for info in spec["renditions"].values():
@@ -440,8 +443,7 @@ class StorageController:
         upper = r._machine.fetch_latest().upper
         if upper.time is None or upper.time == 0:
             return []
-        since = r.since
-        lo = since.time or 0
+        lo = min(r.since.time or 0, upper.time - 1)
         rows: list[dict] = []
         if lo > 0:
             rows = [dict(x, ts=lo) for x in r.snapshot(lo).to_pylist()]

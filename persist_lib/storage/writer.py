@@ -99,6 +99,7 @@ class CollectionWriter:
                 return
             try:
                 self._meta.compare_and_append([], cur, upper)
+                self._ctl._active_cache[self.name] = (upper, self.rendition)
                 return
             except UpperMismatch:
                 continue

@@ -1,0 +1,34 @@
+"""``persist collections`` and ``persist describe NAME``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from persist_lib.cli import command
+from persist_lib.client import PersistClient
+
+
+def _ctl(client: PersistClient) -> Any:
+    from persist_lib.storage import StorageController
+
+    return StorageController(client, recover=False)
+
+
+@command("collections", "list the STORAGE collections")
+def _collections(client: PersistClient, ns: argparse.Namespace) -> Any:
+    ctl = _ctl(client)
+    return [
+        {"name": n, "active_rendition": d["active_rendition"], "renditions": sorted(d["renditions"])}
+        for n in ctl.list_collections()
+        for d in [ctl.describe(n)]
+    ]
+
+
+def _name_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="collection name")
+
+
+@command("describe", "describe a STORAGE collection: renditions, shards, frontiers, handovers", _name_arg)
+def _describe(client: PersistClient, ns: argparse.Namespace) -> Any:
+    return _ctl(client).describe(ns.name)
