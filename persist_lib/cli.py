@@ -105,4 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # Run the registry of the importable module (plugins register there), not __main__'s.
+    from persist_lib.cli import main as _main
+
+    sys.exit(_main())
