@@ -1,0 +1,105 @@
+"""3. Compaction: rows/s on equivalent inputs (research/peers.md section 4c).
+
+Inputs, identical on both sides: 200 batches/commits of 1,000 rows, then one large
+batch/commit (5M rows; quick: 1M) — written with compaction off.
+persist: ``client.compact(shard)`` — every round of the spine's merges until none is
+left; merges also consolidate (sum diffs of equal ``(k, v, t)``) and are applied with
+one CAS each. delta-rs: ``DeltaTable.optimize.compact()`` (bin-packing rewrite, no
+consolidation). rows/s = rows in the table / wall time of the compaction call.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bench.common import (
+    KEY_SCHEMA,
+    VAL_SCHEMA,
+    Ctx,
+    compaction_available,
+    persist_file_client,
+    row,
+    update_batch,
+)
+
+NAME = "compaction"
+
+
+def _persist(ctx: Ctx, small: list, big: Any) -> dict[str, Any]:
+    from persist_lib.ids import ShardId
+
+    d = ctx.dir("persist_compaction")
+    client = persist_file_client(d, compaction_enabled=False)
+    shard = ShardId.new()
+    w = client.open_writer(shard, KEY_SCHEMA, VAL_SCHEMA)
+    for i, b in enumerate(small):
+        w.compare_and_append(b, i, i + 1)
+    n = len(small)
+    w.compare_and_append(big, n, n + 1)
+    before = client.inspect(shard)
+    with ctx.profile("persist_compaction"):
+        t0 = time.perf_counter()
+        res = client.compact(shard)
+        el = time.perf_counter() - t0
+    after = client.inspect(shard)
+    client.close()
+    rows = before["num_updates"]
+    return {
+        "seconds": round(el, 3),
+        "rows": rows,
+        "rows_per_s": int(rows / el),
+        "batches_before": before["num_batches"],
+        "batches_after": after["num_batches"],
+        "parts_after": sum(len(b["parts"]) for b in after["batches"]),
+        "updates_after": after["num_updates"],
+        "result": {k: v for k, v in res.items() if k != "shard"},
+    }
+
+
+def _delta(ctx: Ctx, small: list, big: Any) -> dict[str, Any]:
+    from deltalake import DeltaTable, write_deltalake
+
+    p = str(ctx.dir("delta_compaction"))
+    DeltaTable.create(p, schema=small[0].schema)
+    dt = DeltaTable(p)
+    for b in small:
+        write_deltalake(dt, b, mode="append")
+    write_deltalake(dt, big, mode="append")
+    dt = DeltaTable(p)
+    files_before = len(dt.file_uris())
+    rows = sum(b.num_rows for b in small) + big.num_rows
+    t0 = time.perf_counter()
+    m = dt.optimize.compact()
+    el = time.perf_counter() - t0
+    return {
+        "seconds": round(el, 3),
+        "rows": rows,
+        "rows_per_s": int(rows / el),
+        "files_before": files_before,
+        "files_after": len(DeltaTable(p).file_uris()),
+        "numFilesAdded": m.get("numFilesAdded"),
+        "numFilesRemoved": m.get("numFilesRemoved"),
+    }
+
+
+def run(ctx: Ctx) -> dict[str, Any]:
+    if not compaction_available():
+        return {"rows": [], "detail": {"skipped": "the library has no client.compact yet"}}
+    n_small, rows_small = 200, 1000
+    n_big = ctx.pick(1_000_000, 5_000_000)
+    small = [update_batch(rows_small, i, 1000 + i) for i in range(n_small)]
+    big = update_batch(n_big, n_small, 777)
+    det: dict[str, Any] = {"inputs": f"{n_small} x {rows_small} rows + 1 x {n_big:,} rows"}
+    det["persist"] = _persist(ctx, small, big)
+    det["delta"] = _delta(ctx, small, big)
+    p, dl = det["persist"], det["delta"]
+    label = (
+        f"{n_small}x{rows_small} + 1x{n_big / 1e6:g}M rows; persist {p['batches_before']}->"
+        f"{p['batches_after']} batches, delta {dl['files_before']}->{dl['files_after']} files"
+    )
+    rows = [
+        row(NAME, f"rows/s ({label})", p["rows_per_s"], "rows/s",
+            "delta-rs optimize.compact()", dl["rows_per_s"], goal_ratio=(">=", 1.0)),
+    ]
+    return {"rows": rows, "detail": det}
