@@ -1,0 +1,650 @@
+"""The actors of a history: each one is a real OS process driving one shard.
+
+``actor_main(cfg_json, actor, incarnation)`` is the process entry point (the runner
+starts it through a multiprocessing ``forkserver`` context, so a restart after a
+``kill -9`` costs a fork, not a Python start-up). Every actor:
+
+- opens the location through the audit wrappers (``persist_lib.testing.audit``) under a
+  seeded ``UnreliableHandle`` (5% faults by default: Materialize's split), plus a
+  seeded schedule of total outages (longer than the client's retry deadline, so some
+  operations surface ``Determinate``/``Indeterminate`` errors to the caller);
+- logs every client operation as invoke/complete records (``persist_lib.testing.history``);
+- runs until the runner creates the stop file, then releases its handles and exits.
+
+Roles: ``writer`` (compare_and_append with good and stale bounds, definite ``append``
+of a deterministic stream, heartbeats), ``reader`` (snapshots, one listen at a time,
+since downgrades, backward downgrades that must fail), ``compactor``, ``gc`` and
+``expirer``. Writers write unique, traceable records: the key of every inserted
+record is ``{op id}/{i}``, and the definite stream's records are ``d/{t}/{j}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from persist_lib.errors import (
+    BlobNotFound,
+    CorruptionError,
+    Determinate,
+    Indeterminate,
+    InvalidUsage,
+    LeaseExpired,
+    PersistError,
+    Timeout,
+    UpperMismatch,
+)
+from persist_lib.testing.history import FAIL, INFO, OK, EventLog
+
+KEY_SCHEMA = pa.schema([("k", pa.string())])
+VAL_SCHEMA = pa.schema([("v", pa.int64())])
+
+Update = tuple[tuple[tuple[str], tuple[int]], int, int]
+
+
+@dataclass
+class HistoryConfig:
+    """Everything one history needs; JSON-serializable (it is passed to every actor)."""
+
+    seed: int
+    root: str
+    consensus_uri: str
+    shard_id: str
+    target_ops: int = 300
+    writers: int = 3
+    readers: int = 2
+    compactor: bool = True
+    gc: bool = True
+    expirer: bool = True
+    unreliability: float = 0.05
+    stall_rate: float = 0.01
+    stall_s: float = 0.02
+    outage_rate: float = 0.02  # chance per op that an actor starts a total outage
+    outage_s: tuple[float, float] = (0.3, 1.5)
+    crash_mean_interval_s: float = 1.5
+    max_crashes: int = 6
+    retry_deadline_s: float = 1.0
+    reader_lease_ms: int = 2500
+    writer_lease_ms: int = 4000
+    inline_threshold: int = 4096
+    inline_max_total: int = 1 << 20
+    rollup_interval: int = 16
+    background_compaction: bool = False
+    time_limit_s: float = 120.0
+    planted: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, s: str) -> HistoryConfig:
+        d = json.loads(s)
+        d["outage_s"] = tuple(d["outage_s"])
+        return cls(**d)
+
+    # Paths inside ``root``.
+    @property
+    def blob_dir(self) -> str:
+        return os.path.join(self.root, "blob")
+
+    @property
+    def graveyard_dir(self) -> str:
+        return os.path.join(self.root, "graveyard")
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self.root, "logs")
+
+    @property
+    def archive_dir(self) -> str:
+        return os.path.join(self.root, "archive")
+
+    @property
+    def stop_path(self) -> str:
+        return os.path.join(self.root, "STOP")
+
+
+def definite_records(seed: int, t: int) -> list[tuple[str, int]]:
+    """The deterministic stream every definite appender writes at time ``t``."""
+    rng = random.Random(f"definite/{seed}/{t}")
+    return [(f"d/{t}/{j}", rng.randint(0, 999)) for j in range(rng.randint(0, 2))]
+
+
+def definite_updates(seed: int, lo: int, hi: int) -> list[Update]:
+    return [(((k,), (v,)), t, 1) for t in range(lo, hi) for k, v in definite_records(seed, t)]
+
+
+def actor_seed(seed: int, actor: str, incarnation: int) -> int:
+    return random.Random(f"{seed}/{actor}/{incarnation}").getrandbits(48)
+
+
+# ----- building the location ------------------------------------------------------------
+
+
+@dataclass
+class Location:
+    """A client plus the wrappers a history needs to look at."""
+
+    client: Any
+    handle: Any  # UnreliableHandle (None when fault-free)
+    audit_blob: Any
+    audit_consensus: Any
+    raw_consensus: Any
+
+
+def build_location(
+    cfg: HistoryConfig,
+    log: EventLog | None,
+    archive_name: str,
+    *,
+    faults: bool,
+    seed: int,
+    now_ms: Callable[[], int] | None = None,
+) -> Location:
+    """A ``PersistClient`` on the history's location: audit wrappers under fault injection."""
+    from persist_lib.client import PersistClient
+    from persist_lib.config import PersistConfig
+    from persist_lib.location.file_blob import FileBlob
+    from persist_lib.location.unreliable import (
+        FaultRates,
+        UnreliableBlob,
+        UnreliableConsensus,
+        UnreliableHandle,
+    )
+    from persist_lib.testing import planted
+    from persist_lib.testing.audit import AuditBlob, AuditConsensus
+
+    raw_cons = planted.open_consensus(cfg.consensus_uri, cfg.planted)
+    audit_cons = AuditConsensus(raw_cons, os.path.join(cfg.archive_dir, archive_name))
+    audit_blob = AuditBlob(FileBlob(cfg.blob_dir), FileBlob(cfg.graveyard_dir), raw_cons, log)
+    config = PersistConfig.for_tests(
+        retry_deadline_s=cfg.retry_deadline_s,
+        snapshot_timeout_s=2.0,
+        reader_lease_ms=cfg.reader_lease_ms,
+        writer_lease_ms=cfg.writer_lease_ms,
+        background_heartbeats=True,
+        inline_threshold=cfg.inline_threshold,
+        inline_max_total=cfg.inline_max_total,
+        rollup_interval=cfg.rollup_interval,
+        compaction_enabled=cfg.background_compaction,
+        listen_poll_max_s=0.2,
+        rng=random.Random(seed),
+    )
+    if now_ms is not None:
+        config.now_ms = now_ms
+    handle = None
+    blob: Any = audit_blob
+    cons: Any = audit_cons
+    if faults:
+        base = FaultRates.from_unreliability(cfg.unreliability)
+        rates = FaultRates(
+            determinate=base.determinate,
+            applied_then_timeout=base.applied_then_timeout,
+            timeout_only=base.timeout_only,
+            stall=cfg.stall_rate,
+        )
+        handle = UnreliableHandle(seed, rates, stall_s=cfg.stall_s)
+        blob = UnreliableBlob(audit_blob, handle)
+        cons = UnreliableConsensus(audit_cons, handle)
+    client = PersistClient(
+        blob, cons, config, blob_uri=f"file://{cfg.blob_dir}", consensus_uri=cfg.consensus_uri
+    )
+    return Location(client, handle, audit_blob, audit_cons, raw_cons)
+
+
+# ----- outcomes -----------------------------------------------------------------------------
+
+
+def classify(e: BaseException) -> str:
+    """Jepsen outcome of an operation that raised ``e``."""
+    if isinstance(e, UpperMismatch | InvalidUsage | Timeout):
+        return FAIL
+    if isinstance(e, Indeterminate):
+        return INFO
+    if isinstance(e, Determinate):
+        return FAIL
+    return INFO  # CorruptionError, bugs: we don't know what happened
+
+
+class Actor:
+    """Shared plumbing: the log, the location, outages, and running one logged op."""
+
+    def __init__(self, cfg: HistoryConfig, actor: str, incarnation: int) -> None:
+        self.cfg = cfg
+        self.actor = actor
+        self.inc = incarnation
+        self.seed = actor_seed(cfg.seed, actor, incarnation)
+        self.rng = random.Random(self.seed)
+        self.log = EventLog(os.path.join(cfg.log_dir, f"{actor}.{incarnation}.jsonl"), actor, incarnation)
+        self.loc = build_location(
+            cfg, self.log, f"{actor}.{incarnation}.jsonl", faults=True, seed=self.seed
+        )
+        self.client = self.loc.client
+        self.shard = cfg.shard_id
+        self._outage_until = 0.0
+        self._outage_lock = threading.Lock()
+        self.outages_enabled = True
+
+    def stopped(self) -> bool:
+        return os.path.exists(self.cfg.stop_path)
+
+    def sleep(self, lo: float, hi: float) -> None:
+        time.sleep(self.rng.uniform(lo, hi))
+
+    def maybe_outage(self) -> None:
+        """Sometimes starts a total outage of this actor's location (a timer ends it)."""
+        h = self.loc.handle
+        if h is None or not self.outages_enabled or self.rng.random() >= self.cfg.outage_rate:
+            return
+        with self._outage_lock:
+            if time.monotonic() < self._outage_until:
+                return
+            d = self.rng.uniform(*self.cfg.outage_s)
+            kind = self.rng.choice(["timeout_only", "determinate"])
+            saved = h.rates
+            h.totally_unavailable(kind)
+            self._outage_until = time.monotonic() + d
+        self.log.note("outage", fault=kind, duration_s=d)
+
+        def end() -> None:
+            with h._lock:
+                h._rates = saved
+
+        t = threading.Timer(d, end)
+        t.daemon = True
+        t.start()
+
+    def faults(self) -> dict[str, int]:
+        h = self.loc.handle
+        return h.snapshot_counts() if h is not None else {}
+
+    def run_op(
+        self,
+        op: str,
+        args: dict[str, Any],
+        fn: Callable[[], Any],
+        op_id: str | None = None,
+    ) -> tuple[str, Any, BaseException | None]:
+        """Runs ``fn`` as a logged operation; returns (outcome, result, error)."""
+        self.maybe_outage()
+        oid = self.log.invoke(op, args, op_id)
+        try:
+            res = fn()
+        except Exception as e:  # noqa: BLE001 - every outcome is logged
+            outcome = classify(e)
+            tb = None if isinstance(e, PersistError) else traceback.format_exc()
+            self.log.complete(
+                oid,
+                outcome,
+                error=f"{e}" + (f"\n{tb}" if tb else ""),
+                error_type=type(e).__name__,
+                faults=self.faults(),
+                **({"current_upper": e.current.to_json()} if isinstance(e, UpperMismatch) else {}),
+            )
+            return outcome, None, e
+        self.log.complete(oid, OK, result=res, faults=self.faults())
+        return OK, res, None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()
+        self.log.close()
+
+
+# ----- writers ------------------------------------------------------------------------------
+
+
+class Writer(Actor):
+    def __init__(self, cfg: HistoryConfig, actor: str, incarnation: int) -> None:
+        super().__init__(cfg, actor, incarnation)
+        self.w: Any = None
+        self.acked: list[tuple[str, int]] = []  # inserted records we may retract
+
+    def open(self) -> None:
+        while self.w is None and not self.stopped():
+
+            def do() -> dict[str, Any]:
+                self.w = self.client.open_writer(
+                    self.shard, KEY_SCHEMA, VAL_SCHEMA, purpose=f"{self.actor}.{self.inc}"
+                )
+                return {"writer_id": self.w.writer_id}
+
+            outcome, _, _ = self.run_op("open_writer", {}, do)
+            if outcome != OK:
+                self.w = None
+                self.sleep(0.05, 0.2)
+
+    def step(self) -> None:
+        if self.w is None:
+            self.open()
+            return
+        w = self.w
+        try:
+            upper_t = (w.fetch_recent_upper() if self.rng.random() < 0.5 else w.upper).time
+        except PersistError:
+            self.sleep(0.01, 0.05)
+            return
+        if upper_t is None:
+            return
+        r = self.rng.random()
+        if r < 0.55:
+            self.caa(upper_t, stale=False)
+        elif r < 0.62:
+            self.caa(upper_t, stale=True)
+        elif r < 0.95:
+            self.definite_append(upper_t)
+        else:
+            _, _, e = self.run_op("writer_heartbeat", {"writer_id": w.writer_id}, w.heartbeat)
+            self.after(e)
+        self.sleep(0.0, 0.03)
+
+    def caa(self, upper_t: int, *, stale: bool) -> None:
+        w = self.w
+        if stale:
+            if upper_t == 0:
+                return
+            expected = max(0, upper_t - self.rng.randint(1, 3))
+            new = expected + 1
+        else:
+            expected = upper_t
+            new = expected + self.rng.randint(1, 3)
+        oid = self.log.new_op_id()
+        ups: list[Update] = []
+        for i in range(self.rng.choice([0, 1, 1, 2, 3, 4])):
+            ups.append(((((f"{oid}/{i}",), (self.rng.randint(0, 999),))), self.rng.randrange(expected, new), 1))
+        retracted: tuple[str, int] | None = None
+        if self.acked and self.rng.random() < 0.3:
+            retracted = self.acked.pop(self.rng.randrange(len(self.acked)))
+            ups.append((((retracted[0],), (retracted[1],)), self.rng.randrange(expected, new), -1))
+        args = {
+            "writer_id": w.writer_id,
+            "expected": expected,
+            "new": new,
+            "stale": stale,
+            "updates": [[u[0][0][0], u[0][1][0], u[1], u[2]] for u in ups],
+        }
+        outcome, _, e = self.run_op(
+            "caa", args, lambda: w.compare_and_append(ups, expected, new), op_id=oid
+        )
+        if outcome == OK:
+            self.acked += [(u[0][0][0], u[0][1][0]) for u in ups if u[2] > 0]
+        elif outcome == FAIL and retracted is not None:
+            self.acked.append(retracted)  # definitely not retracted: may retract later
+        self.after(e)
+
+    def definite_append(self, upper_t: int) -> None:
+        w = self.w
+        lo = max(0, upper_t - self.rng.randint(0, 2))
+        hi = max(lo + 1, upper_t) + self.rng.randint(0, 3)
+        ups = definite_updates(self.cfg.seed, lo, hi)
+        args = {"writer_id": w.writer_id, "lower": lo, "upper": hi, "n": len(ups)}
+        _, _, e = self.run_op("append", args, lambda: w.append(ups, lo, hi))
+        self.after(e)
+
+    def after(self, e: BaseException | None) -> None:
+        # A lapsed lease (expired after an outage or a stall) needs a new handle.
+        if isinstance(e, LeaseExpired):
+            self.w = None
+
+    def shutdown(self) -> None:
+        if self.w is not None:
+            w = self.w
+            self.run_op("expire_writer", {"writer_id": w.writer_id}, w.expire)
+
+
+# ----- readers ------------------------------------------------------------------------------
+
+
+class Reader(Actor):
+    def __init__(self, cfg: HistoryConfig, actor: str, incarnation: int) -> None:
+        super().__init__(cfg, actor, incarnation)
+        self.r: Any = None
+        self.listen: Any = None
+        self.listen_id: str | None = None
+
+    def open(self) -> None:
+        while self.r is None and not self.stopped():
+            def do() -> dict[str, Any]:
+                self.r = self.client.open_leased_reader(
+                    self.shard, KEY_SCHEMA, VAL_SCHEMA, purpose=f"{self.actor}.{self.inc}"
+                )
+                return {"reader_id": self.r.reader_id}
+
+            outcome, _, _ = self.run_op("open_reader", {}, do)
+            if outcome != OK:
+                self.r = None
+                self.sleep(0.05, 0.2)
+        self.listen = None
+
+    def step(self) -> None:
+        if self.r is None:
+            self.open()
+            return
+        r = self.r
+        x = self.rng.random()
+        if x < 0.30:
+            e = self.snapshot()
+        elif x < 0.70:
+            e = self.listen_step()
+        elif x < 0.85:
+            e = self.downgrade()
+        elif x < 0.90:
+            e = self.backward_downgrade()
+        else:
+            _, _, e = self.run_op("reader_heartbeat", {"reader_id": r.reader_id}, r.heartbeat)
+        if isinstance(e, LeaseExpired):
+            self.r = None
+            self.listen = None
+        self.sleep(0.0, 0.03)
+
+    def _since_upper(self) -> tuple[int, int]:
+        r = self.r
+        s = r.since.time
+        u = r.upper.time
+        return (s if s is not None else 0), (u if u is not None else 0)
+
+    def snapshot(self) -> BaseException | None:
+        r = self.r
+        try:
+            since, upper = self._since_upper()
+        except PersistError as e:
+            return e
+        as_of = self.rng.randint(since, upper - 1) if upper - 1 >= since else since
+
+        def do() -> Any:
+            t = r.snapshot(as_of, timeout_s=1.0)
+            cols = t.to_pydict()
+            return [list(x) for x in zip(cols["k"], cols["v"], cols["ts"], cols["diff"], strict=True)]
+
+        _, _, e = self.run_op("snapshot", {"reader_id": r.reader_id, "as_of": as_of}, do)
+        return e
+
+    def listen_step(self) -> BaseException | None:
+        r = self.r
+        if self.listen is None or self.rng.random() < 0.03:
+            try:
+                since, upper = self._since_upper()
+            except PersistError as e:
+                return e
+            as_of = self.rng.randint(since, max(since, upper))
+            lid = self.log.new_op_id()
+
+            def do_open() -> Any:
+                self.listen = r.listen(as_of)
+                return {"listen_id": lid}
+
+            outcome, _, e = self.run_op(
+                "listen_open", {"reader_id": r.reader_id, "as_of": as_of, "listen_id": lid}, do_open, op_id=lid
+            )
+            if outcome != OK:
+                self.listen = None
+                return e
+            self.listen_id = lid
+            return None
+        lst = self.listen
+        frontier = lst.frontier.time
+
+        def do() -> Any:
+            from persist_lib.read import ListenUpdates
+
+            out = []
+            for ev in lst.next(timeout_s=0.2):
+                if isinstance(ev, ListenUpdates):
+                    c = ev.table.to_pydict()
+                    out.append(
+                        {
+                            "kind": "updates",
+                            "lower": ev.lower.time,
+                            "upper": ev.upper.time,
+                            "rows": [list(x) for x in zip(c["k"], c["v"], c["ts"], c["diff"], strict=True)],
+                        }
+                    )
+                else:
+                    out.append({"kind": "progress", "upper": ev.upper.time})
+            return out
+
+        outcome, _, e = self.run_op(
+            "listen_next",
+            {"reader_id": r.reader_id, "listen_id": self.listen_id, "as_of": lst.as_of, "frontier": frontier},
+            do,
+        )
+        return e
+
+    def downgrade(self) -> BaseException | None:
+        r = self.r
+        try:
+            since, upper = self._since_upper()
+        except PersistError as e:
+            return e
+        cap = upper - 1
+        if self.listen is not None and self.listen.frontier.time is not None:
+            cap = min(cap, self.listen.frontier.time - 1)  # listen needs times >= frontier intact
+        if cap < since:
+            return None
+        new = self.rng.randint(since, cap)
+        _, _, e = self.run_op(
+            "downgrade_since", {"reader_id": r.reader_id, "new_since": new}, lambda: r.downgrade_since(new)
+        )
+        return e
+
+    def backward_downgrade(self) -> BaseException | None:
+        r = self.r
+        try:
+            since, _ = self._since_upper()
+        except PersistError as e:
+            return e
+        if since == 0:
+            return None
+        new = since - 1
+        _, _, e = self.run_op(
+            "downgrade_since_backward",
+            {"reader_id": r.reader_id, "new_since": new, "since": since},
+            lambda: r.downgrade_since(new),
+        )
+        return e
+
+    def shutdown(self) -> None:
+        if self.r is not None:
+            r = self.r
+            self.run_op("expire_reader", {"reader_id": r.reader_id}, r.expire)
+
+
+# ----- maintenance ------------------------------------------------------------------------------
+
+
+class Compactor(Actor):
+    def step(self) -> None:
+        self.run_op("compact", {}, lambda: _jsonable(self.client.compact(self.shard)))
+        self.sleep(0.05, 0.3)
+
+
+class Gc(Actor):
+    def step(self) -> None:
+        if self.rng.random() < 0.15:
+            self.run_op(
+                "leak_report",
+                {},
+                lambda: len(self.client.unreferenced_blobs(self.shard, 60_000, delete=False)),
+            )
+        else:
+            self.run_op("gc", {}, lambda: _jsonable(self.client.gc(self.shard)))
+        self.sleep(0.05, 0.3)
+
+
+class Expirer(Actor):
+    def step(self) -> None:
+        self.run_op("expire_leases", {}, lambda: _jsonable(self.client.expire_leases(self.shard)))
+        self.sleep(0.1, 0.4)
+
+
+ROLES: dict[str, type[Actor]] = {
+    "writer": Writer,
+    "reader": Reader,
+    "compactor": Compactor,
+    "gc": Gc,
+    "expirer": Expirer,
+}
+
+
+def role_of(actor: str) -> str:
+    return {"w": "writer", "r": "reader"}.get(actor[0], actor) if actor[:1] in "wr" and actor[1:].isdigit() else actor
+
+
+def _schemas() -> Any:
+    from persist_lib.codec import Schemas
+
+    return Schemas.create(KEY_SCHEMA, VAL_SCHEMA)
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=str))
+
+
+def actor_main(cfg_json: str, actor: str, incarnation: int) -> None:
+    """Process entry point: run ``actor`` until the stop file appears."""
+    cfg = HistoryConfig.from_json(cfg_json)
+    from persist_lib.testing import planted
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(planted.activate([p for p in cfg.planted if p not in planted.CONSENSUS_BUGS]))
+    a = ROLES[role_of(actor)](cfg, actor, incarnation)
+    a.log.note("start", role=role_of(actor), seed=a.seed)
+    try:
+        while not a.stopped():
+            try:
+                a.step()
+            except PersistError as e:  # outside a logged op (e.g. reading frontiers)
+                a.log.note("step_error", error=str(e)[:500], error_type=type(e).__name__)
+                if isinstance(e, CorruptionError | BlobNotFound):
+                    a.log.note("unexpected_error", error=str(e)[:500], error_type=type(e).__name__)
+                time.sleep(0.05)
+        shutdown = getattr(a, "shutdown", None)
+        if shutdown is not None:
+            # Released without faults, so a clean stop leaves no lease behind.
+            a.outages_enabled = False
+            if a.loc.handle is not None:
+                a.loc.handle.totally_available()
+            shutdown()
+        a.log.note("stop", faults=a.faults())
+    except Exception as e:  # noqa: BLE001 - logged for the checker, then the process exits
+        a.log.note("crash_unexpected", error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        raise
+    finally:
+        a.close()
+        stack.close()
+
+
+def prepare_dirs(cfg: HistoryConfig) -> None:
+    for d in (cfg.blob_dir, cfg.graveyard_dir, cfg.log_dir, cfg.archive_dir):
+        Path(d).mkdir(parents=True, exist_ok=True)
