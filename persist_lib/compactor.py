@@ -174,7 +174,7 @@ class MemoryPlan:
         (its buffer, the step's concatenation, ranks and the emitted copy)."""
         if budget < 1 * MiB:
             raise InvalidUsage(f"compaction memory budget must be >= 1 MiB, got {budget} bytes")
-        out = max(64 << 10, min(target_part_bytes, budget // 16))
+        out = max(16 << 10, min(target_part_bytes, budget // 16))
         chunk = max(16 << 10, min(4 * MiB, budget // 256))
         per_run = max_part_bytes + 8 * chunk
         fan_in = max(2, int(budget * 0.7) // max(per_run, 1))

@@ -1,0 +1,281 @@
+"""Crashes during maintenance: ``kill -9`` of a compaction / GC process at random points,
+and crashes injected between GC's steps. Afterwards every readable time has the same
+contents, the leaked-blob sweeper removes what the killed process left behind, and
+maintenance resumes to completion.
+
+Locations are file blob + SQLite consensus, so a subprocess shares them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from persist_lib import PersistClient, PersistConfig, ShardId
+from persist_lib import gc as gcmod
+from persist_lib import maintenance as mn
+from persist_lib.compactor import COMPACTOR_WRITER_PREFIX
+
+KEY = pa.schema([("k", pa.int64())])
+VAL = pa.schema([("v", pa.string())])
+SINCE = 10
+UPPER = 30
+ROOT = str(Path(__file__).resolve().parents[1])
+
+CHILD = textwrap.dedent(
+    """
+    import sys
+    from persist_lib import PersistClient, PersistConfig
+    from persist_lib import maintenance as mn
+    blob, cons, shard, mode = sys.argv[1:5]
+    cfg = PersistConfig.for_tests(
+        blob_target_size=8192, inline_threshold=0, rollup_interval=4,
+        compaction_memory_budget=1 << 20,
+    )
+    # Warm up (first-use costs of Arrow kernels) on a throwaway shard, so that kill
+    # points drawn after "ready" land in the real work.
+    import pyarrow as pa
+    from persist_lib import ShardId
+    warm = PersistClient.open("mem://warm", "mem://warm", cfg)
+    ws = ShardId.new()
+    w, _ = warm.open(ws, pa.schema([("k", pa.int64())]), pa.schema([("v", pa.string())]))
+    for t in range(3):
+        w.compare_and_append([(((i,), ("x",)), t, 1) for i in range(400)], t, t + 1)
+    mn.compact(warm, ws)
+    client = PersistClient.open(blob, cons, cfg)
+    client.machine(shard).fetch_latest()
+    print("ready", flush=True)
+    if mode == "compact":
+        mn.compact(client, shard)
+    mn.gc(client, shard)
+    print("done", flush=True)
+    """
+)
+
+
+def config() -> PersistConfig:
+    return PersistConfig.for_tests(
+        blob_target_size=8192, inline_threshold=0, rollup_interval=4, compaction_memory_budget=1 << 20
+    )
+
+
+def uris(d: Path) -> tuple[str, str]:
+    return f"file://{d / 'blob'}", f"sqlite:///{d / 'consensus.db'}"
+
+
+def contents(table: pa.Table) -> dict:
+    c: Counter = Counter()
+    for r in table.to_pylist():
+        c[(r["k"], r["v"])] += r["diff"]
+    return {k: v for k, v in c.items() if v}
+
+
+def build_template(d: Path, shard: ShardId, compacted: bool) -> dict[int, dict]:
+    """A shard of ~20 multi-part batches whose since is SINCE and that nobody reads.
+
+    Returns the contents at every readable time. ``compacted``: compaction already ran
+    (garbage waits for GC and consensus is long).
+    """
+    (d / "blob").mkdir(parents=True)
+    client = PersistClient.open(*uris(d), config())
+    w, r = client.open(shard, KEY, VAL)
+    rng = random.Random(42)
+    t = 0
+    while t < UPPER:
+        hi = min(UPPER, t + rng.randint(1, 2))
+        ups = [
+            (((rng.randrange(300),), (f"v{rng.randrange(3)}",)), rng.randrange(t, hi), rng.choice([-1, 1, 1]))
+            for _ in range(rng.randint(600, 1500))
+        ]
+        w.compare_and_append(ups, t, hi)
+        t = hi
+    expected = {t: contents(r.snapshot(t)) for t in range(SINCE, UPPER)}
+    r.downgrade_since(SINCE)
+    if compacted:
+        mn.compact(client, shard)
+    r.expire()  # nobody holds a seqno: the child's GC may delete what it replaced
+    w.expire()
+    client.close()
+    return expected
+
+
+def verify(client: PersistClient, shard: ShardId, expected: dict[int, dict]) -> None:
+    r = client.open_leased_reader(shard, KEY, VAL)
+    try:
+        for t, exp in expected.items():
+            assert contents(r.snapshot(t)) == exp, f"contents differ at time {t}"
+    finally:
+        r.expire()
+
+
+def kill_trial(tmp: Path, template: Path, shard: ShardId, mode: str, delay: float, expected: dict[int, dict]) -> dict[str, Any]:
+    d = tmp / f"trial-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(template, d)
+    blob, cons = uris(d)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen(
+        [sys.executable, "-c", CHILD, blob, cons, str(shard), mode],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert line.strip() == "ready", (line, p.stderr.read() if p.stderr else "")
+    time.sleep(delay)
+    try:
+        os.kill(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # it had already exited
+    p.wait(30)
+    out = p.stdout.read()
+    finished = "done" in out  # it completed its work before the kill (or exited)
+    if p.returncode != -signal.SIGKILL:
+        assert p.returncode == 0, p.stderr.read() if p.stderr else ""
+    client = PersistClient.open(blob, cons, config())
+    try:
+        leaked = mn.unreferenced_blobs(client, shard, 0, delete=True)
+        for b in leaked:
+            writer = b["key"].split("/")[1]
+            assert writer.startswith(COMPACTOR_WRITER_PREFIX) or writer == "rollup", b
+        assert all(b["deleted"] for b in leaked)
+        assert mn.unreferenced_blobs(client, shard, 0) == []
+        verify(client, shard, expected)
+        # Maintenance resumes to completion; GC leaves nothing behind.
+        mn.compact(client, shard)
+        g = mn.gc(client, shard)
+        assert not g["errors"]
+        verify(client, shard, expected)
+        assert mn.unreferenced_blobs(client, shard, 0) == []
+        s = client.machine(shard).fetch_latest()
+        assert not gcmod.eligible_garbage(s)
+        return {"mode": mode, "delay": round(delay, 3), "finished": finished, "leaked": len(leaked)}
+    finally:
+        client.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    base = tmp_path_factory.mktemp("crash-templates")
+    shard = ShardId.new()
+    exp = build_template(base / "raw", shard, compacted=False)
+    exp2 = build_template(base / "compacted", shard, compacted=True)
+    assert exp == exp2
+    # Calibrate: how long an uninterrupted child runs (kill points are drawn from it).
+    out: dict[str, Any] = {"shard": shard, "expected": exp, "raw": base / "raw", "compacted": base / "compacted"}
+    for mode, tpl in (("compact", base / "raw"), ("gc", base / "compacted")):
+        d = base / f"calibrate-{mode}"
+        shutil.copytree(tpl, d)
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        p = subprocess.Popen(
+            [sys.executable, "-c", CHILD, *uris(d), str(shard), mode],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "ready"
+        t0 = time.monotonic()
+        rest, err = p.communicate(timeout=120)
+        out[f"duration_{mode}"] = time.monotonic() - t0
+        assert p.returncode == 0 and "done" in rest, err
+    return out
+
+
+def _run_trials(tmp_path: Path, templates: dict[str, Any], n: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    results = []
+    for i in range(n):
+        mode = "compact" if i % 3 != 2 else "gc"
+        tpl = templates["raw"] if mode == "compact" else templates["compacted"]
+        delay = rng.uniform(0, templates[f"duration_{mode}"] * 1.1)
+        results.append(kill_trial(tmp_path, tpl, templates["shard"], mode, delay, templates["expected"]))
+    return results
+
+
+def test_kill_9_during_compaction_and_gc(tmp_path: Path, templates: dict[str, Any]) -> None:
+    results = _run_trials(tmp_path, templates, 4, seed=1)
+    print("calibration:", templates["duration_compact"], templates["duration_gc"])
+    print("kill -9 trials:", results)
+    assert len(results) == 4
+
+
+@pytest.mark.slow
+def test_kill_9_soak(tmp_path: Path, templates: dict[str, Any]) -> None:
+    results = _run_trials(tmp_path, templates, 60, seed=2)
+    killed = [r for r in results if not r["finished"]]
+    print(f"kill -9 soak: {len(results)} trials, {len(killed)} killed mid-run, "
+          f"{sum(r['leaked'] for r in results)} leaked blobs swept")
+    assert len(killed) >= 50
+
+
+# ----- crashes injected between GC steps ---------------------------------------------------
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("step", ["delete_blobs", "remove_entries", "truncate", "delete_rollups", "remove_rollups"])
+def test_gc_resumes_after_crash_at_each_step(tmp_path: Path, step: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    name = uuid.uuid4().hex
+    client = PersistClient.open(f"mem://{name}", f"mem://{name}", config())
+    shard = ShardId.new()
+    w, r = client.open(shard, KEY, VAL)
+    for t in range(12):
+        w.compare_and_append([(((i,), (f"v{t}",)), t, 1) for i in range(100)], t, t + 1)
+    expected = {t: contents(r.snapshot(t)) for t in range(4, 12)}
+    r.downgrade_since(4)
+    mn.compact(client, shard)
+    r.heartbeat()
+    m = client.machine(shard)
+    deletes = {"n": 0}
+    real_delete = type(client.raw_blob).delete
+    real_apply = type(m).apply
+    real_truncate = type(client.raw_consensus).truncate
+
+    def delete(self, key: str):  # type: ignore[no-untyped-def]
+        is_rollup = "/rollup/" in key
+        if (step == "delete_blobs" and not is_rollup) or (step == "delete_rollups" and is_rollup):
+            deletes["n"] += 1
+            if deletes["n"] == 2:
+                raise Crash(step)
+        return real_delete(self, key)
+
+    def apply(self, name: str, fn):  # type: ignore[no-untyped-def]
+        if (step, name) in (("remove_entries", "gc_remove_garbage"), ("remove_rollups", "gc_remove_rollups")):
+            raise Crash(step)
+        return real_apply(self, name, fn)
+
+    def truncate(self, key: str, seqno: int):  # type: ignore[no-untyped-def]
+        if step == "truncate":
+            raise Crash(step)
+        return real_truncate(self, key, seqno)
+
+    monkeypatch.setattr(type(client.raw_blob), "delete", delete)
+    monkeypatch.setattr(type(m), "apply", apply)
+    monkeypatch.setattr(type(client.raw_consensus), "truncate", truncate)
+    with pytest.raises(Crash):
+        mn.gc(client, shard)
+    monkeypatch.undo()
+    for t, exp in expected.items():
+        assert contents(r.snapshot(t)) == exp
+    res = mn.gc(client, shard)
+    assert not res["errors"]
+    s = m.fetch_latest()
+    assert not gcmod.eligible_garbage(s)
+    assert all(seqno >= (gcmod.oldest_needed_rollup(s) or 0) for seqno in s.rollups)
+    assert mn.unreferenced_blobs(client, shard, 0) == []
+    assert not mn.gc(client, shard)["blobs_deleted"]
+    for t, exp in expected.items():
+        assert contents(r.snapshot(t)) == exp
