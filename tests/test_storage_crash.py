@@ -65,7 +65,8 @@ def _check_consistent(blob: str, cons: str) -> dict[str, int]:
             if info["status"] == "ready":
                 live_shards.update(info["shards"])
         reader = ctl.acquire_read_handle(name)
-        upper = d["metadata_upper"][0]
+        # readable where both the metadata and the active rendition are complete
+        upper = min(d["metadata_upper"][0], d["renditions"][d["active_rendition"]]["upper"][0])
         for t in range(upper):
             reader.snapshot(t)  # readable at every decided time
         reader.expire()
