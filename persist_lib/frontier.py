@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from functools import total_ordering
-from typing import Union
 
 from persist_lib.errors import InvalidUsage
 
@@ -102,7 +101,7 @@ class Antichain:
         return cls.of(v)
 
 
-FrontierLike = Union[Antichain, int, list, tuple]
+FrontierLike = Antichain | int | list | tuple
 
 
 def as_frontier(v: FrontierLike | None, what: str = "frontier") -> Antichain:

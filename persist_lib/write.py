@@ -10,6 +10,7 @@ applies the write twice.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from persist_lib.errors import Indeterminate, InvalidUsage, UpperMismatch
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.machine import Machine
 from persist_lib.parts import part_blob_key
+from persist_lib.state import ShardState
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.client import PersistClient
@@ -253,14 +255,16 @@ class WriteHandle:
         token = uuid.uuid4().hex
         cfg = self._client.config
         while True:
-            res, _ = self._machine.apply(
-                "compare_and_append",
-                lambda s, now, b=batch: tr.compare_and_append(
+            b = batch
+
+            def caa(s: ShardState, now: int) -> tr.Result:
+                return tr.compare_and_append(
                     s, now, writer_id=self.writer_id, batch=b, token=token,
                     inline_max_total=cfg.inline_max_total,
-                ),
-            )
-            self.last_heartbeat_monotonic = _monotonic()
+                )
+
+            res, _ = self._machine.apply("compare_and_append", caa)
+            self.last_heartbeat_monotonic = time.monotonic()
             if res.outcome in (tr.CaaOutcome.APPLIED, tr.CaaOutcome.ALREADY_COMMITTED):
                 return
             if res.outcome is tr.CaaOutcome.UPPER_MISMATCH:
@@ -277,9 +281,3 @@ class WriteHandle:
             self._client.blob.set(key, p.inline)
             parts.append(replace(p, key=key, inline=None))
         return replace(batch, parts=tuple(parts))
-
-
-def _monotonic() -> float:
-    import time
-
-    return time.monotonic()

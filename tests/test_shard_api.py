@@ -275,7 +275,7 @@ def test_snapshot_splits_equal_snapshot(client: PersistClient) -> None:
     client.config.inline_threshold = 0
     w, r = client.open(ShardId.new(), KEY, VAL)
     for t in range(4):
-        w.compare_and_append([((("k%d" % i,), (i * t,)), t, 1) for i in range(300)], t, t + 1)
+        w.compare_and_append([(((f"k{i}",), (i * t,)), t, 1) for i in range(300)], t, t + 1)
     splits = r.snapshot_splits(3, 3)
     assert len(splits) == 3
     import pickle
@@ -311,7 +311,7 @@ def test_round_trip_on_every_location(location: tuple[str, str]) -> None:
     w, r = client.open(shard, KEY, VAL)
     listen = r.listen(0)
     for t in range(20):
-        w.compare_and_append([((("k%d" % (t % 3),), (t,)), t, 1)], t, t + 1)
+        w.compare_and_append([(((f"k{t % 3}",), (t,)), t, 1)], t, t + 1)
     assert len(r.snapshot(19)) == 20
     got = listen.read_until(20, timeout_s=10)
     assert sorted(got["ts"].to_pylist()) == list(range(1, 20))

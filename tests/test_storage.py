@@ -166,7 +166,7 @@ def test_old_rendition_collected_after_readers_pass_and_delete_removes_everythin
     print("collected:", out)
     assert out["c"]["r0"]["shards_finalized"] == 2 and out["c"]["r0"]["blobs_deleted"] >= r0_blobs
     assert sum(len(list(client.blob.list_keys_and_metadata(s + "/"))) for s in r0_shards) <= 2  # tombstone rollups
-    assert acc(reader.snapshot(6)) == acc(snap) 
+    assert acc(reader.snapshot(6)) == acc(snap)
     # delete: readers get a clear error, every blob of the collection goes
     desc = ctl.describe("c")
     all_shards = [desc["metadata_shard"]] + [s for r in desc["renditions"].values() for s in r["shards"]]
