@@ -1,0 +1,32 @@
+"""Spark at scale: distributed writes, reads, compaction and ingestion (DESIGN section 12).
+
+Executors build and fetch parts themselves through persist_lib's Blob client, opened
+from the client's blob URI; the driver alone talks to Consensus, so every state
+change is still one transition of the shard's state machine:
+
+- ``write_batch`` / ``write_collection``: a DataFrame becomes one batch per shard,
+  committed with one compare-and-set (``write.py``).
+- ``read_snapshot`` / ``read_updates`` / ``read_collection_snapshot``: snapshot splits
+  (or time-range splits) fetched on executors, consolidated across splits
+  (``read.py``).
+- ``compact_shard`` / ``spark_merge``: merges above a size threshold as a Spark job,
+  applied with ``apply_merge_res`` like the in-process compactor (``compact.py``).
+- ``ingest_landing_zone``: the file landing zone decoded on executors (``ingest.py``).
+- ``spark_schema`` (``types.py``): the Arrow <-> Spark type mapping, checked up front.
+- ``local_session`` (``session.py``): a small local session for tests and benchmarks.
+
+Importing this package does not import pyspark; the functions do, when called.
+"""
+
+from persist_lib.spark.session import local_session
+from persist_lib.spark.types import UnsupportedSparkType, spark_schema
+from persist_lib.spark.write import SparkWriteResult, write_batch, write_collection
+
+__all__ = [
+    "SparkWriteResult",
+    "UnsupportedSparkType",
+    "local_session",
+    "spark_schema",
+    "write_batch",
+    "write_collection",
+]

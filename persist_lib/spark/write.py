@@ -1,0 +1,426 @@
+"""Writing a Spark DataFrame to persist as ONE batch, committed with ONE compare-and-set.
+
+Executors do the heavy part: each Spark partition validates its rows against the
+shard schemas (``codec.normalize_updates``, the same rules as every other writer),
+feeds them to its own ``BatchBuilder`` (bounded memory: parts are sorted,
+consolidated, encoded and uploaded as they fill) and returns only part metadata
+(``PartMeta.to_json()``). The driver assembles one ``HollowBatch`` from every
+partition's parts and commits it with one ``compare_and_append_batch``.
+
+So a Spark job that fails (an executor error, a killed worker, an invalid row)
+commits nothing: its parts are referenced by no state. The driver deletes what it can
+find under the job's own prefix ``{shard}/{job writer id}/`` (best effort; tasks still
+running while the job is torn down may upload later), and the leaked-blob sweeper
+(``client.unreferenced_blobs``) removes the rest after its grace period. A lost
+compare-and-set (``UpperMismatch``) deletes the batch's parts, as every writer does.
+
+Each job mints its own part-writer id (a fresh ``WriterId``) for the blob keys, so a
+failed job's leftovers are one prefix; the commit itself goes through the caller's
+registered ``WriteHandle`` (its writer id, lease and idempotency token).
+
+``write_collection`` does the same for a rendition of a STORAGE collection: rows are
+routed to shards by ``storage.routing.route`` on the *normalized* key columns — the
+exact hash ``CollectionWriter`` uses — with one builder per shard per partition; the
+driver then commits one batch per shard, shard by shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import time as _time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from persist_lib.batch_meta import HollowBatch, PartMeta
+from persist_lib.codec import DIFF, KEY_PREFIX, TS, Schemas
+from persist_lib.errors import InvalidUsage, UpperMismatch
+from persist_lib.frontier import Antichain, FrontierLike, as_frontier
+from persist_lib.ids import WriterId
+from persist_lib.spark._common import (
+    DEFAULT_CHUNK_BYTES,
+    blob_uri_of,
+    open_executor_blob,
+    rechunk,
+    task_partition_id,
+)
+from persist_lib.spark.types import check_dataframe_schema, spark_schema
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.storage.writer import CollectionWriter
+    from persist_lib.write import WriteHandle
+
+log = logging.getLogger(__name__)
+
+# Test hook signature: (partition id, one HollowBatch per shard) -> None, run on the
+# executor after the partition's parts are uploaded and before their metadata is
+# returned. Raising there (or killing the process) behaves like a crash at that point.
+AfterUpload = Callable[[int, list[HollowBatch]], None]
+
+_RESULT_SCHEMA = "shard int, partition int, seq int, part string, rows long"
+
+
+@dataclass(frozen=True)
+class _WriteSpec:
+    """What an executor needs to build its parts (picklable; no handles)."""
+
+    blob_uri: str
+    shard_ids: tuple[str, ...]
+    schemas_json: dict[str, Any]
+    part_writer: str
+    lower: int
+    upper: int | None  # None: the empty frontier
+    target_part_bytes: int
+    inline_threshold: int
+    max_inflight_uploads: int
+    chunk_bytes: int
+
+
+@dataclass
+class SparkWriteResult:
+    """What a Spark write committed (JSON-able through ``to_json``)."""
+
+    shard_ids: list[str]
+    lower: Antichain
+    upper: Antichain
+    part_writer: str
+    rows_in: int  # rows the DataFrame had
+    updates: int  # updates committed (after per-part consolidation)
+    parts: int
+    bytes: int
+    batches: list[HollowBatch] = field(default_factory=list)  # one per shard written
+    skipped_shards: list[str] = field(default_factory=list)  # already at the new upper
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shards": self.shard_ids,
+            "lower": self.lower.elements,
+            "upper": self.upper.elements,
+            "part_writer": self.part_writer,
+            "rows_in": self.rows_in,
+            "updates": self.updates,
+            "parts": self.parts,
+            "bytes": self.bytes,
+            "skipped_shards": self.skipped_shards,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+# ----- executor side ----------------------------------------------------------------------
+
+
+def _partition_writer(
+    spec: _WriteSpec, after_upload: AfterUpload | None
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from persist_lib.batch_builder import BatchBuilder
+        from persist_lib.codec import normalize_updates
+        from persist_lib.storage.routing import split_by_shard
+
+        pid = task_partition_id()
+        schemas = Schemas.from_json(spec.schemas_json)
+        key_cols = [KEY_PREFIX + n for n in schemas.key_names]
+        blob = open_executor_blob(spec.blob_uri)
+        n = len(spec.shard_ids)
+        builders: list[BatchBuilder | None] = [None] * n
+        upper = Antichain.empty() if spec.upper is None else Antichain([spec.upper])
+        rows = 0
+
+        def builder(i: int) -> BatchBuilder:
+            b = builders[i]
+            if b is None:
+                b = builders[i] = BatchBuilder(
+                    blob,
+                    schemas,
+                    shard=spec.shard_ids[i],
+                    writer=spec.part_writer,
+                    lower=spec.lower,
+                    target_part_bytes=spec.target_part_bytes,
+                    max_inflight_uploads=spec.max_inflight_uploads,
+                    inline_threshold=spec.inline_threshold,
+                )
+            return b
+
+        done: list[HollowBatch] = []
+        try:
+            for chunk in rechunk(batches, spec.chunk_bytes):
+                rows += chunk.num_rows
+                internal = normalize_updates(chunk, schemas, shard=spec.shard_ids[0])
+                # Route on the normalized key columns: the types (and so the hashes) are
+                # exactly those CollectionWriter routes on.
+                pieces = [internal] if n == 1 else split_by_shard(internal, key_cols, n)
+                for i, piece in enumerate(pieces):
+                    if piece.num_rows:
+                        builder(i).add(piece)
+            for b in builders:
+                done.append(
+                    b.finish(upper)
+                    if b is not None
+                    else HollowBatch(Antichain([spec.lower]), upper, Antichain([spec.lower]))
+                )
+        except BaseException:
+            for b in builders:
+                if b is not None:
+                    b.abort()
+            raise
+        if after_upload is not None:
+            after_upload(pid, done)
+        out: dict[str, list[Any]] = {k: [] for k in ("shard", "partition", "seq", "part", "rows")}
+        for i, hb in enumerate(done):
+            for seq, p in enumerate(hb.parts):
+                _row(out, i, pid, seq, _part_json(p), 0)
+        _row(out, -1, pid, -1, None, rows)  # the partition's input row count
+        yield pa.RecordBatch.from_pydict(
+            out,
+            schema=pa.schema(
+                [
+                    ("shard", pa.int32()),
+                    ("partition", pa.int32()),
+                    ("seq", pa.int32()),
+                    ("part", pa.string()),
+                    ("rows", pa.int64()),
+                ]
+            ),
+        )
+
+    return run
+
+
+def _row(out: dict[str, list[Any]], shard: int, pid: int, seq: int, part: str | None, rows: int) -> None:
+    out["shard"].append(shard)
+    out["partition"].append(pid)
+    out["seq"].append(seq)
+    out["part"].append(part)
+    out["rows"].append(rows)
+
+
+def _part_json(p: PartMeta) -> str:
+    import json
+
+    return json.dumps(p.to_json(), separators=(",", ":"))
+
+
+# ----- driver side ------------------------------------------------------------------------
+
+
+def _prepare_df(df: Any, schemas: Schemas, what: str, time: int | None) -> Any:
+    """Adds ``ts``/``diff`` when absent (``time`` / +1), checks types, orders columns."""
+    from pyspark.sql import functions as F
+
+    spark_schema(schemas)  # unsupported Arrow types fail here, naming the field
+    cols = set(df.columns)
+    if TS not in cols:
+        if time is None:
+            raise InvalidUsage(
+                f"{what}: the DataFrame has no {TS!r} column; add one or pass time=T to write "
+                "every row at time T"
+            )
+        df = df.withColumn(TS, F.lit(int(time)).cast("long"))
+    elif time is not None:
+        raise InvalidUsage(f"{what}: pass time=... only for a DataFrame without a {TS!r} column")
+    if DIFF not in cols:
+        df = df.withColumn(DIFF, F.lit(1).cast("long"))
+    names = check_dataframe_schema(df.schema, schemas, what)
+    return df.select(*names)
+
+
+def _check_frontiers(what: str, lower: Antichain, upper: Antichain) -> None:
+    if lower.is_empty():
+        raise InvalidUsage(f"{what}: can't write at the empty frontier (the shard is closed)")
+    if upper < lower:
+        raise InvalidUsage(f"{what}: new upper {upper} is before the expected upper {lower}")
+
+
+def _run_job(
+    df: Any,
+    spec: _WriteSpec,
+    after_upload: AfterUpload | None,
+    cleanup_on_failure: bool,
+) -> tuple[list[list[PartMeta]], int]:
+    """Runs the executors' part writes; returns the parts per shard (in order) and the
+    number of input rows. On failure, deletes the job's parts it can find."""
+    import json
+
+    try:
+        rows = df.mapInArrow(_partition_writer(spec, after_upload), _RESULT_SCHEMA).collect()
+    except BaseException:
+        if cleanup_on_failure:
+            _delete_job_parts(spec)
+        raise
+    per_shard: list[list[tuple[int, int, PartMeta]]] = [[] for _ in spec.shard_ids]
+    rows_in = 0
+    for r in rows:
+        if r["part"] is None:
+            rows_in += int(r["rows"])
+            continue
+        per_shard[r["shard"]].append(
+            (r["partition"], r["seq"], PartMeta.from_json(json.loads(r["part"])))
+        )
+    return [[p for _, _, p in sorted(ps, key=lambda x: (x[0], x[1]))] for ps in per_shard], rows_in
+
+
+def _delete_job_parts(spec: _WriteSpec) -> int:
+    """Best effort: deletes every blob under ``{shard}/{part_writer}/`` of a failed job."""
+    blob = open_executor_blob(spec.blob_uri)
+    n = 0
+    for shard in spec.shard_ids:
+        try:
+            for m in blob.list_keys_and_metadata(f"{shard}/{spec.part_writer}/"):
+                blob.delete(m.key)
+                n += 1
+        except Exception as e:  # the sweeper catches whatever is left
+            log.warning("shard %s: cleaning up a failed Spark write: %s", shard, e)
+    return n
+
+
+def _delete_parts(client: Any, parts: list[PartMeta]) -> None:
+    for p in parts:
+        if p.key is not None:
+            try:
+                client.blob.delete(p.key)
+            except Exception as e:
+                log.warning("could not delete part %s of an uncommitted Spark write: %s", p.key, e)
+
+
+def _spec(
+    client: Any,
+    shard_ids: list[str],
+    schemas: Schemas,
+    lower: Antichain,
+    upper: Antichain,
+    target_part_bytes: int | None,
+    chunk_bytes: int,
+) -> _WriteSpec:
+    cfg = client.config
+    assert lower.time is not None
+    return _WriteSpec(
+        blob_uri=blob_uri_of(client, f"shard {shard_ids[0]}"),
+        shard_ids=tuple(shard_ids),
+        schemas_json=schemas.to_json(),
+        part_writer=str(WriterId.new()),
+        lower=lower.time,
+        upper=upper.time,
+        target_part_bytes=int(target_part_bytes or cfg.blob_target_size),
+        inline_threshold=cfg.inline_threshold,
+        max_inflight_uploads=cfg.max_inflight_uploads,
+        chunk_bytes=chunk_bytes,
+    )
+
+
+def write_batch(
+    df: Any,
+    writer: WriteHandle,
+    expected_upper: FrontierLike,
+    new_upper: FrontierLike,
+    *,
+    time: int | None = None,
+    target_part_bytes: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    cleanup_on_failure: bool = True,
+    after_upload: AfterUpload | None = None,
+) -> SparkWriteResult:
+    """Writes ``df`` to ``writer``'s shard as one batch ``[expected_upper, new_upper)``.
+
+    ``df`` has the key and value columns of the shard (any order) and ``ts``/``diff``
+    (int64); without ``ts`` pass ``time`` (every row at that time), without ``diff``
+    every row counts +1. Raises ``UpperMismatch`` (nothing written) if the shard upper
+    isn't ``expected_upper`` at commit time, ``InvalidUsage`` for rows that don't fit
+    the schemas or lie outside the interval (the Spark job fails; nothing committed).
+    ``target_part_bytes`` defaults to the client's ``blob_target_size``.
+    ``after_upload`` is a test hook (see ``AfterUpload``).
+    """
+    t0 = _now()
+    client = writer._client
+    shard = writer.shard_id
+    what = f"shard {shard}"
+    lower = as_frontier(expected_upper, "expected_upper")
+    upper = as_frontier(new_upper, "new_upper")
+    _check_frontiers(what, lower, upper)
+    df = _prepare_df(df, writer.schemas, what, time)
+    spec = _spec(client, [shard], writer.schemas, lower, upper, target_part_bytes, chunk_bytes)
+    cur = writer.fetch_recent_upper()
+    if cur != lower:  # fail fast, before any executor works; the CAS re-checks
+        raise UpperMismatch(shard, lower, cur)
+    per_shard, rows_in = _run_job(df, spec, after_upload, cleanup_on_failure)
+    parts = per_shard[0]
+    batch = HollowBatch(lower=lower, upper=upper, since=lower, parts=tuple(parts))
+    writer.compare_and_append_batch(batch, lower, upper)  # deletes the parts if it loses
+    return SparkWriteResult(
+        shard_ids=[shard], lower=lower, upper=upper, part_writer=spec.part_writer,
+        rows_in=rows_in, updates=batch.len, parts=len(parts), bytes=batch.size,
+        batches=[batch], seconds=_now() - t0,
+    )
+
+
+def write_collection(
+    df: Any,
+    writer: CollectionWriter,
+    expected_upper: FrontierLike,
+    new_upper: FrontierLike,
+    *,
+    time: int | None = None,
+    target_part_bytes: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    cleanup_on_failure: bool = True,
+    after_upload: AfterUpload | None = None,
+) -> SparkWriteResult:
+    """Writes ``df`` to a rendition of a collection: one batch per shard, routed by key hash.
+
+    Before the job every shard's upper must be ``expected_upper`` or already at least
+    ``new_upper`` (a retry of a write that committed on some shards: those are
+    skipped, which is correct for a *definite* collection whose retry writes identical
+    data); anything else is an ``UpperMismatch`` and nothing runs. The batches are
+    then committed shard by shard (a rendition has no cross-shard transaction), and
+    the metadata shard's upper advances as ``CollectionWriter.append`` does.
+    """
+    t0 = _now()
+    what = f"collection {writer.name}/{writer.rendition}"
+    lower = as_frontier(expected_upper, "expected_upper")
+    upper = as_frontier(new_upper, "new_upper")
+    _check_frontiers(what, lower, upper)
+    handles: list[WriteHandle] = list(writer._writers)
+    schemas = writer.schemas
+    df = _prepare_df(df, schemas, what, time)
+    uppers = [w.fetch_recent_upper() for w in handles]
+    todo = [i for i, u in enumerate(uppers) if not (u >= upper)]
+    bad = [u for i, u in enumerate(uppers) if i in todo and u != lower]
+    if bad:
+        raise UpperMismatch(what, lower, min(bad))
+    shard_ids = [w.shard_id for w in handles]
+    skipped = [shard_ids[i] for i in range(len(handles)) if i not in todo]
+    client = handles[0]._client
+    spec = _spec(client, shard_ids, schemas, lower, upper, target_part_bytes, chunk_bytes)
+    batches: list[HollowBatch] = []
+    rows_in = 0
+    if todo:
+        per_shard, rows_in = _run_job(df, spec, after_upload, cleanup_on_failure)
+        for i, w in enumerate(handles):
+            parts = per_shard[i]
+            if i not in todo:
+                _delete_parts(client, parts)
+                continue
+            batch = HollowBatch(lower=lower, upper=upper, since=lower, parts=tuple(parts))
+            try:
+                w.compare_and_append_batch(batch, lower, upper)
+            except UpperMismatch as e:
+                if e.current is not None and e.current >= upper:
+                    skipped.append(w.shard_id)  # a concurrent identical writer got there first
+                    continue
+                for rest in per_shard[i + 1 :]:
+                    _delete_parts(client, rest)
+                raise
+            batches.append(batch)
+    writer._advance_metadata(upper)
+    return SparkWriteResult(
+        shard_ids=shard_ids, lower=lower, upper=upper, part_writer=spec.part_writer,
+        rows_in=rows_in, updates=sum(b.len for b in batches),
+        parts=sum(len(b.parts) for b in batches), bytes=sum(b.size for b in batches),
+        batches=batches, skipped_shards=skipped, seconds=_now() - t0,
+    )
+
+
+def _now() -> float:
+    return _time.monotonic()
