@@ -1,0 +1,1 @@
+"""The Dagster code location of the persist platform (``dagster_project.definitions``)."""

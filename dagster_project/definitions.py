@@ -1,0 +1,53 @@
+"""The code location: ``defs`` (loaded by workspace.yaml and the docker code server).
+
+Resources come from the environment, read when the code location loads:
+
+- persist: ``PERSIST_BLOB_URI`` / ``PERSIST_CONSENSUS_URI`` (else the embedded default
+  under ``PERSIST_HOME``, else ``./.persist``), resolved in the process that uses them;
+- landing zone: ``PERSIST_LANDING_URI`` (a directory or ``s3://bucket/prefix?...``; else
+  ``$PERSIST_HOME/landing``), listed through dagster-aws's ``S3Resource``;
+- Spark: ``SPARK_MASTER_URL`` (unset: no Spark, ingestion and compaction run in-process).
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+from dagster_aws.s3 import S3Resource
+
+from dagster_project.assets import persist_shard
+from dagster_project.resources import (
+    LandingZoneResource,
+    PersistResource,
+    SparkResource,
+    spark_config_from_env,
+)
+from jobs import JOBS, SCHEDULES
+from sensors import SENSORS
+
+
+def build_resources(
+    *,
+    persist: PersistResource | None = None,
+    spark: SparkResource | None = None,
+    landing: LandingZoneResource | None = None,
+) -> dict[str, object]:
+    """The resources of the code location (environment defaults, overridable)."""
+    return {
+        "persist": persist or PersistResource(),
+        "spark": spark or SparkResource(spark_config=spark_config_from_env()),
+        "landing": landing or LandingZoneResource(s3=S3Resource()),
+    }
+
+
+def build_defs(**resources: object) -> dg.Definitions:
+    """``Definitions`` with the given resource overrides (tests, scripts)."""
+    return dg.Definitions(
+        assets=[persist_shard],
+        jobs=JOBS,
+        schedules=SCHEDULES,
+        sensors=SENSORS,
+        resources=build_resources(**resources),  # type: ignore[arg-type]
+    )
+
+
+defs = build_defs()

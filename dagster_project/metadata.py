@@ -1,0 +1,167 @@
+"""Materialization metadata built from persist's JSON (``inspect``, ``describe``).
+
+Everything the UI shows about a shard, a rendition or a collection: frontiers, batches,
+updates, bytes, compaction debt, and the spine as a markdown table.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import dagster as dg
+
+from persist_lib.client import PersistClient
+from persist_lib.errors import InvalidUsage
+
+
+def frontier_text(elements: Sequence[int] | None) -> str:
+    """``[5]`` -> ``"5"``; ``[]`` -> ``"closed"`` (the empty frontier); ``None`` -> ``"-"``."""
+    if elements is None:
+        return "-"
+    if not elements:
+        return "closed"
+    return ", ".join(str(e) for e in elements)
+
+
+def frontier_value(elements: Sequence[int] | None) -> dg.MetadataValue:
+    """An int metadata value when the frontier is one time (plottable), else text."""
+    if elements is not None and len(elements) == 1:
+        return dg.MetadataValue.int(int(elements[0]))
+    return dg.MetadataValue.text(frontier_text(elements))
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A GitHub-flavoured markdown table (cells are escaped for ``|``)."""
+
+    def cell(v: Any) -> str:
+        return str(v).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def spine_levels(spine: Sequence[Mapping[str, Any]]) -> str:
+    """``"L12x1 L8x2"``: how many batches sit at each spine level (largest first)."""
+    counts = Counter(int(b["level"]) for b in spine)
+    return " ".join(f"L{lvl}x{n}" for lvl, n in sorted(counts.items(), reverse=True)) or "-"
+
+
+def spine_markdown(state: Mapping[str, Any]) -> str:
+    """One shard's spine, one row per batch (oldest first)."""
+    rows = [
+        (
+            b["id"],
+            b["level"],
+            b["len"],
+            frontier_text(b["lower"]),
+            frontier_text(b["upper"]),
+            frontier_text(b["since"]),
+            "-" if b.get("pending_request") is None else f"merge #{b['pending_request']}",
+        )
+        for b in state.get("spine", [])
+    ]
+    sizes = {b["id"]: b["bytes"] for b in state.get("batches", [])}
+    rows = [(*r[:3], sizes.get(r[0], 0), *r[3:]) for r in rows]
+    return md_table(
+        ["batch", "level", "updates", "bytes", "lower", "upper", "since", "pending"], rows
+    )
+
+
+def shard_metadata(state: Mapping[str, Any]) -> dict[str, dg.MetadataValue]:
+    """Metadata of one shard from its ``inspect`` JSON."""
+    return {
+        "shard": dg.MetadataValue.text(state["shard"]),
+        "upper": frontier_value(state["upper"]),
+        "since": frontier_value(state["since"]),
+        "seqno": dg.MetadataValue.int(int(state["seqno"])),
+        "batches": dg.MetadataValue.int(int(state["num_batches"])),
+        "updates": dg.MetadataValue.int(int(state["num_updates"])),
+        "bytes": dg.MetadataValue.int(int(state["bytes"])),
+        "compaction_debt": dg.MetadataValue.int(int(state.get("compaction_debt", 0))),
+        "leased_readers": dg.MetadataValue.int(len(state.get("leased_readers", {}))),
+        "writers": dg.MetadataValue.int(len(state.get("writers", {}))),
+        "garbage_blobs": dg.MetadataValue.int(int(state.get("garbage", {}).get("blobs", 0))),
+        "spine": dg.MetadataValue.md(spine_markdown(state)),
+    }
+
+
+def inspect_shards(client: PersistClient, shards: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """``inspect`` of every existing shard in ``shards`` (missing ones are skipped)."""
+    out: dict[str, dict[str, Any]] = {}
+    for s in shards:
+        try:
+            out[s] = client.inspect(s)
+        except InvalidUsage:
+            continue
+    return out
+
+
+def collection_metadata(
+    client: PersistClient, desc: Mapping[str, Any], *, rendition: str | None = None
+) -> dict[str, dg.MetadataValue]:
+    """Metadata of a collection (its active rendition, or ``rendition``) from ``describe``.
+
+    Frontiers and sizes are those of the rendition; ``spine`` is a markdown table with a
+    row per shard (frontiers, batches, updates, bytes, debt, batches per spine level).
+    """
+    r = rendition or desc.get("active_rendition") or next(iter(desc["renditions"]), None)
+    info = desc["renditions"].get(r, {}) if r else {}
+    states = inspect_shards(client, info.get("shards", []))
+    rows = [
+        (
+            i,
+            sid,
+            frontier_text(st["upper"]),
+            frontier_text(st["since"]),
+            st["num_batches"],
+            st["num_updates"],
+            st["bytes"],
+            st.get("compaction_debt", 0),
+            spine_levels(st.get("spine", [])),
+        )
+        for i, (sid, st) in enumerate(states.items())
+    ]
+    timeline = md_table(
+        ["at", "from", "to"], [(h["at"], h["from"] or "-", h["to"]) for h in desc["timeline"]]
+    )
+    renditions = md_table(
+        ["rendition", "status", "shards", "upper", "since", "batches", "bytes", "retired at"],
+        [
+            (
+                name,
+                ri["status"],
+                ri["num_shards"],
+                frontier_text(ri["upper"]),
+                frontier_text(ri["since"]),
+                ri["batches"],
+                ri["bytes"],
+                "-" if ri.get("retired_at") is None else ri["retired_at"],
+            )
+            for name, ri in sorted(desc["renditions"].items())
+        ],
+    )
+    return {
+        "collection": dg.MetadataValue.text(desc["name"]),
+        "rendition": dg.MetadataValue.text(r or "-"),
+        "active_rendition": dg.MetadataValue.text(desc.get("active_rendition") or "-"),
+        "num_shards": dg.MetadataValue.int(int(info.get("num_shards", 0))),
+        "upper": frontier_value(info.get("upper")),
+        "since": frontier_value(info.get("since")),
+        "batches": dg.MetadataValue.int(int(info.get("batches", 0))),
+        "updates": dg.MetadataValue.int(int(info.get("updates", 0))),
+        "bytes": dg.MetadataValue.int(int(info.get("bytes", 0))),
+        "compaction_debt": dg.MetadataValue.int(
+            sum(int(s.get("compaction_debt", 0)) for s in states.values())
+        ),
+        "spine": dg.MetadataValue.md(
+            md_table(
+                ["#", "shard", "upper", "since", "batches", "updates", "bytes", "debt", "levels"],
+                rows,
+            )
+        ),
+        "renditions": dg.MetadataValue.md(renditions),
+        "timeline": dg.MetadataValue.md(timeline),
+    }

@@ -1,0 +1,253 @@
+"""Dagster resources: persist (``PersistResource``), Spark and the S3 landing zone.
+
+* ``PersistResource`` wraps a ``PersistClient`` and a ``StorageController`` on one
+  location. Empty URIs mean the embedded default, resolved in the process that uses the
+  resource (run worker, sensor, code server): ``PERSIST_BLOB_URI`` /
+  ``PERSIST_CONSENSUS_URI`` if set, else file blob + SQLite consensus under
+  ``PERSIST_HOME`` (else ``./.persist``).
+* ``SparkResource`` is dagster-pyspark's ``PySparkResource`` made lazy and optional
+  (no ``spark.master`` = Spark is not configured and work runs in-process) and made to
+  stop its session at teardown (``PySparkResource`` never calls ``spark.stop()``).
+* ``LandingZoneResource`` names where source files land (a local directory or an S3
+  prefix) and lists them; S3 goes through dagster-aws's ``S3Resource``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import dagster as dg
+from dagster_aws.s3 import S3Resource
+from dagster_pyspark import PySparkResource
+from dagster_pyspark.resources import spark_session_from_config
+from pydantic import PrivateAttr
+
+from persist_lib.client import PersistClient, default_home, default_uris
+from persist_lib.config import PersistConfig
+from persist_lib.ingest.landing_zone import format_of
+from persist_lib.storage import StorageController
+
+
+class PersistResource(dg.ConfigurableResource):
+    """A persist location (Blob + Consensus) and its STORAGE controller.
+
+    Leave ``blob_uri``/``consensus_uri`` empty for the embedded default (or the
+    ``PERSIST_*`` environment variables); ``home`` overrides ``PERSIST_HOME``.
+    """
+
+    blob_uri: str = ""
+    consensus_uri: str = ""
+    home: str = ""
+    reader_lease_ms: int = 15 * 60 * 1000
+
+    _client: PersistClient | None = PrivateAttr(default=None)
+    _controller: StorageController | None = PrivateAttr(default=None)
+
+    def uris(self) -> tuple[str, str]:
+        """The (blob, consensus) URIs this resource opens (environment resolved now)."""
+        blob, consensus = default_uris(self.home or None)
+        return self.blob_uri or blob, self.consensus_uri or consensus
+
+    def client(self) -> PersistClient:
+        """The (cached) client; opened on first use."""
+        if self._client is None:
+            blob, consensus = self.uris()
+            if blob.startswith("file://"):
+                Path(blob[len("file://") :]).mkdir(parents=True, exist_ok=True)
+            if consensus.startswith("sqlite:///"):
+                Path(consensus[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
+            cfg = PersistConfig(reader_lease_ms=self.reader_lease_ms)
+            self._client = PersistClient.open(blob, consensus, cfg)
+        return self._client
+
+    def controller(self) -> StorageController:
+        """The (cached) STORAGE controller on this location (recovers on first use)."""
+        if self._controller is None:
+            self._controller = StorageController(self.client())
+        return self._controller
+
+    def close(self) -> None:
+        """Releases the controller's read holds and closes the client."""
+        if self._controller is not None:
+            release_controller(self._controller)
+            self._controller = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        self.close()
+
+
+def release_controller(ctl: StorageController) -> None:
+    """Expires the leased readers a controller holds on metadata shards.
+
+    A short-lived controller (one Dagster step) must not leave holds behind: they would
+    keep the metadata since (and so the collection of old renditions) back until their
+    lease lapses.
+    """
+    close = getattr(ctl, "close", None)
+    if callable(close):
+        close()
+        return
+    readers = getattr(ctl, "_meta_readers", {})
+    for r in list(readers.values()):
+        try:
+            r.expire()
+        except Exception:  # noqa: BLE001 - best effort: the lease lapses anyway
+            pass
+    readers.clear()
+
+
+class SparkResource(PySparkResource):
+    """``PySparkResource``, lazy and optional, that stops its session when the run ends.
+
+    ``spark_config`` without ``spark.master`` means "no Spark": ``enabled`` is false and
+    callers fall back to in-process work. The session is created on first use (a run that
+    does not need Spark never starts a JVM) and stopped in ``teardown_after_execution``
+    unless ``stop_session`` is false (tests that share one session across runs).
+    """
+
+    spark_config: dict[str, Any] = {}
+    stop_session: bool = True
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.spark_config.get("spark.master"))
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        """Nothing at set-up: the session is built on first use."""
+
+    @property
+    def spark_session(self) -> Any:
+        if not self.enabled:
+            raise dg.DagsterInvariantViolationError(
+                "Spark is not configured: set SPARK_MASTER_URL (or spark_config['spark.master'])"
+            )
+        if self._spark_session is None:
+            self._spark_session = spark_session_from_config(self.spark_config)
+        return self._spark_session
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        if self._spark_session is not None and self.stop_session:
+            self._spark_session.stop()
+        self._spark_session = None
+
+
+def spark_config_from_env(master: str | None = None) -> dict[str, Any]:
+    """Spark settings for ``SPARK_MASTER_URL`` (empty, i.e. Spark disabled, when unset)."""
+    master = master if master is not None else os.environ.get("SPARK_MASTER_URL", "")
+    if not master:
+        return {}
+    return {
+        "spark.master": master,
+        "spark.app.name": "persist-platform",
+        "spark.sql.shuffle.partitions": "4",
+        "spark.ui.enabled": "false",
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+    }
+
+
+@dataclass(frozen=True)
+class LandingFile:
+    """One file of a landing zone: its name relative to the zone, size and mtime."""
+
+    name: str
+    size: int
+    mtime_ms: int
+
+
+class LandingZoneResource(dg.ConfigurableResource):
+    """Where source files land: a local directory or ``s3://bucket/prefix?endpoint_url=..``.
+
+    Empty ``uri`` means ``PERSIST_LANDING_URI``, else ``$PERSIST_HOME/landing``. A source
+    reads the sub-directory (sub-prefix) named after it. ``s3`` is used for S3 zones
+    (the URI's ``endpoint_url``/``region`` fill in what it leaves unset).
+    """
+
+    uri: str = ""
+    s3: S3Resource
+
+    def base_uri(self) -> str:
+        uri = self.uri or os.environ.get("PERSIST_LANDING_URI", "")
+        if not uri:
+            uri = str(default_home() / "landing")
+        return uri
+
+    def source_uri(self, source: str) -> str:
+        """The landing URI of one source (``<base>/<source>``)."""
+        base = self.base_uri()
+        if base.startswith("s3://"):
+            parts = urlsplit(base)
+            path = parts.path.rstrip("/") + "/" + source
+            q = f"?{parts.query}" if parts.query else ""
+            return f"s3://{parts.netloc}{path}{q}"
+        return str(Path(_local_path(base)) / source)
+
+    def is_s3(self) -> bool:
+        return self.base_uri().startswith("s3://")
+
+    def list_files(self, source: str, after: str = "") -> list[LandingFile]:
+        """Files of ``source`` whose name sorts after ``after``, in name order."""
+        uri = self.source_uri(source)
+        if uri.startswith("s3://"):
+            return self._list_s3(uri, after)
+        root = Path(uri)
+        if not root.is_dir():
+            return []
+        out = []
+        for p in sorted(root.rglob("*")):
+            name = p.relative_to(root).as_posix()
+            if not p.is_file() or not is_landed_file(name):
+                continue
+            if name > after:
+                st = p.stat()
+                out.append(LandingFile(name, st.st_size, int(st.st_mtime * 1000)))
+        return out
+
+    def _list_s3(self, uri: str, after: str) -> list[LandingFile]:
+        parts = urlsplit(uri)
+        q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        bucket, prefix = parts.netloc, parts.path.lstrip("/").rstrip("/") + "/"
+        s3 = self.s3
+        if q.get("endpoint_url") and not s3.endpoint_url:
+            s3 = S3Resource(
+                endpoint_url=q["endpoint_url"],
+                region_name=s3.region_name or q.get("region"),
+                aws_access_key_id=s3.aws_access_key_id,
+                aws_secret_access_key=s3.aws_secret_access_key,
+            )
+        client = s3.get_client()
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        if after:
+            kwargs["StartAfter"] = prefix + after
+        out: list[LandingFile] = []
+        for page in client.get_paginator("list_objects_v2").paginate(**kwargs):
+            for obj in page.get("Contents", []):
+                name = obj["Key"][len(prefix) :]
+                if not name or not is_landed_file(name) or name <= after:
+                    continue
+                mtime = int(obj["LastModified"].timestamp() * 1000)
+                out.append(LandingFile(name, int(obj["Size"]), mtime))
+        return sorted(out, key=lambda f: f.name)
+
+
+def is_landed_file(name: str) -> bool:
+    """Whether a name in a landing zone is a file ready for ingestion.
+
+    The same rules as ``persist_lib.ingest.landing_zone``: producers write under a
+    temporary name (leading ``.``/``_``, trailing ``.tmp``/``.partial``) and rename the
+    file into place; only known formats (jsonl/csv/parquet, optionally gzipped) count.
+    """
+    base = name.rsplit("/", 1)[-1]
+    if base.startswith((".", "_")) or base.endswith((".tmp", ".partial")):
+        return False
+    return format_of(name) is not None
+
+
+def _local_path(uri: str) -> str:
+    return uri[len("file://") :] if uri.startswith("file://") else uri

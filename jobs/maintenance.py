@@ -1,0 +1,97 @@
+"""Maintenance jobs (compaction, GC, lease expiry) and the schedules that launch them.
+
+- ``compaction_job``: materializes partitions of ``persist_shard`` (one per shard): the
+  shard's pending merges run in-process, or on Spark for big shards when Spark is
+  configured. Launched by the compaction-debt sensor (``sensors.compaction``).
+- ``gc_job``: ``client.gc`` on every shard, the leaked-blob sweep with a grace period
+  (``unreferenced_blobs(delete=True)``) and the collection of retired renditions.
+- ``lease_expiry_job``: ``client.expire_leases()`` on every shard.
+
+GC runs hourly and lease expiry every five minutes; both are idempotent, cheap when
+there is nothing to do, and safe to run concurrently with writers and readers.
+"""
+
+import dagster as dg
+
+from dagster_project.assets import persist_shard
+from dagster_project.operations import collect_garbage, expire_leases
+from dagster_project.resources import PersistResource
+
+compaction_job = dg.define_asset_job(
+    "compaction_job",
+    selection=dg.AssetSelection.assets(persist_shard),
+    description="Compacts one shard (partition = shard id): in-process, or Spark for big shards.",
+    executor_def=dg.in_process_executor,
+)
+
+
+class GcConfig(dg.Config):
+    """Leaked blobs younger than ``grace_period_ms`` are never deleted (writers upload
+    parts before their CAS commits them)."""
+
+    grace_period_ms: int = 60 * 60 * 1000
+    delete_leaked: bool = True
+
+
+@dg.op(description="GC every shard, sweep leaked blobs, collect retired renditions.")
+def collect_garbage_op(
+    context: dg.OpExecutionContext, config: GcConfig, persist: PersistResource
+) -> dict:
+    out = collect_garbage(
+        persist.client(),
+        persist.controller(),
+        grace_period_ms=config.grace_period_ms,
+        delete_leaked=config.delete_leaked,
+    )
+    context.add_output_metadata(
+        {
+            "shards": out["shards"],
+            "blobs_deleted": out["blobs_deleted"],
+            "bytes_deleted": out["bytes_deleted"],
+            "leaked_blobs_deleted": out["leaked_blobs_deleted"],
+            "renditions_collected": dg.MetadataValue.json(out["renditions_collected"]),
+            "errors": out["errors"],
+        }
+    )
+    return out
+
+
+@dg.op(description="Expire lapsed reader and writer leases on every shard.")
+def expire_leases_op(context: dg.OpExecutionContext, persist: PersistResource) -> dict:
+    out = expire_leases(persist.client())
+    context.add_output_metadata(
+        {
+            "shards_scanned": out["shards_scanned"],
+            "readers_expired": out["readers_expired"],
+            "writers_expired": out["writers_expired"],
+            "expired": dg.MetadataValue.json(out["expired"]),
+        }
+    )
+    return out
+
+
+@dg.job(description="Garbage collection of every shard.", executor_def=dg.in_process_executor)
+def gc_job() -> None:
+    collect_garbage_op()
+
+
+@dg.job(description="Lease expiry on every shard.", executor_def=dg.in_process_executor)
+def lease_expiry_job() -> None:
+    expire_leases_op()
+
+
+gc_schedule = dg.ScheduleDefinition(
+    name="gc_schedule",
+    job=gc_job,
+    cron_schedule="17 * * * *",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+    description="Hourly GC (idempotent).",
+)
+
+lease_expiry_schedule = dg.ScheduleDefinition(
+    name="lease_expiry_schedule",
+    job=lease_expiry_job,
+    cron_schedule="*/5 * * * *",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+    description="Lease expiry every 5 minutes (idempotent).",
+)

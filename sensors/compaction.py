@@ -1,0 +1,107 @@
+"""The compaction-debt sensor: compacts shards whose debt passes a threshold.
+
+Each tick inspects every live shard (``operations.shard_debts``) and requests one run of
+``compaction_job`` (partition = shard id) per shard whose ``compaction_debt`` is above the
+threshold. New shards become partitions in the same tick (``dynamic_partitions_requests``).
+
+No run storms:
+- the run key is ``compact-<shard>-<seqno>``: the same shard state never launches twice,
+  and a compaction that reduced the debt below the threshold stops further requests;
+- a shard with a compaction run still queued or running is skipped;
+- at most ``max_runs_per_tick`` requests per tick (largest debt first).
+
+The cursor (JSON ``{shard: seqno requested}``) records what was requested, for the UI and
+``dagster sensor cursor``; correctness relies on the run keys.
+"""
+
+import json
+import os
+
+import dagster as dg
+
+from dagster_project.operations import shard_debts
+from dagster_project.partitions import shard_partitions
+from dagster_project.resources import PersistResource
+from jobs.maintenance import compaction_job
+
+DEFAULT_DEBT_THRESHOLD = int(os.environ.get("PERSIST_COMPACTION_DEBT_THRESHOLD", "4096"))
+IN_FLIGHT = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+]
+
+
+def compaction_in_flight(instance: dg.DagsterInstance, shard: str) -> bool:
+    """True if a compaction run for ``shard`` is queued or running."""
+    runs = instance.get_runs(
+        filters=dg.RunsFilter(
+            job_name=compaction_job.name,
+            statuses=IN_FLIGHT,
+            tags={"dagster/partition": shard},
+        ),
+        limit=1,
+    )
+    return bool(runs)
+
+
+def build_compaction_debt_sensor(
+    threshold: int = DEFAULT_DEBT_THRESHOLD,
+    *,
+    name: str = "compaction_debt_sensor",
+    max_runs_per_tick: int = 8,
+    minimum_interval_seconds: int = 60,
+) -> dg.SensorDefinition:
+    """A sensor requesting compaction of shards whose debt is above ``threshold``."""
+
+    @dg.sensor(
+        name=name,
+        job=compaction_job,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description=f"Compacts shards whose compaction debt exceeds {threshold}.",
+    )
+    def _sensor(context: dg.SensorEvaluationContext, persist: PersistResource) -> dg.SensorResult:
+        previous: dict[str, int] = json.loads(context.cursor) if context.cursor else {}
+        debts = shard_debts(persist.client())
+        known = set(context.instance.get_dynamic_partitions(shard_partitions.name or ""))
+        new_keys = sorted(d.shard for d in debts if d.shard not in known)
+        over = sorted((d for d in debts if d.debt > threshold), key=lambda d: -d.debt)
+        requests = []
+        for d in over:
+            if len(requests) >= max_runs_per_tick:
+                break
+            if compaction_in_flight(context.instance, d.shard):
+                continue
+            requests.append(
+                dg.RunRequest(
+                    run_key=f"compact-{d.shard}-{d.seqno}",
+                    partition_key=d.shard,
+                    run_config={
+                        "ops": {"persist_shard": {"config": {"debt_threshold": threshold}}}
+                    },
+                    tags={"persist/compaction_debt": str(d.debt)},
+                )
+            )
+        live = {d.shard for d in debts}
+        cursor = {s: q for s, q in previous.items() if s in live}
+        for r in requests:
+            assert r.partition_key is not None
+            cursor[r.partition_key] = int(r.run_key.rsplit("-", 1)[1]) if r.run_key else 0
+        return dg.SensorResult(
+            run_requests=requests,
+            skip_reason=None
+            if requests
+            else f"no shard above the compaction-debt threshold {threshold} "
+            f"({len(debts)} shards, max debt {max((d.debt for d in debts), default=0)})",
+            cursor=json.dumps(cursor, sort_keys=True),
+            dynamic_partitions_requests=[shard_partitions.build_add_request(new_keys)]
+            if new_keys
+            else [],
+        )
+
+    return _sensor
+
+
+compaction_debt_sensor = build_compaction_debt_sensor()
