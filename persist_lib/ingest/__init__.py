@@ -1,0 +1,44 @@
+"""Source ingestion with reclocking (DESIGN section 11).
+
+Sources (a file landing zone, Postgres CDC) are reclocked through a remap shard and
+ingested by the recipe of seed 001 into definite outputs: the data collection, an
+errors collection, optionally the raw collection, and the envelope's state.
+
+Entry points: ``Ingestion(client, name, source, key_schema, val_schema, ...)`` with
+``run_once()`` / ``run()``, or the ``run_once(...)`` function. See docs/ingestion.md.
+"""
+
+from persist_lib.ingest.decode import DecodeSpec
+from persist_lib.ingest.driver import IngestConfig, Ingestion, run_once
+from persist_lib.ingest.errors import (
+    IngestConfigError,
+    IngestError,
+    IngestInvariantError,
+    NeedsNewRendition,
+    SourceDataGone,
+    SourceUnavailable,
+)
+from persist_lib.ingest.landing_zone import LandingZoneSource
+from persist_lib.ingest.outputs import ShardOutputs, StorageOutputs, shard_id_for
+from persist_lib.ingest.progress import IngestProgress, ProgressBar, ProgressCallback, ProgressLog
+
+__all__ = [
+    "DecodeSpec",
+    "IngestConfig",
+    "IngestConfigError",
+    "IngestError",
+    "IngestInvariantError",
+    "IngestProgress",
+    "Ingestion",
+    "LandingZoneSource",
+    "NeedsNewRendition",
+    "ProgressBar",
+    "ProgressCallback",
+    "ProgressLog",
+    "ShardOutputs",
+    "SourceDataGone",
+    "SourceUnavailable",
+    "StorageOutputs",
+    "run_once",
+    "shard_id_for",
+]

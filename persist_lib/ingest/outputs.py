@@ -1,0 +1,335 @@
+"""Where an ingestion writes: a small output interface with two adapters.
+
+The driver only needs, per output (data, errors, raw, state): the upper, a *verified*
+definite append, a snapshot (to rehydrate state) and a since to downgrade.
+
+*Verified* append: the recipe says two instances write identical updates, and an
+instance may assert so on any write that finds the times already written. So an
+append of ``[lower, upper)`` is a ``compare_and_append`` at the shard's upper; for
+every part of the range another writer already committed, the committed updates are
+read back and compared with ours, and a difference raises ``NeedsNewRendition``
+(the committed data stays as it is). Every time range is thus either written by this
+instance or checked equal to what it would have written.
+
+Adapters:
+- ``ShardOutputs``: plain persist shards whose ids derive from the ingestion name and
+  the role (``uuid5``), so every instance finds the same shards without a catalog.
+- ``StorageOutputs``: STORAGE collections (``name``, ``name.errors``, ``name.raw``,
+  ``name.state``) written through their renditions' shards, routed by key hash, with
+  the collection's metadata upper advanced after each append.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist_lib.codec import Schemas, normalize_updates
+from persist_lib.consolidate import consolidate
+from persist_lib.errors import InvalidUsage, UpperMismatch
+from persist_lib.frontier import Antichain
+from persist_lib.ids import ShardId
+from persist_lib.ingest.errors import IngestConfigError, IngestInvariantError, NeedsNewRendition
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.client import PersistClient
+    from persist_lib.read import ReadHandle
+    from persist_lib.write import WriteHandle
+
+log = logging.getLogger(__name__)
+
+_NS = uuid.UUID("6f1c2a52-0f5e-4d8e-9a51-6c0f3a1e9b77")
+
+ROLES = ("data", "errors", "raw", "state", "remap")
+
+
+def shard_id_for(name: str, role: str) -> ShardId:
+    """The deterministic shard id of ``role`` (data, errors, raw, state, remap) of ingestion ``name``."""
+    return ShardId("s" + str(uuid.uuid5(_NS, f"persist-ingest/{name}/{role}")))
+
+
+@dataclass
+class AppendStats:
+    written: int = 0  # time ranges this instance committed
+    verified: int = 0  # time ranges found committed by another writer and checked equal
+    unverifiable: int = 0  # ranges committed by another writer whose history was compacted
+
+
+class Output(Protocol):
+    role: str
+    label: str
+    schemas: Schemas
+    stats: AppendStats
+
+    def upper(self) -> int:
+        """The upper (a time), read from consensus now."""
+        ...
+
+    def since(self) -> int: ...
+
+    def append(self, updates: pa.Table, lower: int, upper: int) -> None:
+        """Verified definite append of ``updates`` (times in ``[lower, upper)``)."""
+        ...
+
+    def snapshot(self, as_of: int) -> pa.Table: ...
+
+    def downgrade_since(self, since: int) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class OutputFactory(Protocol):
+    def open(self, role: str, key_schema: pa.Schema, val_schema: pa.Schema) -> Output: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+def _time(f: Antichain, what: str) -> int:
+    if f.time is None:
+        raise IngestInvariantError(
+            f"{what}: the frontier is empty (the shard was closed for writes); an ingestion "
+            "output can't be closed: this shard is not one the pipeline owns"
+        )
+    return f.time
+
+
+def _same_updates(ours: pa.Table, theirs: pa.Table, schemas: Schemas, label: str) -> str | None:
+    """None when both (user layout) tables consolidate to the same updates, else a detail."""
+    a = normalize_updates(ours, schemas, shard=label)
+    b = normalize_updates(theirs, schemas, shard=label)
+    b = b.set_column(b.num_columns - 1, "d", pc.negate(b.column("d")))
+    diff = consolidate(pa.concat_tables([a, b]))
+    if diff.num_rows == 0:
+        return None
+    sample = diff.slice(0, 3).to_pylist()
+    return (
+        f"{diff.num_rows} update(s) differ, e.g. {sample} (positive d: only this instance has "
+        "them; negative: only the committed data)"
+    )
+
+
+class ShardOutput:
+    """One persist shard as an output (writer + leased reader for checks and snapshots)."""
+
+    def __init__(
+        self,
+        client: PersistClient,
+        shard: ShardId | str,
+        key_schema: pa.Schema,
+        val_schema: pa.Schema,
+        *,
+        role: str,
+        label: str,
+    ) -> None:
+        self.role = role
+        self.label = label
+        self.shard_id = str(shard)
+        self.schemas = Schemas.create(key_schema, val_schema)
+        purpose = f"ingest:{label}"
+        self._w: WriteHandle = client.open_writer(shard, key_schema, val_schema, purpose=purpose)
+        self._r: ReadHandle = client.open_leased_reader(shard, key_schema, val_schema, purpose=purpose)
+        self.stats = AppendStats()
+
+    def upper(self) -> int:
+        return _time(self._w.fetch_recent_upper(), self.label)
+
+    def since(self) -> int:
+        return self._r.since.time or 0
+
+    def append(self, updates: pa.Table, lower: int, upper: int) -> None:
+        if upper <= lower:
+            return
+        lo = lower
+        while True:
+            part = updates if lo == lower else updates.filter(pc.greater_equal(updates["ts"], lo))
+            try:
+                self._w.compare_and_append(part, lo, upper)
+                self.stats.written += 1
+                return
+            except UpperMismatch as e:
+                cur = _time(e.current, self.label)
+            if cur < lo:
+                raise IngestInvariantError(
+                    f"{self.label} (shard {self.shard_id}): its upper is {cur}, below {lo} where this "
+                    "instance resumes: another writer rewound or the driver lost track; nothing was "
+                    "written"
+                )
+            hi = min(cur, upper)
+            self._verify(part, lo, hi)
+            if cur >= upper:
+                return
+            lo = cur
+
+    def _verify(self, ours: pa.Table, lo: int, hi: int) -> None:
+        if hi <= lo:
+            return
+        since = self._r.since.time or 0
+        if not (since < lo or lo == 0):
+            # Times before the since were forwarded to it: the range isn't exact any more.
+            self.stats.unverifiable += 1
+            log.warning(
+                "%s: can't verify [%d, %d) against the committed updates: history before the "
+                "since %d was compacted", self.label, lo, hi, since,
+            )
+            return
+        theirs = self._r.updates_between(lo, hi)
+        mine = ours.filter(pc.less(ours["ts"], hi)) if ours.num_rows else ours
+        detail = _same_updates(mine, theirs, self.schemas, self.label)
+        if detail is not None:
+            raise NeedsNewRendition(self.label, lo, hi, detail)
+        self.stats.verified += 1
+
+    def snapshot(self, as_of: int) -> pa.Table:
+        return self._r.snapshot(as_of)
+
+    def downgrade_since(self, since: int) -> None:
+        if self._r.since < Antichain([since]):
+            self._r.downgrade_since(since)
+
+    def describe(self) -> dict[str, Any]:
+        return {"role": self.role, "shard": self.shard_id}
+
+    def close(self) -> None:
+        for h in (self._w, self._r):
+            try:
+                h.expire()
+            except Exception as e:  # noqa: BLE001 - best effort: leases lapse anyway
+                log.debug("expiring %r failed: %s", h, e)
+
+
+class ShardOutputs:
+    """Outputs as plain persist shards with ids derived from the ingestion name."""
+
+    def __init__(self, client: PersistClient, name: str) -> None:
+        self.client = client
+        self.name = name
+
+    def open(self, role: str, key_schema: pa.Schema, val_schema: pa.Schema) -> Output:
+        return ShardOutput(
+            self.client, shard_id_for(self.name, role), key_schema, val_schema,
+            role=role, label=f"{self.name}/{role}",
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "shards", "name": self.name}
+
+
+def collection_name(name: str, role: str) -> str:
+    return name if role == "data" else f"{name}.{role}"
+
+
+class CollectionOutput:
+    """A STORAGE collection's rendition as an output: one ``ShardOutput`` per shard."""
+
+    def __init__(self, ctl: Any, name: str, role: str, rendition: str | None = None) -> None:
+        from persist_lib.storage.routing import split_by_shard
+
+        self._split = split_by_shard
+        self.role = role
+        self.label = name
+        self._cw = ctl.open_writer(name, rendition)
+        self.rendition = self._cw.rendition
+        self.schemas: Schemas = self._cw.schemas
+        self._shards = [
+            ShardOutput(
+                ctl.client, sid, self.schemas.key, self.schemas.val,
+                role=role, label=f"{name}/{self.rendition}/{i}",
+            )
+            for i, sid in enumerate(self._cw.shard_ids)
+        ]
+        self.stats = AppendStats()
+
+    def upper(self) -> int:
+        return min(s.upper() for s in self._shards)
+
+    def since(self) -> int:
+        return max(s.since() for s in self._shards)
+
+    def append(self, updates: pa.Table, lower: int, upper: int) -> None:
+        if upper <= lower:
+            return
+        parts = self._split(updates, self.schemas.key_names, len(self._shards))
+        for s, part in zip(self._shards, parts, strict=True):
+            s.append(part, lower, upper)
+        self._cw.append([], upper, upper)  # advances the collection's metadata upper
+        self.stats.written = sum(s.stats.written for s in self._shards)
+        self.stats.verified = sum(s.stats.verified for s in self._shards)
+        self.stats.unverifiable = sum(s.stats.unverifiable for s in self._shards)
+
+    def snapshot(self, as_of: int) -> pa.Table:
+        tables = [s.snapshot(as_of) for s in self._shards]
+        return pa.concat_tables(tables)
+
+    def downgrade_since(self, since: int) -> None:
+        for s in self._shards:
+            s.downgrade_since(since)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "collection": self.label,
+            "rendition": self.rendition,
+            "shards": [s.shard_id for s in self._shards],
+        }
+
+    def close(self) -> None:
+        for s in self._shards:
+            s.close()
+        try:
+            self._cw.expire()
+        except Exception as e:  # noqa: BLE001
+            log.debug("expiring the collection writer of %s failed: %s", self.label, e)
+
+
+class StorageOutputs:
+    """Outputs as STORAGE collections, created on first use.
+
+    ``rendition`` selects the rendition to write (default: the active one), e.g. a new
+    rendition being rebuilt before a handover.
+    """
+
+    def __init__(
+        self, ctl: Any, name: str, *, num_shards: int = 1, rendition: str | None = None
+    ) -> None:
+        self.ctl = ctl
+        self.name = name
+        self.num_shards = num_shards
+        self.rendition = rendition
+
+    def open(self, role: str, key_schema: pa.Schema, val_schema: pa.Schema) -> Output:
+        cname = collection_name(self.name, role)
+        ensure_collection(self.ctl, cname, key_schema, val_schema, self.num_shards)
+        return CollectionOutput(self.ctl, cname, role, self.rendition)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "storage", "name": self.name, "num_shards": self.num_shards}
+
+
+def ensure_collection(
+    ctl: Any, name: str, key_schema: pa.Schema, val_schema: pa.Schema, num_shards: int
+) -> None:
+    """Creates collection ``name`` unless it exists (then its schemas must match)."""
+    want = Schemas.create(key_schema, val_schema)
+    for _ in range(3):
+        if name in ctl.list_collections():
+            have = Schemas.from_json(ctl._spec(name)["schemas"])
+            if have != want:
+                raise IngestConfigError(
+                    f"collection {name!r} exists with schemas {have.describe()}, but the ingestion "
+                    f"writes {want.describe()}; use another ingestion name or create a new "
+                    "collection/rendition for the new schema"
+                )
+            return
+        try:
+            ctl.create_collection(name, key_schema, val_schema, num_shards)
+            return
+        except InvalidUsage:
+            continue  # created concurrently by another instance: re-check
+    raise IngestInvariantError(f"could not create or find collection {name!r}")

@@ -1,0 +1,148 @@
+"""The source protocol: partitions of ordered, replayable addresses (DESIGN section 11).
+
+A *source* is split into partitions; within a partition every message has an
+*address* (a tuple of ints/strings compared as a Python tuple: ``(file, row)`` for a
+landing zone, ``(commit_lsn,)`` for Postgres CDC) and messages come in address order.
+A *frontier* maps each partition to the first address not yet covered. Reading from
+any recorded frontier yields the same messages again, which is what lets a restarted
+or a second instance reproduce the same output.
+
+Readers return messages in *chunks* (a run of consecutive messages of one partition).
+A chunk can be split at an address (to apply a binding minted by someone else) or
+after a number of records (to mint a binding of a deterministic size). A chunk may
+carry *notes*: non-deterministic observations (a file turned out unreadable, a late
+file appeared, a file was completed with N rows) that must be recorded in the remap
+shard together with the binding that covers the chunk, so every instance decides the
+same way.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.ingest.decode import Decoded, DecodeSpec
+
+Address = tuple[Any, ...]
+Frontier = dict[str, Address]
+Note = dict[str, Any]
+
+
+def encode_address(a: Sequence[Any]) -> str:
+    """Canonical JSON text of an address (the remap/errors/raw key column)."""
+    return json.dumps(list(a), separators=(",", ":"), ensure_ascii=False)
+
+
+def decode_address(s: str) -> Address:
+    v = json.loads(s)
+    return tuple(v) if isinstance(v, list) else (v,)
+
+
+def encode_note(n: Note) -> str:
+    """Canonical JSON text of a note (sorted keys, so equal notes encode equally)."""
+    return json.dumps(n, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def frontier_covers(f: Frontier, g: Frontier) -> bool:
+    """True iff ``f`` is at or beyond ``g`` in every partition of ``g``."""
+    return all(p in f and tuple(f[p]) >= tuple(a) for p, a in g.items())
+
+
+def frontier_text(f: Frontier) -> str:
+    return ", ".join(f"{p}: {encode_address(a)}" for p, a in sorted(f.items())) or "(none)"
+
+
+@dataclass
+class Lag:
+    """How far a reader is behind its source (for progress and Dagster metadata)."""
+
+    bytes_behind: int | None = None
+    records_behind: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class Chunk(ABC):
+    """Consecutive messages of one partition: addresses in ``[start, end)``."""
+
+    partition: str
+    start: Address
+    end: Address
+    num_records: int
+    nbytes: int
+    notes: tuple[Note, ...]
+
+    @abstractmethod
+    def split(self, at: Address) -> tuple[Chunk | None, Chunk | None]:
+        """(messages with address < ``at``, the rest); either side may be ``None``."""
+
+    @abstractmethod
+    def take(self, n: int) -> tuple[Chunk, Chunk | None]:
+        """The shortest prefix with at least ``n`` records ending at a message boundary."""
+
+    @abstractmethod
+    def decode(self, spec: DecodeSpec) -> Decoded:
+        """Schema-checked decoding: typed rows (in address order) and error records."""
+
+
+@runtime_checkable
+class SourceReader(Protocol):
+    """Reads one source from a frontier onwards."""
+
+    @property
+    def position(self) -> Frontier:
+        """The first address (per partition) not yet returned."""
+        ...
+
+    def read(self, upto: Frontier | None, max_records: int) -> list[Chunk]:
+        """The next chunks from ``position``.
+
+        With ``upto`` (replaying a binding) only messages before ``upto`` are returned
+        and anything unexpected (an unreadable file) raises ``SourceUnavailable``:
+        what the binding covers was decided already. Without ``upto`` (reading ahead to
+        mint a binding) about ``max_records`` records are returned and non-deterministic
+        observations become notes on the chunks. ``[]`` means nothing more right now.
+        """
+        ...
+
+    def add_notes(self, notes: Iterable[Note]) -> None:
+        """Notes read back from the remap shard (decisions every instance must follow)."""
+        ...
+
+    def lag(self) -> Lag: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A replayable source of messages (see the module docstring)."""
+
+    kind: str
+
+    def describe(self) -> dict[str, Any]:
+        """JSON description for summaries and errors (no secrets)."""
+        ...
+
+    def partitions(self) -> tuple[str, ...]: ...
+
+    def initial_frontier(self) -> Frontier: ...
+
+    def check(self) -> None:
+        """Validates the configuration; raises ``IngestConfigError`` naming the fix."""
+        ...
+
+    def prepare(self) -> None:
+        """One-time set-up before reading (create slots, snapshot); idempotent."""
+        ...
+
+    def open_reader(self, frontier: Frontier, notes: list[Note]) -> SourceReader: ...
+
+    def release(self, frontier: Frontier) -> None:
+        """Everything before ``frontier`` is durably ingested: the source may drop it."""
+        ...
+
+    def close(self) -> None: ...
