@@ -46,16 +46,21 @@ def run(counts: list[int], root: Path) -> dict:
         shutil.rmtree(d, ignore_errors=True)
         (d / "blob").mkdir(parents=True)
         blob, cons = f"file://{d / 'blob'}", f"sqlite:///{d / 'consensus.db'}"
-        client = PersistClient.open(blob, cons, PersistConfig(background_heartbeats=False))
+        client = PersistClient.open(
+            blob, cons, PersistConfig(background_heartbeats=False, compaction_enabled=True)
+        )
         shard = ShardId.new()
         w = client.open_writer(shard, KEY, VAL)
         t0 = time.perf_counter()
         for t in range(n):
             w.compare_and_append([(((t,), (t,)), t, 1)], t, t + 1)
         append_s = time.perf_counter() - t0
+        batches = len(client.machine(shard).fetch_latest().batches)
         client.close()
         ms, info = open_ms(blob, cons, shard)
-        out["counts"][n] = {"open_ms": round(ms, 2), "append_s": round(append_s, 2), **info}
+        out["counts"][n] = {
+            "open_ms": round(ms, 2), "append_s": round(append_s, 2), "batches": batches, **info
+        }
     ns = sorted(out["counts"])
     out["ratio_open_last_vs_first"] = round(
         out["counts"][ns[-1]]["open_ms"] / out["counts"][ns[0]]["open_ms"], 2
@@ -72,10 +77,10 @@ def main() -> None:
     res = run(a.counts, root)
     print(json.dumps(res, indent=1))
     print()
-    print("| appends | open (ms, median of 7) | seqno | loaded from rollup at |")
-    print("|---|---|---|---|")
+    print("| appends | open (ms, median of 7) | seqno | batches | loaded from rollup at |")
+    print("|---|---|---|---|---|")
     for n, r in sorted(res["counts"].items()):
-        print(f"| {n} | {r['open_ms']} | {r['seqno']} | {r['latest_rollup']} |")
+        print(f"| {n} | {r['open_ms']} | {r['seqno']} | {r['batches']} | {r['latest_rollup']} |")
     print(f"\nopen after {max(res['counts'])} / open after {min(res['counts'])} = {res['ratio_open_last_vs_first']}")
 
 
