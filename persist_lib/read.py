@@ -126,9 +126,9 @@ class ReadHandle:
         """
         self._check_open()
         as_of = check_time(as_of, "as_of")
-        state = self._wait_for_upper_beyond(as_of, timeout_s)
-        self._check_as_of(state, as_of)
-        with self._hold(state.seqno):
+        with self._hold():
+            state = self._wait_for_upper_beyond(as_of, timeout_s)
+            self._check_as_of(state, as_of)
             parts = [p for _, b in state.trace_batches() if b.lower.less_equal(as_of) for p in b.parts]
             tables = self._fetch_all(parts, lambda t: snapshot_at(t, as_of))
         return to_user_table(consolidate(_concat(tables, self.schemas)), self.schemas)
@@ -143,11 +143,12 @@ class ReadHandle:
         as_of = check_time(as_of, "as_of")
         if num_splits < 1:
             raise InvalidUsage(f"shard {self.shard_id}: num_splits must be >= 1, got {num_splits}")
+        with self._lock:  # hold first, then read state: the hold is <= that state's seqno
+            held = self._machine.cached().seqno
+            self._holds[held] += 1
+            self._split_holds.append(held)
         state = self._wait_for_upper_beyond(as_of, timeout_s)
         self._check_as_of(state, as_of)
-        with self._lock:
-            self._holds[state.seqno] += 1
-            self._split_holds.append(state.seqno)
         parts = sorted(
             (p for _, b in state.trace_batches() if b.lower.less_equal(as_of) for p in b.parts),
             key=lambda p: -p.size,
@@ -185,9 +186,9 @@ class ReadHandle:
             raise InvalidUsage(f"shard {self.shard_id}: range [{lower}, {upper}) is backwards")
         if upper == lower:
             return to_user_table(_concat([], self.schemas), self.schemas)
-        state = self._wait_for_upper_beyond(upper - 1, timeout_s)
-        self._check_as_of(state, lower)
-        with self._hold(state.seqno):
+        with self._hold():
+            state = self._wait_for_upper_beyond(upper - 1, timeout_s)
+            self._check_as_of(state, lower)
             parts = [
                 p
                 for _, b in state.trace_batches()
@@ -311,8 +312,14 @@ class ReadHandle:
         return s
 
     @contextmanager
-    def _hold(self, seqno: int) -> Iterator[None]:
+    def _hold(self) -> Iterator[None]:
+        """Holds the cached seqno while a read runs.
+
+        Taken *before* the read picks the state version it reads, so a concurrent
+        heartbeat can never move this reader's durable seqno hold past that version.
+        """
         with self._lock:
+            seqno = self._machine.cached().seqno
             self._holds[seqno] += 1
         try:
             yield
@@ -362,6 +369,11 @@ class Listen:
         f = self._frontier.time
         assert f is not None
         deadline = time.monotonic() + timeout_s
+        with h._hold():
+            return self._next_held(f, deadline)
+
+    def _next_held(self, f: int, deadline: float) -> list[ListenEvent]:
+        h = self._h
         s = h._machine.cached()
         if not s.exists or s.upper <= self._frontier:
             s = h._machine.fetch_latest()
@@ -374,16 +386,15 @@ class Listen:
         h._me(s)
         upper = s.upper
         hi = upper.time
-        with h._hold(s.seqno):
-            parts = [
-                p
-                for _, b in s.trace_batches()
-                if (b.upper.is_empty() or (b.upper.time or 0) > f)
-                and (hi is None or (b.lower.time or 0) < hi)
-                for p in b.parts
-                if p.tmax >= f and (hi is None or p.tmin < hi)
-            ]
-            tables = h._fetch_all(parts, lambda t: time_range(t, f, hi))
+        parts = [
+            p
+            for _, b in s.trace_batches()
+            if (b.upper.is_empty() or (b.upper.time or 0) > f)
+            and (hi is None or (b.lower.time or 0) < hi)
+            for p in b.parts
+            if p.tmax >= f and (hi is None or p.tmin < hi)
+        ]
+        tables = h._fetch_all(parts, lambda t: time_range(t, f, hi))
         events: list[ListenEvent] = []
         internal = consolidate(_concat(tables, h.schemas))
         if internal.num_rows:
