@@ -233,39 +233,52 @@ class Machine:
             cur = self.fetch_latest()
         backoff = 0.002
         deadline = time.monotonic() + self.config.retry_deadline_s
-        while True:
-            now = self.config.now_ms()
-            new, result = fn(cur, now)
-            if new is None:
-                self.metrics.noops += 1
-                return result, cur
-            new = new.evolve(seqno=cur.seqno + 1, walltime_ms=max(cur.walltime_ms + 1, now))
-            data = frame(st.encode_diff(cur, new))
-            self.metrics.cas_attempts += 1
-            try:
-                res = self.consensus.compare_and_set(
-                    self.shard_id, cur.seqno if cur.exists else None, VersionedData(new.seqno, data)
-                )
-            except Indeterminate as e:
-                # It may have been applied. Re-read and re-run: the transition recognises
-                # its own effect if it landed.
-                self.metrics.indeterminate_retries += 1
-                if time.monotonic() > deadline:
-                    raise Indeterminate(
-                        f"shard {self.shard_id}: {name}: consensus kept failing indeterminately "
-                        f"({e}); the operation may or may not have happened"
-                    ) from None
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 0.5)
+        # Once a CAS may have been applied, any later failure must be reported as
+        # Indeterminate: a Determinate error would let the caller treat a committed
+        # change as never made (and, for a write, delete the blobs it references).
+        maybe_applied = False
+        try:
+            while True:
+                now = self.config.now_ms()
+                new, result = fn(cur, now)
+                if new is None:
+                    self.metrics.noops += 1
+                    return result, cur
+                new = new.evolve(seqno=cur.seqno + 1, walltime_ms=max(cur.walltime_ms + 1, now))
+                data = frame(st.encode_diff(cur, new))
+                self.metrics.cas_attempts += 1
+                try:
+                    res = self.consensus.compare_and_set(
+                        self.shard_id, cur.seqno if cur.exists else None, VersionedData(new.seqno, data)
+                    )
+                except Indeterminate as e:
+                    # It may have been applied. Re-read and re-run: the transition recognises
+                    # its own effect if it landed.
+                    self.metrics.indeterminate_retries += 1
+                    maybe_applied = True
+                    if time.monotonic() > deadline:
+                        raise Indeterminate(
+                            f"shard {self.shard_id}: {name}: consensus kept failing indeterminately "
+                            f"({e}); the operation may or may not have happened"
+                        ) from None
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 0.5)
+                    cur = self._fetch_with_retry(deadline)
+                    continue
+                if res is CaSResult.COMMITTED:
+                    self.metrics.cas_committed += 1
+                    installed = self.shared.offer(new)
+                    self._after_commit(new)
+                    return result, installed if installed.seqno == new.seqno else new
+                self.metrics.cas_mismatches += 1
                 cur = self._fetch_with_retry(deadline)
-                continue
-            if res is CaSResult.COMMITTED:
-                self.metrics.cas_committed += 1
-                installed = self.shared.offer(new)
-                self._after_commit(new)
-                return result, installed if installed.seqno == new.seqno else new
-            self.metrics.cas_mismatches += 1
-            cur = self._fetch_with_retry(deadline)
+        except ExternalError as e:
+            if maybe_applied and not isinstance(e, Indeterminate):
+                raise Indeterminate(
+                    f"shard {self.shard_id}: {name}: a compare-and-set may have been applied, then "
+                    f"re-reading the state failed ({e}); the operation may or may not have happened"
+                ) from None
+            raise
 
     def _fetch_with_retry(self, deadline: float) -> st.ShardState:
         backoff = 0.005

@@ -70,8 +70,9 @@ class HistoryConfig:
     unreliability: float = 0.05
     stall_rate: float = 0.01
     stall_s: float = 0.02
-    outage_rate: float = 0.02  # chance per op that an actor starts a total outage
+    outage_mean_interval_s: float = 5.0  # per actor: total outages start at random times
     outage_s: tuple[float, float] = (0.3, 1.5)
+    partition_after_timeout: float = 0.2  # chance an injected timeout starts an outage
     crash_mean_interval_s: float = 1.5
     max_crashes: int = 6
     retry_deadline_s: float = 1.0
@@ -156,14 +157,10 @@ def build_location(
     from persist_lib.client import PersistClient
     from persist_lib.config import PersistConfig
     from persist_lib.location.file_blob import FileBlob
-    from persist_lib.location.unreliable import (
-        FaultRates,
-        UnreliableBlob,
-        UnreliableConsensus,
-        UnreliableHandle,
-    )
+    from persist_lib.location.unreliable import FaultRates, UnreliableBlob, UnreliableConsensus
     from persist_lib.testing import planted
     from persist_lib.testing.audit import AuditBlob, AuditConsensus
+    from persist_lib.testing.faults import PartitioningHandle
 
     raw_cons = planted.open_consensus(cfg.consensus_uri, cfg.planted)
     audit_cons = AuditConsensus(raw_cons, os.path.join(cfg.archive_dir, archive_name))
@@ -194,7 +191,13 @@ def build_location(
             timeout_only=base.timeout_only,
             stall=cfg.stall_rate,
         )
-        handle = UnreliableHandle(seed, rates, stall_s=cfg.stall_s)
+        handle = PartitioningHandle(
+            seed,
+            rates,
+            stall_s=cfg.stall_s,
+            partition_after_timeout=cfg.partition_after_timeout,
+            partition_s=cfg.outage_s,
+        )
         blob = UnreliableBlob(audit_blob, handle)
         cons = UnreliableConsensus(audit_cons, handle)
     client = PersistClient(
@@ -232,9 +235,6 @@ class Actor:
         )
         self.client = self.loc.client
         self.shard = cfg.shard_id
-        self._outage_until = 0.0
-        self._outage_lock = threading.Lock()
-        self.outages_enabled = True
 
     def stopped(self) -> bool:
         return os.path.exists(self.cfg.stop_path)
@@ -242,28 +242,24 @@ class Actor:
     def sleep(self, lo: float, hi: float) -> None:
         time.sleep(self.rng.uniform(lo, hi))
 
-    def maybe_outage(self) -> None:
-        """Sometimes starts a total outage of this actor's location (a timer ends it)."""
+    def start_outages(self) -> None:
+        """A background thread that makes this actor's location totally unavailable at
+        random times, asynchronously to its operations (the handle also starts outages
+        right after some injected timeouts: ``PartitioningHandle``)."""
         h = self.loc.handle
-        if h is None or not self.outages_enabled or self.rng.random() >= self.cfg.outage_rate:
+        if h is None:
             return
-        with self._outage_lock:
-            if time.monotonic() < self._outage_until:
-                return
-            d = self.rng.uniform(*self.cfg.outage_s)
-            kind = self.rng.choice(["timeout_only", "determinate"])
-            saved = h.rates
-            h.totally_unavailable(kind)
-            self._outage_until = time.monotonic() + d
-        self.log.note("outage", fault=kind, duration_s=d)
+        h.on_outage = lambda kind, d: self.log.note("outage", fault=kind, duration_s=d)
+        if self.cfg.outage_mean_interval_s <= 0:
+            return
+        rng = random.Random(self.seed ^ 0x5EED)
 
-        def end() -> None:
-            with h._lock:
-                h._rates = saved
+        def loop() -> None:
+            while not self.stopped() and h.enabled:
+                time.sleep(rng.expovariate(1.0 / self.cfg.outage_mean_interval_s))
+                h.outage(rng.choice(["timeout_only", "determinate"]), rng.uniform(*self.cfg.outage_s))
 
-        t = threading.Timer(d, end)
-        t.daemon = True
-        t.start()
+        threading.Thread(target=loop, name="outages", daemon=True).start()
 
     def faults(self) -> dict[str, int]:
         h = self.loc.handle
@@ -277,7 +273,6 @@ class Actor:
         op_id: str | None = None,
     ) -> tuple[str, Any, BaseException | None]:
         """Runs ``fn`` as a logged operation; returns (outcome, result, error)."""
-        self.maybe_outage()
         oid = self.log.invoke(op, args, op_id)
         try:
             res = fn()
@@ -620,6 +615,7 @@ def actor_main(cfg_json: str, actor: str, incarnation: int) -> None:
     stack.enter_context(planted.activate([p for p in cfg.planted if p not in planted.CONSENSUS_BUGS]))
     a = ROLES[role_of(actor)](cfg, actor, incarnation)
     a.log.note("start", role=role_of(actor), seed=a.seed)
+    a.start_outages()
     try:
         while not a.stopped():
             try:
@@ -632,9 +628,8 @@ def actor_main(cfg_json: str, actor: str, incarnation: int) -> None:
         shutdown = getattr(a, "shutdown", None)
         if shutdown is not None:
             # Released without faults, so a clean stop leaves no lease behind.
-            a.outages_enabled = False
             if a.loc.handle is not None:
-                a.loc.handle.totally_available()
+                a.loc.handle.disable()
             shutdown()
         a.log.note("stop", faults=a.faults())
     except Exception as e:  # noqa: BLE001 - logged for the checker, then the process exits

@@ -617,7 +617,6 @@ def check_history(cfg: HistoryConfig, consensus: Consensus, extra: dict[str, Any
             "final_upper": final.upper.time,
             "final_since": final.since.time,
             "torn_lines": hist.torn_lines,
-            "outages": len(hist.by_kind("outage")),
             "blob_deletes": len(hist.by_kind("blob_delete")),
         }
     )
@@ -630,8 +629,10 @@ def check_history(cfg: HistoryConfig, consensus: Consensus, extra: dict[str, Any
     for rec in hist.records:
         if rec.get("type") == "stop" and rec.get("faults"):
             last[f"{rec['actor']}.{rec['inc']}"] = rec["faults"]
+    outages = Counter(r.get("fault") for r in hist.by_kind("outage"))
     for f in last.values():
         faults.update(f)
     stats["faults"] = dict(faults)
+    stats["outages"] = dict(outages)
     report.stats = stats
     return report

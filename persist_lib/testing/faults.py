@@ -1,0 +1,92 @@
+"""Fault injection the histories need on top of ``persist_lib.location.unreliable``.
+
+``PartitioningHandle`` is an ``UnreliableHandle`` (same seeded per-call faults, same
+counters) that can also be **totally unavailable for a while** (an outage), and that
+starts such an outage, with probability ``partition_after_timeout``, right after it
+injected a timeout: a timeout is often the first sign of a partition that persists.
+That correlation is what exercises the hardest path of the state machine: a
+compare-and-set applied then timed out, followed by re-reads that fail until the
+retry deadline passes (the operation's outcome must then be reported as unknown).
+Outages end by time, checked on every call (no timer threads).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from persist_lib.errors import Indeterminate
+from persist_lib.location.unreliable import FaultRates, UnreliableHandle
+
+T = TypeVar("T")
+
+
+class PartitioningHandle(UnreliableHandle):
+    """Per-call faults plus timed total outages (scripted or following a timeout)."""
+
+    def __init__(
+        self,
+        seed: int = 0,
+        rates: FaultRates | None = None,
+        *,
+        stall_s: float = 0.01,
+        partition_after_timeout: float = 0.0,
+        partition_s: tuple[float, float] = (0.3, 1.5),
+    ) -> None:
+        super().__init__(seed, rates, stall_s=stall_s)
+        self.partition_after_timeout = partition_after_timeout
+        self.partition_s = partition_s
+        self._normal = self._rates
+        self._until = 0.0
+        self._olock = threading.Lock()
+        self._orng = random.Random(seed ^ 0x0DA7A)
+        self.outages: list[tuple[str, float]] = []  # (kind, duration) of every outage begun
+        self.enabled = True
+        self.on_outage: Callable[[str, float], None] | None = None
+
+    def in_outage(self) -> bool:
+        with self._olock:
+            return self._until > time.monotonic()
+
+    def outage(self, kind: str, duration_s: float) -> bool:
+        """Makes every call fail (``kind``: timeout_only | determinate) for ``duration_s``."""
+        with self._olock:
+            if not self.enabled or self._until > time.monotonic():
+                return False
+            self._until = time.monotonic() + duration_s
+            self.outages.append((kind, duration_s))
+        self.totally_unavailable(kind)
+        if self.on_outage is not None:
+            self.on_outage(kind, duration_s)
+        return True
+
+    def disable(self) -> None:
+        """No more faults of any kind (for a clean shutdown)."""
+        with self._olock:
+            self.enabled = False
+            self._until = 0.0
+        self.totally_available()
+
+    def _maybe_end_outage(self) -> None:
+        with self._olock:
+            if self._until and time.monotonic() >= self._until:
+                self._until = 0.0
+                restore = self.enabled
+            else:
+                return
+        if restore:
+            with self._lock:
+                self._rates = self._normal
+
+    def run(self, what: str, op: Callable[[], T]) -> T:
+        self._maybe_end_outage()
+        try:
+            return super().run(what, op)
+        except Indeterminate:
+            if self.partition_after_timeout and self._orng.random() < self.partition_after_timeout:
+                kind = self._orng.choice(["timeout_only", "determinate"])
+                self.outage(kind, self._orng.uniform(*self.partition_s))
+            raise
