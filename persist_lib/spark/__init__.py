@@ -18,12 +18,28 @@ change is still one transition of the shard's state machine:
 Importing this package does not import pyspark; the functions do, when called.
 """
 
+from persist_lib.spark.compact import apply_merge, compact_shard, spark_merge
+from persist_lib.spark.read import (
+    RangeSplit,
+    read_collection_snapshot,
+    read_snapshot,
+    read_updates,
+    splits_dataframe,
+)
 from persist_lib.spark.session import local_session
 from persist_lib.spark.types import UnsupportedSparkType, spark_schema
 from persist_lib.spark.write import SparkWriteResult, write_batch, write_collection
 
 __all__ = [
+    "RangeSplit",
     "SparkWriteResult",
+    "apply_merge",
+    "compact_shard",
+    "read_collection_snapshot",
+    "read_snapshot",
+    "read_updates",
+    "spark_merge",
+    "splits_dataframe",
     "UnsupportedSparkType",
     "local_session",
     "spark_schema",

@@ -1,0 +1,495 @@
+"""Distributed compaction: merges too large for one process, run as a Spark job.
+
+The output of a merge is one sorted run: every ``(k, v, t)`` of the inputs, times
+below the since forwarded (``compactor.forward_time``), consolidated. The Spark job
+produces exactly that by *range partitioning* in persist's own row order
+(``consolidate.row_keys``, the order the in-process compactor merges by):
+
+1. **Sample.** Tasks fetch (and verify) the input parts and return evenly spaced rows
+   of each (a part is sorted, so these are its quantiles) and its decoded size.
+2. **Splitters.** The driver ranks the samples and picks ``B - 1`` splitter rows for
+   ``B`` buckets of about ``bucket_bytes`` each.
+3. **Shuffle.** Tasks fetch the parts again, forward their times, and cut each part
+   into the bucket ranges by ranking its rows together with the splitters (rows equal
+   to a splitter all go right, so equal rows always meet). Slices travel as Arrow IPC
+   bytes — any Arrow type, no Spark type conversion.
+4. **Merge.** Bucket ``b``'s task consolidates its rows (sorting them) and writes them
+   through a ``BatchBuilder`` under one compactor writer id (``cmp-...``).
+
+The buckets are ordered ranges, so the parts in bucket order form one sorted run: the
+output equals the in-process ``compactor.merge_batches`` output row for row, and
+later merges treat it as one run like any compactor output. The driver applies it
+with ``maintenance_transitions.apply_merge_res`` — the in-process compactor's
+transition — which replaces exactly the inputs or, if they changed meanwhile, does
+nothing (and the output is deleted). A failed job leaves only blobs under its
+``{shard}/cmp-.../`` prefix, which the driver deletes (best effort) and the leaked-blob
+sweeper otherwise collects.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from persist_lib import maintenance_transitions as mt
+from persist_lib.batch_meta import HollowBatch, PartMeta
+from persist_lib.codec import D_COL, Schemas, internal_schema
+from persist_lib.compactor import forward_time, new_compactor_writer_id
+from persist_lib.errors import InvalidUsage
+from persist_lib.spark._common import blob_uri_of, open_executor_blob
+from persist_lib.spine import CompactionRequest, compaction_requests
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.client import PersistClient
+    from persist_lib.machine import Machine
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+DEFAULT_BUCKET_BYTES = 64 * MiB  # decoded Arrow bytes one merge task holds (~3x at peak)
+DEFAULT_MIN_BYTES = 256 * MiB  # compact_shard: smaller merges run in-process
+SAMPLES_PER_BUCKET = 64
+
+
+@dataclass(frozen=True)
+class _MergeSpec:
+    """What executors need (picklable)."""
+
+    blob_uri: str
+    shard_id: str
+    schemas_json: dict[str, Any]
+    since_t: int | None
+    writer: str
+    lower: int
+    upper: int | None
+    since: int | None
+    target_part_bytes: int
+    inline_threshold: int
+
+
+@dataclass
+class SparkMergeStats:
+    parts_in: int = 0
+    bytes_in: int = 0
+    rows_in: int = 0
+    decoded_bytes_in: int = 0
+    buckets: int = 0
+    rows_out: int = 0
+    parts_out: int = 0
+    bytes_out: int = 0
+    max_bucket_rows: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class SparkMergeOutput:
+    batch: HollowBatch
+    stats: SparkMergeStats
+    writer: str
+
+
+@dataclass
+class SparkCompactionResult:
+    request: CompactionRequest
+    outcome: mt.MergeOutcome
+    output: HollowBatch | None
+    stats: SparkMergeStats = field(default_factory=SparkMergeStats)
+    deleted_output: bool = False
+
+    @property
+    def applied(self) -> bool:
+        return self.outcome in (mt.MergeOutcome.APPLIED, mt.MergeOutcome.ALREADY_APPLIED)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "request": self.request.describe(),
+            "outcome": self.outcome.value,
+            "where": "spark",
+            "stats": self.stats.to_json(),
+        }
+
+
+# ----- executor side ----------------------------------------------------------------------
+
+
+def _ipc(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue()
+
+
+def _from_ipc(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+
+
+def _key_cols(schemas: Schemas) -> list[str]:
+    return [n for n in internal_schema(schemas).names if n != D_COL]
+
+
+def _read_part(spec: _MergeSpec, blob: Any, schemas: Schemas, pj: dict[str, Any]) -> pa.Table:
+    """Fetches, verifies and decodes one part and forwards its times (still sorted)."""
+    from persist_lib.consolidate import advance_to_since
+    from persist_lib.parts import fetch_part
+
+    t = fetch_part(blob, PartMeta.from_json(pj), schemas, spec.shard_id)
+    return advance_to_since(t, spec.since_t) if spec.since_t is not None else t
+
+
+def _sample_task(spec: _MergeSpec, items: Iterable[tuple[dict[str, Any], int]]) -> Iterator[tuple[bytes, int, int]]:
+    """(part json, samples wanted) -> (sample rows as IPC, rows, decoded bytes) per part."""
+    schemas = Schemas.from_json(spec.schemas_json)
+    blob = open_executor_blob(spec.blob_uri)
+    cols = _key_cols(schemas)
+    for pj, q in items:
+        t = _read_part(spec, blob, schemas, pj)
+        n = t.num_rows
+        if n == 0:
+            continue
+        idx = np.unique(np.linspace(0, n - 1, num=max(1, min(q, n))).astype(np.int64))
+        yield _ipc(t.select(cols).take(pa.array(idx))), n, int(t.nbytes)
+
+
+def _bucket_of(table: pa.Table, splitters: pa.Table | None, cols: list[str]) -> np.ndarray:
+    """The bucket of every row: the number of splitters ``<=`` it (persist row order)."""
+    from persist_lib.consolidate import row_keys
+
+    n = table.num_rows
+    if splitters is None or splitters.num_rows == 0:
+        return np.zeros(n, dtype=np.int64)
+    both = pa.concat_tables([table.select(cols), splitters])
+    keys = row_keys([both.column(c) for c in cols], both.num_rows)
+    return np.searchsorted(keys[n:], keys[:n], side="right").astype(np.int64)
+
+
+def _shuffle_task(
+    spec: _MergeSpec, splitters_ipc: bytes | None, parts: Iterable[dict[str, Any]]
+) -> Iterator[tuple[int, bytes]]:
+    """Part json -> (bucket, IPC slice of the part's forwarded rows in that bucket)."""
+    schemas = Schemas.from_json(spec.schemas_json)
+    blob = open_executor_blob(spec.blob_uri)
+    cols = _key_cols(schemas)
+    splitters = _from_ipc(splitters_ipc) if splitters_ipc is not None else None
+    for pj in parts:
+        t = _read_part(spec, blob, schemas, pj)
+        if t.num_rows == 0:
+            continue
+        b = _bucket_of(t, splitters, cols)
+        # The part is sorted and so is the bucket function: buckets are contiguous runs.
+        edges = np.flatnonzero(np.diff(b)) + 1
+        starts = np.concatenate(([0], edges))
+        ends = np.concatenate((edges, [t.num_rows]))
+        for s, e in zip(starts, ends, strict=True):
+            yield int(b[s]), _ipc(t.slice(int(s), int(e - s)))
+
+
+def _merge_task(spec: _MergeSpec, bucket: int, items: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, int, str, int]]:
+    """All slices of one bucket -> its consolidated rows, written as parts.
+
+    Yields ``(bucket, seq, part json, rows)``.
+    """
+    import json
+
+    from persist_lib.batch_builder import BatchBuilder
+    from persist_lib.consolidate import consolidate
+    from persist_lib.frontier import Antichain
+
+    schemas = Schemas.from_json(spec.schemas_json)
+    tables = []
+    for b, data in items:
+        if b != bucket:
+            raise AssertionError(f"slice of bucket {b} arrived in the task of bucket {bucket}")
+        tables.append(_from_ipc(data))
+    if not tables:
+        return
+    target = internal_schema(schemas)
+    merged = consolidate(pa.concat_tables([t.cast(target) if not t.schema.equals(target) else t for t in tables]))
+    del tables
+    if merged.num_rows == 0:
+        return
+    blob = open_executor_blob(spec.blob_uri)
+    builder = BatchBuilder(
+        blob, schemas, shard=spec.shard_id, writer=spec.writer, lower=spec.lower,
+        target_part_bytes=spec.target_part_bytes, max_inflight_uploads=2,
+        inline_threshold=spec.inline_threshold,
+    )
+    upper = Antichain.empty() if spec.upper is None else Antichain([spec.upper])
+    since = Antichain.empty() if spec.since is None else Antichain([spec.since])
+    try:
+        builder.add(merged)
+        hb = builder.finish(upper, since)
+    except BaseException:
+        builder.abort()
+        raise
+    for seq, p in enumerate(hb.parts):
+        yield bucket, seq, json.dumps(p.to_json(), separators=(",", ":")), p.count
+
+
+# ----- driver side ------------------------------------------------------------------------
+
+
+def _groups(parts: list[PartMeta], n: int) -> list[list[PartMeta]]:
+    """Parts balanced by size over ``n`` groups (largest first into the lightest)."""
+    buckets: list[list[PartMeta]] = [[] for _ in range(max(1, min(n, len(parts))))]
+    sizes = [0] * len(buckets)
+    for p in sorted(parts, key=lambda p: -p.size):
+        i = sizes.index(min(sizes))
+        buckets[i].append(p)
+        sizes[i] += p.size
+    return [b for b in buckets if b]
+
+
+def _splitters(samples: list[pa.Table], weights: list[float], buckets: int, cols: list[str]) -> pa.Table | None:
+    """``buckets - 1`` splitter rows at evenly spaced weighted ranks of the samples."""
+    from persist_lib.consolidate import row_keys
+
+    if buckets <= 1 or not samples:
+        return None
+    cat = pa.concat_tables(samples)
+    w = np.concatenate([np.full(t.num_rows, wt, dtype=np.float64) for t, wt in zip(samples, weights, strict=True)])
+    keys = row_keys([cat.column(c) for c in cols], cat.num_rows)
+    order = np.argsort(keys, kind="stable")
+    cum = np.cumsum(w[order])
+    total = cum[-1]
+    picks = []
+    for i in range(1, buckets):
+        j = int(np.searchsorted(cum, total * i / buckets, side="left"))
+        picks.append(int(order[min(j, len(order) - 1)]))
+    # Distinct splitters in order (equal ones would make empty buckets).
+    uniq: list[int] = []
+    seen: set[int] = set()
+    for p in sorted(picks, key=lambda p: keys[p]):
+        if int(keys[p]) not in seen:
+            seen.add(int(keys[p]))
+            uniq.append(p)
+    return cat.take(pa.array(uniq, pa.int64())) if uniq else None
+
+
+def spark_merge(
+    spark: Any,
+    client: PersistClient,
+    schemas: Schemas,
+    req: CompactionRequest,
+    *,
+    shard_id: str,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    num_buckets: int | None = None,
+    target_part_bytes: int | None = None,
+    cleanup_on_failure: bool = True,
+) -> SparkMergeOutput:
+    """Runs the merge of ``req`` on Spark and returns its output batch (not applied).
+
+    ``num_buckets`` fixes the number of merge tasks; by default there is one per
+    ``bucket_bytes`` of decoded input. On failure the job's output is deleted (best
+    effort) and the error raised.
+    """
+    t0 = time.monotonic()
+    cfg = client.config
+    parts = [p for b in req.inputs for p in b.parts]
+    writer = new_compactor_writer_id()
+    spec = _MergeSpec(
+        blob_uri=blob_uri_of(client, f"shard {shard_id}"),
+        shard_id=shard_id,
+        schemas_json=schemas.to_json(),
+        since_t=forward_time(req.since, req.upper),
+        writer=writer,
+        lower=_time(req.lower, "lower"),
+        upper=req.upper.time,
+        since=req.since.time,
+        target_part_bytes=int(target_part_bytes or cfg.blob_target_size),
+        inline_threshold=cfg.inline_threshold,
+    )
+    stats = SparkMergeStats(parts_in=len(parts), bytes_in=sum(p.size for p in parts))
+    sc = spark.sparkContext
+    cols = _key_cols(schemas)
+    try:
+        tasks = max(1, int(sc.defaultParallelism))
+        groups = _groups(parts, tasks * 2)
+        total_count = max(1, sum(p.count for p in parts))
+        # 1. Sample (and measure the decoded size), unless one bucket was asked for.
+        split = None
+        if num_buckets != 1:
+            guess = num_buckets or max(1, math.ceil(stats.bytes_in * 4 / max(bucket_bytes, 1)))
+            want = guess * SAMPLES_PER_BUCKET
+            items = [
+                [(p.to_json(), max(1, math.ceil(want * p.count / total_count))) for p in g]
+                for g in groups
+            ]
+            sampled = (
+                sc.parallelize(items, len(items))
+                .mapPartitions(lambda it: _sample_task(spec, (x for g in it for x in g)))
+                .collect()
+            )
+            samples = [_from_ipc(s) for s, _, _ in sampled]
+            weights = [n / max(1, t.num_rows) for t, (_, n, _) in zip(samples, sampled, strict=True)]
+            stats.rows_in = sum(n for _, n, _ in sampled)
+            stats.decoded_bytes_in = sum(nb for _, _, nb in sampled)
+            buckets = num_buckets or max(1, math.ceil(stats.decoded_bytes_in / max(bucket_bytes, 1)))
+            split = _splitters(samples, weights, buckets, cols)
+        nb = 1 if split is None else split.num_rows + 1
+        stats.buckets = nb
+        split_ipc = _ipc(split) if split is not None else None
+        # 2. Shuffle into ordered key ranges, 3. merge and write each range.
+        part_groups = [[p.to_json() for p in g] for g in groups]
+        out = (
+            sc.parallelize(part_groups, len(part_groups))
+            .mapPartitions(lambda it: _shuffle_task(spec, split_ipc, (p for g in it for p in g)))
+            .partitionBy(nb, lambda b: int(b))
+            .mapPartitionsWithIndex(lambda i, it: _merge_task(spec, i, it))
+            .collect()
+        )
+    except BaseException:
+        if cleanup_on_failure:
+            _delete_prefix(spec)
+        raise
+    import json
+
+    out.sort(key=lambda r: (r[0], r[1]))
+    metas = tuple(PartMeta.from_json(json.loads(pj)) for _, _, pj, _ in out)
+    per_bucket: dict[int, int] = {}
+    for b, _, _, rows in out:
+        per_bucket[b] = per_bucket.get(b, 0) + rows
+    batch = HollowBatch(lower=req.lower, upper=req.upper, since=req.since, parts=metas)
+    stats.rows_out = batch.len
+    stats.parts_out = len(metas)
+    stats.bytes_out = batch.size
+    stats.max_bucket_rows = max(per_bucket.values(), default=0)
+    stats.seconds = time.monotonic() - t0
+    return SparkMergeOutput(batch, stats, writer)
+
+
+def _time(f: Any, what: str) -> int:
+    if f.time is None:
+        raise InvalidUsage(f"a merge {what} can't be the empty frontier")
+    return int(f.time)
+
+
+def _delete_prefix(spec: _MergeSpec) -> None:
+    blob = open_executor_blob(spec.blob_uri)
+    try:
+        for m in blob.list_keys_and_metadata(f"{spec.shard_id}/{spec.writer}/"):
+            blob.delete(m.key)
+    except Exception as e:  # the leaked-blob sweeper catches the rest
+        log.warning("shard %s: cleaning up a failed Spark merge: %s", spec.shard_id, e)
+
+
+def _uninline(machine: Machine, batch: HollowBatch, writer: str) -> HollowBatch:
+    from persist_lib.parts import part_blob_key
+
+    parts: list[PartMeta] = []
+    for p in batch.parts:
+        if p.inline is None:
+            parts.append(p)
+            continue
+        key = part_blob_key(machine.shard_id, writer)
+        machine.blob.set(key, p.inline)
+        parts.append(replace(p, key=key, inline=None))
+    return replace(batch, parts=tuple(parts))
+
+
+def apply_merge(
+    client: PersistClient, machine: Machine, req: CompactionRequest, out: SparkMergeOutput
+) -> SparkCompactionResult:
+    """Applies a merge output with the in-process compactor's transition, or deletes it."""
+    cfg = client.config
+    output = out.batch
+    indeterminate_before = machine.metrics.indeterminate_retries
+
+    def apply(o: HollowBatch) -> mt.MergeResult:
+        res, _ = machine.apply(
+            "apply_merge_res",
+            lambda s, now: mt.apply_merge_res(
+                s, now, input_ids=req.batch_ids, inputs=req.inputs, output=o,
+                inline_max_total=cfg.inline_max_total,
+            ),
+        )
+        assert isinstance(res, mt.MergeResult)
+        return res
+
+    res = apply(output)
+    if res.outcome is mt.MergeOutcome.NOT_APPLIED_INLINE_BUDGET:
+        output = _uninline(machine, output, out.writer)
+        res = apply(output)
+    deleted = False
+    if not res.applied and machine.metrics.indeterminate_retries == indeterminate_before:
+        reused = {k for b in req.inputs for k in b.blob_keys()}
+        for k in output.blob_keys():
+            if k not in reused:
+                try:
+                    machine.blob.delete(k)
+                except Exception as e:
+                    log.warning("shard %s: could not delete unapplied output %s: %s", machine.shard_id, k, e)
+        deleted = True
+    return SparkCompactionResult(req, res.outcome, output, out.stats, deleted)
+
+
+def compact_shard(
+    spark: Any,
+    client: PersistClient,
+    shard: str,
+    *,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    num_buckets: int | None = None,
+    max_rounds: int = 64,
+) -> dict[str, Any]:
+    """Runs the shard's pending merges: those reading ``>= min_bytes`` on Spark, the
+    rest in-process (``compactor.compact_request``), round after round until the spine
+    wants nothing more. Returns a JSON-able summary (what a Dagster op records)."""
+    from persist_lib.compactor import compact_request
+    from persist_lib.spine import compaction_debt
+
+    t0 = time.monotonic()
+    m = client.machine(shard)
+    s = m.fetch_latest()
+    if not s.exists or s.schemas is None:
+        raise InvalidUsage(f"shard {shard} does not exist (or has no schemas) at {client!r}")
+    schemas = Schemas.from_json(s.schemas)
+    before, debt_before = len(s.batches), compaction_debt(s)
+    spark_results: list[SparkCompactionResult] = []
+    local_applied = local_not_applied = rounds = 0
+    while rounds < max_rounds and not s.tombstone:
+        reqs = compaction_requests(s)
+        if not reqs:
+            break
+        rounds += 1
+        for req in reqs:
+            big = req.rewrites_data and sum(1 for b in req.inputs if b.parts) > 0 and req.num_bytes >= min_bytes
+            if big:
+                out = spark_merge(
+                    spark, client, schemas, req, shard_id=m.shard_id, bucket_bytes=bucket_bytes,
+                    num_buckets=num_buckets,
+                )
+                spark_results.append(apply_merge(client, m, req, out))
+            else:
+                r = compact_request(m, schemas, client.config, req)
+                local_applied += int(r.applied)
+                local_not_applied += int(not r.applied)
+        s = m.fetch_latest()
+    return {
+        "shard": m.shard_id,
+        "rounds": rounds,
+        "spark_merges_applied": sum(1 for r in spark_results if r.applied),
+        "spark_merges_not_applied": sum(1 for r in spark_results if not r.applied),
+        "local_merges_applied": local_applied,
+        "local_merges_not_applied": local_not_applied,
+        "spark_bytes_read": sum(r.stats.bytes_in for r in spark_results),
+        "spark_bytes_written": sum(r.stats.bytes_out for r in spark_results),
+        "batches_before": before,
+        "batches_after": len(s.batches),
+        "compaction_debt_before": debt_before,
+        "compaction_debt_after": compaction_debt(s),
+        "seconds": round(time.monotonic() - t0, 3),
+        "spark_merges": [r.to_json() for r in spark_results],
+    }

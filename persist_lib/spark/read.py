@@ -1,0 +1,255 @@
+"""Reading shards into Spark DataFrames: snapshots and time ranges, fetched on executors.
+
+The driver plans *splits* (picklable lists of part metadata) from one state version
+and holds that version (the reader's seqno hold) while executors fetch, verify and
+decode the parts. Each split is consolidated on its executor; a ``groupBy`` over
+``(key, value, ts)`` then consolidates across splits (the same ``(k, v, t)`` can sit
+in parts of different splits), dropping zero diffs.
+
+A DataFrame is lazy, but parts may be garbage collected once the hold is released, so
+the result is materialized before returning (``localCheckpoint``: executor-local, no
+lineage back to the blob store) and the hold released; the caller's ``ReadHandle``
+keeps its since (and so the readable history) as usual.
+
+Caveat of the Spark-side consolidation: Spark groups ``-0.0`` with ``0.0`` and every
+NaN together, where persist keeps them apart. Only float key/value fields holding
+those values are affected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from persist_lib.batch_meta import PartMeta
+from persist_lib.codec import DIFF, Schemas, to_user_table
+from persist_lib.errors import InvalidUsage
+from persist_lib.frontier import check_time
+from persist_lib.read import SnapshotSplit
+from persist_lib.spark._common import blob_uri_of, open_executor_blob, table_batches
+from persist_lib.spark.types import spark_arrow_schema, spark_schema, to_spark_arrow
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.read import ReadHandle
+    from persist_lib.storage.reader import CollectionReader
+
+
+@dataclass(frozen=True)
+class RangeSplit:
+    """Updates at times in ``[lower, upper)`` of some parts (times not forwarded).
+
+    The time-range counterpart of ``read.SnapshotSplit``: picklable, fetched by any
+    process that can open ``blob_uri``.
+    """
+
+    blob_uri: str
+    shard_id: str
+    schemas_json: dict[str, Any]
+    lower: int
+    upper: int
+    parts: tuple[PartMeta, ...]
+
+    def fetch(self, blob: Any = None) -> pa.Table:
+        from persist_lib.codec import empty_updates
+        from persist_lib.consolidate import consolidate, time_range
+        from persist_lib.parts import fetch_part
+
+        schemas = Schemas.from_json(self.schemas_json)
+        b = blob if blob is not None else open_executor_blob(self.blob_uri)
+        tables = [
+            time_range(fetch_part(b, p, schemas, self.shard_id), self.lower, self.upper)
+            for p in self.parts
+        ]
+        internal = consolidate(pa.concat_tables(tables) if tables else empty_updates(schemas))
+        return to_user_table(internal, schemas)
+
+
+Split = SnapshotSplit | RangeSplit
+
+
+def _default_splits(spark: Any) -> int:
+    return max(1, int(spark.sparkContext.defaultParallelism) * 2)
+
+
+def _balance(parts: list[PartMeta], n: int) -> list[list[PartMeta]]:
+    """Greedy: the largest part into the lightest split (as ``snapshot_splits`` does)."""
+    buckets: list[list[PartMeta]] = [[] for _ in range(max(1, n))]
+    sizes = [0] * len(buckets)
+    for p in sorted(parts, key=lambda p: -p.size):
+        i = sizes.index(min(sizes))
+        buckets[i].append(p)
+        sizes[i] += p.size
+    return [b for b in buckets if b] or [[]]
+
+
+def _fetcher(
+    splits: list[Split], target: pa.Schema
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The executor function: fetches the splits whose indexes it is given."""
+
+    def run(ids: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        blobs: dict[str, Any] = {}
+        for rb in ids:
+            for i in rb.column(0).to_pylist():
+                s = splits[i]
+                blob = blobs.get(s.blob_uri)
+                if blob is None:
+                    blob = blobs[s.blob_uri] = open_executor_blob(s.blob_uri)
+                table = s.fetch(blob)
+                if table.num_rows:
+                    yield from table_batches(to_spark_arrow(table, target))
+
+    return run
+
+
+def splits_dataframe(spark: Any, splits: list[Split], schemas: Schemas, *, consolidate: bool = True) -> Any:
+    """A DataFrame of the updates in ``splits`` (one Spark partition per split), lazily.
+
+    The caller must keep the splits' parts alive (a seqno hold) until it is computed;
+    ``read_snapshot``/``read_updates`` do that and materialize the result.
+    """
+    from pyspark.sql import functions as F
+
+    sschema = spark_schema(schemas)
+    target = spark_arrow_schema(sschema)
+    n = max(1, len(splits))
+    ids = spark.range(0, len(splits), 1, n)
+    df = ids.mapInArrow(_fetcher(splits, target), sschema)
+    if consolidate and len([s for s in splits if s.parts]) > 1:
+        group = [c for c in sschema.fieldNames() if c != DIFF]
+        df = (
+            df.groupBy(*group)
+            .agg(F.sum(DIFF).cast("long").alias(DIFF))
+            .where(F.col(DIFF) != 0)
+            .select(*sschema.fieldNames())
+        )
+    return df
+
+
+def _materialize(df: Any) -> Any:
+    return df.localCheckpoint(eager=True)
+
+
+def read_snapshot(
+    spark: Any,
+    reader: ReadHandle,
+    as_of: int,
+    *,
+    num_splits: int | None = None,
+    consolidate: bool = True,
+    timeout_s: float | None = None,
+) -> Any:
+    """The shard's contents at ``as_of`` as a DataFrame (key, value, ``ts``, ``diff``).
+
+    Every ``ts`` is ``as_of`` (times forwarded, as ``ReadHandle.snapshot``); with
+    ``consolidate`` (default) each ``(key, value)`` appears once with its summed diff.
+    Fetched on executors in ``num_splits`` splits (default: twice the default
+    parallelism); the result is materialized before the splits' hold is released.
+    """
+    as_of = check_time(as_of, "as_of")
+    blob_uri_of(reader._client, f"shard {reader.shard_id}")
+    spark_schema(reader.schemas)  # unsupported types fail before any hold is taken
+    n = num_splits or _default_splits(spark)
+    splits: list[Split] = list(reader.snapshot_splits(as_of, n, timeout_s))
+    try:
+        return _materialize(splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate))
+    finally:
+        reader.release_splits()
+
+
+def range_splits(
+    reader: ReadHandle, lower: int, upper: int, num_splits: int, timeout_s: float | None = None
+) -> list[RangeSplit]:
+    """Splits of every update at times in ``[lower, upper)`` (waits for the upper).
+
+    ``lower`` must be at or beyond the reader's since. Like ``snapshot_splits``, this
+    takes a seqno hold on the state it planned from; release it with
+    ``reader.release_splits()``.
+    """
+    # ReadHandle has no public range-split API yet: this mirrors ``snapshot_splits``
+    # (wait for the upper, check the since, take a hold released by release_splits).
+    reader._check_open()
+    with reader._lock:  # hold first, then pick the state: the hold is <= its seqno
+        held = reader._machine.cached().seqno
+        reader._holds[held] += 1
+        reader._split_holds.append(held)
+    state = reader._wait_for_upper_beyond(upper - 1, timeout_s)
+    reader._check_as_of(state, lower)
+    parts = [
+        p
+        for _, b in state.trace_batches()
+        if (b.upper.is_empty() or (b.upper.time or 0) > lower) and (b.lower.time or 0) < upper
+        for p in b.parts
+        if p.tmax >= lower and p.tmin < upper
+    ]
+    uri = reader._client.blob_uri
+    sj = reader.schemas.to_json()
+    return [
+        RangeSplit(uri, reader.shard_id, sj, lower, upper, tuple(b)) for b in _balance(parts, num_splits)
+    ]
+
+
+def read_updates(
+    spark: Any,
+    reader: ReadHandle,
+    from_as_of: int,
+    to_as_of: int,
+    *,
+    num_splits: int | None = None,
+    consolidate: bool = True,
+    timeout_s: float | None = None,
+) -> Any:
+    """Every update at times in ``(from_as_of, to_as_of]``, with its own ``ts``.
+
+    What a listener started at ``from_as_of`` emits up to ``to_as_of``: the snapshot at
+    ``to_as_of`` equals the snapshot at ``from_as_of`` plus these updates. For
+    incremental jobs that remember the last ``as_of`` they processed. Waits until the
+    shard upper passes ``to_as_of``; ``from_as_of`` must be at or beyond the reader's
+    since.
+    """
+    lo = check_time(from_as_of, "from_as_of") + 1
+    hi = check_time(to_as_of, "to_as_of") + 1
+    if hi < lo:
+        raise InvalidUsage(
+            f"shard {reader.shard_id}: range ({from_as_of}, {to_as_of}] is backwards"
+        )
+    blob_uri_of(reader._client, f"shard {reader.shard_id}")
+    spark_schema(reader.schemas)
+    if hi == lo:
+        return splits_dataframe(spark, [], reader.schemas)
+    n = num_splits or _default_splits(spark)
+    splits: list[Split] = list(range_splits(reader, lo, hi, n, timeout_s))
+    try:
+        return _materialize(splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate))
+    finally:
+        reader.release_splits()
+
+
+def read_collection_snapshot(
+    spark: Any,
+    reader: CollectionReader,
+    as_of: int,
+    *,
+    splits_per_shard: int = 2,
+    consolidate: bool = True,
+    timeout_s: float | None = None,
+) -> Any:
+    """The collection at ``as_of``: the active rendition's shards, fetched on executors."""
+    as_of = check_time(as_of, "as_of")
+    spark_schema(reader.schemas)
+    rendition = reader.active_rendition(as_of, timeout_s)
+    handles = reader._guard(lambda: reader._readers_for(rendition))
+    splits: list[Split] = []
+    taken: list[ReadHandle] = []
+    try:
+        for h in handles:
+            blob_uri_of(h._client, f"shard {h.shard_id}")
+            splits.extend(h.snapshot_splits(as_of, splits_per_shard, timeout_s))
+            taken.append(h)
+        return _materialize(splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate))
+    finally:
+        for h in taken:
+            h.release_splits()
