@@ -26,6 +26,7 @@ upper with the clock even when no data arrives.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -177,6 +178,9 @@ class Ingestion:
         self._stats = _Stats()
         self._started = 0.0
         self._empties: dict[str, pa.Table] = {}
+        # (time, frontier) of every binding this instance applied, in order: the bindings
+        # it read back from the remap shard (tests compare instances with it).
+        self.applied: list[tuple[int, Frontier]] = []
 
     # ----- set-up -----------------------------------------------------------------------
 
@@ -269,8 +273,6 @@ class Ingestion:
         self._reader = self.source.open_reader(frontier, notes)
         self._pending = []
         self._t = t
-        if self._resumed_at is None:
-            self._resumed_at = t
         log.info("ingestion %s resumes at %d from %s", self.name, t, frontier_text(frontier))
 
     def _reopen_reader(self) -> None:
@@ -371,6 +373,7 @@ class Ingestion:
         st.errors += len(errors)
         st.updates += out_ups.num_rows
         st.bindings_applied += 1
+        self.applied.append((b.time, dict(b.frontier)))
 
     def _transform(self, rows: pa.Table) -> pa.Table:
         assert self.transform is not None
@@ -494,6 +497,14 @@ class Ingestion:
                 return None
             raise
 
+    def _begin(self) -> None:
+        """Per-run bookkeeping: the summary describes this run only."""
+        self._started = time.monotonic()
+        self._stats = _Stats()
+        self.applied = []
+        self._open()
+        self._resumed_at = self._t
+
     def run_once(self, *, max_records: int | None = None) -> dict[str, Any]:
         """Ingests what the source has now, then returns the summary dict.
 
@@ -501,15 +512,13 @@ class Ingestion:
         show they are complete up to "now". ``max_records`` stops early (the next run
         continues where this one stopped).
         """
-        self._started = time.monotonic()
-        self._open()
+        self._begin()
         advanced = False
         while True:
             self._guarded(self._catch_up)
             if max_records is not None and self._stats.records >= max_records:
                 break
-            adv = not advanced
-            r = self._guarded(lambda: self._mint(advance_time=adv))
+            r = self._guarded(functools.partial(self._mint, advance_time=not advanced))
             if r == "advance":
                 advanced = True
             elif r == "idle":
@@ -525,8 +534,7 @@ class Ingestion:
         max_duration_s: float | None = None,
     ) -> dict[str, Any]:
         """Keeps ingesting until ``stop`` is set or ``max_duration_s`` passes; returns the summary."""
-        self._started = time.monotonic()
-        self._open()
+        self._begin()
         deadline = None if max_duration_s is None else time.monotonic() + max_duration_s
         stop = stop or threading.Event()
         while not stop.is_set() and (deadline is None or time.monotonic() < deadline):

@@ -104,7 +104,7 @@ def _same_updates(ours: pa.Table, theirs: pa.Table, schemas: Schemas, label: str
     """None when both (user layout) tables consolidate to the same updates, else a detail."""
     a = normalize_updates(ours, schemas, shard=label)
     b = normalize_updates(theirs, schemas, shard=label)
-    b = b.set_column(b.num_columns - 1, "d", pc.negate(b.column("d")))
+    b = b.set_column(b.num_columns - 1, a.schema.field("d"), pc.negate(b.column("d")))
     diff = consolidate(pa.concat_tables([a, b]))
     if diff.num_rows == 0:
         return None
