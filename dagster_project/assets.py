@@ -12,12 +12,24 @@ and records its state. Every materialization records what the UI should show: fr
 spine as a markdown table.
 """
 
+from dataclasses import dataclass
+from typing import Any
+
 import dagster as dg
 
-from dagster_project.metadata import shard_metadata
+from dagster_project.checks import build_collection_check, build_errors_check, read_latest
+from dagster_project.ingestion import ThrottledProgress, ingest_source
+from dagster_project.metadata import (
+    collection_metadata,
+    inspect_shards,
+    md_table,
+    shard_metadata,
+)
 from dagster_project.operations import compact_shard
-from dagster_project.partitions import shard_partitions
-from dagster_project.resources import PersistResource, SparkResource
+from dagster_project.partitions import rendition_partitions, shard_partitions
+from dagster_project.renditions import backfill_rendition
+from dagster_project.resources import LandingZoneResource, PersistResource, SparkResource
+from dagster_project.sources import SOURCES, SourceSpec
 
 MiB = 1 << 20
 
@@ -72,3 +84,252 @@ def persist_shard(
             "bytes_written": int(res.get("bytes_written") or 0),
         }
     )
+
+
+# ----- per-source assets -------------------------------------------------------------
+
+
+class RenditionConfig(dg.Config):
+    """A rendition backfill: ``num_shards`` of the new rendition (0 = the source's default)."""
+
+    num_shards: int = 0
+
+
+@dataclass(frozen=True)
+class SourceAssets:
+    """The definitions of one source (see the module docstring)."""
+
+    spec: SourceSpec
+    landing: dg.AssetSpec
+    ingest: dg.AssetsDefinition
+    rendition: dg.AssetsDefinition
+    summary: dg.AssetsDefinition
+    checks: tuple[dg.AssetChecksDefinition, ...]
+    renditions_partitions: dg.DynamicPartitionsDefinition
+
+    @property
+    def collection_key(self) -> dg.AssetKey:
+        return dg.AssetKey(self.spec.name)
+
+    def assets(self) -> list[Any]:
+        return [self.landing, self.ingest, self.rendition, self.summary]
+
+
+def _summary_metadata(summary: dict[str, Any]) -> dict[str, Any]:
+    frontier = summary.get("frontier") or {}
+    return {
+        "records_appended": int(summary.get("records") or 0),
+        "updates_appended": int(summary.get("updates") or 0),
+        "bytes_ingested": int(summary.get("bytes") or 0),
+        "source_frontier": dg.MetadataValue.text(
+            ", ".join(f"{p}: {a}" for p, a in sorted(frontier.items())) or "(start)"
+        ),
+        "lag_bytes": int(summary.get("lag_bytes") or 0),
+        "lag_ms": int(summary.get("lag_ms") or 0),
+        "bindings_applied": int(summary.get("bindings_applied") or 0),
+        "engine": dg.MetadataValue.text(str(summary.get("engine", "in-process"))),
+    }
+
+
+def build_source_assets(spec: SourceSpec) -> SourceAssets:
+    """The assets, checks and partitions of one configured source."""
+    n = spec.name
+    group = n
+    landing_key = dg.AssetKey(f"{n}_landing")
+    remap_key, raw_key = dg.AssetKey(f"{n}_remap"), dg.AssetKey(f"{n}_raw")
+    data_key, errors_key = dg.AssetKey(n), dg.AssetKey(f"{n}_errors")
+    rendition_parts = rendition_partitions(n)
+    landing = dg.AssetSpec(
+        landing_key,
+        group_name=group,
+        kinds={"s3"} if spec.kind == "landing_zone" else {"postgres"},
+        description=f"Files of source {n!r} landing under <landing zone>/{n}/ (external).",
+    )
+    specs = [
+        dg.AssetSpec(
+            remap_key,
+            deps=[landing_key],
+            group_name=group,
+            kinds={"persist"},
+            description=f"Reclocking (remap) shard of {n!r}: source frontier bound at each time.",
+        ),
+        dg.AssetSpec(
+            raw_key,
+            deps=[remap_key],
+            group_name=group,
+            kinds={"persist"},
+            description=f"Raw records of {n!r} (collection {n}.raw), kept to rebuild renditions.",
+        ),
+        dg.AssetSpec(
+            data_key,
+            deps=[remap_key],
+            group_name=group,
+            kinds={"persist"},
+            description=spec.description or f"Collection {n!r}.",
+        ),
+        dg.AssetSpec(
+            errors_key,
+            deps=[remap_key],
+            group_name=group,
+            kinds={"persist"},
+            description=f"Records of {n!r} that failed to decode (collection {n}.errors).",
+        ),
+    ]
+
+    @dg.multi_asset(
+        name=f"ingest_{n}",
+        specs=specs,
+        description=f"Run-once ingestion of {n!r}: reclock what landed and append it.",
+    )
+    def ingest(
+        context: dg.AssetExecutionContext,
+        persist: PersistResource,
+        landing: LandingZoneResource,
+        spark: SparkResource,
+    ):
+        ctl = persist.controller()
+        progress = ThrottledProgress(context.log.info)
+        summary = ingest_source(
+            spec,
+            ctl,
+            landing.source_uri(n),
+            spark=(lambda: spark.spark_session) if spark.enabled else None,
+            progress=progress,
+        )
+        context.log.info(
+            "%s: %s records (%s bytes) ingested, upper %s, %s",
+            n,
+            summary["records"],
+            summary["bytes"],
+            summary["upper"],
+            summary["engine"],
+        )
+        _register_partitions(context.instance, ctl, n, rendition_parts)
+        client = persist.client()
+        run_meta = _summary_metadata(summary)
+        remap = inspect_shards(client, [summary["remap_shard"]]).get(summary["remap_shard"])
+        yield dg.MaterializeResult(
+            asset_key=remap_key,
+            metadata={
+                **(shard_metadata(remap) if remap else {}),
+                "source_frontier": run_meta["source_frontier"],
+                "lag_bytes": run_meta["lag_bytes"],
+                "lag_ms": run_meta["lag_ms"],
+                "bindings_minted": int(summary.get("bindings_minted") or 0),
+                "bindings_applied": run_meta["bindings_applied"],
+            },
+        )
+        for key, cname in ((raw_key, f"{n}.raw"), (data_key, n), (errors_key, f"{n}.errors")):
+            meta = collection_metadata(client, ctl.describe(cname))
+            if key == errors_key:
+                extra: dict[str, Any] = {"errors_appended": int(summary.get("errors") or 0)}
+            elif key == raw_key:
+                extra = {"records_appended": run_meta["records_appended"]}
+            else:
+                extra = run_meta
+            yield dg.MaterializeResult(asset_key=key, metadata={**meta, **extra})
+
+    @dg.asset(
+        name=f"{n}_rendition",
+        deps=[raw_key],
+        partitions_def=rendition_parts,
+        group_name=group,
+        kinds={"persist"},
+        description=(
+            f"Renditions of {n!r} (partition = rendition name). Materializing a new partition "
+            f"is a backfill: build it from {n}.raw, catch up, hand over, collect the old one."
+        ),
+    )
+    def rendition(
+        context: dg.AssetExecutionContext,
+        config: RenditionConfig,
+        persist: PersistResource,
+        landing: LandingZoneResource,
+        spark: SparkResource,
+    ) -> dg.MaterializeResult:
+        ctl = persist.controller()
+        r = context.partition_key
+        res = backfill_rendition(
+            spec,
+            ctl,
+            landing.source_uri(n),
+            r,
+            num_shards=config.num_shards or None,
+            spark=(lambda: spark.spark_session) if spark.enabled else None,
+            progress=context.log.info,
+        )
+        _register_partitions(context.instance, ctl, n, rendition_parts)
+        meta = collection_metadata(persist.client(), ctl.describe(n), rendition=r)
+        built = res.get("built") or {}
+        return dg.MaterializeResult(
+            metadata={
+                **meta,
+                "status": res.get("status", "handed over"),
+                "previous_rendition": str(res.get("previous") or "-"),
+                "handover_at": int(res["handover_at"]) if res.get("handover_at") else 0,
+                "raw_records_replayed": int(built.get("raw_records") or 0),
+                "updates_built": int(built.get("updates") or 0),
+                "build_engine": str(built.get("engine", "-")),
+                "collected": dg.MetadataValue.json(res.get("collected") or {}),
+            }
+        )
+
+    @dg.asset(
+        name=f"{n}_summary",
+        deps=[data_key],
+        group_name=group,
+        kinds={"pandas"},
+        description=f"Downstream work on {n!r}: contents summary at the latest time.",
+    )
+    def summary(persist: PersistResource) -> dg.MaterializeResult:
+        df, as_of = read_latest(persist, n)
+        return dg.MaterializeResult(metadata=contents_summary(df, as_of, spec))
+
+    checks = (
+        build_collection_check(data_key, n, spec.rules),
+        build_errors_check(errors_key, f"{n}.errors"),
+    )
+    return SourceAssets(
+        spec, landing, ingest, rendition, summary, checks, rendition_parts
+    )
+
+
+def _register_partitions(
+    instance: dg.DagsterInstance,
+    ctl: Any,
+    name: str,
+    renditions_def: dg.DynamicPartitionsDefinition,
+) -> None:
+    """Makes the collection's renditions and shards partitions (for the UI and sensors)."""
+    desc = ctl.describe(name)
+    have = set(instance.get_dynamic_partitions(renditions_def.name or ""))
+    missing = [r for r in sorted(desc["renditions"]) if r not in have]
+    if missing:
+        instance.add_dynamic_partitions(renditions_def.name or "", missing)
+    shards = {desc["metadata_shard"]} | {
+        s for r in desc["renditions"].values() if r["status"] == "ready" for s in r["shards"]
+    }
+    known = set(instance.get_dynamic_partitions(shard_partitions.name or ""))
+    new = sorted(shards - known)
+    if new:
+        instance.add_dynamic_partitions(shard_partitions.name or "", new)
+
+
+def contents_summary(df: Any, as_of: int | None, spec: SourceSpec) -> dict[str, Any]:
+    """Metadata summarising a collection snapshot: rows, per-status counts and amounts."""
+    if as_of is None or df is None or len(df) == 0:
+        return {"rows": 0, "as_of": dg.MetadataValue.text("-")}
+    meta: dict[str, Any] = {"rows": int(df["diff"].sum()), "as_of": int(as_of)}
+    numeric = [c for c in spec.val_schema.names if str(df[c].dtype).startswith(("float", "int"))]
+    text = [c for c in spec.val_schema.names if df[c].dtype == object]
+    for c in numeric:
+        meta[f"{c}_total"] = float((df[c] * df["diff"]).sum())
+    if text:
+        col = text[-1]
+        grouped = df.groupby(col)["diff"].sum().sort_index()
+        table = md_table([col, "rows"], [(k, int(v)) for k, v in grouped.items()])
+        meta[f"by_{col}"] = dg.MetadataValue.md(table)
+    return meta
+
+
+SOURCE_ASSETS: dict[str, SourceAssets] = {s.name: build_source_assets(s) for s in SOURCES}

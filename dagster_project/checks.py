@@ -84,8 +84,10 @@ def _suite(rules: CollectionRules) -> Any:
 def validate_frame(df: "pd.DataFrame", rules: CollectionRules) -> ValidationOutcome:
     """Validates a collection snapshot (key/value columns, ``ts``, ``diff``) with GE."""
     import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
 
     ctx = gx.get_context(mode="ephemeral")
+    ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
     batch_def = (
         ctx.data_sources.add_pandas("collection")
         .add_dataframe_asset(name="contents")
@@ -171,6 +173,35 @@ def build_collection_check(
             description=None
             if outcome.passed
             else "failed: " + ", ".join(f["expectation"] for f in outcome.failures),
+        )
+
+    return _check
+
+
+def build_errors_check(
+    asset: dg.AssetKey | str, collection: str, *, name: str = "no_decode_errors"
+) -> dg.AssetChecksDefinition:
+    """A non-blocking (WARN) check: the errors collection holds no records."""
+
+    @dg.asset_check(
+        asset=asset,
+        name=name,
+        blocking=False,
+        description=f"Warns when {collection!r} holds records that failed to decode.",
+    )
+    def _check(persist: PersistResource) -> dg.AssetCheckResult:
+        df, as_of = read_latest(persist, collection)
+        count = int(df["diff"].sum()) if len(df) else 0
+        sample = []
+        if count:
+            sample = [
+                {"address": a, "kind": k, "reason": r[:200]}
+                for a, k, r in df[["address", "kind", "reason"]].head(5).itertuples(index=False)
+            ]
+        return dg.AssetCheckResult(
+            passed=count == 0,
+            severity=dg.AssetCheckSeverity.WARN,
+            metadata={"error_records": count, "sample": dg.MetadataValue.json(sample)},
         )
 
     return _check

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dagster as dg
 from dagster_aws.s3 import S3Resource
 
-from dagster_project.assets import persist_shard
+from dagster_project.assets import SOURCE_ASSETS, persist_shard
 from dagster_project.resources import (
     LandingZoneResource,
     PersistResource,
@@ -41,8 +41,14 @@ def build_resources(
 
 def build_defs(**resources: object) -> dg.Definitions:
     """``Definitions`` with the given resource overrides (tests, scripts)."""
+    assets: list[object] = [persist_shard]
+    checks: list[dg.AssetChecksDefinition] = []
+    for sa in SOURCE_ASSETS.values():
+        assets += sa.assets()
+        checks += sa.checks
     return dg.Definitions(
-        assets=[persist_shard],
+        assets=assets,  # type: ignore[arg-type]
+        asset_checks=checks,
         jobs=JOBS,
         schedules=SCHEDULES,
         sensors=SENSORS,

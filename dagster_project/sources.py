@@ -12,6 +12,7 @@ upserted by ``order_id`` into a 4-shard collection. It needs no setup.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -23,7 +24,8 @@ from dagster_project.checks import CollectionRules
 class SourceSpec:
     """One ingested source and the collection it feeds.
 
-    ``name`` is the collection name (also the asset name and the landing sub-directory);
+    ``name`` is the collection name (also the asset name, the ingestion name and the
+    landing sub-directory);
     STORAGE keeps the raw records in ``<name>.raw``, decode errors in ``<name>.errors`` and
     the reclocking bindings in the remap shard.
     """
@@ -38,6 +40,9 @@ class SourceSpec:
     delete_field: str | None = None
     rules: CollectionRules = field(default_factory=lambda: CollectionRules(()))
     description: str = ""
+    #: A row-wise fix-up of decoded rows (same schema). Changing it changes what the
+    #: pipeline writes: build a new rendition (the rendition backfill) and hand over.
+    transform: Callable[[pa.Table], pa.Table] | None = None
 
     @property
     def key_columns(self) -> tuple[str, ...]:

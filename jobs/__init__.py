@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from jobs.ingestion import INGESTION_JOBS, RENDITION_JOBS, SUMMARY_JOBS
 from jobs.maintenance import (
     compaction_job,
     gc_job,
@@ -13,12 +14,22 @@ from jobs.maintenance import (
     lease_expiry_schedule,
 )
 
-JOBS = [compaction_job, gc_job, lease_expiry_job]
+JOBS = [
+    *INGESTION_JOBS.values(),
+    *RENDITION_JOBS.values(),
+    *SUMMARY_JOBS.values(),
+    compaction_job,
+    gc_job,
+    lease_expiry_job,
+]
 SCHEDULES = [gc_schedule, lease_expiry_schedule]
 
 __all__ = [
+    "INGESTION_JOBS",
     "JOBS",
+    "RENDITION_JOBS",
     "SCHEDULES",
+    "SUMMARY_JOBS",
     "compaction_job",
     "gc_job",
     "gc_schedule",

@@ -5,8 +5,18 @@
 
 from __future__ import annotations
 
+from sensors.arrival import ARRIVAL_SENSORS, build_arrival_sensor
 from sensors.compaction import build_compaction_debt_sensor, compaction_debt_sensor
+from sensors.downstream import DOWNSTREAM_SENSORS, build_downstream_sensor
 
-SENSORS = [compaction_debt_sensor]
+SENSORS = [*ARRIVAL_SENSORS.values(), compaction_debt_sensor, *DOWNSTREAM_SENSORS.values()]
 
-__all__ = ["SENSORS", "build_compaction_debt_sensor", "compaction_debt_sensor"]
+__all__ = [
+    "ARRIVAL_SENSORS",
+    "DOWNSTREAM_SENSORS",
+    "SENSORS",
+    "build_arrival_sensor",
+    "build_compaction_debt_sensor",
+    "build_downstream_sensor",
+    "compaction_debt_sensor",
+]

@@ -1,0 +1,83 @@
+"""Asset sensors for downstream work: ``<src>_summary`` after each good ``<src>``.
+
+Each new materialization of the collection asset ``<src>`` launches ``<src>_summary_job``
+once (``run_key`` = the materialization's storage id) **after its run succeeded**: the
+GE checks on ``<src>`` are blocking, and they run after the materialization is recorded.
+``@asset_sensor`` always advances its cursor past the latest materialization, so it
+can't wait for a run that is still checking; this sensor reads the materializations
+itself (``instance.fetch_materializations``) and keeps its cursor (a storage id) before
+the first one whose run has not finished. Materializations of failed runs (a blocking
+check failed) are skipped.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from dagster_project.assets import SOURCE_ASSETS
+from jobs.ingestion import SUMMARY_JOBS
+
+
+def build_downstream_sensor(
+    upstream: dg.AssetKey,
+    job: dg.UnresolvedAssetJobDefinition | dg.JobDefinition,
+    *,
+    name: str,
+    minimum_interval_seconds: int = 30,
+    limit: int = 100,
+) -> dg.SensorDefinition:
+    """An asset sensor launching ``job`` after each successful materialization of ``upstream``."""
+
+    @dg.sensor(
+        name=name,
+        job=job,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description=f"Launches {job.name} after each materialization of "
+        f"{upstream.to_user_string()} whose checks passed.",
+    )
+    def _sensor(context: dg.SensorEvaluationContext):
+        after = int(context.cursor) if context.cursor else None
+        records = context.instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=upstream, after_storage_id=after),
+            limit=limit,
+            ascending=True,
+        ).records
+        cursor = after
+        latest_good = None
+        skipped = 0
+        for rec in records:
+            run = context.instance.get_run_by_id(rec.run_id)
+            if run is not None and not run.is_finished:
+                break  # wait: its blocking checks may still fail
+            cursor = rec.storage_id
+            if run is None or run.is_success:
+                latest_good = rec
+            else:
+                skipped += 1
+        requests = []
+        if latest_good is not None:  # one run covers every good materialization before it
+            requests.append(
+                dg.RunRequest(
+                    run_key=f"{upstream.to_user_string()}:{latest_good.storage_id}",
+                    tags={"persist/upstream_run": latest_good.run_id},
+                )
+            )
+        return dg.SensorResult(
+            run_requests=requests,
+            skip_reason=None
+            if requests
+            else f"no new successful materialization of {upstream.to_user_string()}"
+            + (f" ({skipped} from failed runs skipped)" if skipped else ""),
+            cursor=str(cursor) if cursor is not None else None,
+        )
+
+    return _sensor
+
+
+DOWNSTREAM_SENSORS = {
+    name: build_downstream_sensor(
+        sa.collection_key, SUMMARY_JOBS[name], name=f"{name}_summary_sensor"
+    )
+    for name, sa in SOURCE_ASSETS.items()
+}
