@@ -14,8 +14,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -234,10 +237,35 @@ class Ctx:
 
     @contextlib.contextmanager
     def profile(self, name: str) -> Iterator[None]:
-        """With ``--profile``: pyinstrument over the block, saved as text (top frames)
-        and HTML under the profile directory. Otherwise a no-op."""
+        """With ``--profile DIR``: profiles the block into ``DIR/name.txt`` (top frames).
+
+        Uses py-spy when it is installed (it samples *every* thread: batch building and
+        compaction run in pools), else pyinstrument (main thread only). Otherwise a no-op.
+        """
         if self.profile_dir is None:
             yield
+            return
+        self.profile_dir.mkdir(parents=True, exist_ok=True)
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if os.access(spy, os.X_OK):
+            raw = self.profile_dir / f"{name}.raw"
+            proc = subprocess.Popen(
+                [spy, "record", "--pid", str(os.getpid()), "--rate", "250", "--format", "raw",
+                 "--output", str(raw), "--nonblocking"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            time.sleep(0.5)  # let it attach
+            try:
+                yield
+            finally:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                if raw.exists():
+                    (self.profile_dir / f"{name}.txt").write_text(summarize_raw_profile(raw))
             return
         from pyinstrument import Profiler
 
@@ -247,11 +275,50 @@ class Ctx:
             yield
         finally:
             prof.stop()
-            self.profile_dir.mkdir(parents=True, exist_ok=True)
             (self.profile_dir / f"{name}.txt").write_text(
                 prof.output_text(unicode=False, color=False, show_all=False)
             )
-            (self.profile_dir / f"{name}.html").write_text(prof.output_html())
+
+
+def _frame_name(f: str) -> str:
+    """``func (path/to/file.py:123)`` -> ``func (file path relative to the repo/site-packages)``."""
+    f = re.sub(r":\d+\)$", ")", f)
+    f = re.sub(r"\(.*/site-packages/", "(", f)
+    f = re.sub(r"\(.*/lib/python3\.\d+/", "(", f)
+    return f.replace(f"({REPO}/", "(")
+
+
+def summarize_raw_profile(path: Path, top: int = 40) -> str:
+    """Inclusive and self time per frame of a py-spy ``raw`` (collapsed stacks) file,
+    over busy samples of every thread (idle threads are not sampled)."""
+    incl: dict[str, int] = {}
+    self_: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        stack, _, count = line.rpartition(" ")
+        n = int(count)
+        frames = [_frame_name(f) for f in stack.split(";")]
+        total += n
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + n
+        self_[frames[-1]] = self_.get(frames[-1], 0) + n
+    if total == 0:
+        return "no samples\n"
+    out = [f"py-spy, every thread, {total} busy samples at 250 Hz", "", "inclusive:"]
+    skip = ("_bootstrap", "Thread.run", "_worker (", "_WorkItem.run", "<module>", "run_module",
+            "_run_code", "_run_module_as_main", "main (bench/__main__")
+    for f, n in sorted(incl.items(), key=lambda kv: -kv[1]):
+        if any(s in f for s in skip):
+            continue
+        out.append(f"{100 * n / total:5.1f}%  {f}")
+        if len(out) >= top + 3:
+            break
+    out += ["", "self:"]
+    for f, n in sorted(self_.items(), key=lambda kv: -kv[1])[:20]:
+        out.append(f"{100 * n / total:5.1f}%  {f}")
+    return "\n".join(out) + "\n"
 
 
 # ----- persist helpers ------------------------------------------------------------------------
