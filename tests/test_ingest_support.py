@@ -136,6 +136,10 @@ ing = Ingestion(
     clock=clock,
 )
 print("started", flush=True)
+if p.get("barrier"):
+    import os, time
+    while not os.path.exists(p["barrier"]):
+        time.sleep(0.005)
 s = ing.run_once()
 s["applied"] = [[t, {k: list(v) for k, v in f.items()}] for t, f in ing.applied]
 ing.close()
