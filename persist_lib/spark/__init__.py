@@ -19,6 +19,7 @@ Importing this package does not import pyspark; the functions do, when called.
 """
 
 from persist_lib.spark.compact import apply_merge, compact_shard, spark_merge
+from persist_lib.spark.ingest import SparkIngestion, ingest_landing_zone
 from persist_lib.spark.read import (
     RangeSplit,
     read_collection_snapshot,
@@ -32,9 +33,11 @@ from persist_lib.spark.write import SparkWriteResult, write_batch, write_collect
 
 __all__ = [
     "RangeSplit",
+    "SparkIngestion",
     "SparkWriteResult",
     "apply_merge",
     "compact_shard",
+    "ingest_landing_zone",
     "read_collection_snapshot",
     "read_snapshot",
     "read_updates",

@@ -1,0 +1,333 @@
+"""Spark-driven ingestion of a file landing zone: the same recipe, decoding on executors.
+
+``SparkIngestion`` *is* the in-process ``ingest.Ingestion`` — same remap shard, same
+minting of bindings (which files and rows at which time), same envelope, same
+verified definite appends — except where the bound records are decoded. When it
+catches up on bindings, the driver collects the chunks each binding covers
+(``(file, rows [r0, r1))``, exactly as the in-process replay would), and one Spark job
+per group of bindings decodes them on executors: each task re-reads its files from
+the landing zone, checks each against what the driver saw (row count and size, or
+``SourceDataGone``), and calls the very same ``FileChunk.decode(spec)`` the
+in-process ingester calls. Decoding is row-wise and deterministic, so the decoded
+rows and error records are identical; the driver then applies them binding by binding
+in time order (transform, envelope, error/raw records, appends at the same flush
+points), so the outputs are identical to an in-process run with the same bindings.
+
+Trivial chunks (unreadable files, whose content is one error record from the remap
+shard's notes, and empty ranges) are decoded on the driver. Only
+``LandingZoneSource`` sources are distributed (Postgres CDC reads a replication
+stream, which only the driver can consume).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from persist_lib.ingest.decode import Decoded, DecodeSpec
+from persist_lib.ingest.driver import Ingestion, _Acc
+from persist_lib.ingest.errors import IngestConfigError, SourceDataGone
+from persist_lib.ingest.landing_zone import FileChunk, LandingZoneSource, _UnreadableFile
+from persist_lib.ingest.remap import Binding
+from persist_lib.ingest.source import Address, Chunk
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.client import PersistClient
+
+DEFAULT_RECORDS_PER_JOB = 1_000_000
+MIN_PIECE_RECORDS = 20_000  # smaller ranges aren't worth a task of their own
+
+
+@dataclass(frozen=True)
+class _FileRange:
+    """Rows ``[r0, r1)`` of a landed file, as the driver saw it (picklable)."""
+
+    index: int  # position among the group's chunks
+    piece: int  # ordinal of this piece of the chunk (large chunks are decoded in pieces)
+    file: str
+    r0: int
+    r1: int
+    rows: int  # the file's row count when the driver read it
+    size: int  # and its size in bytes
+
+
+@dataclass(frozen=True)
+class _SourceSpec:
+    uri: str
+    format: str
+    pattern: str | None
+    csv_delimiter: str
+
+    @classmethod
+    def of(cls, s: LandingZoneSource) -> _SourceSpec:
+        return cls(s.uri, s.format, s.pattern, s.csv_delimiter)
+
+
+class _Predecoded(Chunk):
+    """A chunk whose decoding was done elsewhere (on an executor)."""
+
+    def __init__(self, chunk: Chunk, decoded: Decoded) -> None:
+        self.partition = chunk.partition
+        self.start = chunk.start
+        self.end = chunk.end
+        self.num_records = chunk.num_records
+        self.nbytes = chunk.nbytes
+        self.notes = chunk.notes
+        self._decoded = decoded
+
+    def split(self, at: Address) -> tuple[Chunk | None, Chunk | None]:
+        raise NotImplementedError("a pre-decoded chunk is only applied, never split")
+
+    def take(self, n: int) -> tuple[Chunk, Chunk | None]:
+        raise NotImplementedError("a pre-decoded chunk is only applied, never split")
+
+    def decode(self, spec: DecodeSpec) -> Decoded:
+        return self._decoded
+
+
+def _decode_task(
+    src: _SourceSpec, spec: DecodeSpec, ranges: Iterable[_FileRange]
+) -> Iterator[tuple[int, int, Decoded]]:
+    """Executor: re-reads each file once, checks it, decodes its ranges like the driver."""
+    from persist_lib.ingest.landing_zone import Unreadable, parse_file
+
+    source = LandingZoneSource(src.uri, format=src.format, pattern=src.pattern, csv_delimiter=src.csv_delimiter)
+    parsed: Any = None
+    current = None
+    for r in sorted(ranges, key=lambda r: (r.file, r.r0)):
+        if r.file != current:
+            current = r.file
+            try:
+                data = source._store.read(r.file)
+                parsed = parse_file(r.file, data, source.format_for(r.file) or "jsonl", csv_delimiter=src.csv_delimiter)
+            except (FileNotFoundError, Unreadable) as e:
+                raise SourceDataGone(
+                    f"landing zone {src.uri}: file {r.file!r} was readable by the driver but not on a "
+                    f"Spark executor ({type(e).__name__}: {e}); landed files must not change"
+                ) from e
+            if parsed.rows != r.rows or parsed.size != r.size:
+                raise SourceDataGone(
+                    f"landing zone {src.uri}: file {r.file!r} has {parsed.rows} rows / {parsed.size} "
+                    f"bytes on the executor but {r.rows} rows / {r.size} bytes on the driver; landed "
+                    "files must not change"
+                )
+        yield r.index, r.piece, FileChunk(r.file, parsed, r.r0, r.r1).decode(spec)
+
+
+class SparkIngestion(Ingestion):
+    """``ingest.Ingestion`` whose bound records are decoded by Spark executors.
+
+    Takes the ``Ingestion`` arguments plus ``spark``, ``records_per_job`` (bound
+    records decoded per Spark job: the driver holds one job's decoded rows at a time)
+    and ``min_piece_records`` (a bound range is decoded in pieces of at least this
+    many records, so one large file still spreads over the executors).
+    """
+
+    def __init__(
+        self,
+        spark: Any,
+        client: PersistClient,
+        name: str,
+        source: LandingZoneSource,
+        key_schema: pa.Schema,
+        val_schema: pa.Schema,
+        *,
+        records_per_job: int = DEFAULT_RECORDS_PER_JOB,
+        min_piece_records: int = MIN_PIECE_RECORDS,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(source, LandingZoneSource):
+            raise IngestConfigError(
+                f"Spark ingestion reads file landing zones (LandingZoneSource), got "
+                f"{type(source).__name__}; ingest other sources with ingest.Ingestion"
+            )
+        if records_per_job < 1:
+            raise IngestConfigError(f"records_per_job must be >= 1, got {records_per_job}")
+        super().__init__(client, name, source, key_schema, val_schema, **kwargs)
+        self.spark = spark
+        self._zone = source
+        self.records_per_job = records_per_job
+        self.min_piece_records = max(1, min_piece_records)
+        self._group: list[tuple[Binding, list[Chunk]]] = []
+        self._group_records = 0
+        self._collected_t = 0
+        self._defer = False
+        self.spark_stats: dict[str, Any] = {
+            "jobs": 0, "tasks": 0, "chunks_on_executors": 0, "chunks_on_driver": 0,
+            "records_on_executors": 0, "decode_seconds": 0.0,
+        }
+
+    # ----- the recipe's step 4, with decoding moved to Spark --------------------------
+    #
+    # ``_catch_up`` only *collects* the chunks of newly bound ranges (reading them off the
+    # source exactly as Ingestion._catch_up does); ``_drain`` decodes a group on Spark and
+    # applies it binding by binding, with Ingestion's flush rule. In ``run_once`` groups
+    # span several minting rounds (one Spark job per ``records_per_job`` records, not one
+    # per binding); ``run`` drains after every round to keep latency low.
+
+    def _catch_up(self) -> None:
+        remap = self.remap
+        start = max(self._t, self._collected_t)
+        for b in remap.bindings_between(start, remap.upper):
+            self.reader.add_notes(b.notes)
+            chunks = self._take_upto(b.frontier)
+            self._group.append((b, chunks))
+            self._group_records += sum(c.num_records for c in chunks)
+        self._collected_t = max(self._collected_t, remap.upper)
+        if not self._defer or self._group_records >= self.records_per_job:
+            self._drain()
+
+    def _drain(self) -> None:
+        group, upper = self._group, self._collected_t
+        self._group, self._group_records = [], 0
+        acc = _Acc()
+        if group:
+            decoded = self._decode([c for _, cs in group for c in cs])
+            i = 0
+            for b, chunks in group:
+                pre: list[Chunk] = []
+                for c in chunks:
+                    pre.append(_Predecoded(c, decoded[i]))
+                    i += 1
+                self._apply(b, pre, acc)
+                if acc.records >= self.config.max_append_records:
+                    self._flush(acc, b.time + 1)
+        self._flush(acc, upper)
+
+    def _resync(self) -> None:
+        super()._resync()
+        self._group, self._group_records = [], 0
+        self._collected_t = self._t
+
+    def run_once(self, *, max_records: int | None = None) -> dict[str, Any]:
+        """``Ingestion.run_once`` with bound records decoded in few, large Spark jobs."""
+        self._defer = True
+        try:
+            self._started = time.monotonic()
+            self._open()
+            advanced = False
+            while True:
+                self._guarded(self._catch_up)
+                done = self._stats.records + self._group_records
+                if max_records is not None and done >= max_records:
+                    break
+                r = self._guarded(functools.partial(self._mint, advance_time=not advanced))
+                if r == "advance":
+                    advanced = True
+                elif r == "idle":
+                    break
+            self._guarded(self._catch_up)
+            self._guarded(self._drain)
+        finally:
+            self._defer = False
+        self._report(done=True)
+        return self.summary(mode="once")
+
+    def _decode(self, chunks: list[Chunk]) -> list[Decoded]:
+        """Decodes ``chunks`` (in order): file ranges on executors, trivial ones here."""
+        t0 = time.monotonic()
+        out: list[Decoded | None] = [None] * len(chunks)
+        todo: list[tuple[int, FileChunk]] = []
+        for i, c in enumerate(chunks):
+            if (
+                isinstance(c, FileChunk)
+                and c.num_records > 0
+                and not isinstance(c.parsed, _UnreadableFile)
+            ):
+                todo.append((i, c))
+            else:
+                out[i] = c.decode(self.spec)
+                self.spark_stats["chunks_on_driver"] += 1
+        if todo:
+            par = max(1, int(self.spark.sparkContext.defaultParallelism)) * 2
+            total = sum(c.num_records for _, c in todo)
+            piece = max(self.min_piece_records, -(-total // par))
+            # Decoding is row-wise (a record decodes the same in any chunk), so a large
+            # range may be decoded in pieces and the pieces concatenated in order.
+            ranges = [
+                _FileRange(i, n, c.file, r0, min(r0 + piece, c.r1), c.parsed.rows, c.parsed.size)
+                for i, c in todo
+                for n, r0 in enumerate(range(c.r0, c.r1, piece))
+            ]
+            tasks = _tasks(ranges, par)
+            src, spec = _SourceSpec.of(self._zone), self.spec
+            results = (
+                self.spark.sparkContext.parallelize(tasks, len(tasks))
+                .mapPartitions(lambda it: _decode_task(src, spec, (r for t in it for r in t)))
+                .collect()
+            )
+            pieces: dict[int, list[tuple[int, Decoded]]] = {}
+            for i, n, d in results:
+                pieces.setdefault(i, []).append((n, d))
+            for i, ps in pieces.items():
+                out[i] = _combine([d for _, d in sorted(ps, key=lambda x: x[0])], self.spec)
+            st = self.spark_stats
+            st["jobs"] += 1
+            st["tasks"] += len(tasks)
+            st["chunks_on_executors"] += len(todo)
+            st["records_on_executors"] += total
+        missing = [i for i, d in enumerate(out) if d is None]
+        if missing:
+            raise AssertionError(f"chunks {missing[:5]} were not decoded")
+        self.spark_stats["decode_seconds"] += time.monotonic() - t0
+        return [d for d in out if d is not None]
+
+    def summary(self, mode: str) -> dict[str, Any]:
+        s = super().summary(mode)
+        s["spark"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.spark_stats.items()}
+        return s
+
+
+def _tasks(ranges: list[_FileRange], n: int) -> list[list[_FileRange]]:
+    """Ranges in (file, row) order cut into ``n`` contiguous groups of about equal
+    records (so a task mostly parses the files it needs once)."""
+    ordered = sorted(ranges, key=lambda r: (r.file, r.r0))
+    total = sum(r.r1 - r.r0 for r in ordered)
+    per = max(1, -(-total // max(1, n)))
+    tasks: list[list[_FileRange]] = [[]]
+    acc = 0
+    for r in ordered:
+        if acc >= per and tasks[-1]:
+            tasks.append([])
+            acc = 0
+        tasks[-1].append(r)
+        acc += r.r1 - r.r0
+    return tasks
+
+
+def _combine(decs: list[Decoded], spec: DecodeSpec) -> Decoded:
+    """The pieces of one chunk's decoding, concatenated in row order."""
+    if len(decs) == 1:
+        return decs[0]
+    rows = [d.rows for d in decs]
+    schema = rows[0].schema
+    raws = [d.raw for d in decs if d.raw is not None]
+    return Decoded(
+        pa.concat_tables([r if r.schema.equals(schema) else r.cast(schema) for r in rows]),
+        [e for d in decs for e in d.errors],
+        pa.concat_tables(raws) if raws else None,
+    )
+
+
+def ingest_landing_zone(
+    spark: Any,
+    client: PersistClient,
+    name: str,
+    source: LandingZoneSource,
+    key_schema: pa.Schema,
+    val_schema: pa.Schema,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """One ``SparkIngestion(...).run_once()`` with its handles released afterwards.
+
+    The Spark counterpart of ``ingest.run_once``; the summary has a ``spark`` entry.
+    """
+    max_records = kwargs.pop("max_records", None)
+    with SparkIngestion(spark, client, name, source, key_schema, val_schema, **kwargs) as ing:
+        return ing.run_once(max_records=max_records)
+
