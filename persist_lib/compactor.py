@@ -35,7 +35,6 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -168,17 +167,51 @@ class MemoryPlan:
     fan_in: int
 
     @classmethod
-    def for_runs(cls, budget: int, max_part_bytes: int, target_part_bytes: int) -> MemoryPlan:
-        """Output parts get ~1/16 of the budget (a builder holds ~3.5 of them at once);
-        70% is for the runs: per run one encoded part plus ~8 chunks of working space
-        (its buffer, the step's concatenation, ranks and the emitted copy)."""
+    def for_runs(
+        cls, budget: int, max_part_decoded: int, max_part_encoded: int, target_part_bytes: int,
+        n_runs: int,
+    ) -> MemoryPlan:
+        """Output parts get ~1/16 of the budget (a builder holds ~3.5 of them at once).
+        70% is for the runs: per open run its decoded part plus ~4 chunks (its buffer,
+        its share of a step's concatenation, ranks and emitted copy), and once the
+        encoded bytes of the part being decoded. The fan-in is what fits with minimal
+        chunks; the chunks then grow into the room the runs actually opened leave
+        (bigger chunks mean fewer, cheaper merge steps)."""
         if budget < 1 * MiB:
             raise InvalidUsage(f"compaction memory budget must be >= 1 MiB, got {budget} bytes")
         out = max(16 << 10, min(target_part_bytes, budget // 16))
-        chunk = max(16 << 10, min(4 * MiB, budget // 256))
-        per_run = max_part_bytes + 8 * chunk
-        fan_in = max(2, int(budget * 0.7) // max(per_run, 1))
+        room = int(budget * 0.7) - max_part_encoded
+        min_chunk = 32 << 10
+        fan_in = max(2, room // max(max_part_decoded + 4 * min_chunk, 1))
+        k = max(2, min(fan_in, n_runs))
+        chunk = max(min_chunk, min(16 * MiB, (room - k * max_part_decoded) // (4 * k)))
         return cls(budget, out, chunk, fan_in)
+
+
+def estimate_decoded_bytes(p: PartMeta, schemas: Schemas) -> int:
+    """Arrow bytes of a decoded part, before decoding it: fixed-width fields exactly,
+    variable-width ones from the part's encoded bytes per row (compressed data expands
+    ~2-4x; we take 4x to be safe)."""
+    fixed = 0
+    variable = 0
+    for f in internal_schema(schemas):
+        bw = _byte_width(f.type)
+        if bw is None:
+            variable += 1
+            fixed += 4  # offsets
+        else:
+            fixed += bw
+    per_row_var = 4.0 * p.size / max(p.count, 1) if variable else 0.0
+    return int(p.count * (fixed + per_row_var)) + 4096
+
+
+def _byte_width(t: pa.DataType) -> int | None:
+    if pa.types.is_boolean(t):
+        return 1
+    try:
+        return int(t.bit_width) // 8 if t.bit_width >= 8 else 1
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -273,24 +306,6 @@ def decode_whole(data: bytes, part: PartMeta, schemas: Schemas, shard: str) -> p
     return _raw_to_internal(raw, schemas, internal_schema(schemas), shard, part.location)
 
 
-def iter_part_chunks(
-    data: bytes, part: PartMeta, schemas: Schemas, shard: str, batch_rows: int
-) -> Iterator[pa.Table]:
-    """Verifies a part's bytes, then yields its rows (internal layout) in chunks."""
-    key = part.location
-    pf = _open_verified(data, part, schemas, shard)
-    target = internal_schema(schemas)
-    it = pf.iter_batches(batch_size=max(1, batch_rows), use_threads=False)
-    while True:
-        try:
-            rb = next(it)
-        except StopIteration:
-            return
-        except Exception as e:
-            raise _corrupt(shard, key, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
-        yield _raw_to_internal(pa.Table.from_batches([rb]), schemas, target, shard, key)
-
-
 def _consolidate_sorted_equal(t: pa.Table) -> pa.Table:
     """Collapses a table whose rows are all equal in ``(k, v, t)`` to one row (or none)."""
     if t.num_rows <= 1:
@@ -310,15 +325,25 @@ def _consolidate(t: pa.Table) -> pa.Table:
 
 
 class _Run:
-    """A sorted run being read chunk by chunk, with its buffer of not-yet-emitted rows."""
+    """A sorted run being read part by part, chunk by chunk, with its buffer of
+    not-yet-emitted rows.
+
+    A part is verified and decoded whole, then its encoded bytes are dropped: Arrow's
+    Parquet reader materializes a row group's decompressed column chunks even when
+    asked for small record batches (measured: 2.2 MB held to yield 2,000 rows of a
+    2.3 MB column chunk), and our parts are one row group, so reading them
+    "incrementally" saves nothing. The merge bounds memory instead by the number of
+    parts open at once (one per run) and chunked merges.
+    """
 
     def __init__(self, merger: _Merger, parts: list[PartMeta], check_order: bool) -> None:
         self.m = merger
         self.parts = parts
         self.check_order = check_order
         self.next_part = 0
-        self.chunks: Iterator[pa.Table] | None = None
-        self.part_bytes = 0  # encoded bytes of the current part held in memory
+        self.part: pa.Table | None = None  # the decoded current part
+        self.offset = 0
+        self.part_bytes = 0  # decoded bytes of the current part
         self.prev_last: pa.Table | None = None  # last row of the previous part (order check)
         self.buf: pa.Table | None = None
         self.exhausted = False
@@ -329,29 +354,39 @@ class _Run:
         return 0 if self.buf is None else self.buf.num_rows
 
     def held_bytes(self) -> int:
-        return self.part_bytes + (0 if self.buf is None else self.buf.nbytes)
+        """The decoded part plus buffered rows (counted as copies: an upper bound)."""
+        return self.part_bytes + int(self.rows * self.m.row_width)
+
+    def _load_next_part(self) -> bool:
+        m = self.m
+        self.part, self.part_bytes = None, 0
+        if self.next_part >= len(self.parts):
+            return False
+        p = self.parts[self.next_part]
+        self.next_part += 1
+        data = m.fetch_bytes(p)
+        m.stats.bytes_read += len(data)
+        table = decode_whole(data, p, m.schemas, m.shard)
+        m.observe_row_width(table)
+        m.account_transient(len(data) + table.nbytes)
+        del data
+        self.part, self.offset, self.part_bytes = table, 0, table.nbytes
+        m.stats.rows_read += table.num_rows
+        self._first_of_part = True
+        return True
 
     def _next_chunk(self) -> pa.Table | None:
         m = self.m
         while True:
-            if self.chunks is None:
-                if self.next_part >= len(self.parts):
-                    self.part_bytes = 0
+            if self.part is None or self.offset >= self.part.num_rows:
+                if not self._load_next_part():
                     return None
-                p = self.parts[self.next_part]
-                self.next_part += 1
-                data = m.fetch_bytes(p)
-                self.part_bytes = len(data)
-                m.stats.bytes_read += len(data)
-                self.chunks = iter_part_chunks(data, p, m.schemas, m.shard, m.batch_rows())
-                self._first_of_part = True
-            try:
-                c = next(self.chunks)
-            except StopIteration:
-                self.chunks = None
                 continue
-            m.stats.rows_read += c.num_rows
-            m.observe_row_width(c)
+            assert self.part is not None
+            c = self.part.slice(self.offset, m.batch_rows())
+            self.offset += c.num_rows
+            if self.offset >= self.part.num_rows:
+                self.part, self.part_bytes = None, 0  # the slice keeps what it needs alive
             if m.since is not None:
                 before = c
                 c = advance_to_since(c, m.since)
@@ -399,7 +434,8 @@ class _Merger:
         self.since = since
         self.plan = plan
         self.stats = stats
-        self._row_width = 64.0
+        self.row_width = 64.0
+        self.runs: list[_Run] = []
         self._key_cols = [n for n in internal_schema(schemas).names if n != D_COL]
 
     def fetch_bytes(self, p: PartMeta) -> bytes:
@@ -414,12 +450,17 @@ class _Merger:
             )
         return data
 
-    def observe_row_width(self, c: pa.Table) -> None:
-        if c.num_rows:
-            self._row_width = max(8.0, c.nbytes / c.num_rows)
+    def observe_row_width(self, t: pa.Table) -> None:
+        if t.num_rows:
+            self.row_width = max(8.0, t.nbytes / t.num_rows)
+
+    def account_transient(self, extra: int) -> None:
+        """A part being decoded holds its encoded bytes and the decoded table at once."""
+        held = sum(r.held_bytes() for r in self.runs) + extra
+        self.stats.peak_bytes_held = max(self.stats.peak_bytes_held, held)
 
     def batch_rows(self) -> int:
-        return max(64, int(self.plan.chunk_bytes / self._row_width))
+        return max(64, int(self.plan.chunk_bytes / self.row_width))
 
     def _account(self, runs: list[_Run], extra_rows: int = 0, extra_bytes: int = 0) -> None:
         rows = sum(r.rows for r in runs) + extra_rows
@@ -429,19 +470,27 @@ class _Merger:
         s.peak_bytes_held = max(s.peak_bytes_held, held)
 
     def merge(self, runs: list[_Run], sink: BatchBuilder) -> None:
-        for r in runs:
-            r.refill()
-        while True:
-            active = [r for r in runs if r.rows > 0]
-            if not active:
-                if all(r.exhausted for r in runs):
-                    return
-                for r in runs:
-                    r.refill()
-                continue
-            self._account(runs)
-            self.stats.steps += 1
-            self._step(runs, active, sink)
+        self.runs = runs
+        try:
+            for r in runs:
+                r.refill()
+            while True:
+                active = [r for r in runs if r.rows > 0]
+                if not active:
+                    if all(r.exhausted for r in runs):
+                        return
+                    for r in runs:
+                        r.refill()
+                    continue
+                self._account(runs)
+                self.stats.steps += 1
+                self._step(runs, active, sink)
+        finally:
+            # Runs and merger reference each other: drop the decoded data now rather
+            # than when the cyclic garbage collector gets to it.
+            for r in runs:
+                r.part = r.buf = r.prev_last = None
+            self.runs = []
 
     def _step(self, runs: list[_Run], active: list[_Run], sink: BatchBuilder) -> None:
         # Rank the first and last buffered row of every active run together.
@@ -470,7 +519,7 @@ class _Merger:
             n = cat.num_rows
             keys = row_keys([cat.column(c) for c in self._key_cols], n)
             kf = keys[-1] if f_i >= 0 else None
-            self._account(runs, extra_rows=n, extra_bytes=cat.nbytes + keys.nbytes * 3)
+            self._account(runs, extra_rows=n, extra_bytes=int(n * self.row_width) + keys.nbytes * 3)
             off = 0
             take_masks = []
             for i in included:
@@ -494,8 +543,12 @@ class _Merger:
         for i, r in enumerate(active):
             if r.buf is not None and r.buf.num_rows and kf_end is not None and lasts[i] == kf_end:
                 r.buf = _consolidate_sorted_equal(r.buf)
+        # Top up every run below half a chunk, so that all runs advance together and a
+        # step emits about half a chunk per run (refilling only the run that bounded F
+        # would rank every buffer again to emit one chunk: O(runs) work per row).
+        low = max(2, self.batch_rows() // 2)
         for r in runs:
-            if r.rows <= 1 and not r.exhausted:
+            if r.rows < low and not r.exhausted:
                 r.refill()
 
     def _emit(self, cat: pa.Table, keys: np.ndarray, idx: np.ndarray, sink: BatchBuilder) -> None:
@@ -606,8 +659,9 @@ def _merge(
     *,
     check_order: bool,
 ) -> MergeOutput:
-    max_part = max((p.size for run in runs_parts for p in run), default=0)
-    plan = MemoryPlan.for_runs(budget, max_part, target_part_bytes)
+    max_encoded = max((p.size for run in runs_parts for p in run), default=0)
+    max_decoded = max((estimate_decoded_bytes(p, schemas) for run in runs_parts for p in run), default=0)
+    plan = MemoryPlan.for_runs(budget, max_decoded, max_encoded, target_part_bytes, len(runs_parts))
     stats = MergeStats(
         runs=len(runs_parts), fan_in=plan.fan_in, output_reserve_bytes=int(3.5 * plan.output_part_bytes)
     )
@@ -621,7 +675,7 @@ def _merge(
         )
 
     total_in = sum(p.size for run in runs_parts for p in run)
-    if total_in <= plan.chunk_bytes:
+    if total_in <= budget // 64:
         # Small merge (the common case right after appends): decode whole, one consolidate.
         stats.passes = 1
         tables = []

@@ -6,19 +6,20 @@ Pure functions of a ``ShardState``; nothing here does I/O.
 *level* ``floor(log2(len))`` (its number of updates). The spine is healthy when the
 levels strictly decrease from the oldest batch to the newest: then a trace of ``N``
 updates has at most ``log2(N) + 1`` batches. Wherever two neighbours violate that
-(``level(older) <= level(newer)``) we request a merge of the two, extended to every
-directly older batch whose level is not above the level the merge produces (the
-whole carry chain of a binary counter in one N-way merge, like Spine's roll-up).
+(``level(older) <= level(newer)``) we request a merge of the two, extended to the
+newer batches that would violate against it too, and to every directly older batch
+whose level is not above the level the merge produces (the whole carry chain of a
+binary counter in one N-way merge, like Spine's roll-up).
 Merging batches of level ``k`` yields level ``k + 1``, so each update is rewritten at
 most about ``log2(N)`` times in total, and fewer thanks to the roll-up.
 
 **Logical compaction.** Merges forward times below the shard ``since`` to it. A batch
-that no merge touches would keep its history forever, so a batch whose whole interval
-``[lower, upper)`` has fallen below the since but whose own ``since`` has not reached
-its upper (it was never fully forwarded) gets one single-batch rewrite. Each batch
-earns at most one such rewrite (afterwards its since is ``>= upper``), which bounds
-the extra write amplification to one; the shrunken result then merges with its
-neighbours through the ordinary level rule.
+that no merge touches would keep its history forever, so a batch whose update times
+(the parts' ``tmin``/``tmax``) have all fallen to or below the since, but are not yet
+one single time, gets one single-batch rewrite that forwards them to one time. Each
+batch earns at most one such rewrite (afterwards all its updates share one time),
+which bounds the extra write amplification to one; the shrunken result then merges
+with its neighbours through the ordinary level rule.
 
 **Empty batches** (no updates) are merged into a neighbour for free: the merge only
 widens the neighbour's description and reuses its parts (no data is rewritten).
@@ -108,17 +109,18 @@ def _request(
 
 
 def _needs_logical(b: HollowBatch, since: Antichain) -> bool:
-    """Whether forwarding ``b`` to ``since`` could shrink it and hasn't been done yet."""
-    if b.len < 2 or b.upper.is_empty() or since.is_empty():
+    """Whether forwarding ``b`` to ``since`` would fold distinct times together.
+
+    True when every update time of ``b`` is at or below the since but they are not all
+    one time. A rewrite forwards them all to one time, so a batch earns this at most
+    once (until a merge mixes in newer history).
+    """
+    if b.len < 2 or not b.parts or since.is_empty():
         return False
-    assert b.upper.time is not None and since.time is not None
-    if since.time < b.upper.time:
-        return False  # part of its interval is still readable at distinct times
-    if b.since.time is not None and b.since.time >= b.upper.time:
-        return False  # already fully forwarded
-    if len(b.parts) == 1 and b.parts[0].tmin == b.parts[0].tmax:
-        return False  # one consolidated part at a single time: nothing to fold
-    return True
+    assert since.time is not None
+    tmin = min(p.tmin for p in b.parts)
+    tmax = max(p.tmax for p in b.parts)
+    return tmin < tmax and since.time >= tmax
 
 
 def compaction_requests(state: ShardState) -> list[CompactionRequest]:
@@ -158,6 +160,12 @@ def compaction_requests(state: ShardState) -> list[CompactionRequest]:
         # whole binary-counter cascade in one merge, like Spine's roll-up).
         lo = i - 1
         acc = trace[i][1].len + trace[lo][1].len
+        # Newer batches at least as big as batch i would violate against it too: take
+        # them now (one N-way merge rewrites each update once, pairs would do it twice).
+        hi = i
+        while hi + 1 < n and (hi + 1) not in used and levels[hi + 1] >= levels[i]:
+            hi += 1
+            acc += trace[hi][1].len
         while (
             lo - 1 >= start
             and (lo - 1) not in used
@@ -165,9 +173,9 @@ def compaction_requests(state: ShardState) -> list[CompactionRequest]:
         ):
             lo -= 1
             acc += trace[lo][1].len
-        out.append(_request(trace, lo, i, since, "merge"))
-        used.update(range(lo, i + 1))
-        start = i + 1
+        out.append(_request(trace, lo, hi, since, "merge"))
+        used.update(range(lo, hi + 1))
+        start = hi + 1
     # 3. Logical rewrites of batches that fell below the since.
     for i, (_, b) in enumerate(trace):
         if i not in used and _needs_logical(b, since):

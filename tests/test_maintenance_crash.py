@@ -198,7 +198,7 @@ def _run_trials(tmp_path: Path, templates: dict[str, Any], n: int, seed: int) ->
     for i in range(n):
         mode = "compact" if i % 3 != 2 else "gc"
         tpl = templates["raw"] if mode == "compact" else templates["compacted"]
-        delay = rng.uniform(0, templates[f"duration_{mode}"] * 1.1)
+        delay = rng.uniform(0, templates[f"duration_{mode}"] * 0.9)
         results.append(kill_trial(tmp_path, tpl, templates["shard"], mode, delay, templates["expected"]))
     return results
 
@@ -212,7 +212,7 @@ def test_kill_9_during_compaction_and_gc(tmp_path: Path, templates: dict[str, An
 
 @pytest.mark.slow
 def test_kill_9_soak(tmp_path: Path, templates: dict[str, Any]) -> None:
-    results = _run_trials(tmp_path, templates, 60, seed=2)
+    results = _run_trials(tmp_path, templates, 75, seed=2)
     killed = [r for r in results if not r["finished"]]
     print(f"kill -9 soak: {len(results)} trials, {len(killed)} killed mid-run, "
           f"{sum(r['leaked'] for r in results)} leaked blobs swept")

@@ -57,6 +57,11 @@ def test_equal_neighbours_merge() -> None:
     assert compaction_debt(s) > 0
 
 
+def test_equal_newer_batches_join_one_n_way_merge() -> None:
+    assert windows(compaction_requests(state_of([8] * 8))) == [tuple(range(1, 9))]
+    assert windows(compaction_requests(state_of([64, 4, 4, 8, 1]))) == [(2, 3, 4)]
+
+
 def test_carry_chain_is_one_merge() -> None:
     # 8 + 4 + 2 + 1 + 1: merging the two 1s gives 2, which absorbs 2, then 4, then 8.
     s = state_of([8, 4, 2, 1, 1])
@@ -72,14 +77,14 @@ def test_small_before_big_rolls_up() -> None:
 
 
 def test_requests_are_disjoint_and_contiguous() -> None:
-    s = state_of([1, 1, 1, 1, 1, 1, 1])
+    s = state_of([100, 8, 8, 1, 1])
     reqs = compaction_requests(s)
+    assert windows(reqs) == [(2, 3), (4, 5)]
     seen: set[int] = set()
     for r in reqs:
         assert not seen.intersection(r.batch_ids)
         seen.update(r.batch_ids)
         assert list(r.batch_ids) == list(range(r.batch_ids[0], r.batch_ids[-1] + 1))
-    assert len(reqs) >= 3
 
 
 def test_empty_batches_are_absorbed_for_free() -> None:
@@ -91,16 +96,15 @@ def test_empty_batches_are_absorbed_for_free() -> None:
 
 
 def test_logical_rewrite_once_history_is_below_since() -> None:
-    # A batch of 100 updates over [0, 10) whose since is still 0: once the shard since
-    # passes 10 its history can fold.
+    # A batch of 100 updates at times [0, 9]: once the shard since reaches 9 its history
+    # can fold to one time.
     s = state_of([100], since=5, tspan=True)
     assert compaction_requests(s) == []  # part of it is still readable at distinct times
-    s = state_of([100], since=10, tspan=True)
+    s = state_of([100], since=9, tspan=True)
     (r,) = compaction_requests(s)
-    assert r.kind == "logical" and r.since == Antichain([10])
-    # After the rewrite its since is >= its upper: never requested again.
-    done = state_of([100], since=50, tspan=True)
-    done = done.evolve(batches={1: batch(0, 10, 60, since=10, tspan=True)})
+    assert r.kind == "logical" and r.since == Antichain([9])
+    # After the rewrite every update is at one time: never requested again.
+    done = state_of([100], since=50, tspan=False)
     assert compaction_requests(done) == []
 
 
