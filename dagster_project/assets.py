@@ -289,9 +289,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         build_collection_check(data_key, n, spec.rules),
         build_errors_check(errors_key, f"{n}.errors"),
     )
-    return SourceAssets(
-        spec, landing, ingest, rendition, summary, checks, rendition_parts
-    )
+    return SourceAssets(spec, landing, ingest, rendition, summary, checks, rendition_parts)
 
 
 def _register_partitions(

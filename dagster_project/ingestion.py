@@ -3,8 +3,8 @@
 ``ingest_source`` is one run-once pass of the recipe: what landed since the last pass is
 reclocked (bound to times in the remap shard) and appended to the STORAGE collections
 ``<name>`` (data), ``<name>.raw``, ``<name>.errors`` and ``<name>.state`` (upsert). With a
-Spark session and Spark landing-zone ingestion available in ``persist_lib.spark`` the
-files are decoded on executors; otherwise the pass runs in-process.
+Spark session (``SparkResource`` configured) the bound files are decoded on executors
+(``persist_lib.spark.ingest.SparkIngestion``); otherwise the pass runs in-process.
 """
 
 from __future__ import annotations
@@ -37,31 +37,33 @@ def make_ingestion(
     *,
     outputs: Any | None = None,
     progress: ProgressFn | None = None,
+    spark: Callable[[], Any] | None = None,
 ) -> Ingestion:
-    """An ``Ingestion`` of ``spec`` from its landing zone into STORAGE collections."""
-    return Ingestion(
+    """An ``Ingestion`` of ``spec`` from its landing zone into STORAGE collections.
+
+    With ``spark`` (a function returning a session) it is ``persist_lib.spark``'s
+    ``SparkIngestion``: the same recipe, with the bound files decoded on executors.
+    """
+    args = (
         ctl.client,
         spec.name,
         LandingZoneSource(landing_uri, format=spec.format),
         spec.key_schema,
         spec.val_schema,
-        envelope=spec.envelope,
-        delete_field=spec.delete_field,
-        outputs=outputs or StorageOutputs(ctl, spec.name, num_shards=spec.num_shards),
-        config=ingest_config(spec),
-        transform=spec.transform,
-        progress=progress,
     )
+    kwargs: dict[str, Any] = {
+        "envelope": spec.envelope,
+        "delete_field": spec.delete_field,
+        "outputs": outputs or StorageOutputs(ctl, spec.name, num_shards=spec.num_shards),
+        "config": ingest_config(spec),
+        "transform": spec.transform,
+        "progress": progress,
+    }
+    if spark is not None:
+        from persist_lib.spark.ingest import SparkIngestion
 
-
-def _spark_ingest() -> Callable[..., dict[str, Any]] | None:
-    """``persist_lib.spark.ingest_landing_zone`` when that module provides it."""
-    try:
-        from persist_lib import spark as pspark
-    except ImportError:
-        return None
-    fn = getattr(pspark, "ingest_landing_zone", None)
-    return fn if callable(fn) else None
+        return SparkIngestion(spark(), *args, **kwargs)
+    return Ingestion(*args, **kwargs)
 
 
 def ingest_source(
@@ -74,28 +76,10 @@ def ingest_source(
 ) -> dict[str, Any]:
     """One run-once ingestion pass; returns the driver's summary plus ``engine``."""
     _ensure_landing_dir(landing_uri)
-    spark_ingest = _spark_ingest() if spark is not None else None
     t0 = time.monotonic()
-    if spark_ingest is not None:
-        summary = dict(
-            spark_ingest(
-                spark(),
-                ctl,
-                spec.name,
-                LandingZoneSource(landing_uri, format=spec.format),
-                spec.key_schema,
-                spec.val_schema,
-                envelope=spec.envelope,
-                num_shards=spec.num_shards,
-                config=ingest_config(spec),
-                progress=progress,
-            )
-        )
-        summary["engine"] = "spark"
-    else:
-        with make_ingestion(spec, ctl, landing_uri, progress=progress) as ing:
-            summary = ing.run_once()
-        summary["engine"] = "in-process"
+    with make_ingestion(spec, ctl, landing_uri, progress=progress, spark=spark) as ing:
+        summary = ing.run_once()
+    summary["engine"] = "spark" if spark is not None else "in-process"
     summary.setdefault("duration_s", round(time.monotonic() - t0, 3))
     summary.setdefault("remap_shard", str(shard_id_for(spec.name, "remap")))
     return summary

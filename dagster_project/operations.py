@@ -81,7 +81,7 @@ def compact_shard(
         }
     spark_compact = _spark_compactor() if spark is not None else None
     if spark_compact is not None and int(before["bytes"]) >= spark_min_bytes:
-        res = dict(spark_compact(spark(), client, shard))
+        res = dict(spark_compact(spark(), client, shard, min_bytes=spark_min_bytes))
         res.setdefault("engine", "spark")
     else:
         res = dict(client.compact(shard))
@@ -96,11 +96,8 @@ def _spark_compactor() -> Any | None:
         from persist_lib import spark as pspark
     except ImportError:
         return None
-    for name in ("compact_shard", "compact"):
-        fn = getattr(pspark, name, None)
-        if callable(fn):
-            return fn
-    return None
+    fn = getattr(pspark, "compact_shard", None)
+    return fn if callable(fn) else None
 
 
 def collect_garbage(

@@ -97,7 +97,13 @@ class RawRebuild:
         self.roles = rendition_roles(spec)
         self.names = {r: collection_name(spec.name, r) for r in self.roles}
         self.raw_name = collection_name(spec.name, "raw")
-        self.stats = {"raw_records": 0, "times": 0, "updates": 0, "rounds": 0, "engine": "in-process"}
+        self.stats = {
+            "raw_records": 0,
+            "times": 0,
+            "updates": 0,
+            "rounds": 0,
+            "engine": "in-process",
+        }
         self._rehydrated = False
 
     def new_upper(self) -> int:
@@ -271,7 +277,11 @@ def backfill_rendition(
     catch_up: dict[str, Any] = {}
     for _ in range(MAX_ROUNDS):
         with make_ingestion(
-            spec, ctl, landing_uri, outputs=RenditionOutputs(ctl, name, rendition, roles)
+            spec,
+            ctl,
+            landing_uri,
+            outputs=RenditionOutputs(ctl, name, rendition, roles),
+            spark=spark,
         ) as ing:
             catch_up = ing.run_once()
         say(
@@ -296,7 +306,7 @@ def backfill_rendition(
     say(f"{name}: handed over to {rendition} at {handovers}")
     # One more pass moves the metadata upper past the hand-over, so the controller's own
     # hold (kept at upper - 1) can pass it and the old rendition can be collected.
-    with make_ingestion(spec, ctl, landing_uri) as ing:
+    with make_ingestion(spec, ctl, landing_uri, spark=spark) as ing:
         ing.run_once()
     collected: dict[str, Any] = {}
     for cname, t in handovers.items():
