@@ -33,7 +33,8 @@ from persist_lib.ingest.source import Address, encode_address
 T = TypeVar("T")
 
 DELETE_COL = "_delete"
-UNCHANGED_COL = "_unchanged"
+UNCHANGED_COL = "_unchanged"  # CDC: value fields an update left unchanged (TOAST)
+TRUNCATE_COL = "_truncate"  # CDC: the table was truncated here
 
 # Schemas of the auxiliary collections every ingestion writes.
 ERRORS_KEY = pa.schema([("partition", pa.string()), ("address", pa.string())])
@@ -73,7 +74,7 @@ class DecodeSpec:
         except InvalidUsage as e:
             raise IngestConfigError(f"invalid ingestion schema: {e}") from e
         names = set(self.key_schema.names) | set(self.val_schema.names)
-        for reserved in (DELETE_COL, UNCHANGED_COL):
+        for reserved in (DELETE_COL, UNCHANGED_COL, TRUNCATE_COL):
             if reserved in names:
                 raise IngestConfigError(
                     f"field name {reserved!r} is reserved by the ingestion pipeline; rename it"
@@ -402,6 +403,9 @@ def decode_text_columns(
         col = columns.get(f.name)
         if col is None:
             arrays.append(pa.nulls(n, f.type))
+            continue
+        if pa.types.is_binary(col.type) and (pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)):
+            arrays.append(col.cast(f.type))
             continue
         col = col.cast(pa.string())
         is_text = pa.types.is_string(f.type) or pa.types.is_large_string(f.type)

@@ -206,6 +206,9 @@ class Ingestion:
     def _open(self) -> None:
         if self._remap is not None:
             return
+        attach = getattr(self.source, "attach", None)
+        if callable(attach):
+            attach(self.client, self.name, self.spec)
         self.source.check()
         self.source.prepare()
         for role in self.roles():
@@ -455,11 +458,14 @@ class Ingestion:
         if callable(observe):
             notes.extend(observe())
         tick = self._now_tick()
-        has_new = bool(notes) or any(tuple(new[p]) != tuple(cur.get(p, ())) for p in new)
+        # New data or notes need a binding now; a frontier that moved past nothing (a CDC
+        # source's WAL position when no transaction touched the table) rides along with
+        # the next time advance instead, or an idle source would mint forever.
+        has_new = bool(notes) or any(c.num_records for c in take)
         if not has_new:
             self._pending = chunks
             if advance_time and tick >= max(remap.upper, 1):
-                ok = remap.mint(tick, cur, [])
+                ok = remap.mint(tick, new, [])
                 remap.sync()
                 if ok:
                     self._stats.time_advances += 1

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from persist_lib.ingest.decode import DELETE_COL, UNCHANGED_COL, DecodeSpec
+from persist_lib.ingest.decode import DELETE_COL, TRUNCATE_COL, UNCHANGED_COL, DecodeSpec
 from persist_lib.ingest.errors import IngestConfigError, IngestInvariantError
 
 
@@ -115,9 +115,20 @@ class Upsert(Envelope):
             if UNCHANGED_COL in rows.column_names
             else [None] * rows.num_rows
         )
+        truncs: list[Any] = (
+            rows.column(TRUNCATE_COL).to_pylist()
+            if TRUNCATE_COL in rows.column_names
+            else [False] * rows.num_rows
+        )
         vnames = spec.val_names
         latest: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}
-        for k, v, dele, unch in zip(keys, vals, deletes, unchanged, strict=True):
+        for k, v, dele, unch, trunc in zip(keys, vals, deletes, unchanged, truncs, strict=True):
+            if trunc:  # every key present so far goes
+                for sk in self.state:
+                    latest[sk] = None
+                for lk in latest:
+                    latest[lk] = None
+                continue
             if dele:
                 latest[k] = None
                 continue
