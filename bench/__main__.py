@@ -75,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks")
     ap.add_argument("--out", type=Path, default=Path("bench/out/results.json"))
     ap.add_argument("--root", default=None, help="scratch directory parent (default: system temp)")
-    ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                    help="pyinstrument the persist side of each benchmark into DIR")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="pyinstrument the persist side of each benchmark into DIR",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     a = ap.parse_args(argv)
     mode = a.mode or "quick"

@@ -250,9 +250,21 @@ class Ctx:
         if os.access(spy, os.X_OK):
             raw = self.profile_dir / f"{name}.raw"
             proc = subprocess.Popen(
-                [spy, "record", "--pid", str(os.getpid()), "--rate", "250", "--format", "raw",
-                 "--output", str(raw), "--nonblocking"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    spy,
+                    "record",
+                    "--pid",
+                    str(os.getpid()),
+                    "--rate",
+                    "250",
+                    "--format",
+                    "raw",
+                    "--output",
+                    str(raw),
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             time.sleep(0.5)  # let it attach
             try:
@@ -307,8 +319,17 @@ def summarize_raw_profile(path: Path, top: int = 40) -> str:
     if total == 0:
         return "no samples\n"
     out = [f"py-spy, every thread, {total} busy samples at 250 Hz", "", "inclusive:"]
-    skip = ("_bootstrap", "Thread.run", "_worker (", "_WorkItem.run", "<module>", "run_module",
-            "_run_code", "_run_module_as_main", "main (bench/__main__")
+    skip = (
+        "_bootstrap",
+        "Thread.run",
+        "_worker (",
+        "_WorkItem.run",
+        "<module>",
+        "run_module",
+        "_run_code",
+        "_run_module_as_main",
+        "main (bench/__main__",
+    )
     for f, n in sorted(incl.items(), key=lambda kv: -kv[1]):
         if any(s in f for s in skip):
             continue
@@ -329,7 +350,10 @@ def compaction_available() -> bool:
     from persist_lib.client import PersistClient
     from persist_lib.config import PersistConfig
 
-    return hasattr(PersistClient, "compact") and "compaction_enabled" in PersistConfig.__dataclass_fields__
+    return (
+        hasattr(PersistClient, "compact")
+        and "compaction_enabled" in PersistConfig.__dataclass_fields__
+    )
 
 
 def persist_config(**overrides: Any) -> Any:

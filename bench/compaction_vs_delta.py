@@ -99,7 +99,14 @@ def run(ctx: Ctx) -> dict[str, Any]:
         f"{p['batches_after']} batches, delta {dl['files_before']}->{dl['files_after']} files"
     )
     rows = [
-        row(NAME, f"rows/s ({label})", p["rows_per_s"], "rows/s",
-            "delta-rs optimize.compact()", dl["rows_per_s"], goal_ratio=(">=", 1.0)),
+        row(
+            NAME,
+            f"rows/s ({label})",
+            p["rows_per_s"],
+            "rows/s",
+            "delta-rs optimize.compact()",
+            dl["rows_per_s"],
+            goal_ratio=(">=", 1.0),
+        ),
     ]
     return {"rows": rows, "detail": det}

@@ -56,8 +56,10 @@ def _sqlite(ctx: Ctx, n: int) -> tuple[dict[str, Any], dict[str, Any]]:
     conn = sqlite3.connect(str(d / "raw.db"), isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
-    conn.execute("CREATE TABLE c (shard TEXT NOT NULL, seqno INTEGER NOT NULL, data BLOB NOT NULL,"
-                 " PRIMARY KEY (shard, seqno))")
+    conn.execute(
+        "CREATE TABLE c (shard TEXT NOT NULL, seqno INTEGER NOT NULL, data BLOB NOT NULL,"
+        " PRIMARY KEY (shard, seqno))"
+    )
     data = os.urandom(PAYLOAD)
     try:
         with ctx.profile("consensus_sqlite"):
@@ -84,8 +86,10 @@ def _postgres(ctx: Ctx, n: int) -> tuple[dict[str, Any], dict[str, Any]]:
     try:
         cons.head("warmup")  # connect + create the table outside the timed loop
         with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("CREATE TABLE raw (shard text NOT NULL, seqno bigint NOT NULL,"
-                         " data bytea NOT NULL, PRIMARY KEY (shard, seqno))")
+            conn.execute(
+                "CREATE TABLE raw (shard text NOT NULL, seqno bigint NOT NULL,"
+                " data bytea NOT NULL, PRIMARY KEY (shard, seqno))"
+            )
             with ctx.profile("consensus_postgres"):
                 return _alternate(
                     n,
@@ -104,18 +108,42 @@ def run(ctx: Ctx) -> dict[str, Any]:
     det: dict[str, Any] = {"cas_per_backend": n, "payload_bytes": PAYLOAD}
     det["sqlite"], det["sqlite_raw_insert"] = _sqlite(ctx, n)
     rows = [
-        row(NAME, f"SQLite CAS/s ({n} on one key)", det["sqlite"]["ops_per_s"], "ops/s",
-            "raw fsync'd SQLite insert", det["sqlite_raw_insert"]["ops_per_s"]),
-        row(NAME, "SQLite CAS p95", det["sqlite"]["p95_ms"], "ms", "raw fsync'd SQLite insert",
-            det["sqlite_raw_insert"]["p95_ms"]),
+        row(
+            NAME,
+            f"SQLite CAS/s ({n} on one key)",
+            det["sqlite"]["ops_per_s"],
+            "ops/s",
+            "raw fsync'd SQLite insert",
+            det["sqlite_raw_insert"]["ops_per_s"],
+        ),
+        row(
+            NAME,
+            "SQLite CAS p95",
+            det["sqlite"]["p95_ms"],
+            "ms",
+            "raw fsync'd SQLite insert",
+            det["sqlite_raw_insert"]["p95_ms"],
+        ),
     ]
     try:
         det["postgres"], det["postgres_raw_insert"] = _postgres(ctx, n)
         rows += [
-            row(NAME, f"Postgres CAS/s ({n} on one key)", det["postgres"]["ops_per_s"], "ops/s",
-                "raw Postgres insert, same server", det["postgres_raw_insert"]["ops_per_s"]),
-            row(NAME, "Postgres CAS p95", det["postgres"]["p95_ms"], "ms",
-                "raw Postgres insert, same server", det["postgres_raw_insert"]["p95_ms"]),
+            row(
+                NAME,
+                f"Postgres CAS/s ({n} on one key)",
+                det["postgres"]["ops_per_s"],
+                "ops/s",
+                "raw Postgres insert, same server",
+                det["postgres_raw_insert"]["ops_per_s"],
+            ),
+            row(
+                NAME,
+                "Postgres CAS p95",
+                det["postgres"]["p95_ms"],
+                "ms",
+                "raw Postgres insert, same server",
+                det["postgres_raw_insert"]["p95_ms"],
+            ),
         ]
     except Exception as e:  # noqa: BLE001 - no Postgres here: report, keep SQLite's rows
         det["postgres"] = {"error": f"{type(e).__name__}: {e}"}

@@ -73,9 +73,23 @@ def _measure(ctx: Ctx, blob: str, cons: str, n: int, label: str) -> dict[str, An
     w = client.open_writer(shard, KEY_SCHEMA, VAL_SCHEMA)
     w.compare_and_append(update_batch(ROWS, 0, 0), 0, 1)  # the listener starts at as_of 0
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.listen_latency", "--child", "--blob", blob,
-         "--consensus", cons, "--shard", str(shard), "--n", str(n)],
-        cwd=str(REPO), stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "bench.listen_latency",
+            "--child",
+            "--blob",
+            blob,
+            "--consensus",
+            cons,
+            "--shard",
+            str(shard),
+            "--n",
+            str(n),
+        ],
+        cwd=str(REPO),
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None
@@ -128,10 +142,22 @@ def run(ctx: Ctx) -> dict[str, Any]:
     blob, cons = file_location(d)
     det["sqlite"] = _measure(ctx, blob, cons, n, "sqlite")
     rows = [
-        row(NAME, f"SQLite: listener sees append, p50 ({n} appends)", det["sqlite"]["p50_ms"], "ms",
-            "append itself (p50)", det["sqlite"]["append"]["p50_ms"]),
-        row(NAME, "SQLite: listener sees append, p95", det["sqlite"]["p95_ms"], "ms",
-            "append itself (p95)", det["sqlite"]["append"]["p95_ms"]),
+        row(
+            NAME,
+            f"SQLite: listener sees append, p50 ({n} appends)",
+            det["sqlite"]["p50_ms"],
+            "ms",
+            "append itself (p50)",
+            det["sqlite"]["append"]["p50_ms"],
+        ),
+        row(
+            NAME,
+            "SQLite: listener sees append, p95",
+            det["sqlite"]["p95_ms"],
+            "ms",
+            "append itself (p95)",
+            det["sqlite"]["append"]["p95_ms"],
+        ),
     ]
     try:
         url = ctx.pg().create_database("bench_listen")
@@ -139,16 +165,29 @@ def run(ctx: Ctx) -> dict[str, Any]:
         blob, _ = file_location(d)
         det["postgres"] = _measure(ctx, blob, url, n, "postgres")
         rows += [
-            row(NAME, "Postgres (LISTEN/NOTIFY): listener sees append, p50", det["postgres"]["p50_ms"],
-                "ms", "append itself (p50)", det["postgres"]["append"]["p50_ms"],
-                goal_value=("<=", 50)),
-            row(NAME, "Postgres (LISTEN/NOTIFY): listener sees append, p95", det["postgres"]["p95_ms"],
-                "ms", "append itself (p95)", det["postgres"]["append"]["p95_ms"]),
+            row(
+                NAME,
+                "Postgres (LISTEN/NOTIFY): listener sees append, p50",
+                det["postgres"]["p50_ms"],
+                "ms",
+                "append itself (p50)",
+                det["postgres"]["append"]["p50_ms"],
+                goal_value=("<=", 50),
+            ),
+            row(
+                NAME,
+                "Postgres (LISTEN/NOTIFY): listener sees append, p95",
+                det["postgres"]["p95_ms"],
+                "ms",
+                "append itself (p95)",
+                det["postgres"]["append"]["p95_ms"],
+            ),
         ]
     except Exception as e:  # noqa: BLE001
         det["postgres"] = {"error": f"{type(e).__name__}: {e}"}
-        rows.append(row(NAME, f"Postgres: FAILED ({type(e).__name__})", None, "ms",
-                        goal_value=("<=", 50)))
+        rows.append(
+            row(NAME, f"Postgres: FAILED ({type(e).__name__})", None, "ms", goal_value=("<=", 50))
+        )
     return {"rows": rows, "detail": det}
 
 

@@ -64,8 +64,13 @@ def run(ctx: Ctx) -> dict[str, Any]:
     marks = ctx.pick([100, 1000], [100, 5000])
     points = [m + off for m in marks for off in OFFSETS]
     data = [update_batch(ROWS, i, 50_000 + i) for i in range(max(points))]
-    det: dict[str, Any] = {"rows_per_commit": ROWS, "marks": marks, "offsets": OFFSETS,
-                           "persist": {}, "delta": {}}
+    det: dict[str, Any] = {
+        "rows_per_commit": ROWS,
+        "marks": marks,
+        "offsets": OFFSETS,
+        "persist": {},
+        "delta": {},
+    }
 
     # persist
     d = ctx.dir("persist_open")
@@ -121,8 +126,15 @@ def run(ctx: Ctx) -> dict[str, Any]:
     det["typical_open_ms"] = {"persist": {first: pf, last: pl}, "delta": {first: df, last: dl}}
     comp = "bg compaction on" if compaction else "NO compaction"
     rows = [
-        row(NAME, f"open after {last:,} commits / open after {first} ({comp})", round(pl / pf, 3),
-            "x", "delta-rs same ratio", round(dl / df, 3), goal_value=("<=", 1.5)),
+        row(
+            NAME,
+            f"open after {last:,} commits / open after {first} ({comp})",
+            round(pl / pf, 3),
+            "x",
+            "delta-rs same ratio",
+            round(dl / df, 3),
+            goal_value=("<=", 1.5),
+        ),
         row(NAME, f"cold open after {first} commits", pf, "ms", "delta-rs DeltaTable(path)", df),
         row(NAME, f"cold open after {last:,} commits", pl, "ms", "delta-rs DeltaTable(path)", dl),
     ]

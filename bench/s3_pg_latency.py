@@ -41,7 +41,10 @@ def _persist(ctx: Ctx, blob_uri: str, pg_url: str, n: int, *, inline: bool) -> d
     out["arrow_bytes_per_write"] = data[0].nbytes
     info = client.inspect(shard)
     out["inline_parts"] = sum(
-        1 for b in client.machine(shard).fetch_latest().batches.values() for p in b.parts if p.inline
+        1
+        for b in client.machine(shard).fetch_latest().batches.values()
+        for p in b.parts
+        if p.inline
     )
     out["batches"] = info["num_batches"]
     client.close()
@@ -55,7 +58,9 @@ def _floor(ctx: Ctx, bucket: str, pg_url: str, n: int) -> dict[str, Any]:
     payload = os.urandom(1024)
     lat: list[float] = []
     with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute("CREATE TABLE floor (k text, seqno bigint, data bytea, PRIMARY KEY (k, seqno))")
+        conn.execute(
+            "CREATE TABLE floor (k text, seqno bigint, data bytea, PRIMARY KEY (k, seqno))"
+        )
         for i in range(n):
             t0 = time.perf_counter()
             s3.put_object(Bucket=bucket, Key=f"floor/{uuid.uuid4()}", Body=payload)
@@ -76,13 +81,41 @@ def run(ctx: Ctx) -> dict[str, Any]:
     pi, ps, fl = det["persist_inline"], det["persist_s3_put"], det["floor_put_plus_insert"]
     fname = "raw 1 KiB S3 PUT + PG insert"
     rows = [
-        row(NAME, f"p50, small write (inline, default; {n} writes)", pi["p50_ms"], "ms", fname,
-            fl["p50_ms"], goal_value=("<=", 100)),
-        row(NAME, "p95, small write (inline, default)", pi["p95_ms"], "ms", fname, fl["p95_ms"],
-            goal_value=("<=", 1000)),
-        row(NAME, "p50, small write (part PUT to S3)", ps["p50_ms"], "ms", fname, fl["p50_ms"],
-            goal_value=("<=", 100)),
-        row(NAME, "p95, small write (part PUT to S3)", ps["p95_ms"], "ms", fname, fl["p95_ms"],
-            goal_value=("<=", 1000)),
+        row(
+            NAME,
+            f"p50, small write (inline, default; {n} writes)",
+            pi["p50_ms"],
+            "ms",
+            fname,
+            fl["p50_ms"],
+            goal_value=("<=", 100),
+        ),
+        row(
+            NAME,
+            "p95, small write (inline, default)",
+            pi["p95_ms"],
+            "ms",
+            fname,
+            fl["p95_ms"],
+            goal_value=("<=", 1000),
+        ),
+        row(
+            NAME,
+            "p50, small write (part PUT to S3)",
+            ps["p50_ms"],
+            "ms",
+            fname,
+            fl["p50_ms"],
+            goal_value=("<=", 100),
+        ),
+        row(
+            NAME,
+            "p95, small write (part PUT to S3)",
+            ps["p95_ms"],
+            "ms",
+            fname,
+            fl["p95_ms"],
+            goal_value=("<=", 1000),
+        ),
     ]
     return {"rows": rows, "detail": det}

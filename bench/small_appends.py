@@ -120,7 +120,9 @@ def durable_floor(ctx: Ctx, part_bytes: bytes, n: int, state_bytes: int = 600) -
     conn = sqlite3.connect(str(d / "c.db"), isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
-    conn.execute("CREATE TABLE c (shard TEXT, seqno INTEGER, data BLOB, PRIMARY KEY (shard, seqno))")
+    conn.execute(
+        "CREATE TABLE c (shard TEXT, seqno INTEGER, data BLOB, PRIMARY KEY (shard, seqno))"
+    )
     payload = os.urandom(state_bytes)
     lat: list[float] = []
     dfd = os.open(blobdir, os.O_RDONLY)
@@ -170,28 +172,81 @@ def run(ctx: Ctx) -> dict[str, Any]:
     }
 
     p, dh, dp, nf, fl, ice = (
-        det[k] for k in ("persist", "delta_handle", "delta_path", "persist_nofsync", "durable_floor", "iceberg")
+        det[k]
+        for k in (
+            "persist",
+            "delta_handle",
+            "delta_path",
+            "persist_nofsync",
+            "durable_floor",
+            "iceberg",
+        )
     )
     comp = "bg compaction on" if p["compaction_enabled"] else "NO compaction: state grows linearly"
     rows = [
-        row(NAME, f"commits/s ({n} x {ROWS} rows; {comp})", p["ops_per_s"], "commits/s",
-            "delta-rs reused handle", dh["ops_per_s"], goal_ratio=(">=", 2.0)),
-        row(NAME, "p95 commit latency", p["p95_ms"], "ms", "delta-rs reused handle", dh["p95_ms"],
-            goal_ratio=("<=", 0.5)),
+        row(
+            NAME,
+            f"commits/s ({n} x {ROWS} rows; {comp})",
+            p["ops_per_s"],
+            "commits/s",
+            "delta-rs reused handle",
+            dh["ops_per_s"],
+            goal_ratio=(">=", 2.0),
+        ),
+        row(
+            NAME,
+            "p95 commit latency",
+            p["p95_ms"],
+            "ms",
+            "delta-rs reused handle",
+            dh["p95_ms"],
+            goal_ratio=("<=", 0.5),
+        ),
         row(NAME, "p50 commit latency", p["p50_ms"], "ms", "delta-rs reused handle", dh["p50_ms"]),
-        row(NAME, "drift: p95 last 10% / p95 first 10%", p["drift_p95"], "x",
-            "delta-rs reused handle", dh["drift_p95"], goal_value=("<=", 1.2)),
+        row(
+            NAME,
+            "drift: p95 last 10% / p95 first 10%",
+            p["drift_p95"],
+            "x",
+            "delta-rs reused handle",
+            dh["drift_p95"],
+            goal_value=("<=", 1.2),
+        ),
         row(NAME, "commits/s", p["ops_per_s"], "commits/s", "delta-rs by path", dp["ops_per_s"]),
-        row(NAME, "commits/s, persist without fsync (delta-rs's durability)", nf["ops_per_s"],
-            "commits/s", "delta-rs reused handle", dh["ops_per_s"]),
-        row(NAME, "p95, persist without fsync", nf["p95_ms"], "ms", "delta-rs reused handle",
-            dh["p95_ms"]),
-        row(NAME, "commits/s vs the durable-commit floor (fsync'd file + FULL SQLite insert)",
-            p["ops_per_s"], "commits/s", "raw durable floor", fl["ops_per_s"]),
+        row(
+            NAME,
+            "commits/s, persist without fsync (delta-rs's durability)",
+            nf["ops_per_s"],
+            "commits/s",
+            "delta-rs reused handle",
+            dh["ops_per_s"],
+        ),
+        row(
+            NAME,
+            "p95, persist without fsync",
+            nf["p95_ms"],
+            "ms",
+            "delta-rs reused handle",
+            dh["p95_ms"],
+        ),
+        row(
+            NAME,
+            "commits/s vs the durable-commit floor (fsync'd file + FULL SQLite insert)",
+            p["ops_per_s"],
+            "commits/s",
+            "raw durable floor",
+            fl["ops_per_s"],
+        ),
     ]
     if "ops_per_s" in ice:
         rows.append(
-            row(NAME, f"commits/s (iceberg: first {n_ice} commits only)", p["ops_per_s"],
-                "commits/s", "pyiceberg SQLite catalog", ice["ops_per_s"])
+            row(
+                NAME,
+                f"commits/s (iceberg: first {n_ice} commits only)",
+                p["ops_per_s"],
+                "commits/s",
+                "pyiceberg SQLite catalog",
+                ice["ops_per_s"],
+            )
         )
     return {"rows": rows, "detail": det}

@@ -103,14 +103,30 @@ def run(ctx: Ctx) -> dict[str, Any]:
     delta_s, delta_rows = median_time(
         lambda: DeltaTable(path, version=AS_OF + 1).to_pyarrow_table().num_rows, REPS
     )
-    det["delta"] = {"ms": round(delta_s * 1e3, 2), "rows": delta_rows,
-                    "total_s": round(time.perf_counter() - t0, 3)}
+    det["delta"] = {
+        "ms": round(delta_s * 1e3, 2),
+        "rows": delta_rows,
+        "total_s": round(time.perf_counter() - t0, 3),
+    }
     p = det["persist"]
     note = f"persist {warm_rows:,} rows from {p['parts_read']} parts holding {p['updates_in_parts_read']:,}"
     rows = [
-        row(NAME, f"read as of time {AS_OF} (cold: new client + reader)", p["cold_ms"], "ms",
-            f"delta-rs version={AS_OF + 1} ({delta_rows:,} rows)", det["delta"]["ms"], note=note),
-        row(NAME, f"read as of time {AS_OF} (warm reader)", p["warm_ms"], "ms",
-            f"delta-rs version={AS_OF + 1}", det["delta"]["ms"]),
+        row(
+            NAME,
+            f"read as of time {AS_OF} (cold: new client + reader)",
+            p["cold_ms"],
+            "ms",
+            f"delta-rs version={AS_OF + 1} ({delta_rows:,} rows)",
+            det["delta"]["ms"],
+            note=note,
+        ),
+        row(
+            NAME,
+            f"read as of time {AS_OF} (warm reader)",
+            p["warm_ms"],
+            "ms",
+            f"delta-rs version={AS_OF + 1}",
+            det["delta"]["ms"],
+        ),
     ]
     return {"rows": rows, "detail": det}
