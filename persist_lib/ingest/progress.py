@@ -55,7 +55,7 @@ class IngestProgress:
 
 
 class ProgressCallback(Protocol):
-    def __call__(self, progress: IngestProgress) -> None: ...
+    def __call__(self, progress: IngestProgress, /) -> None: ...
 
 
 class ProgressBar:
