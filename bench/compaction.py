@@ -261,7 +261,7 @@ def gc_held_reader() -> dict[str, Any]:
 
 CHILD = textwrap.dedent(
     """
-    import json, resource, sys, time, threading
+    import json, sys, time, threading
     import psutil
     import pyarrow as pa
     from persist_lib import PersistClient, PersistConfig, ShardId
@@ -292,7 +292,9 @@ CHILD = textwrap.dedent(
     done.set(); th.join()
     print(json.dumps({
         "baseline_rss": baseline, "peak_rss_sampled": peak[0],
-        "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        # VmHWM: this process's own high-water mark (ru_maxrss would include the
+        # parent's, inherited across fork+exec on Linux).
+        "vm_hwm": [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0],
         "compact": res, "seconds": secs,
         "arrow_pool": pa.default_memory_pool().backend_name,
         "arrow_pool_max_memory": pa.default_memory_pool().max_memory(),
@@ -363,7 +365,7 @@ def _compact_in_child(blob: str, cons: str, shard: ShardId, budget: int, target:
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    peak = max(res["peak_rss_sampled"], res["ru_maxrss"])
+    peak = max(res["peak_rss_sampled"], res["vm_hwm"])
     base = res["baseline_rss"]
     c = res["compact"]
     return {

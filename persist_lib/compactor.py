@@ -7,13 +7,17 @@ on its own); a batch written by this compactor is one run (its writer id starts 
 run checks the order, and a violation restarts the merge with one run per part.
 
 **Memory.** Every part is verified (SHA-256 of the whole blob) before a byte of it is
-decoded, so a run holds its current part's encoded bytes; the rows are then decoded
-incrementally (``ParquetFile.iter_batches``) in chunks of about ``chunk_bytes``. The
-merge holds, per open run, one encoded part plus at most two chunks, and the output
-goes through a ``BatchBuilder`` with a small part target. When the runs don't fit in
-the budget together, they are merged in groups first (intermediate runs written to
-blob and deleted afterwards), as Materialize does. ``MergeStats`` records the most
-rows and bytes held at once, which tests assert on.
+decoded, then decoded whole and its encoded bytes dropped (Arrow's Parquet reader
+materializes a row group's decompressed column chunks even for small record batches,
+and our parts are one row group: "incremental" reads would save nothing). So memory is
+bounded by the number of parts open at once — one per run — as in Materialize: the
+merge holds per run its decoded part, a buffer of chunks sliced from it, and its share
+of one merge step's working set (ranks, sort order, the emitted copy), and the output
+goes through a ``BatchBuilder`` with a small part target. When the runs don't fit the
+budget together they are merged in groups first (fewest, smallest runs first; the
+intermediate runs are written to blob and deleted afterwards). ``MergeStats`` records
+the most rows and bytes held at once, which tests assert on and the benchmark compares
+with the process's RSS.
 
 **One merge step.** Let ``F`` be the smallest *last* buffered row over the runs that
 have more input: every future row of every run is ``>= F``, so all buffered rows
@@ -157,13 +161,18 @@ def _writer_of(key: str) -> str:
 # ----- memory plan ----------------------------------------------------------------------
 
 
+# Bytes of numpy working set per row in one merge step (row ranks, combined keys,
+# sort order, run boundaries, sums, take indices: about 20 int64 arrays).
+STEP_BYTES_PER_ROW = 160
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
-    """How a budget is split: output part size, per-run chunk size, and merge fan-in."""
+    """How a budget is split: output part size, per-run allowance, and merge fan-in."""
 
     budget: int
     output_part_bytes: int
-    chunk_bytes: int
+    run_bytes: int  # per open run, besides its decoded part: buffer + share of a step
     fan_in: int
 
     @classmethod
@@ -172,20 +181,20 @@ class MemoryPlan:
         n_runs: int,
     ) -> MemoryPlan:
         """Output parts get ~1/16 of the budget (a builder holds ~3.5 of them at once).
-        70% is for the runs: per open run its decoded part plus ~4 chunks (its buffer,
-        its share of a step's concatenation, ranks and emitted copy), and once the
-        encoded bytes of the part being decoded. The fan-in is what fits with minimal
-        chunks; the chunks then grow into the room the runs actually opened leave
-        (bigger chunks mean fewer, cheaper merge steps)."""
+        70% is for the runs: per open run its decoded part plus ``run_bytes`` for its
+        buffered chunks and its share of a merge step, and once the encoded bytes of
+        the part being decoded. The fan-in is what fits with a minimal allowance; the
+        allowance then grows into the room the runs actually opened leave (bigger
+        chunks mean fewer, cheaper merge steps)."""
         if budget < 1 * MiB:
             raise InvalidUsage(f"compaction memory budget must be >= 1 MiB, got {budget} bytes")
         out = max(16 << 10, min(target_part_bytes, budget // 16))
         room = int(budget * 0.7) - max_part_encoded
-        min_chunk = 32 << 10
-        fan_in = max(2, room // max(max_part_decoded + 4 * min_chunk, 1))
+        min_run = 256 << 10
+        fan_in = max(2, room // max(max_part_decoded + min_run, 1))
         k = max(2, min(fan_in, n_runs))
-        chunk = max(min_chunk, min(16 * MiB, (room - k * max_part_decoded) // (4 * k)))
-        return cls(budget, out, chunk, fan_in)
+        run_bytes = max(min_run, min(64 * MiB, (room - k * max_part_decoded) // k))
+        return cls(budget, out, run_bytes, fan_in)
 
 
 def estimate_decoded_bytes(p: PartMeta, schemas: Schemas) -> int:
@@ -460,7 +469,9 @@ class _Merger:
         self.stats.peak_bytes_held = max(self.stats.peak_bytes_held, held)
 
     def batch_rows(self) -> int:
-        return max(64, int(self.plan.chunk_bytes / self.row_width))
+        """Rows per chunk: a run buffers up to ~1.5 chunks and a step works on them."""
+        per_row = 1.5 * self.row_width + 1.5 * (self.row_width + STEP_BYTES_PER_ROW)
+        return max(64, int(self.plan.run_bytes / per_row))
 
     def _account(self, runs: list[_Run], extra_rows: int = 0, extra_bytes: int = 0) -> None:
         rows = sum(r.rows for r in runs) + extra_rows
@@ -519,7 +530,7 @@ class _Merger:
             n = cat.num_rows
             keys = row_keys([cat.column(c) for c in self._key_cols], n)
             kf = keys[-1] if f_i >= 0 else None
-            self._account(runs, extra_rows=n, extra_bytes=int(n * self.row_width) + keys.nbytes * 3)
+            self._account(runs, extra_rows=n, extra_bytes=n * (int(self.row_width) + STEP_BYTES_PER_ROW))
             off = 0
             take_masks = []
             for i in included:
@@ -790,11 +801,21 @@ def compact_request(machine: Machine, schemas: Schemas, config: PersistConfig, r
         output = _metadata_only_output(req)
         produced_keys: list[str] = []
     else:
-        merged = merge_batches(
-            machine.blob, schemas, shard=machine.shard_id, inputs=req.inputs, lower=req.lower,
-            upper=req.upper, since=req.since, memory_budget=config.compaction_memory_budget,
-            target_part_bytes=config.blob_target_size, inline_threshold=config.inline_threshold,
-        )
+        try:
+            merged = merge_batches(
+                machine.blob, schemas, shard=machine.shard_id, inputs=req.inputs, lower=req.lower,
+                upper=req.upper, since=req.since, memory_budget=config.compaction_memory_budget,
+                target_part_bytes=config.blob_target_size, inline_threshold=config.inline_threshold,
+            )
+        except BlobNotFound:
+            # The compactor holds no seqno: an input may have been replaced by another
+            # merge and collected meanwhile. Then this merge is moot (and wrote nothing:
+            # the merge deletes its partial output); otherwise a live blob is missing.
+            if inputs_still_current(machine.fetch_latest(), req):
+                raise
+            return CompactionResult(
+                req, mt.MergeOutcome.NOT_APPLIED_NO_MATCH, None, stats, time.monotonic() - t0, True
+            )
         output, stats = merged.batch, merged.stats
         reused = {k for b in req.inputs for k in b.blob_keys()}
         produced_keys = [k for k in output.blob_keys() if k not in reused]
@@ -816,6 +837,15 @@ def compact_request(machine: Machine, schemas: Schemas, config: PersistConfig, r
                 log.warning("shard %s: could not delete unapplied output %s: %s", machine.shard_id, k, e)
         deleted = True
     return CompactionResult(req, res.outcome, output, stats, time.monotonic() - t0, deleted)
+
+
+def inputs_still_current(state: Any, req: CompactionRequest) -> bool:
+    """Whether every input batch of ``req`` is still in ``state`` with the same parts."""
+    for bid, want in zip(req.batch_ids, req.inputs, strict=True):
+        cur = state.batches.get(bid)
+        if cur is None or [p.key for p in cur.parts] != [p.key for p in want.parts]:
+            return False
+    return True
 
 
 def _apply(machine: Machine, config: PersistConfig, req: CompactionRequest, output: HollowBatch) -> mt.MergeResult:

@@ -112,6 +112,15 @@ def oldest_needed_rollup(state: st.ShardState) -> int | None:
     return max(below) if below else None
 
 
+def gc_due(state: st.ShardState) -> bool:
+    """Whether a GC run would do something: deletable garbage, or rollups older than the
+    oldest one still needed (then consensus can be truncated too)."""
+    if eligible_garbage(state):
+        return True
+    r = oldest_needed_rollup(state)
+    return r is not None and any(s < r for s in state.rollups)
+
+
 def collect_garbage(machine: Machine, *, write_rollup_if_needed: bool = True) -> GcSummary:
     """One idempotent, resumable GC run over one shard (see the module docstring)."""
     state = machine.fetch_latest()

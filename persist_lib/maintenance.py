@@ -202,7 +202,8 @@ class BackgroundCompactor:
     The queue is bounded (``config.compaction_queue_max``); excess requests are dropped
     because a later commit re-derives them. A merge already queued or running for the
     same batches is not queued twice. When ``config.gc_in_background`` is set, a GC run
-    is queued after merges whenever garbage became deletable.
+    is queued whenever one is due (``gc.gc_due``: deletable garbage, or rollups older
+    than the oldest one still needed).
     """
 
     def __init__(self, client: PersistClient) -> None:
@@ -215,6 +216,7 @@ class BackgroundCompactor:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending: set[tuple[str, tuple[int, ...]]] = set()
+        self._claimed: dict[str, set[int]] = {}  # batch ids in queued/running merges
         self._gc_pending: set[str] = set()
         self._closed = False
         self.dropped = 0
@@ -235,7 +237,7 @@ class BackgroundCompactor:
             if self._closed or state.tombstone or state.schemas is None:
                 return
             reqs = compaction_requests(state)
-            if gcmod.eligible_garbage(state) and self.client.config.gc_in_background:
+            if self.client.config.gc_in_background and gcmod.gc_due(state):
                 self._submit_gc(m)
             for req in reqs:
                 self._submit(m, req)
@@ -245,18 +247,24 @@ class BackgroundCompactor:
     def _submit(self, m: Machine, req: CompactionRequest) -> None:
         key = (m.shard_id, req.batch_ids)
         with self._lock:
-            if key in self._pending or self._closed:
-                return
+            claimed = self._claimed.setdefault(m.shard_id, set())
+            if self._closed or claimed.intersection(req.batch_ids):
+                return  # a queued or running merge covers (some of) these batches
             if len(self._pending) >= self.queue_max:
                 self.dropped += 1
                 return
             self._pending.add(key)
+            claimed.update(req.batch_ids)
         try:
             self._pool.submit(self._run, m, req, key)
         except RuntimeError:  # the pool was shut down concurrently
-            with self._lock:
-                self._pending.discard(key)
-                self._idle.notify_all()
+            self._release(key)
+
+    def _release(self, key: tuple[str, tuple[int, ...]]) -> None:
+        with self._lock:
+            self._pending.discard(key)
+            self._claimed.get(key[0], set()).difference_update(key[1])
+            self._idle.notify_all()
 
     def _submit_gc(self, m: Machine) -> None:
         with self._lock:
@@ -286,9 +294,10 @@ class BackgroundCompactor:
                 self.failed += 1
             log.exception("shard %s: background compaction crashed", m.shard_id)
         finally:
-            with self._lock:
-                self._pending.discard(key)
-                self._idle.notify_all()
+            self._release(key)
+            # Our commit re-derived merges while our batches were still claimed: plan
+            # again now that they are free.
+            self.offer(m, m.cached())
 
     def _run_gc(self, m: Machine) -> None:
         try:
