@@ -1,0 +1,234 @@
+"""Sensors and schedules: source arrivals, compaction debt, downstream work, GC, leases.
+
+Sensors are evaluated directly with ``build_sensor_context`` against a temporary
+instance; schedules with ``evaluate_tick(build_schedule_context(...))``; the maintenance
+jobs they launch run in-process against a temp PERSIST_HOME.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from pathlib import Path
+
+import dagster as dg
+import pyarrow as pa
+import pytest
+from dagster_aws.s3 import S3Resource
+
+from dagster_project.assets import SOURCE_ASSETS, persist_shard
+from dagster_project.definitions import build_resources
+from dagster_project.resources import LandingZoneResource, PersistResource, SparkResource
+from dagster_project.sample import write_orders_file
+from jobs.maintenance import (
+    compaction_job,
+    gc_job,
+    gc_schedule,
+    lease_expiry_job,
+    lease_expiry_schedule,
+)
+from persist_lib import PersistClient, ShardId
+from persist_lib.config import PersistConfig
+from sensors.arrival import ARRIVAL_SENSORS
+from sensors.compaction import build_compaction_debt_sensor
+from sensors.downstream import DOWNSTREAM_SENSORS
+
+pytestmark = pytest.mark.dagster
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for var in ("PERSIST_BLOB_URI", "PERSIST_CONSENSUS_URI", "PERSIST_LANDING_URI"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("SPARK_MASTER_URL", raising=False)
+    h = tmp_path / "persist"
+    monkeypatch.setenv("PERSIST_HOME", str(h))
+    return h
+
+
+@pytest.fixture
+def resources(home: Path) -> dict[str, object]:
+    return build_resources(
+        persist=PersistResource(home=str(home)),
+        landing=LandingZoneResource(uri=str(home / "landing"), s3=S3Resource()),
+        spark=SparkResource(),
+    )
+
+
+@pytest.fixture
+def instance(tmp_path: Path) -> Iterator[dg.DagsterInstance]:
+    (tmp_path / "dagster").mkdir()
+    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster")) as inst:
+        yield inst
+
+
+def evaluate(
+    sensor: dg.SensorDefinition,
+    instance: dg.DagsterInstance,
+    resources: dict[str, object],
+    cursor: str | None,
+) -> dg.SensorResult:
+    with dg.build_sensor_context(instance=instance, cursor=cursor, resources=resources) as ctx:
+        result = sensor(ctx)
+    assert isinstance(result, dg.SensorResult)
+    return result
+
+
+def test_arrival_sensor_one_request_per_new_batch(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    sensor = ARRIVAL_SENSORS["orders"]
+    landing = home / "landing" / "orders"
+    r = evaluate(sensor, instance, resources, None)
+    assert not r.run_requests and r.cursor == ""  # nothing landed (the zone doesn't exist)
+
+    write_orders_file(landing, 0, 10)
+    write_orders_file(landing, 1, 10)
+    (landing / ".orders-000002.jsonl.tmp").write_text("{}\n")  # being written: ignored
+    r1 = evaluate(sensor, instance, resources, None)
+    assert len(r1.run_requests) == 1
+    req = r1.run_requests[0]
+    assert req.run_key == "orders:orders-000001.jsonl"
+    assert req.tags["persist/files"] == "2"
+    assert r1.cursor == "orders-000001.jsonl"
+    # Re-evaluating with the returned cursor: nothing new, no request, cursor kept.
+    r2 = evaluate(sensor, instance, resources, r1.cursor)
+    assert not r2.run_requests and r2.cursor == r1.cursor
+    # The same arrivals evaluated again from scratch give the same run key (dedup).
+    assert evaluate(sensor, instance, resources, None).run_requests[0].run_key == req.run_key
+    # A new arrival: exactly one new request.
+    write_orders_file(landing, 2, 10)
+    r3 = evaluate(sensor, instance, resources, r2.cursor)
+    assert [q.run_key for q in r3.run_requests] == ["orders:orders-000002.jsonl"]
+    assert r3.cursor == "orders-000002.jsonl"
+    assert not evaluate(sensor, instance, resources, r3.cursor).run_requests
+
+
+def test_arrival_sensor_waits_for_a_running_ingestion(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    write_orders_file(home / "landing" / "orders", 0, 10)
+    instance.add_run(
+        dg.DagsterRun(
+            job_name="ingest_orders_job", run_id="r-running", status=dg.DagsterRunStatus.STARTED
+        )
+    )
+    r = evaluate(ARRIVAL_SENSORS["orders"], instance, resources, "")
+    assert not r.run_requests and r.cursor == ""  # picked up on a later tick
+
+
+def _shard_with_debt(home: Path, appends: int) -> tuple[str, int]:
+    """A shard made of ``appends`` one-row batches (no background compaction)."""
+    client = PersistClient.default(home, PersistConfig.for_tests())
+    key = pa.schema([("k", pa.int64())])
+    val = pa.schema([("v", pa.int64())])
+    shard = ShardId.new()
+    w, r = client.open(shard, key, val)
+    for i in range(appends):
+        w.compare_and_append([(((i,), (i,)), i, 1)], i, i + 1)
+    debt = client.inspect(shard)["compaction_debt"]
+    w.expire()
+    r.expire()
+    client.close()
+    return str(shard), int(debt)
+
+
+def test_compaction_sensor_fires_only_above_threshold(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    shard, debt = _shard_with_debt(home, 40)
+    assert debt > 0
+    quiet = build_compaction_debt_sensor(threshold=debt, name="quiet")
+    r = evaluate(quiet, instance, resources, None)
+    assert not r.run_requests
+    assert r.dynamic_partitions_requests  # the shard becomes a partition anyway
+
+    loud = build_compaction_debt_sensor(threshold=debt - 1, name="loud")
+    r = evaluate(loud, instance, resources, None)
+    assert [q.partition_key for q in r.run_requests] == [shard]
+    req = r.run_requests[0]
+    assert req.run_key is not None and req.run_key.startswith(f"compact-{shard}-")
+    assert r.cursor and shard in r.cursor
+
+    # Run the requested compaction (the job materializes the shard's partition).
+    instance.add_dynamic_partitions("persist_shards", [shard])
+    job = dg.Definitions(
+        assets=[persist_shard], jobs=[compaction_job], resources=resources
+    ).resolve_job_def("compaction_job")
+    res = job.execute_in_process(instance=instance, partition_key=shard, run_config=req.run_config)
+    assert res.success
+    mat = res.get_asset_materialization_events()[0].materialization
+    assert mat.metadata["compaction_engine"].value == "in-process"
+    assert mat.metadata["compaction_debt"].value <= debt - 1
+    assert mat.metadata["batches"].value < 40
+    # Below the threshold now: no further request.
+    assert not evaluate(loud, instance, resources, r.cursor).run_requests
+
+
+def test_schedules_launch_gc_and_lease_expiry(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    when = dt.datetime(2026, 1, 1, 12, 17, tzinfo=dt.UTC)
+    for schedule, job in ((gc_schedule, gc_job), (lease_expiry_schedule, lease_expiry_job)):
+        data = schedule.evaluate_tick(dg.build_schedule_context(scheduled_execution_time=when))
+        assert data.run_requests is not None and len(data.run_requests) == 1
+        assert schedule.job_name == job.name
+
+    # A reader whose lease lapsed, left behind by a "crashed" process.
+    shard, _ = _shard_with_debt(home, 3)
+    crashed = PersistClient.default(home, PersistConfig.for_tests(reader_lease_ms=1))
+    crashed.open_leased_reader(
+        shard, pa.schema([("k", pa.int64())]), pa.schema([("v", pa.int64())])
+    )
+    crashed.close()
+    res = lease_expiry_job.execute_in_process(resources=resources, instance=instance)
+    assert res.success
+    out = res.output_for_node("expire_leases_op")
+    assert out["readers_expired"] == 1 and shard in out["expired"]
+
+    # GC: compaction leaves garbage; GC deletes it and the leak sweep runs.
+    client = PersistClient.default(home, PersistConfig.for_tests())
+    client.compact(shard)
+    garbage = client.inspect(shard)["garbage"]["blobs"]
+    client.close()
+    res = gc_job.execute_in_process(
+        resources=resources,
+        instance=instance,
+        run_config={"ops": {"collect_garbage_op": {"config": {"grace_period_ms": 0}}}},
+    )
+    assert res.success
+    out = res.output_for_node("collect_garbage_op")
+    assert out["shards"] >= 1 and out["errors"] == 0
+    assert out["blobs_deleted"] >= garbage
+    client = PersistClient.default(home, PersistConfig.for_tests())
+    assert client.inspect(shard)["garbage"]["blobs"] == 0
+    client.close()
+
+
+def test_downstream_sensor_waits_for_checks(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    sensor = DOWNSTREAM_SENSORS["orders"]
+    sa = SOURCE_ASSETS["orders"]
+    r = evaluate(sensor, instance, {}, None)
+    assert not r.run_requests
+    write_orders_file(home / "landing" / "orders", 0, 20)
+    res = dg.materialize([sa.ingest, *sa.checks], resources=resources, instance=instance)
+    assert res.success
+    r1 = evaluate(sensor, instance, {}, None)
+    assert len(r1.run_requests) == 1 and r1.cursor
+    assert not evaluate(sensor, instance, {}, r1.cursor).run_requests
+
+    # A run whose blocking check failed: its materialization starts no downstream run.
+    write_orders_file(
+        home / "landing" / "orders",
+        1,
+        0,
+        rows=[{"order_id": 1, "customer": "x", "amount": -1.0, "status": "new"}],
+    )
+    res = dg.materialize(
+        [sa.ingest, *sa.checks], resources=resources, instance=instance, raise_on_error=False
+    )
+    assert not res.success
+    r2 = evaluate(sensor, instance, {}, r1.cursor)
+    assert not r2.run_requests and r2.cursor != r1.cursor
