@@ -819,6 +819,15 @@ def compact_request(machine: Machine, schemas: Schemas, config: PersistConfig, r
         output, stats = merged.batch, merged.stats
         reused = {k for b in req.inputs for k in b.blob_keys()}
         produced_keys = [k for k in output.blob_keys() if k not in reused]
+    # The leaked-blob sweeper deletes unreferenced blobs older than its grace period:
+    # output written longer ago than half of it must not be linked any more.
+    if produced_keys and (time.monotonic() - t0) * 1000 > config.leak_grace_ms / 2:
+        log.warning(
+            "shard %s: merge of %s took longer than half the leak grace period; abandoned",
+            machine.shard_id, req.batch_ids,
+        )
+        _delete_keys(machine, produced_keys)
+        return CompactionResult(req, mt.MergeOutcome.NOT_APPLIED_NO_MATCH, output, stats, time.monotonic() - t0, True)
     # If applying raises, it is unknown whether it landed: the output is kept (a leak,
     # for the sweeper, beats a dangling reference).
     indeterminate_before = machine.metrics.indeterminate_retries
@@ -830,13 +839,17 @@ def compact_request(machine: Machine, schemas: Schemas, config: PersistConfig, r
         res = _apply(machine, config, req, output)
     deleted = False
     if not res.applied and machine.metrics.indeterminate_retries == indeterminate_before:
-        for k in produced_keys:
-            try:
-                machine.blob.delete(k)
-            except ExternalError as e:
-                log.warning("shard %s: could not delete unapplied output %s: %s", machine.shard_id, k, e)
+        _delete_keys(machine, produced_keys)
         deleted = True
     return CompactionResult(req, res.outcome, output, stats, time.monotonic() - t0, deleted)
+
+
+def _delete_keys(machine: Machine, keys: list[str]) -> None:
+    for k in keys:
+        try:
+            machine.blob.delete(k)
+        except ExternalError as e:  # the leaked-blob sweeper finds it later
+            log.warning("shard %s: could not delete unapplied output %s: %s", machine.shard_id, k, e)
 
 
 def inputs_still_current(state: Any, req: CompactionRequest) -> bool:

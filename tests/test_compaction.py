@@ -344,3 +344,19 @@ def test_expired_reader_stops_holding_back_compaction() -> None:
     s = client.machine(shard).fetch_latest()
     assert sum(b.len for b in s.batches.values()) == 1  # history folded past the old since
     assert contents(r_new.snapshot(9)) == {(1, "v9"): 1}
+
+
+def test_merge_slower_than_half_the_leak_grace_is_abandoned() -> None:
+    """The sweeper deletes unreferenced blobs older than its grace period, so a merge
+    whose output is older than half of it never links that output."""
+    client = mem_client(blob_target_size=2048, inline_threshold=0, leak_grace_ms=0)
+    shard = ShardId.new()
+    w, r = client.open(shard, KEY, VAL)
+    for t in range(2):
+        w.compare_and_append([(((i,), ("x",)), t, 1) for i in range(100)], t, t + 1)
+    before = client.machine(shard).fetch_latest().batches
+    keys_before = {m.key for m in client.blob.list_keys_and_metadata(f"{shard}/")}
+    res = mn.compact(client, shard, max_rounds=1)
+    assert res["merges_applied"] == 0 and res["merges_not_applied"] == 1
+    assert client.machine(shard).fetch_latest().batches == before
+    assert {m.key for m in client.blob.list_keys_and_metadata(f"{shard}/")} == keys_before
