@@ -494,9 +494,12 @@ def merge_good_and_bad(
     Returns the final rows and every bad input index (decode failures and row-check
     failures, mapped back to input indices), sorted.
     """
+    rows, bad2 = check_rows(spec, table)
+    if not bad:
+        out = list(bad2)
+        return rows, out
     bad_idx = {i for i, _, _ in bad}
     good_idx = [i for i in range(n) if i not in bad_idx]
-    rows, bad2 = check_rows(spec, table)
     out = list(bad) + [(good_idx[j], k, r) for j, k, r in bad2]
     out.sort(key=lambda x: x[0])
     return rows, out

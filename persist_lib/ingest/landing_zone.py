@@ -28,6 +28,7 @@ import csv
 import fnmatch
 import gzip
 import io
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -344,7 +345,13 @@ class _Csv(_Parsed):
 
     def decode(self, spec: DecodeSpec, file: str, r0: int, r1: int) -> Decoded:
         recs = self.records[r0:r1]
-        raw = raw_table(PARTITION, [(file, r0 + i) for i in range(len(recs))], "csv", [self._raw(r) for r in recs]) if spec.keep_raw else None
+        raw = None
+        if spec.keep_raw:  # self-describing: the header with the fields (blank records have none)
+            nb = [i for i, r in enumerate(recs) if r]
+            raw = raw_table(
+                PARTITION, [(file, r0 + i) for i in nb], "csv-json",
+                [json.dumps({"h": self.header, "f": recs[i]}).encode() for i in nb],
+            )
         missing = [k for k in spec.key_names if k not in self.header]
         if missing:
             errs = []
@@ -358,30 +365,36 @@ class _Csv(_Parsed):
                     )
                 )
             return Decoded(empty_rows(spec), errs, raw)
-        width = len(self.header)
-        ok_idx = [i for i, r in enumerate(recs) if len(r) == width]
-        bad_width = [
-            (i, "wrong_field_count", f"expected {width} fields (header {self.header}), got {len(recs[i])}")
-            for i, r in enumerate(recs)
-            if len(r) != width and not (len(r) == 0)
-        ]
-        blank = {i for i, r in enumerate(recs) if len(r) == 0}
-        good = [recs[i] for i in ok_idx]
-        cols: dict[str, pa.Array] = {}
-        wanted = {f.name for f in spec.input_fields()}
-        for j, h in enumerate(self.header):
-            if h in wanted and h not in cols:
-                cols[h] = pa.array([r[j] for r in good], pa.string())
-        table, bad = decode_text_columns(spec, cols, len(good))
-        rows, bad2 = merge_good_and_bad(spec, len(good), table, bad)
-        all_bad = [(ok_idx[i], k, r) for i, k, r in bad2] + bad_width
-        all_bad.sort()
-        errors = [
-            ErrorRecord(PARTITION, (file, r0 + i), k, reason, self._raw(recs[i]))
-            for i, k, reason in all_bad
-            if i not in blank
-        ]
+        rows, all_bad = decode_csv_records(spec, self.header, recs)
+        errors = [ErrorRecord(PARTITION, (file, r0 + i), k, reason, self._raw(recs[i])) for i, k, reason in all_bad]
         return Decoded(rows, errors, raw)
+
+
+def decode_csv_records(
+    spec: DecodeSpec, header: list[str], recs: list[list[str]]
+) -> tuple[pa.Table, list[tuple[int, str, str]]]:
+    """Rows for the well-formed CSV records, ``(index, kind, reason)`` for the others.
+
+    Blank records yield nothing. Row-wise: a record decodes the same in any batch.
+    """
+    width = len(header)
+    ok_idx = [i for i, r in enumerate(recs) if len(r) == width]
+    bad_width = [
+        (i, "wrong_field_count", f"expected {width} fields (header {header}), got {len(r)}")
+        for i, r in enumerate(recs)
+        if len(r) != width and len(r) != 0
+    ]
+    good = [recs[i] for i in ok_idx]
+    cols: dict[str, pa.Array] = {}
+    wanted = {f.name for f in spec.input_fields()}
+    for j, h in enumerate(header):
+        if h in wanted and h not in cols:
+            cols[h] = pa.array([r[j] for r in good], pa.string())
+    table, bad = decode_text_columns(spec, cols, len(good))
+    rows, bad2 = merge_good_and_bad(spec, len(good), table, bad)
+    all_bad = [(ok_idx[i], k, r) for i, k, r in bad2] + bad_width
+    all_bad.sort()
+    return rows, all_bad
 
 
 class _Parquet(_Parsed):

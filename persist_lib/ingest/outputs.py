@@ -78,6 +78,10 @@ class Output(Protocol):
 
     def snapshot(self, as_of: int) -> pa.Table: ...
 
+    def updates_between(self, lower: int, upper: int) -> pa.Table:
+        """Every update at times in ``[lower, upper)`` (user layout, times not forwarded)."""
+        ...
+
     def downgrade_since(self, since: int) -> None: ...
 
     def describe(self) -> dict[str, Any]: ...
@@ -189,6 +193,9 @@ class ShardOutput:
     def snapshot(self, as_of: int) -> pa.Table:
         return self._r.snapshot(as_of)
 
+    def updates_between(self, lower: int, upper: int) -> pa.Table:
+        return self._r.updates_between(lower, upper)
+
     def downgrade_since(self, since: int) -> None:
         if self._r.since < Antichain([since]):
             self._r.downgrade_since(since)
@@ -267,6 +274,9 @@ class CollectionOutput:
         tables = [s.snapshot(as_of) for s in self._shards]
         return pa.concat_tables(tables)
 
+    def updates_between(self, lower: int, upper: int) -> pa.Table:
+        return pa.concat_tables([s.updates_between(lower, upper) for s in self._shards])
+
     def downgrade_since(self, since: int) -> None:
         for s in self._shards:
             s.downgrade_since(since)
@@ -292,7 +302,8 @@ class StorageOutputs:
     """Outputs as STORAGE collections, created on first use.
 
     ``rendition`` selects the rendition to write (default: the active one), e.g. a new
-    rendition being rebuilt before a handover.
+    rendition being rebuilt before a handover; the raw collection always uses its
+    active rendition (raw records don't depend on the decoding logic).
     """
 
     def __init__(
@@ -306,7 +317,9 @@ class StorageOutputs:
     def open(self, role: str, key_schema: pa.Schema, val_schema: pa.Schema) -> Output:
         cname = collection_name(self.name, role)
         ensure_collection(self.ctl, cname, key_schema, val_schema, self.num_shards)
-        return CollectionOutput(self.ctl, cname, role, self.rendition)
+        # The raw collection doesn't depend on the decoding logic: it is never rebuilt,
+        # so it is always written in its active rendition.
+        return CollectionOutput(self.ctl, cname, role, None if role == "raw" else self.rendition)
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "storage", "name": self.name, "num_shards": self.num_shards}
@@ -319,12 +332,12 @@ def ensure_collection(
     want = Schemas.create(key_schema, val_schema)
     for _ in range(3):
         if name in ctl.list_collections():
-            have = Schemas.from_json(ctl._spec(name)["schemas"])
-            if have != want:
+            have = ctl.describe(name)["schemas"]
+            if have != want.describe():
                 raise IngestConfigError(
-                    f"collection {name!r} exists with schemas {have.describe()}, but the ingestion "
-                    f"writes {want.describe()}; use another ingestion name or create a new "
-                    "collection/rendition for the new schema"
+                    f"collection {name!r} exists with schemas {have}, but the ingestion writes "
+                    f"{want.describe()}; use another ingestion name or a new collection for the new "
+                    "schema"
                 )
             return
         try:

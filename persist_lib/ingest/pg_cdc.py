@@ -528,7 +528,14 @@ class PgCdcSource:
             truncs.append(truncate)
             unchanged.append(unch or None)
             addrs.append(addr)
-            raws.append(json.dumps({k: (None if v is UNCHANGED else v) for k, v in values.items()}).encode())
+            raws.append(
+                json.dumps(
+                    {
+                        "values": {k: (None if v is UNCHANGED else v) for k, v in values.items()},
+                        "delete": delete, "truncate": truncate, "unchanged": unch,
+                    }
+                ).encode()
+            )
 
         if chunk.snapshot is not None:
             cols = chunk.snapshot.columns
@@ -567,46 +574,9 @@ class PgCdcSource:
                         )
                         continue
                     add(addr, old, delete=True)
-        n = len(recs)
-        columns: dict[str, pa.Array] = {}
-        for f in list(spec.key_schema) + list(spec.val_schema):
-            vals = [r[f.name] for r in recs]
-            if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type):
-                # bytea's text form is \x + hex
-                columns[f.name] = pa.array(
-                    [bytes.fromhex(v[2:]) if isinstance(v, str) and v.startswith("\\x") else v for v in vals],
-                    pa.binary(),
-                )
-            else:
-                columns[f.name] = pa.array(vals, pa.string())
-        table, bad = decode_text_columns(spec, columns, n, empty_is_null=False)
-        bad_idx = {i for i, _, _ in bad}
-        keep = [i for i in range(n) if i not in bad_idx]
+        rows, bad = decode_change_records(spec, recs, deletes, truncs, unchanged)
         for i, kind, reason in bad:
             errors.append(ErrorRecord(PARTITION, addrs[i], kind, reason, raws[i]))
-        # key checks (a truncate row has no key)
-        rows_cols: dict[str, pa.Array] = {}
-        for f in list(spec.key_schema) + list(spec.val_schema):
-            rows_cols[f.name] = table.column(f.name).combine_chunks().cast(f.type)
-        rows = pa.table(rows_cols)
-        rows = rows.append_column(DELETE_COL, pa.array([deletes[i] for i in keep], pa.bool_()))
-        rows = rows.append_column(UNCHANGED_COL, pa.array([unchanged[i] for i in keep], pa.list_(pa.string())))
-        rows = rows.append_column(TRUNCATE_COL, pa.array([truncs[i] for i in keep], pa.bool_()))
-        key_null = None
-        for k in keys:
-            m = rows.column(k).is_null()
-            key_null = m if key_null is None else pa.compute.or_(key_null, m)
-        if key_null is not None:
-            import pyarrow.compute as pc
-
-            bad_key = pc.and_(key_null, pc.invert(rows.column(TRUNCATE_COL)))
-            mask = bad_key.to_pylist()
-            if any(mask):
-                for j, b in enumerate(mask):
-                    if b:
-                        i = keep[j]
-                        errors.append(ErrorRecord(PARTITION, addrs[i], "missing_key", f"key column(s) {keys} null", raws[i]))
-                rows = rows.filter(pc.invert(bad_key))
         raw = None
         if spec.keep_raw:
             raw = raw_table(PARTITION, addrs, "pgoutput-json", raws)
@@ -615,6 +585,60 @@ class PgCdcSource:
 
     def _is_ours(self, rel: Relation) -> bool:
         return rel.namespace == self._schema and rel.name == self._relname
+
+
+def decode_change_records(
+    spec: DecodeSpec,
+    recs: list[dict[str, Any]],
+    deletes: list[bool],
+    truncs: list[bool],
+    unchanged: list[list[str] | None],
+) -> tuple[pa.Table, list[tuple[int, str, str]]]:
+    """Text-format row changes -> typed rows (with delete/unchanged/truncate columns).
+
+    Returns the rows of the good records (in order) and ``(index, kind, reason)`` for
+    the others. Row-wise, so the rebuild from the raw collection decodes identically.
+    """
+    import pyarrow.compute as pc
+
+    n = len(recs)
+    keys = spec.key_names
+    columns: dict[str, pa.Array] = {}
+    for f in list(spec.key_schema) + list(spec.val_schema):
+        vals = [r.get(f.name) for r in recs]
+        if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type):
+            # bytea's text form is \x + hex
+            columns[f.name] = pa.array(
+                [bytes.fromhex(v[2:]) if isinstance(v, str) and v.startswith("\\x") else v for v in vals],
+                pa.binary(),
+            )
+        else:
+            columns[f.name] = pa.array(vals, pa.string())
+    table, bad = decode_text_columns(spec, columns, n, empty_is_null=False)
+    bad_idx = {i for i, _, _ in bad}
+    keep = [i for i in range(n) if i not in bad_idx]
+    out_bad = list(bad)
+    rows_cols: dict[str, pa.Array] = {}
+    for f in list(spec.key_schema) + list(spec.val_schema):
+        rows_cols[f.name] = table.column(f.name).combine_chunks().cast(f.type)
+    rows = pa.table(rows_cols) if rows_cols else pa.table({})
+    rows = rows.append_column(DELETE_COL, pa.array([deletes[i] for i in keep], pa.bool_()))
+    rows = rows.append_column(UNCHANGED_COL, pa.array([unchanged[i] for i in keep], pa.list_(pa.string())))
+    rows = rows.append_column(TRUNCATE_COL, pa.array([truncs[i] for i in keep], pa.bool_()))
+    key_null: Any = None
+    for k in keys:
+        m = rows.column(k).is_null()
+        key_null = m if key_null is None else pc.or_(key_null, m)
+    if key_null is not None:
+        bad_key = pc.and_(key_null, pc.invert(rows.column(TRUNCATE_COL)))
+        mask = bad_key.to_pylist()
+        if any(mask):
+            for j, b in enumerate(mask):
+                if b:
+                    out_bad.append((keep[j], "missing_key", f"key column(s) {keys} null"))
+            rows = rows.filter(pc.invert(bad_key))
+    out_bad.sort()
+    return rows, out_bad
 
 
 class PgCdcReader:
