@@ -13,7 +13,13 @@ import pyarrow.compute as pc
 import pytest
 
 from persist_lib import PersistClient, PersistConfig
-from persist_lib.ingest import IngestConfig, Ingestion, LandingZoneSource, ShardOutputs, StorageOutputs
+from persist_lib.ingest import (
+    IngestConfig,
+    Ingestion,
+    LandingZoneSource,
+    ShardOutputs,
+    StorageOutputs,
+)
 from persist_lib.ingest.rebuild import rebuild_from_raw, rebuild_rendition
 from tests.test_ingest_files import _Crash, _CrashingOutputs
 from tests.test_ingest_support import DELETE, KEY, VAL, make_zone, shard_history
