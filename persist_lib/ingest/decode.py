@@ -326,7 +326,26 @@ def check_rows(
 # JSON lines
 
 
-def _json_failure(line: bytes, err: Exception | None) -> tuple[str, str]:
+_JSON_KIND = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array", dict: "an object"}
+
+
+def _json_fits(v: object, t: pa.DataType) -> bool:
+    if pa.types.is_boolean(t):
+        return isinstance(v, bool)
+    if pa.types.is_integer(t):
+        return isinstance(v, int) and not isinstance(v, bool)
+    if pa.types.is_floating(t) or pa.types.is_decimal(t):
+        return isinstance(v, int | float) and not isinstance(v, bool)
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return isinstance(v, str)
+    if pa.types.is_struct(t):
+        return isinstance(v, dict)
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return isinstance(v, list)
+    return True  # temporal and binary types: leave the verdict to Arrow
+
+
+def _json_failure(spec: DecodeSpec, line: bytes, err: Exception | None) -> tuple[str, str]:
     try:
         obj = json.loads(line)
     except UnicodeDecodeError as e:
@@ -334,7 +353,14 @@ def _json_failure(line: bytes, err: Exception | None) -> tuple[str, str]:
     except json.JSONDecodeError as e:
         return "invalid_json", f"invalid JSON: {e}"
     if not isinstance(obj, dict):
-        return "not_an_object", f"expected a JSON object, got {type(obj).__name__}"
+        return "not_an_object", f"expected a JSON object, got {_JSON_KIND.get(type(obj), type(obj).__name__)}"
+    for f in spec.input_fields():
+        v = obj.get(f.name)
+        if v is not None and not _json_fits(v, f.type):
+            return "type_mismatch", (
+                f"field {f.name!r}: expected {f.type}, got {_JSON_KIND.get(type(v), type(v).__name__)} "
+                f"({json.dumps(v)[:80]})"
+            )
     msg = str(err).split("\n")[0] if err is not None else "the record decoded to no row"
     msg = msg.replace("JSON parse error: ", "")
     return "type_mismatch", f"the record does not match the schema: {msg}"
@@ -359,7 +385,7 @@ def decode_json_lines(
         return t.select(schema.names).cast(schema)
 
     good, bad = bisect_blocks(lines, block)
-    bad_out = [(i, *_json_failure(lines[i], e)) for i, e in bad]
+    bad_out = [(i, *_json_failure(spec, lines[i], e)) for i, e in bad]
     tables = [t for _, t in good]
     table = pa.concat_tables(tables).combine_chunks() if tables else schema.empty_table()
     return table, bad_out
