@@ -180,7 +180,6 @@ class PgCdcSource:
     publication: str | None = None
     create: bool = True
     snapshot: bool = True
-    peek_batch: int = 100_000
     kind: str = "postgres_cdc"
     _client: Any = field(default=None, init=False, repr=False)
     _name: str = field(default="", init=False, repr=False)
