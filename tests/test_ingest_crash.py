@@ -49,7 +49,8 @@ def _crash_and_restart(params: dict, kills: int, seed: int, window: float) -> di
         proc = subprocess.Popen(worker_cmd(params), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=worker_env())
         assert proc.stdout is not None
         proc.stdout.readline()  # "started": imports done, the ingestion begins
-        delay = rng.uniform(0.0, window)
+        # each life gets ~1/kills of the work on average, so every kill lands mid-run
+        delay = rng.uniform(0.0, 2.0 * window / kills)
         try:
             proc.wait(timeout=delay)
         except subprocess.TimeoutExpired:
@@ -86,7 +87,7 @@ def _run(tmp_path: Path, kills: int, seed: int, files: int, rows: int, n: int) -
     assert set(uppers.values()) == {s_ref["upper"]}
     _check_against_model(ref, zone, s_ref["upper"])
     assert s_ref["errors"] == zone.bad
-    assert s["kills_hit"] >= 1, "no kill hit a running ingestion: widen the window"
+    assert s["kills_hit"] >= max(1, (kills * 2) // 3), f"only {s['kills_hit']} of {kills} kills hit a running ingestion"
 
 
 def test_kill9_restarts_match_uninterrupted_run(tmp_path: Path) -> None:
