@@ -267,8 +267,8 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 "status": res.get("status", "handed over"),
                 "previous_rendition": str(res.get("previous") or "-"),
                 "handover_at": int(res["handover_at"]) if res.get("handover_at") else 0,
-                "raw_records_replayed": int(built.get("raw_records") or 0),
-                "updates_built": int(built.get("updates") or 0),
+                "raw_records_replayed": int(built.get("records") or 0),
+                "raw_times_replayed": int(built.get("times") or 0),
                 "build_engine": str(built.get("engine", "-")),
                 "collected": dg.MetadataValue.json(res.get("collected") or {}),
             }
