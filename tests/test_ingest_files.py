@@ -395,6 +395,7 @@ def test_progress_events_and_bar(tmp_path: Path) -> None:
     ProgressBar(out, min_interval_s=0)(ev[-1])
     assert "100.0%" in out.getvalue() and "rec/s" in out.getvalue()
     assert ev[-1].as_metadata()["records"] == s["records"]
+    ing._heartbeat(every_s=0)  # leases extended by hand on clients without background heartbeats
     ing.close()
 
 

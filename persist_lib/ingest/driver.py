@@ -178,6 +178,7 @@ class Ingestion:
         self._stats = _Stats()
         self._started = 0.0
         self._empties: dict[str, pa.Table] = {}
+        self._last_heartbeat = time.monotonic()
         # (time, frontier) of every binding this instance applied, in order: the bindings
         # it read back from the remap shard (tests compare instances with it).
         self.applied: list[tuple[int, Frontier]] = []
@@ -410,7 +411,20 @@ class Ingestion:
                 for o in self._outs.values():
                     o.downgrade_since(since)
                 remap.downgrade_since(since)
+        self._heartbeat()
         self._report(done=False)
+
+    def _heartbeat(self, every_s: float = 60.0) -> None:
+        """Keeps the leases alive on clients without background heartbeats (the CLI's)."""
+        if self.client.config.background_heartbeats:
+            return
+        now = time.monotonic()
+        if now - self._last_heartbeat < every_s:
+            return
+        self._last_heartbeat = now
+        for o in self._outs.values():
+            o.heartbeat()
+        self.remap.heartbeat()
 
     # ----- minting (step 5) -------------------------------------------------------------
 
@@ -552,6 +566,7 @@ class Ingestion:
                     wait = max(0.0, min(wait, deadline - time.monotonic()))
                 # wakes early when another instance mints
                 self.remap.sync(timeout_s=wait)
+                self._heartbeat()
         self._guarded(self._catch_up)
         self._report(done=True)
         return self.summary(mode="continuous")

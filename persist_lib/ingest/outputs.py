@@ -84,6 +84,10 @@ class Output(Protocol):
 
     def downgrade_since(self, since: int) -> None: ...
 
+    def heartbeat(self) -> None:
+        """Extends the leases of this output's handles."""
+        ...
+
     def describe(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
@@ -200,6 +204,10 @@ class ShardOutput:
         if self._r.since < Antichain([since]):
             self._r.downgrade_since(since)
 
+    def heartbeat(self) -> None:
+        self._r.heartbeat()
+        self._w.heartbeat()
+
     def describe(self) -> dict[str, Any]:
         return {"role": self.role, "shard": self.shard_id}
 
@@ -280,6 +288,10 @@ class CollectionOutput:
     def downgrade_since(self, since: int) -> None:
         for s in self._shards:
             s.downgrade_since(since)
+
+    def heartbeat(self) -> None:
+        for s in self._shards:
+            s.heartbeat()
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -259,6 +259,10 @@ class RemapShard:
         if self._r.since < Antichain([since]):
             self._r.downgrade_since(since)
 
+    def heartbeat(self) -> None:
+        self._r.heartbeat()
+        self._w.heartbeat()
+
     def describe(self) -> dict[str, Any]:
         return {
             "shard": self.shard_id,
