@@ -163,7 +163,7 @@ def build_location(
     from persist_lib.testing.faults import PartitioningHandle
 
     raw_cons = planted.open_consensus(cfg.consensus_uri, cfg.planted)
-    audit_cons = AuditConsensus(raw_cons, os.path.join(cfg.archive_dir, archive_name))
+    audit_cons = AuditConsensus(raw_cons, os.path.join(cfg.archive_dir, archive_name), log)
     audit_blob = AuditBlob(FileBlob(cfg.blob_dir), FileBlob(cfg.graveyard_dir), raw_cons, log)
     config = PersistConfig.for_tests(
         retry_deadline_s=cfg.retry_deadline_s,

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from persist_lib.errors import Determinate
 from persist_lib.location.base import Blob, BlobMetadata, CaSResult, Consensus, VersionedData
 from persist_lib.testing.history import EventLog
 
@@ -34,12 +35,14 @@ ARCHIVE_PAGE = 1024
 class AuditConsensus(Consensus):
     """Passes everything through; archives the log before each truncate."""
 
-    def __init__(self, inner: Consensus, archive_path: str) -> None:
+    def __init__(self, inner: Consensus, archive_path: str, log: EventLog | None = None) -> None:
         self.inner = inner
         self.archive_path = archive_path
+        self.log = log
         self._archived: dict[str, set[int]] = {}
         self._lock = threading.Lock()
         self.truncations = 0
+        self.head_regressions = 0
 
     def archive(self, key: str) -> int:
         """Appends every entry of ``key`` not yet archived by this process; returns how many."""
@@ -76,7 +79,26 @@ class AuditConsensus(Consensus):
         return self.inner.head(key)
 
     def compare_and_set(self, key: str, expected: int | None, new: VersionedData) -> CaSResult:
-        return self.inner.compare_and_set(key, expected, new)
+        res = self.inner.compare_and_set(key, expected, new)
+        if res is CaSResult.EXPECTATION_MISMATCH and expected is not None:
+            # A mismatch means the head moved past ``expected``. A head *below* it means the
+            # log lost its head (it can't happen with a correct backend): record it, and
+            # fail the call rather than let the caller re-read and retry forever.
+            h = self.inner.head(key)
+            if h is None or h.seqno < expected:
+                self.head_regressions += 1
+                if self.log is not None:
+                    self.log.note(
+                        "consensus_head_regressed",
+                        key=key,
+                        expected=expected,
+                        head=h.seqno if h is not None else None,
+                    )
+                raise Determinate(
+                    f"audit: consensus head of {key!r} is {h.seqno if h else None}, below the "
+                    f"expected {expected}: the log lost entries"
+                )
+        return res
 
     def scan(self, key: str, from_seqno: int, limit: int) -> list[VersionedData]:
         return self.inner.scan(key, from_seqno, limit)

@@ -94,6 +94,7 @@ VIOLATION_KINDS: tuple[str, ...] = (
 
 WRITE_OPS = ("caa", "append")
 LEASE_SLACK_MS = 100.0
+WALL_SLACK_MS = 50.0
 
 
 @dataclass
@@ -265,6 +266,7 @@ class Commit:
     lower: int
     upper: int
     rows: list[model.Row] | None
+    walltime_ms: int = 0
     op: Op | None = None
 
 
@@ -323,7 +325,7 @@ def find_commits(states: list[st.ShardState], parts: PartReader) -> list[Commit]
             new_ids = [bid for bid in s.batches if bid not in prev.batches]
             ps = [p for bid in new_ids for p in s.batches[bid].parts]
             rows = parts.batch_rows(ps)
-            out.append(Commit(s.seqno, wid, prev.upper.time or 0, s.upper.time or 0, rows))
+            out.append(Commit(s.seqno, wid, prev.upper.time or 0, s.upper.time or 0, rows, s.walltime_ms))
     return out
 
 
@@ -345,19 +347,34 @@ def attribute(commits: list[Commit], hist: History, seed: int, report: CheckRepo
             elif o.op == "append" and o.args["upper"] == c.upper and o.args["lower"] <= c.lower:
                 cands.append(o)
         got = model.consolidate(c.rows) if c.rows is not None else None
+
+        def want_of(o: Op, c: Commit = c) -> Counter[tuple[str, int, int]]:
+            if o.op == "caa":
+                return _op_rows(o)
+            return model.consolidate(definite_updates_rows(seed, c.lower, c.upper))
+
+        # A writer runs one op at a time, so the op whose [invoke, complete] window holds
+        # the commit's walltime (set by the committing attempt) is the one (a writer may
+        # repeat the same bounds after a failure, so bounds alone are ambiguous).
+        def distance(o: Op, c: Commit = c) -> float:
+            end = o.complete_wall_ms if o.completed and o.complete_wall_ms is not None else float("inf")
+            if o.invoke_wall_ms - WALL_SLACK_MS <= c.walltime_ms <= end + WALL_SLACK_MS:
+                return 0.0
+            return min(abs(c.walltime_ms - o.invoke_wall_ms), abs(c.walltime_ms - end))
+
+        cands.sort(key=distance)
         match = None
         for o in cands:
-            want = _op_rows(o) if o.op == "caa" else model.consolidate(definite_updates_rows(seed, c.lower, c.upper))
-            if got is None or got == want:
+            if (got is None or got == want_of(o)) and distance(o) == 0.0:
                 match = o
                 break
         if match is None and cands:
             o = cands[0]
-            want = _op_rows(o) if o.op == "caa" else model.consolidate(definite_updates_rows(seed, c.lower, c.upper))
-            report.add(
-                "commit_data_mismatch",
-                f"seqno {c.seqno} ({o.op} {o.id}): {model.counter_diff(got or Counter(), want)}",
-            )
+            if got is not None and got != want_of(o):
+                report.add(
+                    "commit_data_mismatch",
+                    f"seqno {c.seqno} ({o.op} {o.id}): {model.counter_diff(got, want_of(o))}",
+                )
             match = o
         if match is None:
             report.add(
@@ -556,6 +573,11 @@ def check_clients(hist: History, cfg: HistoryConfig, report: CheckReport) -> Non
         if t == "unexpected_error":
             kind = "corruption_observed" if rec.get("error_type") == "CorruptionError" else "blob_not_found_with_lease"
             report.add(kind, f"{rec['actor']}.{rec['inc']}: {rec.get('error', '')[:300]}")
+        elif t == "consensus_head_regressed":
+            report.add(
+                "consensus_head_regressed",
+                f"{rec['actor']}.{rec['inc']}: CAS expected {rec.get('expected')} but the head was {rec.get('head')}",
+            )
         elif t == "crash_unexpected":
             report.add("actor_crashed", f"{rec['actor']}.{rec['inc']}: {rec.get('error', '')[:600]}")
     # Lease expiry: LeaseExpired at O after a heartbeat invoked at I means O - I >= lease.

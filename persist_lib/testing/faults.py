@@ -15,10 +15,11 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from persist_lib.errors import Indeterminate
+from persist_lib.errors import Determinate, Indeterminate
+from persist_lib.location.base import CaSResult, Consensus, VersionedData
 from persist_lib.location.unreliable import FaultRates, UnreliableHandle
 
 T = TypeVar("T")
@@ -90,3 +91,57 @@ class PartitioningHandle(UnreliableHandle):
                 kind = self._orng.choice(["timeout_only", "determinate"])
                 self.outage(kind, self._orng.uniform(*self.partition_s))
             raise
+
+
+class ScriptedConsensus(Consensus):
+    """A consensus whose next calls can be scripted to fail (the stateful test's faults).
+
+    ``arm(kind)`` makes the next ``compare_and_set`` fail once: ``applied_then_timeout``
+    (runs it, then raises ``Indeterminate``), ``timeout_only`` (doesn't run it, raises
+    ``Indeterminate``) or ``determinate`` (doesn't run it, raises ``Determinate``).
+    """
+
+    KINDS = ("applied_then_timeout", "timeout_only", "determinate")
+
+    def __init__(self, inner: Consensus) -> None:
+        self.inner = inner
+        self.armed: str | None = None
+        self.fired: dict[str, int] = {k: 0 for k in self.KINDS}
+
+    def arm(self, kind: str) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"unknown fault {kind!r}; one of {self.KINDS}")
+        self.armed = kind
+
+    def head(self, key: str) -> VersionedData | None:
+        return self.inner.head(key)
+
+    def compare_and_set(self, key: str, expected: int | None, new: VersionedData) -> CaSResult:
+        kind, self.armed = self.armed, None
+        if kind is None:
+            return self.inner.compare_and_set(key, expected, new)
+        self.fired[kind] += 1
+        if kind == "applied_then_timeout":
+            self.inner.compare_and_set(key, expected, new)
+            raise Indeterminate("scripted: timeout after the compare_and_set was applied")
+        if kind == "timeout_only":
+            raise Indeterminate("scripted: timeout (the compare_and_set was not run)")
+        raise Determinate("scripted: determinate failure (the compare_and_set was not run)")
+
+    def scan(self, key: str, from_seqno: int, limit: int) -> list[VersionedData]:
+        return self.inner.scan(key, from_seqno, limit)
+
+    def truncate(self, key: str, seqno: int) -> int:
+        return self.inner.truncate(key, seqno)
+
+    def list_keys(self) -> Iterator[str]:
+        return self.inner.list_keys()
+
+    def wait_for_change(self, key: str, seqno: int | None, timeout_s: float) -> None:
+        self.inner.wait_for_change(key, seqno, timeout_s)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def describe(self) -> str:
+        return self.inner.describe()
