@@ -149,6 +149,33 @@ def fetch_small_part(blob: Blob, p: PartMeta, schemas: Schemas, shard: str) -> p
     return t
 
 
+def _release_unused() -> None:
+    """Hands freed pages back to the OS (Arrow's mimalloc/jemalloc pools and glibc keep
+    them otherwise, and RSS then grows well past what is live). Called once per part
+    loaded: cheap next to decoding a part."""
+    try:
+        pa.default_memory_pool().release_unused()
+    except Exception:  # noqa: BLE001 - best effort, older pyarrow
+        pass
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc() -> Any:
+    try:
+        import ctypes
+        import ctypes.util
+
+        name = ctypes.util.find_library("c")
+        lib = ctypes.CDLL(name) if name else None
+        return lib if lib is not None and hasattr(lib, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
+
+
 def new_compactor_writer_id() -> str:
     return f"{COMPACTOR_WRITER_PREFIX}{uuid.uuid4()}"
 
@@ -181,7 +208,7 @@ class MemoryPlan:
         n_runs: int,
     ) -> MemoryPlan:
         """Output parts get ~1/16 of the budget (a builder holds ~3.5 of them at once).
-        70% is for the runs: per open run its decoded part plus ``run_bytes`` for its
+        60% is for the runs: per open run its decoded part plus ``run_bytes`` for its
         buffered chunks and its share of a merge step, and once the encoded bytes of
         the part being decoded. The fan-in is what fits with a minimal allowance; the
         allowance then grows into the room the runs actually opened leave (bigger
@@ -189,7 +216,7 @@ class MemoryPlan:
         if budget < 1 * MiB:
             raise InvalidUsage(f"compaction memory budget must be >= 1 MiB, got {budget} bytes")
         out = max(16 << 10, min(target_part_bytes, budget // 16))
-        room = int(budget * 0.7) - max_part_encoded
+        room = int(budget * 0.6) - max_part_encoded
         min_run = 256 << 10
         fan_in = max(2, room // max(max_part_decoded + min_run, 1))
         k = max(2, min(fan_in, n_runs))
@@ -375,10 +402,12 @@ class _Run:
         self.next_part += 1
         data = m.fetch_bytes(p)
         m.stats.bytes_read += len(data)
+        self.part = None  # let the previous part go before decoding the next
         table = decode_whole(data, p, m.schemas, m.shard)
         m.observe_row_width(table)
         m.account_transient(len(data) + table.nbytes)
         del data
+        _release_unused()
         self.part, self.offset, self.part_bytes = table, 0, table.nbytes
         m.stats.rows_read += table.num_rows
         self._first_of_part = True
