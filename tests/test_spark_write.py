@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 from persist_lib.errors import InvalidUsage, UpperMismatch
-from tests.spark_fixtures import (
+from tests.test_spark_support import (
     df_counter,
     file_location,
     open_client,

@@ -47,16 +47,17 @@ class UnsupportedSparkType(InvalidUsage):
     """A shard field whose Arrow type has no exact Spark counterpart."""
 
 
-def spark_type(t: pa.DataType, path: str = "field") -> Any:
+def spark_type(t: pa.DataType, path: str = "?", kind: str = "") -> Any:
     """The Spark ``DataType`` that holds every value of Arrow type ``t`` exactly.
 
-    Raises ``UnsupportedSparkType`` naming ``path`` (e.g. ``key field 'id'``) otherwise.
+    Raises ``UnsupportedSparkType`` naming the field otherwise: ``path`` is its dotted
+    name (``[]`` for list elements), ``kind`` says ``key`` or ``value``.
     """
     from pyspark.sql import types as T
 
     def bad(why: str) -> UnsupportedSparkType:
         return UnsupportedSparkType(
-            f"{path} has Arrow type {t}, which Spark can't hold exactly: {why}. Supported in "
+            f"{kind + ' ' if kind else ''}field {path!r} has Arrow type {t}, which Spark can't hold exactly: {why}. Supported in "
             "Spark reads/writes: integers (uint64 as decimal(20,0)), floats, decimals up to "
             "precision 38, strings, binaries, booleans, dates, timestamps (with or without "
             "time zone), durations, and structs/lists of those"
@@ -99,14 +100,14 @@ def spark_type(t: pa.DataType, path: str = "field") -> Any:
             [
                 T.StructField(
                     t.field(i).name,
-                    spark_type(t.field(i).type, f"{path}.{t.field(i).name}"),
+                    spark_type(t.field(i).type, f"{path}.{t.field(i).name}", kind),
                     t.field(i).nullable,
                 )
                 for i in range(t.num_fields)
             ]
         )
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-        return T.ArrayType(spark_type(t.value_type, f"{path}[]"), t.value_field.nullable)
+        return T.ArrayType(spark_type(t.value_type, f"{path}[]", kind), t.value_field.nullable)
     raise bad("no Spark counterpart")
 
 
@@ -131,7 +132,7 @@ def spark_schema(schemas: Schemas) -> Any:
                 )
             seen[low] = f.name
             fields.append(
-                T.StructField(f.name, spark_type(f.type, f"{which} field {f.name!r}"), f.nullable)
+                T.StructField(f.name, spark_type(f.type, f.name, which), f.nullable)
             )
     fields.append(T.StructField(TS, T.LongType(), False))
     fields.append(T.StructField(DIFF, T.LongType(), False))
