@@ -5,6 +5,7 @@ resume from the slot without loss or duplication."""
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from typing import Any
 
@@ -287,4 +288,44 @@ def test_unchanged_toast_values_come_from_the_upsert_state(pg_server: Any) -> No
 
     assert txns[0].changes[0].new == ("1", "3", UNCHANGED)
     conn.execute("SELECT pg_drop_replication_slot('peek')")
+    conn.close()
+
+
+def test_two_cdc_instances_race_on_one_slot(pg_server: Any) -> None:
+    import threading
+
+    src = pg_server.create_database()
+    conn = psycopg.connect(src, autocommit=True)
+    conn.execute("CREATE TABLE items (id bigint PRIMARY KEY, name text, qty int, price numeric(10,2), big text)")
+    conn.execute("INSERT INTO items SELECT g, 'init' || g, g, g / 2.0, NULL FROM generate_series(1, 50) g")
+    client = _client()
+    cfg = IngestConfig(max_records_per_binding=15)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def follower() -> None:
+        try:
+            with Ingestion(client, "race", PgCdcSource(src, "items"), KEY, VAL, envelope="upsert", config=cfg) as ing:
+                while not stop.is_set():
+                    ing.run_once()
+                ing.run_once()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=follower) for _ in range(2)]
+    for t in threads:
+        t.start()
+    rng = random.Random(7)
+    next_id, live = [1000], list(range(1, 51))
+    for i in range(12):
+        _workload_txn(conn, rng, next_id, live, i)
+        time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    with Ingestion(client, "race", PgCdcSource(src, "items"), KEY, VAL, envelope="upsert", config=cfg) as ing:
+        s = ing.run_once()
+    assert _snap(client, "race", "data", s["upper"] - 1) == _table(conn)
+    assert _snap(client, "race", "state", s["upper"] - 1) == _table(conn)
     conn.close()
