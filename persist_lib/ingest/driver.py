@@ -277,6 +277,8 @@ class Ingestion:
         self._reader = self.source.open_reader(frontier, notes)
         self._pending = []
         self._t = t
+        if self._resumed_at is None:
+            self._resumed_at = t  # (run_once/run reset it per run; subclasses may not)
         log.info("ingestion %s resumes at %d from %s", self.name, t, frontier_text(frontier))
 
     def _reopen_reader(self) -> None:
