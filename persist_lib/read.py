@@ -68,6 +68,15 @@ class SnapshotSplit:
     as_of: int
     parts: tuple[PartMeta, ...]
 
+    def __repr__(self) -> str:
+        # The URI may carry credentials (an S3 secret key): never show it unredacted.
+        from persist_lib.location.uri import redact
+
+        return (
+            f"SnapshotSplit(blob_uri={redact(self.blob_uri)!r}, shard_id={self.shard_id!r}, "
+            f"as_of={self.as_of}, parts={len(self.parts)})"
+        )
+
     def fetch(self, blob: Blob | None = None) -> pa.Table:
         from persist_lib.location.uri import open_blob
 

@@ -27,7 +27,7 @@ from persist_lib.testing.runner import HistoryResult, default_config, run_histor
 KEY = pa.schema([("k", pa.string())])
 VAL = pa.schema([("v", pa.int64())])
 
-SQLITE_SEEDS = range(1, 7)
+SQLITE_SEEDS = range(1, 6)
 PG_SEEDS = range(101, 103)
 OPS = 150
 

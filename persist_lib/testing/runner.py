@@ -99,6 +99,7 @@ class HistoryResult:
     leaked_before_sweep: int = 0
     leaked_after_sweep: int = 0
     final_errors: list[str] = field(default_factory=list)
+    stop_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -229,6 +230,7 @@ def run_history(cfg: HistoryConfig, *, keep_dir: bool = True) -> HistoryResult:
                     start(victim)
                 next_crash = now + rng.expovariate(1.0 / cfg.crash_mean_interval_s)
     finally:
+        t_stop = time.monotonic()
         Path(cfg.stop_path).touch()
         stop_deadline = time.monotonic() + 20.0
         for name, p in procs.items():
@@ -240,7 +242,10 @@ def run_history(cfg: HistoryConfig, *, keep_dir: bool = True) -> HistoryResult:
                     os.kill(p.pid, signal.SIGKILL)
                 p.join(5)
         nlog.close()
+        res.stop_s = time.monotonic() - t_stop
+    t_run = time.monotonic()
     _final_phase(cfg, res)
+    t_final = time.monotonic()
     from persist_lib.testing import planted
 
     cons = planted.open_consensus(cfg.consensus_uri, cfg.planted)
@@ -255,6 +260,12 @@ def run_history(cfg: HistoryConfig, *, keep_dir: bool = True) -> HistoryResult:
         res.report.add("actor_crashed", f"{res.restarts_unexpected} actor process(es) died on their own")
     if res.hung:
         res.report.add("actor_hung", f"did not stop within 20 s: {res.hung}")
+    res.report.stats["seconds"] = {
+        "run": round(t_run - t0 - res.stop_s, 2),
+        "stop": round(res.stop_s, 2),
+        "final": round(t_final - t_run, 2),
+        "check": round(time.monotonic() - t_final, 2),
+    }
     res.report.stats["crashes"] = res.crashes
     res.report.stats["restarts_unexpected"] = res.restarts_unexpected
     res.report.stats["hung"] = len(res.hung)
