@@ -79,7 +79,7 @@ def appends_single(n: int) -> dict[str, Any]:
         w.compare_and_append_batch(b, t, t + 1)
         res = mn.compact(client, shard)
         written += res["bytes_written"]
-        rewritten += res["updates_read"]
+        rewritten += res["rows_rewritten"]
         merges += res["merges_applied"]
         max_batches = max(max_batches, res["batches_after"])
     secs = time.perf_counter() - t0
@@ -117,7 +117,7 @@ def appends_bulk(n_appends: int, per: int) -> dict[str, Any]:
         appended += max(s.batches.items())[1].size
         res = mn.compact(client, shard)
         written += res["bytes_written"]
-        rewritten += res["updates_read"]
+        rewritten += res["rows_rewritten"]
         max_batches = max(max_batches, res["batches_after"])
     secs = time.perf_counter() - t0
     total = n_appends * per

@@ -209,13 +209,16 @@ class MemoryPlan:
     ) -> MemoryPlan:
         """Output parts get ~1/16 of the budget (a builder holds ~3.5 of them at once).
         60% is for the runs: per open run its decoded part plus ``run_bytes`` for its
-        buffered chunks and its share of a merge step, and once the encoded bytes of
-        the part being decoded. The fan-in is what fits with a minimal allowance; the
+        buffered chunks and its share of a merge step, and once the encoded bytes of a
+        part being decoded. The fan-in is what fits with a minimal allowance; the
         allowance then grows into the room the runs actually opened leave (bigger
         chunks mean fewer, cheaper merge steps)."""
         if budget < 1 * MiB:
             raise InvalidUsage(f"compaction memory budget must be >= 1 MiB, got {budget} bytes")
         out = max(16 << 10, min(target_part_bytes, budget // 16))
+        # Decoding a part briefly holds its encoded bytes and a second decoded copy
+        # (Parquet's column chunks): the encoded bytes come out of the runs' room, the
+        # copy out of the 40% left beside runs and output.
         room = int(budget * 0.6) - max_part_encoded
         min_run = 256 << 10
         fan_in = max(2, room // max(max_part_decoded + min_run, 1))
@@ -405,7 +408,7 @@ class _Run:
         self.part = None  # let the previous part go before decoding the next
         table = decode_whole(data, p, m.schemas, m.shard)
         m.observe_row_width(table)
-        m.account_transient(len(data) + table.nbytes)
+        m.account_transient(len(data) + 2 * table.nbytes)
         del data
         _release_unused()
         self.part, self.offset, self.part_bytes = table, 0, table.nbytes

@@ -84,6 +84,8 @@ def compact(
         "merges_applied": len(applied),
         "merges_not_applied": len(results) - len(applied),
         "updates_read": sum(r.request.num_updates for r in results),
+        # Rows decoded by merges, including re-reads of intermediate runs: the work.
+        "rows_rewritten": sum(r.stats.rows_read for r in results),
         "bytes_read": sum(r.stats.bytes_read for r in results),
         "bytes_written": sum(r.stats.bytes_written for r in results),
         "peak_bytes_held": max((r.stats.peak_bytes_held for r in results), default=0),

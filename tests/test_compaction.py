@@ -64,7 +64,7 @@ def test_10k_single_update_appends_keep_batches_logarithmic() -> None:
     for t in range(n):
         w.compare_and_append_batch(inline_batch(w.schemas, str(shard), [(((t,), (f"v{t}",)), t, 1)], t, t + 1), t, t + 1)
         res = mn.compact(client, shard)
-        updates_rewritten += res["updates_read"]
+        updates_rewritten += res["rows_rewritten"]
         max_batches = max(max_batches, res["batches_after"])
         assert res["batches_after"] <= bound, (t, res)
     s = client.machine(shard).fetch_latest()
