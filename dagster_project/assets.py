@@ -135,15 +135,20 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
     """The assets, checks and partitions of one configured source."""
     n = spec.name
     group = n
-    landing_key = dg.AssetKey(f"{n}_landing")
+    cdc = spec.kind == "postgres_cdc"
+    landing_key = dg.AssetKey(f"{n}_table" if cdc else f"{n}_landing")
     remap_key, raw_key = dg.AssetKey(f"{n}_remap"), dg.AssetKey(f"{n}_raw")
     data_key, errors_key = dg.AssetKey(n), dg.AssetKey(f"{n}_errors")
     rendition_parts = rendition_partitions(n)
     landing = dg.AssetSpec(
         landing_key,
         group_name=group,
-        kinds={"s3"} if spec.kind == "landing_zone" else {"postgres"},
-        description=f"Files of source {n!r} landing under <landing zone>/{n}/ (external).",
+        kinds={"postgres"} if cdc else {"s3"},
+        description=(
+            f"Postgres table {spec.table} read by logical replication (external)."
+            if cdc
+            else f"Files of source {n!r} landing under <landing zone>/{n}/ (external)."
+        ),
     )
     specs = [
         dg.AssetSpec(

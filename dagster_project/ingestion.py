@@ -15,7 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 from dagster_project.sources import SourceSpec
-from persist_lib.ingest import IngestConfig, Ingestion, LandingZoneSource, StorageOutputs
+from persist_lib.ingest import (
+    IngestConfig,
+    IngestConfigError,
+    Ingestion,
+    LandingZoneSource,
+    StorageOutputs,
+)
 from persist_lib.ingest.outputs import shard_id_for
 from persist_lib.ingest.progress import IngestProgress
 from persist_lib.storage import StorageController
@@ -44,13 +50,7 @@ def make_ingestion(
     With ``spark`` (a function returning a session) it is ``persist_lib.spark``'s
     ``SparkIngestion``: the same recipe, with the bound files decoded on executors.
     """
-    args = (
-        ctl.client,
-        spec.name,
-        LandingZoneSource(landing_uri, format=spec.format),
-        spec.key_schema,
-        spec.val_schema,
-    )
+    args = (ctl.client, spec.name, make_source(spec, landing_uri), spec.key_schema, spec.val_schema)
     kwargs: dict[str, Any] = {
         "envelope": spec.envelope,
         "delete_field": spec.delete_field,
@@ -59,11 +59,26 @@ def make_ingestion(
         "transform": spec.transform,
         "progress": progress,
     }
-    if spark is not None:
+    if spark is not None and spec.kind == "landing_zone":
         from persist_lib.spark.ingest import SparkIngestion
 
         return SparkIngestion(spark(), *args, **kwargs)
     return Ingestion(*args, **kwargs)
+
+
+def make_source(spec: SourceSpec, landing_uri: str) -> Any:
+    """The ``persist_lib.ingest`` source of ``spec``: a landing zone or Postgres CDC."""
+    if spec.kind == "postgres_cdc":
+        from persist_lib.ingest.pg_cdc import PgCdcSource
+
+        dsn = spec.dsn()
+        if not dsn:
+            raise IngestConfigError(
+                f"source {spec.name!r} reads Postgres CDC: set {spec.dsn_env} to a postgresql:// "
+                "URL of a REPLICATION role on a server with wal_level=logical"
+            )
+        return PgCdcSource(dsn, spec.table)
+    return LandingZoneSource(landing_uri, format=spec.format)
 
 
 def ingest_source(
@@ -75,7 +90,10 @@ def ingest_source(
     progress: ProgressFn | None = None,
 ) -> dict[str, Any]:
     """One run-once ingestion pass; returns the driver's summary plus ``engine``."""
-    _ensure_landing_dir(landing_uri)
+    if spec.kind == "landing_zone":
+        _ensure_landing_dir(landing_uri)
+    else:
+        spark = None  # a replication stream is read by the driver only
     t0 = time.monotonic()
     with make_ingestion(spec, ctl, landing_uri, progress=progress, spark=spark) as ing:
         summary = ing.run_once()

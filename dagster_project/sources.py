@@ -8,10 +8,15 @@ reclocking -> raw -> collection -> downstream, with the GE checks on the collect
 The default source, ``orders``, is a file landing zone (JSON lines) under
 ``PERSIST_LANDING_URI`` (else ``$PERSIST_HOME/landing``), sub-directory ``orders/``,
 upserted by ``order_id`` into a 4-shard collection. It needs no setup.
+
+``customers`` is a Postgres CDC source (logical replication, ``pgoutput``) of table
+``public.customers``; it is configured only when ``PERSIST_CDC_DSN`` is set (a
+``postgresql://`` URL of a REPLICATION role on a server with ``wal_level=logical``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,9 +38,11 @@ class SourceSpec:
     name: str
     key_schema: pa.Schema
     val_schema: pa.Schema
-    envelope: str = "upsert"  # "upsert" or "append"
-    kind: str = "landing_zone"
-    format: str = "auto"
+    envelope: str = "upsert"  # "upsert" or "append_only"
+    kind: str = "landing_zone"  # or "postgres_cdc"
+    format: str = "auto"  # landing zone: jsonl, csv, parquet or auto (by extension)
+    table: str = ""  # postgres_cdc: TABLE or SCHEMA.TABLE
+    dsn_env: str = "PERSIST_CDC_DSN"  # postgres_cdc: the variable holding the source DSN
     num_shards: int = 4
     delete_field: str | None = None
     rules: CollectionRules = field(default_factory=lambda: CollectionRules(()))
@@ -47,6 +54,10 @@ class SourceSpec:
     @property
     def key_columns(self) -> tuple[str, ...]:
         return tuple(self.key_schema.names)
+
+    def dsn(self) -> str:
+        """The CDC source's DSN, read from the environment when used (never stored)."""
+        return os.environ.get(self.dsn_env, "")
 
 
 ORDERS = SourceSpec(
@@ -70,7 +81,32 @@ ORDERS = SourceSpec(
     description="Orders landing as JSON-lines files; latest state per order_id (upsert).",
 )
 
-SOURCES: tuple[SourceSpec, ...] = (ORDERS,)
+CUSTOMERS = SourceSpec(
+    name="customers",
+    kind="postgres_cdc",
+    table="public.customers",
+    key_schema=pa.schema([pa.field("id", pa.int64(), nullable=False)]),
+    val_schema=pa.schema(
+        [("name", pa.string()), ("email", pa.string()), ("balance", pa.float64())]
+    ),
+    envelope="upsert",
+    num_shards=2,
+    rules=CollectionRules(
+        key_columns=("id",),
+        not_null=("name",),
+        ranges={"balance": (-1_000_000.0, 1_000_000_000.0)},
+        unique_key=True,
+    ),
+    description="Table public.customers via Postgres CDC (pgoutput); latest row per id.",
+)
+
+
+def configured_sources() -> tuple[SourceSpec, ...]:
+    """``orders`` always; ``customers`` when ``PERSIST_CDC_DSN`` is set."""
+    return (ORDERS, CUSTOMERS) if CUSTOMERS.dsn() else (ORDERS,)
+
+
+SOURCES: tuple[SourceSpec, ...] = configured_sources()
 
 
 def source(name: str) -> SourceSpec:

@@ -1,9 +1,16 @@
 """Source-arrival sensors: one per configured source, launching its ingestion job.
 
-The cursor is the name of the last landed file seen (files are ingested in name order).
-Each tick lists the files after the cursor; new files make **one** run request whose
-``run_key`` is derived from the batch (``<source>:<last new file>``), so re-evaluating
-the same arrivals never launches twice, and the returned cursor moves past them.
+Landing zones: the cursor is the name of the last landed file seen (files are ingested
+in name order). Each tick lists the files after the cursor; new files make **one** run
+request whose ``run_key`` is derived from the batch (``<source>:<last new file>``), so
+re-evaluating the same arrivals never launches twice, and the returned cursor moves
+past them.
+
+Postgres CDC: the cursor is the server's WAL flush LSN seen last. When it moved, the
+sensor peeks at the replication slot (without consuming) for a pending transaction on
+the published table; if there is one, it requests one run with ``run_key =
+<source>:<LSN>``; either way the cursor moves to the new LSN. Before the first
+ingestion (no slot yet) the first run is requested (it takes the initial snapshot).
 
 No run storms: one request per tick at most (the run ingests everything that landed,
 not just the files of the request), and none while an ingestion run of the source is
@@ -16,7 +23,10 @@ import dagster as dg
 
 from dagster_project.assets import SOURCE_ASSETS
 from dagster_project.resources import LandingZoneResource
+from dagster_project.sources import SourceSpec
 from jobs.ingestion import INGESTION_JOBS
+from persist_lib.ingest.errors import IngestConfigError, SourceUnavailable
+from persist_lib.ingest.pgoutput import int_to_lsn
 from sensors.compaction import IN_FLIGHT
 
 
@@ -67,8 +77,76 @@ def build_arrival_sensor(
     return _sensor
 
 
+def cdc_pending(spec: SourceSpec) -> tuple[int, bool]:
+    """(the source's WAL flush LSN, whether a transaction on the table awaits ingestion)."""
+    from persist_lib.ingest.pg_cdc import PgCdcSource
+
+    src = PgCdcSource(spec.dsn(), spec.table)
+    src.attach(None, spec.name)  # derives the slot and publication names
+    try:
+        lsn = src.current_lsn()
+        slot = (
+            src.conn()
+            .execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (src.slot,))
+            .fetchone()
+        )
+        if slot is None:
+            return lsn, True  # never ingested: the first run takes the snapshot
+        return lsn, bool(src.peek(None, 1))
+    finally:
+        src.close()
+
+
+def build_cdc_arrival_sensor(
+    spec: SourceSpec,
+    job: dg.UnresolvedAssetJobDefinition | dg.JobDefinition,
+    *,
+    minimum_interval_seconds: int = 30,
+) -> dg.SensorDefinition:
+    """The arrival sensor of one Postgres CDC source (cursor = WAL LSN)."""
+    source = spec.name
+
+    @dg.sensor(
+        name=f"{source}_arrival_sensor",
+        job=job,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description=f"Launches {job.name} when {spec.table} has new committed changes.",
+    )
+    def _sensor(context: dg.SensorEvaluationContext):
+        cursor = context.cursor or "0"
+        if not spec.dsn():
+            return dg.SensorResult(skip_reason=f"{spec.dsn_env} is not set", cursor=cursor)
+        try:
+            lsn, pending = cdc_pending(spec)
+        except (SourceUnavailable, IngestConfigError, OSError) as e:
+            return dg.SensorResult(skip_reason=f"source not readable now: {e}", cursor=cursor)
+        if lsn <= int(cursor):
+            return dg.SensorResult(skip_reason="no new WAL", cursor=cursor)
+        if not pending:
+            return dg.SensorResult(
+                skip_reason=f"WAL moved to {int_to_lsn(lsn)}, nothing for {spec.table}",
+                cursor=str(lsn),
+            )
+        if ingestion_in_flight(context.instance, job.name):
+            return dg.SensorResult(skip_reason="waiting for the running ingestion", cursor=cursor)
+        request = dg.RunRequest(
+            run_key=f"{source}:{int_to_lsn(lsn)}",
+            tags={"persist/source": source, "persist/lsn": int_to_lsn(lsn)},
+        )
+        return dg.SensorResult(run_requests=[request], cursor=str(lsn))
+
+    return _sensor
+
+
+def build_source_sensor(
+    spec: SourceSpec, job: dg.UnresolvedAssetJobDefinition | dg.JobDefinition
+) -> dg.SensorDefinition:
+    if spec.kind == "postgres_cdc":
+        return build_cdc_arrival_sensor(spec, job)
+    return build_arrival_sensor(spec.name, job)
+
+
 ARRIVAL_SENSORS = {
-    name: build_arrival_sensor(name, INGESTION_JOBS[name])
-    for name, sa in SOURCE_ASSETS.items()
-    if sa.spec.kind == "landing_zone"
+    name: build_source_sensor(sa.spec, INGESTION_JOBS[name]) for name, sa in SOURCE_ASSETS.items()
 }
