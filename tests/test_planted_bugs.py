@@ -13,32 +13,10 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import run_state_machine_as_test
 
 from persist_lib.testing import planted
-from persist_lib.testing.corruption import CorruptionFixture, flip_bit
+from persist_lib.testing.controls import STATEFUL_BUGS, corruption_catches, stateful_catches
 from persist_lib.testing.runner import HistoryResult, default_config, run_history
-from persist_lib.testing.stateful import ShardStateMachine
-
-CONTROL = settings(
-    max_examples=200,
-    stateful_step_count=30,
-    deadline=None,
-    database=None,
-    derandomize=True,
-    phases=[Phase.explicit, Phase.generate],
-    suppress_health_check=list(HealthCheck),
-)
-
-STATEFUL_BUGS = (
-    "caa_no_idempotency_token",
-    "compaction_drops_part",
-    "truncate_deletes_head",
-    "lease_expiry_ignores_hb",
-    "since_regress",
-)
 
 
 def test_catalogue_is_complete() -> None:
@@ -49,48 +27,12 @@ def test_catalogue_is_complete() -> None:
 # ----- caught by the stateful model test --------------------------------------------------
 
 
-def stateful_catches(name: str) -> BaseException | None:
-    """Runs the state machine with ``name`` planted; returns the failure (None: missed)."""
-
-    class Planted(ShardStateMachine):
-        planted_consensus = tuple(n for n in (name,) if n in planted.CONSENSUS_BUGS)
-
-    with planted.activate([name]):
-        try:
-            run_state_machine_as_test(Planted, settings=CONTROL)
-        except Exception as e:  # noqa: BLE001 - any failure of the check counts
-            return e
-    return None
-
-
 @pytest.mark.parametrize("name", STATEFUL_BUGS)
 def test_stateful_catches(name: str) -> None:
     assert stateful_catches(name) is not None, f"the stateful test missed planted bug {name}"
 
 
 # ----- caught by the corruption property ---------------------------------------------------
-
-
-def corruption_catches(name: str = "skipped_checksum", examples: int = 300) -> str | None:
-    """Runs the corruption property with ``name`` planted; returns the counterexample."""
-    fx = CorruptionFixture()
-    parts = [t for t in fx.targets if t.kind == "part"]
-    found: list[str] = []
-
-    @settings(CONTROL, max_examples=examples)
-    @given(i=st.integers(0, len(parts) - 1), pos=st.integers(0, 1 << 40))
-    def prop(i: int, pos: int) -> None:
-        out = fx.read_corrupted(parts[i], flip_bit(pos))
-        if out not in ("detected", "unchanged"):
-            found.append(f"{parts[i]} bit {pos}: {out}")
-            raise AssertionError(found[-1])
-
-    with planted.activate([name]):
-        try:
-            prop()
-        except AssertionError:
-            return found[-1]
-    return None
 
 
 def test_corruption_property_catches_skipped_checksum() -> None:

@@ -428,8 +428,10 @@ class Reader(Actor):
             return
         r = self.r
         x = self.rng.random()
-        if x < 0.30:
+        if x < 0.24:
             e = self.snapshot()
+        elif x < 0.30:
+            e = self.snapshot_splits()
         elif x < 0.70:
             e = self.listen_step()
         elif x < 0.85:
@@ -463,6 +465,40 @@ class Reader(Actor):
             return [list(x) for x in zip(cols["k"], cols["v"], cols["ts"], cols["diff"], strict=True)]
 
         _, _, e = self.run_op("snapshot", {"reader_id": r.reader_id, "as_of": as_of}, do)
+        return e
+
+    def snapshot_splits(self) -> BaseException | None:
+        """Splits (as Spark executors get them) fetched after a pause: the read handle's
+        seqno hold must keep their parts alive meanwhile."""
+        r = self.r
+        try:
+            since, upper = self._since_upper()
+        except PersistError as e:
+            return e
+        as_of = self.rng.randint(since, upper - 1) if upper - 1 >= since else since
+        n = self.rng.randint(1, 3)
+        pause = self.rng.uniform(0.05, 0.6)
+
+        def do() -> Any:
+            splits = r.snapshot_splits(as_of, n, timeout_s=1.0)
+            try:
+                time.sleep(pause)
+                out: list[list[Any]] = []
+                for sp in splits:
+                    try:
+                        t = sp.fetch(self.client.blob)
+                    except BlobNotFound:
+                        r._me(r._machine.fetch_latest())  # LeaseExpired if the lease lapsed
+                        raise
+                    c = t.to_pydict()
+                    out += [list(x) for x in zip(c["k"], c["v"], c["ts"], c["diff"], strict=True)]
+                return out
+            finally:
+                r.release_splits()
+
+        _, _, e = self.run_op(
+            "snapshot_splits", {"reader_id": r.reader_id, "as_of": as_of, "splits": n, "pause_s": pause}, do
+        )
         return e
 
     def listen_step(self) -> BaseException | None:

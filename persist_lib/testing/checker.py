@@ -436,7 +436,7 @@ def check_realtime(commits: list[Commit], report: CheckReport) -> None:
 def check_reads(rows: list[model.Row], final_upper: int, hist: History, report: CheckReport) -> dict[str, int]:
     stats: Counter[str] = Counter()
     by_time = sorted(rows, key=lambda r: r[2])
-    for o in hist.ops_of("snapshot"):
+    for o in hist.ops_of("snapshot", "snapshot_splits"):
         if o.outcome != OK:
             continue
         stats["snapshots_checked"] += 1
