@@ -261,6 +261,10 @@ class Actor:
 
         threading.Thread(target=loop, name="outages", daemon=True).start()
 
+    def step(self) -> None:
+        """One operation of this role (subclasses)."""
+        raise NotImplementedError
+
     def faults(self) -> dict[str, int]:
         h = self.loc.handle
         return h.snapshot_counts() if h is not None else {}
@@ -455,8 +459,8 @@ class Reader(Actor):
         r = self.r
         try:
             since, upper = self._since_upper()
-        except PersistError as e:
-            return e
+        except PersistError as err:
+            return err
         as_of = self.rng.randint(since, upper - 1) if upper - 1 >= since else since
 
         def do() -> Any:
@@ -473,8 +477,8 @@ class Reader(Actor):
         r = self.r
         try:
             since, upper = self._since_upper()
-        except PersistError as e:
-            return e
+        except PersistError as err:
+            return err
         as_of = self.rng.randint(since, upper - 1) if upper - 1 >= since else since
         n = self.rng.randint(1, 3)
         pause = self.rng.uniform(0.05, 0.6)
@@ -506,8 +510,8 @@ class Reader(Actor):
         if self.listen is None or self.rng.random() < 0.03:
             try:
                 since, upper = self._since_upper()
-            except PersistError as e:
-                return e
+            except PersistError as err:
+                return err
             as_of = self.rng.randint(since, max(since, upper))
             lid = self.log.new_op_id()
 
@@ -556,8 +560,8 @@ class Reader(Actor):
         r = self.r
         try:
             since, upper = self._since_upper()
-        except PersistError as e:
-            return e
+        except PersistError as err:
+            return err
         cap = upper - 1
         if self.listen is not None and self.listen.frontier.time is not None:
             cap = min(cap, self.listen.frontier.time - 1)  # listen needs times >= frontier intact
@@ -573,8 +577,8 @@ class Reader(Actor):
         r = self.r
         try:
             since, _ = self._since_upper()
-        except PersistError as e:
-            return e
+        except PersistError as err:
+            return err
         if since == 0:
             return None
         new = since - 1

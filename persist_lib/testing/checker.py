@@ -389,7 +389,9 @@ def definite_updates_rows(seed: int, lo: int, hi: int) -> list[model.Row]:
     return [(u[0][0][0], u[0][1][0], u[1], u[2]) for u in definite_updates(seed, lo, hi)]
 
 
-def check_write_outcomes(commits: list[Commit], hist: History, report: CheckReport) -> dict[str, int]:
+def check_write_outcomes(
+    commits: list[Commit], hist: History, report: CheckReport, final_upper: int | None = None
+) -> dict[str, int]:
     n: Counter[str] = Counter(c.op.id for c in commits if c.op is not None)
     stats: Counter[str] = Counter()
     for o in hist.ops_of(*WRITE_OPS):
@@ -407,6 +409,9 @@ def check_write_outcomes(commits: list[Commit], hist: History, report: CheckRepo
             )
         if o.outcome == OK and o.op == "caa" and k == 0:
             report.add("acked_write_lost", f"caa {o.id} [{o.args['expected']}, {o.args['new']}) was acknowledged but never committed")
+        if o.outcome == OK and o.op == "append" and final_upper is not None and final_upper < o.args["upper"]:
+            # A definite append returns once the shard holds its times (written by it or another).
+            report.add("acked_write_lost", f"append {o.id} up to {o.args['upper']} acknowledged, final upper {final_upper}")
     return dict(stats)
 
 
@@ -416,7 +421,7 @@ def check_realtime(commits: list[Commit], report: CheckReport) -> None:
         if c.op is None:
             continue
         o = c.op
-        done = o.complete_mono if o.completed else float("inf")
+        done = o.complete_mono if o.completed and o.complete_mono is not None else float("inf")
         ops.append((o.invoke_mono, done, c.seqno, o.id))
     by_done = sorted(ops, key=lambda x: x[1])
     j = 0
@@ -459,11 +464,11 @@ def check_reads(rows: list[model.Row], final_upper: int, hist: History, report: 
         elif o.op == "listen_next" and o.outcome == OK:
             listens[o.args["listen_id"]].append(o)
     for lid, nexts in listens.items():
-        as_of = opened.get(lid)
-        if as_of is None:
+        listen_as_of = opened.get(lid)
+        if listen_as_of is None:
             continue
         stats["listens_checked"] += 1
-        frontier = as_of + 1
+        frontier = listen_as_of + 1
         acc: list[model.Row] = []
         for o in nexts:
             if o.args.get("frontier") != frontier:
@@ -479,12 +484,17 @@ def check_reads(rows: list[model.Row], final_upper: int, hist: History, report: 
                     if u is not None and u > final_upper:
                         report.add("read_beyond_upper", f"listen {lid} progressed to {u} beyond the final upper {final_upper}")
                     got = model.consolidate(acc)
-                    want = model.time_slice(by_time, as_of + 1, u)
+                    want = model.time_slice(by_time, listen_as_of + 1, u)
                     stats["listen_progress_checked"] += 1
                     if got != want:
-                        report.add("listen_mismatch", f"listen {lid} as of {as_of} at progress {u}: {model.counter_diff(got, want)}")
+                        report.add(
+                            "listen_mismatch",
+                            f"listen {lid} as of {listen_as_of} at progress {u}: {model.counter_diff(got, want)}",
+                        )
                         break
-                    frontier = u if u is not None else frontier
+                    if u is None:
+                        break  # the shard was closed: nothing follows
+                    frontier = u
     return dict(stats)
 
 
@@ -610,7 +620,7 @@ def check_history(cfg: HistoryConfig, consensus: Consensus, extra: dict[str, Any
     commits = find_commits(states, parts)
     attribute(commits, hist, cfg.seed, report)
     stats: dict[str, Any] = {}
-    stats.update(check_write_outcomes(commits, hist, report))
+    stats.update(check_write_outcomes(commits, hist, report, states[-1].upper.time))
     check_realtime(commits, report)
     model_rows: list[model.Row] = []
     by_seqno: list[tuple[int, list[model.Row]]] = []

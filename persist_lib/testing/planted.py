@@ -89,7 +89,7 @@ def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
         setattr(obj, name, old)
 
 
-def _gc_ignores_holds() -> contextlib.AbstractContextManager[None]:
+def _gc_ignores_holds() -> contextlib.AbstractContextManager[Any]:
     from persist_lib import gc as gcmod
     from persist_lib import state as st
 
@@ -103,7 +103,7 @@ def _gc_ignores_holds() -> contextlib.AbstractContextManager[None]:
     return stack
 
 
-def _caa_no_token() -> contextlib.AbstractContextManager[None]:
+def _caa_no_token() -> contextlib.AbstractContextManager[Any]:
     from persist_lib import transitions as tr
 
     orig = tr.compare_and_append
@@ -115,7 +115,7 @@ def _caa_no_token() -> contextlib.AbstractContextManager[None]:
     return _patched(tr, "compare_and_append", broken)
 
 
-def _compaction_drops_part() -> contextlib.AbstractContextManager[None]:
+def _compaction_drops_part() -> contextlib.AbstractContextManager[Any]:
     from persist_lib import compactor
 
     orig = compactor.merge_batches
@@ -131,7 +131,7 @@ def _compaction_drops_part() -> contextlib.AbstractContextManager[None]:
     return _patched(compactor, "merge_batches", broken)
 
 
-def _skipped_checksum() -> contextlib.AbstractContextManager[None]:
+def _skipped_checksum() -> contextlib.AbstractContextManager[Any]:
     from persist_lib import compactor, parts
 
     def no_verify(data: bytes, **kw: Any) -> None:
@@ -143,7 +143,7 @@ def _skipped_checksum() -> contextlib.AbstractContextManager[None]:
     return stack
 
 
-def _lease_expiry_ignores_hb() -> contextlib.AbstractContextManager[None]:
+def _lease_expiry_ignores_hb() -> contextlib.AbstractContextManager[Any]:
     from persist_lib import transitions as tr
     from persist_lib.state import ShardState
 
@@ -163,7 +163,7 @@ def _lease_expiry_ignores_hb() -> contextlib.AbstractContextManager[None]:
     return _patched(tr, "expire_leases", broken)
 
 
-def _since_regress() -> contextlib.AbstractContextManager[None]:
+def _since_regress() -> contextlib.AbstractContextManager[Any]:
     from persist_lib import transitions as tr
     from persist_lib.frontier import Antichain
     from persist_lib.state import ShardState
@@ -191,7 +191,7 @@ def _since_regress() -> contextlib.AbstractContextManager[None]:
     return stack
 
 
-_PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+_PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
     "gc_ignores_holds": _gc_ignores_holds,
     "caa_no_idempotency_token": _caa_no_token,
     "compaction_drops_part": _compaction_drops_part,

@@ -30,7 +30,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -46,11 +45,11 @@ from persist_lib.testing.actors import (
 from persist_lib.testing.checker import CheckReport, check_history
 from persist_lib.testing.history import OK, EventLog
 
-_CTX: BaseContext | None = None
+_CTX: Any = None  # the forkserver context (typed loosely: BaseContext lacks Process)
 _CTX_LOCK = threading.Lock()
 
 
-def _context() -> BaseContext:
+def _context() -> Any:
     global _CTX
     with _CTX_LOCK:
         if _CTX is None:

@@ -74,7 +74,7 @@ class ShardStateMachine(RuleBasedStateMachine):
         self.max_head = 0
         self.ops = 0
         self.inline = 0
-        self.client: PersistClient | None = None
+        self.client: Any = None  # a PersistClient once initialized
 
     @initialize(inline=st.sampled_from([0, 0, 4096]))
     def init(self, inline: int) -> None:
