@@ -60,6 +60,25 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _git() -> str:
+    """HEAD and whether persist_lib has uncommitted changes (others edit concurrently)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "persist_lib"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        return head + (" + uncommitted persist_lib changes" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
 def _loadavg() -> str:
     try:
         return "/".join(f"{x:.1f}" for x in os.getloadavg())
@@ -97,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_start": _loadavg(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "root": str(root),
+        "git": _git(),
         **_versions(),
     }
     results: dict[str, Any] = {"meta": meta, "benchmarks": {}}

@@ -71,7 +71,8 @@ def render(results: dict[str, Any]) -> str:
         f"{meta.get('loadavg_start', '?')} at start / {meta.get('loadavg_end', '?')} at end, "
         f"{meta.get('seconds', '?')} s in total; deltalake {meta.get('deltalake', '?')}, pyiceberg "
         f"{meta.get('pyiceberg', '?')}, pyarrow {meta.get('pyarrow', '?')}, Python "
-        f"{meta.get('python', '?')}. Goals met: **{met} / {len(goals)}**."
+        f"{meta.get('python', '?')}; code at `{meta.get('git', '?')}`. "
+        f"Goals met: **{met} / {len(goals)}**."
     )
     parts = [head, "", render_rows(rows)]
     if errors:
