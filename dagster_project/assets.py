@@ -12,6 +12,7 @@ and records its state. Every materialization records what the UI should show: fr
 spine as a markdown table.
 """
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,7 +192,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         persist: PersistResource,
         landing: LandingZoneResource,
         spark: SparkResource,
-    ):
+    ) -> Iterator[dg.MaterializeResult]:
         ctl = persist.controller()
         progress = ThrottledProgress(context.log.info)
         summary = ingest_source(

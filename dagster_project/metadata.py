@@ -51,11 +51,13 @@ def spine_levels(spine: Sequence[Mapping[str, Any]]) -> str:
 
 def spine_markdown(state: Mapping[str, Any]) -> str:
     """One shard's spine, one row per batch (oldest first)."""
+    sizes = {b["id"]: b["bytes"] for b in state.get("batches", [])}
     rows = [
         (
             b["id"],
             b["level"],
             b["len"],
+            sizes.get(b["id"], 0),
             frontier_text(b["lower"]),
             frontier_text(b["upper"]),
             frontier_text(b["since"]),
@@ -63,8 +65,6 @@ def spine_markdown(state: Mapping[str, Any]) -> str:
         )
         for b in state.get("spine", [])
     ]
-    sizes = {b["id"]: b["bytes"] for b in state.get("batches", [])}
-    rows = [(*r[:3], sizes.get(r[0], 0), *r[3:]) for r in rows]
     return md_table(
         ["batch", "level", "updates", "bytes", "lower", "upper", "since", "pending"], rows
     )

@@ -80,7 +80,7 @@ def compact_shard(
             "batches_after": before["num_batches"],
         }
     spark_compact = _spark_compactor() if spark is not None else None
-    if spark_compact is not None and int(before["bytes"]) >= spark_min_bytes:
+    if spark is not None and spark_compact is not None and int(before["bytes"]) >= spark_min_bytes:
         res = dict(spark_compact(spark(), client, shard, min_bytes=spark_min_bytes))
         res.setdefault("engine", "spark")
     else:

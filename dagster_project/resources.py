@@ -243,8 +243,8 @@ def is_landed_file(name: str) -> bool:
     temporary name (leading ``.``/``_``, trailing ``.tmp``/``.partial``) and rename the
     file into place; only known formats (jsonl/csv/parquet, optionally gzipped) count.
     """
-    base = name.rsplit("/", 1)[-1]
-    if base.startswith((".", "_")) or base.endswith((".tmp", ".partial")):
+    parts = name.split("/")
+    if any(p.startswith((".", "_")) for p in parts) or parts[-1].endswith((".tmp", ".partial")):
         return False
     return format_of(name) is not None
 

@@ -51,7 +51,9 @@ def build_arrival_sensor(
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=f"Launches {job.name} when new files land for {source!r}.",
     )
-    def _sensor(context: dg.SensorEvaluationContext, landing: LandingZoneResource):
+    def _sensor(
+        context: dg.SensorEvaluationContext, landing: LandingZoneResource
+    ) -> dg.SensorResult:
         cursor = context.cursor or ""
         files = landing.list_files(source, after=cursor)
         if not files:
@@ -82,7 +84,7 @@ def cdc_pending(spec: SourceSpec) -> tuple[int, bool]:
     from persist_lib.ingest.pg_cdc import PgCdcSource
 
     src = PgCdcSource(spec.dsn(), spec.table)
-    src.attach(None, spec.name)  # derives the slot and publication names
+    src.attach(None, spec.name)  # type: ignore[arg-type]  # only derives slot/publication names
     try:
         lsn = src.current_lsn()
         slot = (
@@ -113,7 +115,7 @@ def build_cdc_arrival_sensor(
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=f"Launches {job.name} when {spec.table} has new committed changes.",
     )
-    def _sensor(context: dg.SensorEvaluationContext):
+    def _sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         cursor = context.cursor or "0"
         if not spec.dsn():
             return dg.SensorResult(skip_reason=f"{spec.dsn_env} is not set", cursor=cursor)

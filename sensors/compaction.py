@@ -68,7 +68,7 @@ def build_compaction_debt_sensor(
         known = set(context.instance.get_dynamic_partitions(shard_partitions.name or ""))
         new_keys = sorted(d.shard for d in debts if d.shard not in known)
         over = sorted((d for d in debts if d.debt > threshold), key=lambda d: -d.debt)
-        requests = []
+        requests: list[dg.RunRequest] = []
         for d in over:
             if len(requests) >= max_runs_per_tick:
                 break

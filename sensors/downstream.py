@@ -36,7 +36,7 @@ def build_downstream_sensor(
         description=f"Launches {job.name} after each materialization of "
         f"{upstream.to_user_string()} whose checks passed.",
     )
-    def _sensor(context: dg.SensorEvaluationContext):
+    def _sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         after = int(context.cursor) if context.cursor else None
         records = context.instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=upstream, after_storage_id=after),
