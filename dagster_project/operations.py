@@ -83,6 +83,11 @@ def compact_shard(
     if spark is not None and spark_compact is not None and int(before["bytes"]) >= spark_min_bytes:
         res = dict(spark_compact(spark(), client, shard, min_bytes=spark_min_bytes))
         res.setdefault("engine", "spark")
+        res.setdefault(
+            "merges_applied",
+            int(res.get("spark_merges_applied", 0)) + int(res.get("local_merges_applied", 0)),
+        )
+        res.setdefault("bytes_written", int(res.get("spark_bytes_written", 0)))
     else:
         res = dict(client.compact(shard))
         res["engine"] = "in-process"
