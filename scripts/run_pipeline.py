@@ -215,8 +215,8 @@ class Pipeline:
         )
         meta = res.get_asset_materialization_events()[0].materialization.metadata
         print(
-            f"   {meta['previous_rendition'].value} -> {rendition} ({num_shards} shards, built on "
-            f"{meta['build_engine'].value} from {meta['raw_records_replayed'].value} raw records), "
+            f"   {meta['previous_rendition'].value} -> {rendition} ({num_shards} shards, built "
+            f"({meta['build_engine'].value}) from {meta['raw_records_replayed'].value} raw records), "
             f"handed over at {meta['handover_at'].value}"
         )
         return rendition
