@@ -207,7 +207,9 @@ class MemoryPlan:
         cls, budget: int, max_part_decoded: int, max_part_encoded: int, target_part_bytes: int,
         n_runs: int,
     ) -> MemoryPlan:
-        """Output parts get ~1/16 of the budget (a builder holds ~3.5 of them at once).
+        """Output parts get 1/32 of the budget: the builder holds ~3.5 of them as Arrow
+        data and re-consolidates each one as it flushes (numpy ranks and sort order,
+        ~160 bytes per row), ~8 output parts' worth in all (25% of the budget).
         60% is for the runs: per open run its decoded part plus ``run_bytes`` for its
         buffered chunks and its share of a merge step, and once the encoded bytes of a
         part being decoded. The fan-in is what fits with a minimal allowance; the
@@ -215,7 +217,7 @@ class MemoryPlan:
         chunks mean fewer, cheaper merge steps)."""
         if budget < 1 * MiB:
             raise InvalidUsage(f"compaction memory budget must be >= 1 MiB, got {budget} bytes")
-        out = max(16 << 10, min(target_part_bytes, budget // 16))
+        out = max(16 << 10, min(target_part_bytes, budget // 32))
         # Decoding a part briefly holds its encoded bytes and a second decoded copy
         # (Parquet's column chunks): the encoded bytes come out of the runs' room, the
         # copy out of the 40% left beside runs and output.
@@ -267,7 +269,7 @@ class MergeStats:
     intermediate_bytes: int = 0
     peak_rows_held: int = 0
     peak_bytes_held: int = 0  # run buffers, encoded parts held, one step's working set
-    output_reserve_bytes: int = 0  # what the output builder may hold (~3.5 output parts)
+    output_reserve_bytes: int = 0  # what the output builder may hold (~8 output parts)
     steps: int = 0
     restarted_per_part: bool = False
 
@@ -706,7 +708,7 @@ def _merge(
     max_decoded = max((estimate_decoded_bytes(p, schemas) for run in runs_parts for p in run), default=0)
     plan = MemoryPlan.for_runs(budget, max_decoded, max_encoded, target_part_bytes, len(runs_parts))
     stats = MergeStats(
-        runs=len(runs_parts), fan_in=plan.fan_in, output_reserve_bytes=int(3.5 * plan.output_part_bytes)
+        runs=len(runs_parts), fan_in=plan.fan_in, output_reserve_bytes=8 * plan.output_part_bytes
     )
     intermediate: list[str] = []
 
