@@ -49,7 +49,7 @@ def _caught(seed: int, root: Path, uri: str | None, bug: str, kinds: set[str], *
     for attempt in range(2):
         d = root / f"a{attempt}"
         u = uri or "sqlite:///" + quote(str(d / "c.db"))
-        cfg = default_config(seed + 100 * attempt, str(d), u, target_ops=150, time_limit_s=90, planted=[bug], **kw)
+        cfg = default_config(seed + 100 * attempt, str(d), u, target_ops=120, time_limit_s=90, planted=[bug], **kw)
         res = run_history(cfg)
         if res.report.by_kind().keys() & kinds:
             return res

@@ -27,9 +27,9 @@ from persist_lib.testing.runner import HistoryResult, default_config, run_histor
 KEY = pa.schema([("k", pa.string())])
 VAL = pa.schema([("v", pa.int64())])
 
-SQLITE_SEEDS = range(1, 6)
+SQLITE_SEEDS = range(1, 5)
 PG_SEEDS = range(101, 103)
-OPS = 150
+OPS = 120
 
 
 def _sqlite_uri(root: Path) -> str:
