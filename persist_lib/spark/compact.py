@@ -459,6 +459,7 @@ def compact_shard(
     before, debt_before = len(s.batches), compaction_debt(s)
     spark_results: list[SparkCompactionResult] = []
     local_applied = local_not_applied = rounds = 0
+    local_read = local_written = 0
     while rounds < max_rounds and not s.tombstone:
         reqs = compaction_requests(s)
         if not reqs:
@@ -476,11 +477,19 @@ def compact_shard(
                 r = compact_request(m, schemas, client.config, req)
                 local_applied += int(r.applied)
                 local_not_applied += int(not r.applied)
+                local_read += r.stats.bytes_read
+                local_written += r.stats.bytes_written
         s = m.fetch_latest()
+    spark_applied = sum(1 for r in spark_results if r.applied)
     return {
         "shard": m.shard_id,
         "rounds": rounds,
-        "spark_merges_applied": sum(1 for r in spark_results if r.applied),
+        # The keys of maintenance.compact, over both engines:
+        "merges_applied": spark_applied + local_applied,
+        "merges_not_applied": len(spark_results) - spark_applied + local_not_applied,
+        "bytes_read": sum(r.stats.bytes_in for r in spark_results) + local_read,
+        "bytes_written": sum(r.stats.bytes_out for r in spark_results) + local_written,
+        "spark_merges_applied": spark_applied,
         "spark_merges_not_applied": sum(1 for r in spark_results if not r.applied),
         "local_merges_applied": local_applied,
         "local_merges_not_applied": local_not_applied,
