@@ -25,6 +25,7 @@ class PersistConfig:
     inline_max_total: int = 1 * MiB  # bound on inline bytes per shard
     # State.
     rollup_interval: int = 128  # write a rollup every ~this many seqnos
+    rollup_in_background: bool = True  # off the committing writer's path (tests: inline)
     # Leases.
     reader_lease_ms: int = 15 * 60 * 1000
     writer_lease_ms: int = 60 * 60 * 1000
@@ -53,6 +54,7 @@ class PersistConfig:
         cfg = cls(
             blob_target_size=1 * MiB,
             background_heartbeats=False,
+            rollup_in_background=False,
             retry_deadline_s=10.0,
             snapshot_timeout_s=10.0,
         )

@@ -296,7 +296,13 @@ class Machine:
         latest = new.latest_rollup()
         last = latest[0] if latest else 0
         if interval > 0 and new.seqno - last >= interval:
-            self.write_rollup()
+            if self.config.rollup_in_background:
+                if not self.shared.rollup_in_progress:
+                    threading.Thread(
+                        target=self.write_rollup, name=f"persist-rollup-{self.shard_id}", daemon=True
+                    ).start()
+            else:
+                self.write_rollup()
         for cb in list(self.on_commit):
             try:
                 cb(new)

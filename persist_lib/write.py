@@ -134,6 +134,7 @@ class WriteHandle:
             target_part_bytes=cfg.blob_target_size,
             max_inflight_uploads=cfg.max_inflight_uploads,
             inline_threshold=cfg.inline_threshold,
+            executor=self._client.upload_executor(),
         )
 
     def normalize(self, updates: Any) -> pa.Table:
@@ -240,6 +241,7 @@ class WriteHandle:
             target_part_bytes=cfg.blob_target_size,
             max_inflight_uploads=cfg.max_inflight_uploads,
             inline_threshold=cfg.inline_threshold,
+            executor=self._client.upload_executor(),
         )
 
     def _commit_or_delete(self, batch: HollowBatch, expected: Antichain, new: Antichain) -> None:
@@ -255,9 +257,7 @@ class WriteHandle:
         token = uuid.uuid4().hex
         cfg = self._client.config
         while True:
-            b = batch
-
-            def caa(s: ShardState, now: int) -> tr.Result:
+            def caa(s: ShardState, now: int, b: HollowBatch = batch) -> tr.Result:
                 return tr.compare_and_append(
                     s, now, writer_id=self.writer_id, batch=b, token=token,
                     inline_max_total=cfg.inline_max_total,
