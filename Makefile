@@ -10,7 +10,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(PY) -m persist_lib.demo
+	$(PY) scripts/run_pipeline.py
 
 test: setup
 	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from persist_lib.client import PersistClient
 from persist_lib.codec import Schemas
-from persist_lib.errors import InvalidUsage, UpperMismatch
+from persist_lib.errors import InvalidUsage, PersistError, UpperMismatch
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
 from persist_lib.ids import ShardId
 from persist_lib.read import ReadHandle
@@ -297,12 +297,7 @@ class StorageController:
         schemas = self._schemas(spec)
         meta = spec["metadata_shard"]
         self._downgrade_critical(meta, METADATA_KEY, METADATA_VAL, target)
-        own = self._meta_reader(name, meta)
-        # The controller reads the metadata at upper - 1: never give that up.
-        meta_upper = own._machine.fetch_latest().upper
-        own_target = target if meta_upper.time is None else min(target, Antichain([max(meta_upper.time - 1, 0)]))
-        if own.since < own_target:
-            own.downgrade_since(own_target)
+        self._sync_own_reader(name, meta)
         meta_since = self.client.machine(meta).fetch_latest().since
         cap = min(target, meta_since)
         for info in spec["renditions"].values():
@@ -335,6 +330,7 @@ class StorageController:
             spec = self._spec(n)
             self._reconcile_handovers(n)
             spec = self._spec(n)
+            self._sync_own_reader(n, spec["metadata_shard"])
             meta_since = self.client.machine(spec["metadata_shard"]).fetch_latest().since
             done: dict[str, Any] = {}
             for r, info in spec["renditions"].items():
@@ -428,6 +424,36 @@ class StorageController:
         )
         if h.since < since:
             h.compare_and_downgrade_since(CONTROLLER_OPAQUE, CONTROLLER_OPAQUE, since)
+
+    def _sync_own_reader(self, name: str, meta: str) -> None:
+        """Moves the controller's own metadata reader up to its critical since.
+
+        It never passes ``upper - 1``: the controller reads the metadata there.
+        """
+        own = self._meta_reader(name, meta)
+        state = own._machine.fetch_latest()
+        crit = state.critical_readers.get(_crit_id(meta))
+        target = crit.since if crit is not None else state.since
+        if state.upper.time is not None:
+            target = min(target, Antichain([max(state.upper.time - 1, 0)]))
+        if own.since < target:
+            own.downgrade_since(target)
+
+    def close(self) -> None:
+        """Releases the controller's own metadata readers (its critical holds stay)."""
+        for r in self._meta_readers.values():
+            try:
+                r.expire()
+            except PersistError:
+                pass
+        self._meta_readers.clear()
+        self._active_cache.clear()
+
+    def __enter__(self) -> StorageController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _meta_reader(self, name: str, meta: str) -> ReadHandle:
         r = self._meta_readers.get(meta)
