@@ -50,7 +50,10 @@ def local_session(
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     settings = dict(SMALL_LOCAL_CONF)
-    settings["spark.local.dir"] = tempfile.mkdtemp(prefix="persist-spark-")
+    if SparkSession.getActiveSession() is None:  # an existing session keeps its dirs
+        settings["spark.local.dir"] = tempfile.mkdtemp(prefix="persist-spark-")
+    else:
+        del settings["spark.local.dir"]
     settings.update(conf or {})
     builder = SparkSession.builder.master(master).appName(app_name)
     for k, v in settings.items():
