@@ -37,7 +37,7 @@ from typing import Any
 
 from persist_lib import maintenance_transitions as mt
 from persist_lib import state as st
-from persist_lib.errors import ExternalError
+from persist_lib.errors import Determinate, ExternalError
 from persist_lib.location.base import Blob, Consensus
 from persist_lib.machine import SCAN_LIMIT, Machine, unframe
 
@@ -189,12 +189,29 @@ def _load_rollup(blob: Blob, shard: str, seqno: int, key: str) -> st.ShardState 
     return s if s.seqno == seqno else None
 
 
+LIVE_REPLAY_ATTEMPTS = 5
+
+
 def live_blob_keys(blob: Blob, consensus: Consensus, shard: str) -> set[str]:
     """Every blob key referenced by any state version still in consensus.
 
     Replays from the earliest rollup whose blob still exists and whose following diffs
     are all in consensus (or from the beginning, if nothing was truncated) to the head.
+    A GC may truncate the log while we replay; the replay then starts over (a gap in
+    the seqnos is a concurrent truncation, not corruption).
     """
+    for _ in range(LIVE_REPLAY_ATTEMPTS):
+        keys = _live_blob_keys_once(blob, consensus, shard)
+        if keys is not None:
+            return keys
+    raise Determinate(
+        f"shard {shard}: consensus kept being truncated while the live state versions were "
+        f"replayed ({LIVE_REPLAY_ATTEMPTS} attempts); not sweeping, retry later"
+    )
+
+
+def _live_blob_keys_once(blob: Blob, consensus: Consensus, shard: str) -> set[str] | None:
+    """One replay; ``None`` if the log was truncated under it."""
     first = consensus.scan(shard, 0, 1)
     if not first:
         return set()
@@ -229,6 +246,8 @@ def live_blob_keys(blob: Blob, consensus: Consensus, shard: str) -> set[str]:
     prev = cur
     while True:
         entries = consensus.scan(shard, cur.seqno + 1, SCAN_LIMIT)
+        if entries and entries[0].seqno != cur.seqno + 1:
+            return None  # truncated since we looked: start over
         for e in entries:
             payload = unframe(e.data, shard=shard, what=f"consensus entry {e.seqno}")
             cur = st.apply_diff(cur, payload, e.seqno)
