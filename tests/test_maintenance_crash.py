@@ -211,6 +211,7 @@ def test_kill_9_during_compaction_and_gc(tmp_path: Path, templates: dict[str, An
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_kill_9_soak(tmp_path: Path, templates: dict[str, Any]) -> None:
     results = _run_trials(tmp_path, templates, 75, seed=2)
     killed = [r for r in results if not r["finished"]]
