@@ -95,7 +95,15 @@ def lat_summary(lat: list[float]) -> dict[str, Any]:
         "mean_ms": round(statistics.mean(lat) * 1e3, 2),
         "drift_p95": drift(lat, 95),
         "drift_p50": drift(lat, 50),
+        "decile_p50_ms": _deciles(lat, 50),
+        "decile_p95_ms": _deciles(lat, 95),
     }
+
+
+def _deciles(lat: list[float], p: float) -> list[float]:
+    """pP (ms) of each tenth of the samples, in order: the shape behind the drift figure."""
+    k = max(1, len(lat) // 10)
+    return [round(pct(lat[i : i + k], p) * 1e3, 1) for i in range(0, k * 10, k) if lat[i : i + k]]
 
 
 def median_time(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
