@@ -82,6 +82,9 @@ def appends_single(n: int) -> dict[str, Any]:
         rewritten += res["rows_rewritten"]
         merges += res["merges_applied"]
         max_batches = max(max_batches, res["batches_after"])
+        if t % 1000 == 999:  # heartbeat + GC, as a deployment would (keeps consensus short)
+            r.heartbeat()
+            mn.gc(client, shard)
     secs = time.perf_counter() - t0
     s = client.machine(shard).fetch_latest()
     assert r.snapshot(n - 1).num_rows == n
