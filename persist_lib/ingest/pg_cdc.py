@@ -393,8 +393,12 @@ class PgCdcSource:
 
         rc = _connect(self.dsn, replication="database")
         try:
-            opt = "(SNAPSHOT 'export')" if self.snapshot else "(SNAPSHOT 'nothing')"
-            row = rc.execute(f"CREATE_REPLICATION_SLOT {self.slot} LOGICAL pgoutput {opt}").fetchone()
+            opt = sql.SQL("(SNAPSHOT 'export')" if self.snapshot else "(SNAPSHOT 'nothing')")
+            row = rc.execute(
+                sql.SQL("CREATE_REPLICATION_SLOT {} LOGICAL pgoutput {}").format(
+                    sql.Identifier(self.slot), opt
+                )
+            ).fetchone()
             lsn = lsn_to_int(row[1])
             snap_name = row[2]
             columns: list[str] = []
