@@ -392,7 +392,17 @@ class Listen:
                 h._me(s)  # a lapsed lease surfaces here too
                 return []
             s = h._machine.wait_for_newer(s.seqno, remaining)
-        h._me(s)
+        since = h._me(s).since
+        if not since.less_equal(f - 1):
+            # Compaction may have forwarded updates from before the frontier to the since
+            # (e.g. the handle downgraded past this listen, or its since was changed by a
+            # downgrade that raised Indeterminate and this listen was opened from a stale
+            # cache): reading on would return wrong times. Refuse instead.
+            raise InvalidUsage(
+                f"shard {h.shard_id}: listen at frontier {self._frontier} can't continue: reader "
+                f"{h.reader_id}'s since is {since}, past the frontier (updates before it may have "
+                "been forwarded); open a new listen at an as_of >= the since"
+            )
         upper = s.upper
         hi = upper.time
         parts = [

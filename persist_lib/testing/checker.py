@@ -90,6 +90,7 @@ VIOLATION_KINDS: tuple[str, ...] = (
     "leak_after_sweep",
     "history_incomplete",
     "actor_hung",
+    "runner_error",
 )
 
 WRITE_OPS = ("caa", "append")

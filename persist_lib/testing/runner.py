@@ -28,6 +28,7 @@ import shutil
 import signal
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -98,6 +99,7 @@ class HistoryResult:
     leaked_before_sweep: int = 0
     leaked_after_sweep: int = 0
     final_errors: list[str] = field(default_factory=list)
+    runner_errors: list[str] = field(default_factory=list)
     stop_s: float = 0.0
 
     @property
@@ -198,36 +200,25 @@ def run_history(cfg: HistoryConfig, *, keep_dir: bool = True) -> HistoryResult:
 
     def start(name: str) -> None:
         incs[name] = incs.get(name, -1) + 1
-        p = ctx.Process(target=actor_main, args=(cfg_json, name, incs[name]), name=f"actor-{name}")
-        p.start()
+        for attempt in range(3):
+            p = ctx.Process(target=actor_main, args=(cfg_json, name, incs[name]), name=f"actor-{name}")
+            try:
+                p.start()
+                break
+            except (OSError, EOFError) as e:  # the forkserver restarts on the next try
+                nlog.note("start_failed", victim=name, error=f"{type(e).__name__}: {e}")
+                if attempt == 2:
+                    raise
+                time.sleep(0.2)
         procs[name] = p
 
     for name in _actors(cfg):
         start(name)
     counter = _Counter(cfg.log_dir)
-    next_crash = time.monotonic() + rng.expovariate(1.0 / cfg.crash_mean_interval_s)
-    deadline = t0 + cfg.time_limit_s
     try:
-        while counter.poll() < cfg.target_ops and time.monotonic() < deadline:
-            time.sleep(0.1)
-            now = time.monotonic()
-            for name, p in list(procs.items()):
-                if not p.is_alive():
-                    res.restarts_unexpected += 1
-                    nlog.note("actor_died", victim=name, inc=incs[name], exitcode=p.exitcode)
-                    start(name)
-            if res.restarts_unexpected > 5:
-                break
-            if res.crashes < cfg.max_crashes and now >= next_crash:
-                victim = rng.choice(sorted(procs))
-                p = procs[victim]
-                if p.pid is not None and p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
-                    p.join(5)
-                    res.crashes += 1
-                    nlog.note("crash", victim=victim, inc=incs[victim])
-                    start(victim)
-                next_crash = now + rng.expovariate(1.0 / cfg.crash_mean_interval_s)
+        _drive(cfg, res, procs, incs, start, counter, rng, nlog, t0)
+    except Exception:  # noqa: BLE001 - recorded as a runner error; the history is still checked
+        res.runner_errors.append(traceback.format_exc())
     finally:
         t_stop = time.monotonic()
         Path(cfg.stop_path).touch()
@@ -237,22 +228,31 @@ def run_history(cfg: HistoryConfig, *, keep_dir: bool = True) -> HistoryResult:
             if p.is_alive():
                 res.hung.append(f"{name}.{incs[name]}")
                 nlog.note("hung", victim=name, inc=incs[name])
-                if p.pid is not None:
-                    os.kill(p.pid, signal.SIGKILL)
+                _kill(p)
                 p.join(5)
         nlog.close()
         res.stop_s = time.monotonic() - t_stop
     t_run = time.monotonic()
-    _final_phase(cfg, res)
+    try:
+        _final_phase(cfg, res)
+    except Exception:  # noqa: BLE001
+        res.runner_errors.append(traceback.format_exc())
     t_final = time.monotonic()
     from persist_lib.testing import planted
 
-    cons = planted.open_consensus(cfg.consensus_uri, cfg.planted)
     try:
-        res.report = check_history(cfg, cons, {"leaked_after_sweep": res.leaked_after_sweep})
-    finally:
-        cons.close()
-    done = res.report.stats.get("ops", 0) - res.report.stats.get("ops_by_kind", {}).get("final_gc", 0) - 3
+        cons = planted.open_consensus(cfg.consensus_uri, cfg.planted)
+        try:
+            res.report = check_history(cfg, cons, {"leaked_after_sweep": res.leaked_after_sweep})
+        finally:
+            cons.close()
+    except Exception:  # noqa: BLE001
+        res.runner_errors.append(traceback.format_exc())
+    for tb in res.runner_errors:
+        res.report.add("runner_error", tb[-1500:])
+    done = res.report.stats.get("ops", 0) - sum(
+        n for k, n in res.report.stats.get("ops_by_kind", {}).items() if k.startswith("final_")
+    )
     if done < cfg.target_ops:
         res.report.add("history_incomplete", f"{done} of {cfg.target_ops} operations completed in {cfg.time_limit_s}s")
     if res.restarts_unexpected:
@@ -274,3 +274,47 @@ def run_history(cfg: HistoryConfig, *, keep_dir: bool = True) -> HistoryResult:
     if not keep_dir and res.ok:
         shutil.rmtree(cfg.root, ignore_errors=True)
     return res
+
+
+def _kill(p: BaseProcess) -> None:
+    if p.pid is not None:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it exited meanwhile
+
+
+def _drive(
+    cfg: HistoryConfig,
+    res: HistoryResult,
+    procs: dict[str, BaseProcess],
+    incs: dict[str, int],
+    start: Any,
+    counter: _Counter,
+    rng: random.Random,
+    nlog: EventLog,
+    t0: float,
+) -> None:
+    """The running phase: poll progress, restart dead actors, kill -9 victims."""
+    next_crash = time.monotonic() + rng.expovariate(1.0 / cfg.crash_mean_interval_s)
+    deadline = t0 + cfg.time_limit_s
+    while counter.poll() < cfg.target_ops and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = time.monotonic()
+        for name, p in list(procs.items()):
+            if not p.is_alive():
+                res.restarts_unexpected += 1
+                nlog.note("actor_died", victim=name, inc=incs[name], exitcode=p.exitcode)
+                start(name)
+        if res.restarts_unexpected > 5:
+            break
+        if res.crashes < cfg.max_crashes and now >= next_crash:
+            victim = rng.choice(sorted(procs))
+            p = procs[victim]
+            if p.is_alive():
+                _kill(p)
+                p.join(5)
+                res.crashes += 1
+                nlog.note("crash", victim=victim, inc=incs[victim])
+                start(victim)
+            next_crash = now + rng.expovariate(1.0 / cfg.crash_mean_interval_s)
