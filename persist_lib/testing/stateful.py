@@ -339,8 +339,15 @@ class ShardStateMachine(RuleBasedStateMachine):
 
     @rule()
     def expire_leases(self) -> None:
+        faulted = self.cons.armed is not None
         got = self.client.expire_leases(self.shard).get(self.shard, {"readers": [], "writers": []})
         dead_r, dead_w = self.model.expire_leases(self.clock[0])
+        if faulted:
+            # After an applied-then-timed-out CAS the re-run transition finds nothing left
+            # to expire, so the report can under-count (the state invariant still checks
+            # who is registered).
+            assert set(got["readers"]) <= set(dead_r) and set(got["writers"]) <= set(dead_w)
+            return
         assert sorted(got["readers"]) == sorted(dead_r), f"expired readers {got['readers']}, model {dead_r}"
         assert sorted(got["writers"]) == sorted(dead_w), f"expired writers {got['writers']}, model {dead_w}"
 
