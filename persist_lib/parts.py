@@ -160,7 +160,9 @@ def _decode_verified(data: bytes, schemas: Schemas, shard: str, key: str) -> pa.
     """Decodes checksum-verified bytes; raises (anything) if they aren't a valid part."""
     try:
         # ParquetFile.read skips the Dataset layer: 1.3-1.8x faster on in-memory bytes.
-        raw = pq.ParquetFile(pa.BufferReader(data)).read()
+        raw = pq.ParquetFile(pa.BufferReader(data), pre_buffer=False).read(
+            use_threads=len(data) > (1 << 20)
+        )
     except Exception as e:
         raise _corrupt(shard, key, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
     meta = raw.schema.metadata or {}
