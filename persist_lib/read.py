@@ -429,24 +429,29 @@ class Listen:
             yield from self.next(timeout_s=self._h._client.config.listen_poll_max_s)
 
     def read_until(self, upper: int, timeout_s: float = 30.0) -> pa.Table:
-        """Convenience: every update in ``(as_of, upper)``... up to a frontier ``>= upper``."""
-        deadline = time.monotonic() + timeout_s
-        out: list[pa.Table] = []
-        while self._frontier.less_than(upper):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise Timeout(
-                    f"shard {self._h.shard_id}: listen did not reach {upper} within {timeout_s}s "
-                    f"(frontier {self._frontier})"
-                )
-            for e in self.next(min(remaining, 1.0)):
-                if isinstance(e, ListenUpdates):
-                    out.append(e.table)
-        if not out:
-            from persist_lib.codec import empty_updates
+        """Every update from the frontier on, until the frontier reaches ``upper``."""
+        return read_until(self, self._h.schemas, upper, timeout_s, f"shard {self._h.shard_id}")
 
-            return to_user_table(empty_updates(self._h.schemas), self._h.schemas)
-        return pa.concat_tables(out)
+
+def read_until(listen: Any, schemas: Schemas, upper: int, timeout_s: float, what: str) -> pa.Table:
+    """Drains a listen (shard or collection) until its frontier reaches ``upper``."""
+    deadline = time.monotonic() + timeout_s
+    out: list[pa.Table] = []
+    while listen.frontier.less_than(upper):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise Timeout(
+                f"{what}: listen did not reach {upper} within {timeout_s}s "
+                f"(frontier {listen.frontier})"
+            )
+        for e in listen.next(min(remaining, 1.0)):
+            if isinstance(e, ListenUpdates):
+                out.append(e.table)
+    if not out:
+        from persist_lib.codec import empty_updates
+
+        return to_user_table(empty_updates(schemas), schemas)
+    return pa.concat_tables(out)
 
 
 class SinceHandle:

@@ -22,9 +22,9 @@ import pyarrow.compute as pc
 
 from persist_lib.codec import Schemas, empty_updates, to_user_table
 from persist_lib.consolidate import consolidate
-from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned, Timeout
+from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
-from persist_lib.read import ListenEvent, ListenProgress, ListenUpdates, ReadHandle
+from persist_lib.read import ListenEvent, ListenProgress, ListenUpdates, ReadHandle, read_until
 from persist_lib.storage.metadata import Handover, active_in, timeline_from_updates
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -240,21 +240,8 @@ class CollectionListen:
         return r._guard(go)
 
     def read_until(self, upper: int, timeout_s: float = 30.0) -> pa.Table:
-        deadline = time.monotonic() + timeout_s
-        out: list[pa.Table] = []
-        while self._frontier.less_than(upper):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise Timeout(
-                    f"collection {self._r.name}: listen did not reach {upper} within {timeout_s}s "
-                    f"(frontier {self._frontier})"
-                )
-            for e in self.next(min(remaining, 1.0)):
-                if isinstance(e, ListenUpdates):
-                    out.append(e.table)
-        if not out:
-            return to_user_table(empty_updates(self._r.schemas), self._r.schemas)
-        return pa.concat_tables(out)
+        """Every update from the frontier on, until the frontier reaches ``upper``."""
+        return read_until(self, self._r.schemas, upper, timeout_s, f"collection {self._r.name}")
 
 
 def _combine(old_snap: pa.Table, new_snap: pa.Table, t: int, schemas: Schemas) -> pa.Table:
