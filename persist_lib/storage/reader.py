@@ -156,6 +156,7 @@ class CollectionListen:
         self.as_of = as_of
         self._frontier = Antichain([as_of + 1])
         self._current = reader._active_at(as_of, None)
+        self._as_of_rendition = self._current
         self._meta_listen = reader._meta.listen(as_of)
         self._meta_upper = Antichain([as_of + 1])
         self._pending: list[Handover] = []
@@ -176,13 +177,8 @@ class CollectionListen:
             else:
                 self._meta_upper = e.upper
         # Handovers strictly after as_of, relative to the rendition active at as_of.
-        base = [{"rendition": self._current_at_as_of(), "ts": self.as_of, "diff": 1}]
+        base = [{"rendition": self._as_of_rendition, "ts": self.as_of, "diff": 1}]
         self._pending = [h for h in timeline_from_updates(base + self._meta_rows) if h.at > self.as_of]
-
-    def _current_at_as_of(self) -> str:
-        if not hasattr(self, "_as_of_rendition"):
-            self._as_of_rendition = self._current
-        return self._as_of_rendition
 
     def next(self, timeout_s: float = 1.0) -> list[ListenEvent]:
         """Events since the last call, waiting up to ``timeout_s`` for progress."""
@@ -197,12 +193,15 @@ class CollectionListen:
                     return events
                 self._poll_metadata(0.0)
                 handover = next((h for h in self._pending if h.at >= f), None)
-                if handover is not None and handover.at == f and self._meta_upper.less_than(f + 1) is False:
-                    # The metadata is decided through f and says: switch at f.
+                decided_through_f = not self._meta_upper.less_equal(f)
+                if handover is not None and handover.at == f and decided_through_f:
+                    # The metadata is decided through f and says: switch at f. Wait until
+                    # the new rendition is readable at f and the old one complete before f.
                     new = handover.new
-                    if r._rendition_upper(new).less_equal(f) or r._rendition_upper(self._current).less_than(f):
-                        pass  # wait for both renditions to be readable around f
-                    else:
+                    ready = not r._rendition_upper(new).less_equal(f) and not r._rendition_upper(
+                        self._current
+                    ).less_than(f)
+                    if ready:
                         old_snap = (
                             r._rendition_snapshot(self._current, f - 1, None)
                             if f > 0
