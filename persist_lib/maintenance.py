@@ -238,7 +238,9 @@ class BackgroundCompactor:
         try:
             if self._closed or state.tombstone or state.schemas is None:
                 return
-            reqs = compaction_requests(state)
+            with self._lock:
+                claimed = frozenset(self._claimed.get(m.shard_id, ()))
+            reqs = compaction_requests(state, claimed)
             if self.client.config.gc_in_background and gcmod.gc_due(state):
                 self._submit_gc(m)
             for req in reqs:

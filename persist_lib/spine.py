@@ -123,14 +123,20 @@ def _needs_logical(b: HollowBatch, since: Antichain) -> bool:
     return tmin < tmax and since.time >= tmax
 
 
-def compaction_requests(state: ShardState) -> list[CompactionRequest]:
-    """The merges the spine wants now (non-overlapping, oldest first)."""
+def compaction_requests(
+    state: ShardState, claimed: frozenset[int] | set[int] = frozenset()
+) -> list[CompactionRequest]:
+    """The merges the spine wants now (non-overlapping, oldest first).
+
+    ``claimed`` batch ids (inputs of merges already running) are barriers: the rules run
+    on the batches around them, so a long merge doesn't stop the tail from compacting.
+    """
     if state.tombstone:
         return []
     trace = state.trace_batches()
     since = state.since
     out: list[CompactionRequest] = []
-    used: set[int] = set()
+    used: set[int] = {i for i, (bid, _) in enumerate(trace) if bid in claimed}
     n = len(trace)
     # 1. Empty batches: absorb into the older neighbour (or the newer one for the first).
     i = 0
