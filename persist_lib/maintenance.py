@@ -293,6 +293,12 @@ class BackgroundCompactor:
             with self._lock:
                 self.failed += 1
             log.info("shard %s: background compaction of %s failed: %s", m.shard_id, req.batch_ids, e)
+        except RuntimeError as e:
+            # The interpreter is exiting (its thread pools refuse work): the merge is
+            # abandoned; its partial output is left for the leaked-blob sweeper.
+            with self._lock:
+                self.failed += 1
+            log.info("shard %s: background compaction abandoned: %s", m.shard_id, e)
         except Exception:
             with self._lock:
                 self.failed += 1
