@@ -34,8 +34,6 @@ from persist_lib.testing.figures import Figures
 from persist_lib.testing.runner import HistoryResult, default_config, run_history
 from persist_lib.testing.stateful import ShardStateMachine
 
-pytestmark = pytest.mark.slow
-
 SEEDS = int(os.environ.get("SEEDS", "200"))
 OPS = int(os.environ.get("RELIABILITY_OPS", "300"))
 STATEFUL_EXAMPLES = int(os.environ.get("STATEFUL_LONG_EXAMPLES", "1000"))
@@ -44,6 +42,9 @@ CORRUPTION_EXAMPLES = int(os.environ.get("CORRUPTION_LONG_EXAMPLES", "10000"))
 OUT = os.environ.get("RELIABILITY_JSON", str(Path(__file__).resolve().parents[1] / "bench" / "out" / "reliability.json"))
 
 FIGURES = Figures()
+
+# The project-wide pytest-timeout (600 s per test) would cut a soak short.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(max(3600, SEEDS * 120))]
 
 
 def _history(seed: int, root: Path, uri: str, **kw: object) -> HistoryResult:
