@@ -185,8 +185,10 @@ class ReadHandle:
     def updates_between(self, lower: int, upper: int, timeout_s: float | None = None) -> pa.Table:
         """Every update at times in ``[lower, upper)``, consolidated (times not forwarded).
 
-        Waits until the shard upper reaches ``upper``; ``lower`` must be at or beyond this
-        reader's since. The building block of incremental (listen-range) reads.
+        Waits until the shard upper reaches ``upper``. ``lower`` must be *beyond* this
+        reader's since (or both 0): compaction forwards older updates to the since, so the
+        updates at the since itself are not the ones that happened then. The building
+        block of incremental (listen-range) reads.
         """
         self._check_open()
         lower = check_time(lower, "lower")
@@ -197,7 +199,14 @@ class ReadHandle:
             return to_user_table(_concat([], self.schemas), self.schemas)
         with self._hold():
             state = self._wait_for_upper_beyond(upper - 1, timeout_s)
-            self._check_as_of(state, lower)
+            since = self._me(state).since
+            if not (since.less_than(lower) or since.time == lower == 0):
+                raise InvalidUsage(
+                    f"shard {self.shard_id}: can't read updates from {lower}: it is not beyond "
+                    f"this reader's since {since} (updates before the since may have been "
+                    f"forwarded to it by compaction); read from {since} + 1 on, and take a "
+                    "snapshot at the since for what came before"
+                )
             parts = [
                 p
                 for _, b in state.trace_batches()

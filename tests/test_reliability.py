@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib.errors import Determinate, Indeterminate
+from persist_lib.errors import Determinate, Indeterminate, InvalidUsage
 from persist_lib.location.base import CaSResult, Consensus, VersionedData
 from persist_lib.location.mem import MemBlob, MemConsensus
 from persist_lib.testing.runner import HistoryResult, default_config, run_history
@@ -219,12 +219,6 @@ def test_listen_below_a_since_set_by_an_indeterminate_downgrade_is_refused() -> 
     assert got == [("k6", 6)], f"listen as of 5 returned {got}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug, not fixed here (persist_lib/read.py ReadHandle.updates_between): it "
-    "accepts lower == since, but compaction forwards updates from before the since to the "
-    "since, so they are returned as if they happened at `lower`",
-)
 def test_updates_between_at_the_since_returns_only_updates_in_range() -> None:
     name = uuid.uuid4().hex
     c = PersistClient.open(f"mem://{name}", f"mem://{name}", PersistConfig.for_tests(inline_threshold=0))
@@ -233,8 +227,7 @@ def test_updates_between_at_the_since_returns_only_updates_in_range() -> None:
         w.compare_and_append([(((f"k{t}",), (t,)), t, 1)], t, t + 1)
     r.downgrade_since(3)
     c.compact(w.shard_id)  # forwards times < 3 to 3
-    try:
-        got = sorted((d["k"], d["ts"]) for d in r.updates_between(3, 6).to_pylist())
-    except Exception:  # refusing lower == since would be a fix too
-        return
-    assert got == [("k3", 3), ("k4", 4), ("k5", 5)], got
+    with pytest.raises(InvalidUsage, match="not beyond this reader's since"):
+        r.updates_between(3, 6)  # the updates at 3 include history forwarded to 3
+    got = sorted((d["k"], d["ts"]) for d in r.updates_between(4, 6).to_pylist())
+    assert got == [("k4", 4), ("k5", 5)], got
