@@ -391,6 +391,7 @@ class PgCdcSource:
     def _create_slot_and_stage(self) -> None:
         from psycopg import sql
 
+        assert self.slot is not None  # bound by bind() before any slot is created
         rc = _connect(self.dsn, replication="database")
         try:
             opt = sql.SQL("(SNAPSHOT 'export')" if self.snapshot else "(SNAPSHOT 'nothing')")
