@@ -197,16 +197,17 @@ def live_blob_keys(blob: Blob, consensus: Consensus, shard: str) -> set[str]:
 
     Replays from the earliest rollup whose blob still exists and whose following diffs
     are all in consensus (or from the beginning, if nothing was truncated) to the head.
-    A GC may truncate the log while we replay; the replay then starts over (a gap in
-    the seqnos is a concurrent truncation, not corruption).
+    A GC may truncate the log (and delete old rollups) while we replay; the replay then
+    starts over (a gap in the seqnos is a concurrent truncation, not corruption).
     """
     for _ in range(LIVE_REPLAY_ATTEMPTS):
         keys = _live_blob_keys_once(blob, consensus, shard)
         if keys is not None:
             return keys
     raise Determinate(
-        f"shard {shard}: consensus kept being truncated while the live state versions were "
-        f"replayed ({LIVE_REPLAY_ATTEMPTS} attempts); not sweeping, retry later"
+        f"shard {shard}: no consistent replay of the live state versions after "
+        f"{LIVE_REPLAY_ATTEMPTS} attempts (consensus was truncated, or the rollup to start "
+        "from vanished, each time); not sweeping, retry later"
     )
 
 
@@ -238,10 +239,9 @@ def _live_blob_keys_once(blob: Blob, consensus: Consensus, shard: str) -> set[st
             if cur is not None:
                 break
         if cur is None:
-            raise ExternalError(
-                f"shard {shard}: no rollup to replay the live state versions from (consensus "
-                f"starts at {start_seqno}); not sweeping"
-            )
+            # A concurrent GC deleted the rollups we were about to load (and truncated
+            # past them): start over from a fresh look at the log.
+            return None
     keys: set[str] = set(cur.blob_keys())
     prev = cur
     while True:

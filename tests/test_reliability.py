@@ -231,3 +231,49 @@ def test_updates_between_at_the_since_returns_only_updates_in_range() -> None:
         r.updates_between(3, 6)  # the updates at 3 include history forwarded to 3
     got = sorted((d["k"], d["ts"]) for d in r.updates_between(4, 6).to_pylist())
     assert got == [("k4", 4), ("k5", 5)], got
+
+
+def test_leak_sweep_retries_when_rollups_vanish_under_it() -> None:
+    """Found by the history checker (``unexpected_exception`` in a leak report): while the
+    sweeper replayed, a concurrent GC (background GC in a writer) deleted the rollups it
+    was about to load; ``live_blob_keys`` then raised a bare ``ExternalError`` ("no rollup
+    to replay the live state versions from") instead of starting over."""
+    from persist_lib import gc as gcmod
+    from persist_lib.location.base import Blob
+
+    class Rollups(Blob):
+        """Rollup blobs read as missing during the sweeper's first attempt."""
+
+        def __init__(self, inner: Blob) -> None:
+            self.inner, self.vanish = inner, False
+
+        def get(self, key: str) -> bytes | None:
+            return None if self.vanish and "/rollup/" in key else self.inner.get(key)
+
+        def set(self, key: str, value: bytes) -> None:
+            self.inner.set(key, value)
+
+        def delete(self, key: str) -> int | None:
+            return self.inner.delete(key)
+
+        def list_keys_and_metadata(self, prefix: str):  # type: ignore[no-untyped-def]
+            return self.inner.list_keys_and_metadata(prefix)
+
+    class Scans(_TruncateDuringSweep):
+        def scan(self, key: str, from_seqno: int, limit: int) -> list[VersionedData]:
+            if from_seqno == 0 and limit == 1:
+                blob.vanish = not blob.vanish  # on for the first attempt, off for the retry
+            return self.inner.scan(key, from_seqno, limit)
+
+    name = uuid.uuid4().hex
+    blob = Rollups(MemBlob(name))
+    cons = Scans(MemConsensus(name))
+    client = PersistClient(blob, cons, PersistConfig.for_tests(inline_threshold=0, rollup_interval=3))
+    w, r = client.open(ShardId.new(), KEY, VAL)
+    for t in range(12):
+        w.compare_and_append([(((f"k{t}",), (t,)), t, 1)], t, t + 1)
+    r.heartbeat()  # moves its seqno hold up, so GC may truncate
+    client.gc(w.shard_id)  # truncates: the sweeper must start from a rollup
+    assert cons.inner.scan(w.shard_id, 0, 1)[0].seqno > 1
+    got = gcmod.unreferenced_blobs(blob, client.consensus, w.shard_id, now_ms=0, older_than_ms=-1)
+    assert isinstance(got, list)
