@@ -16,7 +16,7 @@ test: setup
 	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)
 
 test-long: setup
-	$(PY) -m pytest -m slow -q $(PYTEST_ARGS)
+	SEEDS=$(SEEDS) $(PY) -m pytest -m slow -q $(PYTEST_ARGS)
 
 lint: setup
 	.venv/bin/ruff check persist_lib dagster_project jobs sensors bench tests

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -52,7 +53,14 @@ def _history(seed: int, root: Path, uri: str, **kw: object) -> HistoryResult:
     res = run_history(cfg)
     if res.ok:
         shutil.rmtree(root, ignore_errors=True)
+    _progress(res.describe())
     return res
+
+
+def _progress(line: str) -> None:
+    """One line per history on the real stderr (pytest captures sys.stderr), so a soak
+    that takes an hour shows where it is."""
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.__stderr__, flush=True)
 
 
 def test_soak_sqlite(tmp_path_factory: pytest.TempPathFactory) -> None:
