@@ -22,6 +22,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -57,10 +58,24 @@ def _history(seed: int, root: Path, uri: str, **kw: object) -> HistoryResult:
     return res
 
 
+_CAPMAN: list[Any] = []  # pytest's capture manager, set by the autouse fixture below
+
+
+@pytest.fixture(autouse=True)
+def _terminal(request: pytest.FixtureRequest) -> None:
+    _CAPMAN[:] = [request.config.pluginmanager.get_plugin("capturemanager")]
+
+
 def _progress(line: str) -> None:
-    """One line per history on the real stderr (pytest captures sys.stderr), so a soak
+    """One line per history on the terminal (past pytest's output capture), so a soak
     that takes an hour shows where it is."""
-    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.__stderr__, flush=True)
+    msg = f"[{time.strftime('%H:%M:%S')}] {line}"
+    capman = _CAPMAN[0] if _CAPMAN else None
+    if capman is None:
+        print(msg, file=sys.stderr, flush=True)
+        return
+    with capman.global_and_fixture_disabled():
+        print(msg, file=sys.stderr, flush=True)
 
 
 def test_soak_sqlite(tmp_path_factory: pytest.TempPathFactory) -> None:
