@@ -55,7 +55,12 @@ class BatchBuilder:
         max_inflight_uploads: int = 2,
         inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
         executor: Executor | None = None,
+        consolidated: bool = False,
     ) -> None:
+        """``consolidated``: the caller promises that everything it adds, across all
+        ``add`` calls, comes sorted by ``(k, v, t)`` with no duplicate ``(k, v, t)`` and
+        no zero diff (the compactor's merge output): parts are then encoded as they
+        are, not consolidated again."""
         if target_part_bytes <= 0:
             raise InvalidUsage(
                 f"shard {shard}: target_part_bytes must be > 0, got {target_part_bytes}"
@@ -72,6 +77,7 @@ class BatchBuilder:
         self.target_part_bytes = target_part_bytes
         self.max_inflight_uploads = max_inflight_uploads
         self.inline_threshold = inline_threshold
+        self.consolidated = consolidated
         self._own_executor = executor is None
         self._executor: Executor = executor or ThreadPoolExecutor(
             max_workers=max_inflight_uploads, thread_name_prefix=f"persist-part-{shard}"
@@ -250,7 +256,7 @@ class BatchBuilder:
 
     def _write_part(self, table: pa.Table, key: str) -> PartMeta | None:
         """Runs in the pool: consolidate, encode, then upload or keep inline."""
-        part = consolidate(table)
+        part = table.combine_chunks() if self.consolidated else consolidate(table)
         if part.num_rows == 0:
             return None
         data = encode_part(part, self.schemas)

@@ -742,7 +742,7 @@ def _merge(
         return BatchBuilder(
             blob, schemas, shard=shard, writer=writer, lower=lower,
             target_part_bytes=plan.output_part_bytes, max_inflight_uploads=1,
-            inline_threshold=inline, executor=_upload_pool(),
+            inline_threshold=inline, executor=_upload_pool(), consolidated=True,
         )
 
     total_in = sum(p.size for run in runs_parts for p in run)
