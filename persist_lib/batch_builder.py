@@ -7,7 +7,8 @@ inline when tiny). At most ``max_inflight_uploads`` such tasks run at once and
 ``add`` blocks while that many are pending, so a builder holds roughly
 ``(max_inflight_uploads + 1) x target_part_bytes`` of updates however large the
 batch. Each part is sorted and consolidated on its own: a batch is a set of sorted
-runs, not one globally sorted run.
+runs, not one globally sorted run. A single large chunk is cut into at least
+``max_inflight_uploads`` parts so that they are sorted and encoded in parallel.
 
 Every blob key the builder might have written is remembered until the batch is
 handed over, so any failure (an upload error, out-of-range times, a lost
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TARGET_PART_BYTES = 128 << 20
 DEFAULT_INLINE_THRESHOLD = 4096
+# Chunks of at least twice this are split across the upload threads (see ``add``).
+MIN_PARALLEL_PART_BYTES = 8 << 20
 
 
 class BatchBuilder:
@@ -117,15 +120,22 @@ class BatchBuilder:
         self._tmax = hi if self._tmax is None else max(self._tmax, hi)
         self._rows_added += n
         bytes_per_row = max(table.nbytes / n, 1.0)
+        # A large chunk is cut into at least ``max_inflight_uploads`` parts, so that its
+        # parts are sorted and encoded on as many threads at once (one 128 MiB part would
+        # keep one core busy while the others wait). More, smaller sorted runs cost the
+        # compactor little.
+        cap = self.target_part_bytes
+        if self.max_inflight_uploads > 1 and table.nbytes >= 2 * MIN_PARALLEL_PART_BYTES:
+            cap = min(cap, max(MIN_PARALLEL_PART_BYTES, math.ceil(table.nbytes / self.max_inflight_uploads)))
         offset = 0
         while offset < n:
-            room = self.target_part_bytes - self._buffered_bytes
+            room = cap - self._buffered_bytes
             rows = max(1, min(n - offset, math.ceil(room / bytes_per_row)))
             piece = table if rows == n else table.slice(offset, rows)
             self._buffer.append(piece)
             self._buffered_bytes += int(rows * bytes_per_row)
             offset += rows
-            if self._buffered_bytes >= self.target_part_bytes:
+            if self._buffered_bytes >= cap:
                 self._flush()
 
     def finish(self, upper: FrontierLike, since: FrontierLike | None = None) -> HollowBatch:
