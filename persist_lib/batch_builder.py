@@ -7,7 +7,8 @@ inline when tiny). At most ``max_inflight_uploads`` such tasks run at once and
 ``add`` blocks while that many are pending, so a builder holds roughly
 ``(max_inflight_uploads + 1) x target_part_bytes`` of updates however large the
 batch. Each part is sorted and consolidated on its own: a batch is a set of sorted
-runs, not one globally sorted run.
+runs, not one globally sorted run. A single large chunk is cut into at least
+``max_inflight_uploads`` parts so that they are sorted and encoded in parallel.
 
 Every blob key the builder might have written is remembered until the batch is
 handed over, so any failure (an upload error, out-of-range times, a lost
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TARGET_PART_BYTES = 128 << 20
 DEFAULT_INLINE_THRESHOLD = 4096
+# Chunks of at least twice this are split across the upload threads (see ``add``).
+MIN_PARALLEL_PART_BYTES = 8 << 20
 
 
 class BatchBuilder:
@@ -55,7 +58,12 @@ class BatchBuilder:
         max_inflight_uploads: int = 2,
         inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
         executor: Executor | None = None,
+        consolidated: bool = False,
     ) -> None:
+        """``consolidated``: the caller promises that everything it adds, across all
+        ``add`` calls, comes sorted by ``(k, v, t)`` with no duplicate ``(k, v, t)`` and
+        no zero diff (the compactor's merge output): parts are then encoded as they
+        are, not consolidated again."""
         if target_part_bytes <= 0:
             raise InvalidUsage(
                 f"shard {shard}: target_part_bytes must be > 0, got {target_part_bytes}"
@@ -72,6 +80,7 @@ class BatchBuilder:
         self.target_part_bytes = target_part_bytes
         self.max_inflight_uploads = max_inflight_uploads
         self.inline_threshold = inline_threshold
+        self.consolidated = consolidated
         self._own_executor = executor is None
         self._executor: Executor = executor or ThreadPoolExecutor(
             max_workers=max_inflight_uploads, thread_name_prefix=f"persist-part-{shard}"
@@ -111,15 +120,22 @@ class BatchBuilder:
         self._tmax = hi if self._tmax is None else max(self._tmax, hi)
         self._rows_added += n
         bytes_per_row = max(table.nbytes / n, 1.0)
+        # A large chunk is cut into at least ``max_inflight_uploads`` parts, so that its
+        # parts are sorted and encoded on as many threads at once (one 128 MiB part would
+        # keep one core busy while the others wait). More, smaller sorted runs cost the
+        # compactor little.
+        cap = self.target_part_bytes
+        if self.max_inflight_uploads > 1 and table.nbytes >= 2 * MIN_PARALLEL_PART_BYTES:
+            cap = min(cap, max(MIN_PARALLEL_PART_BYTES, math.ceil(table.nbytes / self.max_inflight_uploads)))
         offset = 0
         while offset < n:
-            room = self.target_part_bytes - self._buffered_bytes
+            room = cap - self._buffered_bytes
             rows = max(1, min(n - offset, math.ceil(room / bytes_per_row)))
             piece = table if rows == n else table.slice(offset, rows)
             self._buffer.append(piece)
             self._buffered_bytes += int(rows * bytes_per_row)
             offset += rows
-            if self._buffered_bytes >= self.target_part_bytes:
+            if self._buffered_bytes >= cap:
                 self._flush()
 
     def finish(self, upper: FrontierLike, since: FrontierLike | None = None) -> HollowBatch:
@@ -250,7 +266,7 @@ class BatchBuilder:
 
     def _write_part(self, table: pa.Table, key: str) -> PartMeta | None:
         """Runs in the pool: consolidate, encode, then upload or keep inline."""
-        part = consolidate(table)
+        part = table.combine_chunks() if self.consolidated else consolidate(table)
         if part.num_rows == 0:
             return None
         data = encode_part(part, self.schemas)

@@ -13,11 +13,15 @@ and our parts are one row group: "incremental" reads would save nothing). So mem
 bounded by the number of parts open at once — one per run — as in Materialize: the
 merge holds per run its decoded part, a buffer of chunks sliced from it, and its share
 of one merge step's working set (ranks, sort order, the emitted copy), and the output
-goes through a ``BatchBuilder`` with a small part target. When the runs don't fit the
-budget together they are merged in groups first (fewest, smallest runs first; the
-intermediate runs are written to blob and deleted afterwards). ``MergeStats`` records
-the most rows and bytes held at once, which tests assert on and the benchmark compares
-with the process's RSS.
+goes through a ``BatchBuilder`` with a small part target. The smallest runs, up to
+1/16 of the budget decoded, are first folded into one in-memory run by a single
+vectorized consolidate (a k-way merge of hundreds of tiny runs would spend a step per
+few rows). When the remaining runs don't fit the budget together they are merged in
+groups first (as many of the smallest runs as fit; the intermediate runs are written
+to blob and deleted afterwards). What the open parts leave of the budget is shared by
+the runs' chunks in proportion to their row counts, so a huge run next to small ones
+advances in big chunks. ``MergeStats`` records the most rows and bytes held at once,
+which tests assert on and the benchmark compares with the process's RSS.
 
 **One merge step.** Let ``F`` be the smallest *last* buffered row over the runs that
 have more input: every future row of every run is ``>= F``, so all buffered rows
@@ -195,26 +199,27 @@ STEP_BYTES_PER_ROW = 160
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """How a budget is split: output part size, per-run allowance, and merge fan-in."""
+    """How a budget is split: output part size, the room runs may use, the step room."""
 
     budget: int
     output_part_bytes: int
-    run_bytes: int  # per open run, besides its decoded part: buffer + share of a step
-    fan_in: int
+    room: int  # for the runs of one pass: decoded parts held + buffers + one step
+    step_bytes: int  # for the buffers and step working set of all runs of a pass together
 
     @classmethod
     def for_runs(
-        cls, budget: int, max_part_decoded: int, max_part_encoded: int, target_part_bytes: int,
-        n_runs: int,
+        cls, budget: int, run_decoded: list[int], max_part_encoded: int, target_part_bytes: int,
     ) -> MemoryPlan:
         """Output parts get 1/32 of the budget: the builder holds ~3.5 of them as Arrow
         data and re-consolidates each one as it flushes (numpy ranks and sort order,
         ~160 bytes per row), ~8 output parts' worth in all (25% of the budget).
-        60% is for the runs: per open run its decoded part plus ``run_bytes`` for its
-        buffered chunks and its share of a merge step, and once the encoded bytes of a
-        part being decoded. The fan-in is what fits with a minimal allowance; the
-        allowance then grows into the room the runs actually opened leave (bigger
-        chunks mean fewer, cheaper merge steps)."""
+        60% is for the runs: per open run its decoded part (``run_decoded``: the largest
+        part's estimate, per run) plus at least ``MIN_RUN_BYTES`` of buffered chunks and
+        step working set, and once the encoded bytes of a part being decoded. Whatever
+        the open parts leave of that room goes to the steps (bigger chunks mean fewer,
+        cheaper merge steps). When the parts alone exceed the budget (parts as large as
+        the budget), steps still get ``budget / 16``: the budget is exceeded anyway and
+        tiny steps would only make the merge slow."""
         if budget < 1 * MiB:
             raise InvalidUsage(f"compaction memory budget must be >= 1 MiB, got {budget} bytes")
         out = max(16 << 10, min(target_part_bytes, budget // 32))
@@ -222,11 +227,24 @@ class MemoryPlan:
         # (Parquet's column chunks): the encoded bytes come out of the runs' room, the
         # copy out of the 40% left beside runs and output.
         room = int(budget * 0.6) - max_part_encoded
-        min_run = 256 << 10
-        fan_in = max(2, room // max(max_part_decoded + min_run, 1))
-        k = max(2, min(fan_in, n_runs))
-        run_bytes = max(min_run, min(64 * MiB, (room - k * max_part_decoded) // k))
-        return cls(budget, out, run_bytes, fan_in)
+        k = max(1, len(run_decoded))
+        free = room - sum(run_decoded)
+        if free >= k * MIN_RUN_BYTES:
+            step = min(k * 64 * MiB, free // 2)
+        else:
+            step = max(k * MIN_RUN_BYTES, budget // 16)
+        return cls(budget, out, room, step)
+
+    def fits(self, run_decoded: list[int]) -> bool:
+        """Whether these runs can be merged in one pass within the room."""
+        return sum(run_decoded) + len(run_decoded) * MIN_RUN_BYTES <= self.room
+
+
+# The least a run gets for its buffered chunks and its share of a step.
+MIN_RUN_BYTES = 256 << 10
+# Rows per step chunk, per byte of a row (buffered ~1.5 chunks, plus ~1.5 chunks of step
+# working set): see ``_Merger.chunk_rows``.
+MIN_CHUNK_ROWS = 64
 
 
 def estimate_decoded_bytes(p: PartMeta, schemas: Schemas) -> int:
@@ -377,9 +395,10 @@ class _Run:
     parts open at once (one per run) and chunked merges.
     """
 
-    def __init__(self, merger: _Merger, parts: list[PartMeta], check_order: bool) -> None:
+    def __init__(self, merger: _Merger, src: RunSource, check_order: bool) -> None:
         self.m = merger
-        self.parts = parts
+        self.parts = src.parts or []
+        self.total_rows = src.rows  # for this run's share of a step
         self.check_order = check_order
         self.next_part = 0
         self.part: pa.Table | None = None  # the decoded current part
@@ -389,6 +408,9 @@ class _Run:
         self.buf: pa.Table | None = None
         self.exhausted = False
         self._first_of_part = False
+        if src.table is not None:  # already decoded (small runs folded in memory)
+            self.part, self.part_bytes = src.table, src.table.nbytes
+            self._first_of_part = True
 
     @property
     def rows(self) -> int:
@@ -426,7 +448,7 @@ class _Run:
                     return None
                 continue
             assert self.part is not None
-            c = self.part.slice(self.offset, m.batch_rows())
+            c = self.part.slice(self.offset, m.chunk_rows(self))
             self.offset += c.num_rows
             if self.offset >= self.part.num_rows:
                 self.part, self.part_bytes = None, 0  # the slice keeps what it needs alive
@@ -479,6 +501,7 @@ class _Merger:
         self.stats = stats
         self.row_width = 64.0
         self.runs: list[_Run] = []
+        self.total_rows = 0
         self._key_cols = [n for n in internal_schema(schemas).names if n != D_COL]
 
     def fetch_bytes(self, p: PartMeta) -> bytes:
@@ -502,10 +525,15 @@ class _Merger:
         held = sum(r.held_bytes() for r in self.runs) + extra
         self.stats.peak_bytes_held = max(self.stats.peak_bytes_held, held)
 
-    def batch_rows(self) -> int:
-        """Rows per chunk: a run buffers up to ~1.5 chunks and a step works on them."""
+    def chunk_rows(self, run: _Run) -> int:
+        """Rows per chunk of ``run``: a run buffers up to ~1.5 chunks and a step works on
+        them. The pass's step room is shared in proportion to the runs' row counts, so
+        that every run's chunk spans about the same stretch of the key space: a huge run
+        next to tiny ones then advances in big chunks (equal chunks would make it advance
+        by a tiny run's chunk per step)."""
         per_row = 1.5 * self.row_width + 1.5 * (self.row_width + STEP_BYTES_PER_ROW)
-        return max(64, int(self.plan.run_bytes / per_row))
+        share = run.total_rows / max(self.total_rows, 1)
+        return max(MIN_CHUNK_ROWS, int(self.plan.step_bytes * share / per_row))
 
     def _account(self, runs: list[_Run], extra_rows: int = 0, extra_bytes: int = 0) -> None:
         rows = sum(r.rows for r in runs) + extra_rows
@@ -516,6 +544,7 @@ class _Merger:
 
     def merge(self, runs: list[_Run], sink: BatchBuilder) -> None:
         self.runs = runs
+        self.total_rows = sum(r.total_rows for r in runs)
         try:
             for r in runs:
                 r.refill()
@@ -591,9 +620,8 @@ class _Merger:
         # Top up every run below half a chunk, so that all runs advance together and a
         # step emits about half a chunk per run (refilling only the run that bounded F
         # would rank every buffer again to emit one chunk: O(runs) work per row).
-        low = max(2, self.batch_rows() // 2)
         for r in runs:
-            if r.rows < low and not r.exhausted:
+            if not r.exhausted and r.rows < max(2, self.chunk_rows(r) // 2):
                 r.refill()
 
     def _emit(self, cat: pa.Table, keys: np.ndarray, idx: np.ndarray, sink: BatchBuilder) -> None:
@@ -705,37 +733,26 @@ def _merge(
     check_order: bool,
 ) -> MergeOutput:
     max_encoded = max((p.size for run in runs_parts for p in run), default=0)
-    max_decoded = max((estimate_decoded_bytes(p, schemas) for run in runs_parts for p in run), default=0)
-    plan = MemoryPlan.for_runs(budget, max_decoded, max_encoded, target_part_bytes, len(runs_parts))
-    stats = MergeStats(
-        runs=len(runs_parts), fan_in=plan.fan_in, output_reserve_bytes=8 * plan.output_part_bytes
-    )
+    sources = [RunSource.of_parts(run, schemas) for run in runs_parts]
+    plan = MemoryPlan.for_runs(budget, [r.max_decoded for r in sources], max_encoded, target_part_bytes)
+    stats = MergeStats(runs=len(runs_parts), output_reserve_bytes=8 * plan.output_part_bytes)
     intermediate: list[str] = []
 
     def builder(inline: int) -> BatchBuilder:
         return BatchBuilder(
             blob, schemas, shard=shard, writer=writer, lower=lower,
             target_part_bytes=plan.output_part_bytes, max_inflight_uploads=1,
-            inline_threshold=inline, executor=_upload_pool(),
+            inline_threshold=inline, executor=_upload_pool(), consolidated=True,
         )
 
     total_in = sum(p.size for run in runs_parts for p in run)
     if total_in <= budget // 64:
         # Small merge (the common case right after appends): decode whole, one consolidate.
         stats.passes = 1
-        tables = []
-        for run in runs_parts:
-            for p in run:
-                t = fetch_small_part(blob, p, schemas, shard)
-                stats.bytes_read += p.size
-                stats.rows_read += t.num_rows
-                tables.append(advance_to_since(t, since_t) if since_t is not None else t)
-        merged = _consolidate(pa.concat_tables(tables)) if tables else None
-        stats.peak_rows_held = sum(t.num_rows for t in tables)
-        stats.peak_bytes_held = total_in + sum(t.nbytes for t in tables) * 2
+        merged = _fold_in_memory(blob, schemas, shard, runs_parts, since_t, stats)
         out = builder(inline_threshold)
         try:
-            if merged is not None and merged.num_rows:
+            if merged.num_rows:
                 stats.output_rows = merged.num_rows
                 out.add(merged)
             batch = out.finish(upper, since)
@@ -743,21 +760,38 @@ def _merge(
             out.abort()
             raise
         stats.bytes_written = batch.size
-        if merged is not None and len(batch.parts) == 1 and batch.parts[0].count == merged.num_rows:
+        if len(batch.parts) == 1 and batch.parts[0].count == merged.num_rows:
             _DECODED.put(batch.parts[0].sha256, schemas.fingerprint(), merged)
         return MergeOutput(batch, stats, [])
 
-    def run_pass(group: list[list[PartMeta]], sink: BatchBuilder) -> None:
+    def run_pass(group: list[RunSource], sink: BatchBuilder) -> None:
         # Forwarding is idempotent, so every pass forwards (intermediate runs are cheap).
-        merger = _Merger(blob, schemas, shard, since_t, plan, stats)
-        merger.merge([_Run(merger, parts, check_order) for parts in group], sink)
+        p = MemoryPlan.for_runs(budget, [r.max_decoded for r in group], max_encoded, target_part_bytes)
+        stats.fan_in = max(stats.fan_in, len(group))
+        merger = _Merger(blob, schemas, shard, since_t, p, stats)
+        merger.merge([_Run(merger, src, check_order) for src in group], sink)
 
     try:
-        level = list(runs_parts)
-        while len(level) > plan.fan_in:
-            # Merge just enough of the smallest runs to fit the fan-in (least rewriting).
-            level.sort(key=lambda run: sum(p.size for p in run))
-            g = min(plan.fan_in, len(level) - plan.fan_in + 1)
+        # The smallest runs, up to 1/16 of the budget decoded, are folded into one
+        # in-memory run with a single consolidate: a k-way merge of many tiny runs costs
+        # a step per few rows, a consolidate ~0.3 us per row.
+        level = sorted(sources, key=lambda r: r.total_decoded)
+        folded = 0
+        est = 0
+        while folded < len(level) and est + level[folded].total_decoded <= budget // 16:
+            est += level[folded].total_decoded
+            folded += 1
+        if folded >= 2:
+            stats.passes += 1
+            groups = [r.parts or [] for r in level[:folded]]
+            table = _fold_in_memory(blob, schemas, shard, groups, since_t, stats)
+            level = [RunSource.of_table(table)] + level[folded:]
+        while not plan.fits([r.max_decoded for r in level]) and len(level) > 2:
+            # Merge as many of the smallest runs as fit (at least two), to blob.
+            level.sort(key=lambda r: r.total_decoded)
+            g = 2
+            while g < len(level) and plan.fits([r.max_decoded for r in level[: g + 1]]):
+                g += 1
             group, level = level[:g], level[g:]
             stats.passes += 1
             b = builder(0)
@@ -771,7 +805,7 @@ def _merge(
             stats.intermediate_bytes += hb.size
             stats.bytes_written += hb.size
             if hb.parts:
-                level.append(list(hb.parts))
+                level.append(RunSource.of_parts(list(hb.parts), schemas))
         stats.passes += 1
         out = builder(inline_threshold)
         try:
@@ -788,6 +822,49 @@ def _merge(
                 blob.delete(k)
             except ExternalError as e:  # the leaked-blob sweeper finds it later
                 log.warning("shard %s: could not delete intermediate run part %s: %s", shard, k, e)
+
+
+@dataclass
+class RunSource:
+    """A run to merge: its parts in blob/inline, or (folded small runs) a decoded table."""
+
+    parts: list[PartMeta] | None
+    table: pa.Table | None
+    rows: int
+    max_decoded: int  # the most one decoded part of it holds at once (estimated)
+    total_decoded: int  # all of it decoded (estimated)
+
+    @classmethod
+    def of_parts(cls, parts: list[PartMeta], schemas: Schemas) -> RunSource:
+        dec = [estimate_decoded_bytes(p, schemas) for p in parts]
+        return cls(parts, None, sum(p.count for p in parts), max(dec, default=0), sum(dec))
+
+    @classmethod
+    def of_table(cls, table: pa.Table) -> RunSource:
+        return cls(None, table, table.num_rows, table.nbytes, table.nbytes)
+
+
+def _fold_in_memory(
+    blob: Blob, schemas: Schemas, shard: str, runs: list[list[PartMeta]], since_t: int | None,
+    stats: MergeStats,
+) -> pa.Table:
+    """Decodes every part of ``runs`` whole, forwards and consolidates them at once."""
+    tables = []
+    enc = 0
+    for run in runs:
+        for p in run:
+            t = fetch_small_part(blob, p, schemas, shard)
+            enc += p.size
+            stats.bytes_read += p.size
+            stats.rows_read += t.num_rows
+            tables.append(advance_to_since(t, since_t) if since_t is not None else t)
+    rows = sum(t.num_rows for t in tables)
+    decoded = sum(t.nbytes for t in tables)
+    stats.peak_rows_held = max(stats.peak_rows_held, rows)
+    stats.peak_bytes_held = max(stats.peak_bytes_held, enc + 2 * decoded + rows * STEP_BYTES_PER_ROW)
+    if not tables:
+        return internal_schema(schemas).empty_table()
+    return _consolidate(pa.concat_tables(tables))
 
 
 # ----- the compactor --------------------------------------------------------------------

@@ -250,7 +250,31 @@ def row_keys(columns: Sequence[pa.Array | pa.ChunkedArray], n: int) -> np.ndarra
     only ranked for the rows still tied (for a mostly-distinct leading key, that skips
     all the other columns).
     """
+    return row_keys_with_hint(columns, n)[0]
+
+
+def _dense_ints_with_order(col: pa.ChunkedArray) -> tuple[Ranks, np.ndarray]:
+    """Dense ranks of an integer column without nulls, and the permutation sorting it."""
+    vals = col.to_numpy()
+    perm = np.argsort(vals)
+    sv = vals[perm]
+    new = np.empty(len(sv), dtype=np.int64)
+    new[0] = 1
+    new[1:] = sv[1:] != sv[:-1]
+    ranks = np.empty(len(sv), dtype=np.int64)
+    ranks[perm] = np.cumsum(new)  # 1.. (0 would be the null)
+    return (ranks, int(ranks[perm[-1]]) + 1), perm
+
+
+def row_keys_with_hint(
+    columns: Sequence[pa.Array | pa.ChunkedArray], n: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """``row_keys``, plus (when the first column is an integer column without nulls, the
+    common case of an integer key) a permutation sorting the rows by that column: the
+    keys taken in that order are sorted except within runs of equal first values, so
+    sorting them again is nearly linear (``consolidate`` sorts once, not twice)."""
     key: np.ndarray | None = None
+    hint: np.ndarray | None = None
     card = 1
     active: np.ndarray | None = None  # indices of the rows still tied; None = all rows
     for ci, col in enumerate(columns):
@@ -258,7 +282,14 @@ def row_keys(columns: Sequence[pa.Array | pa.ChunkedArray], n: int) -> np.ndarra
             if len(active) == 0:
                 break
             col = col.take(pa.array(active))
-        for ranks, m in column_ranks(col):
+        col_ranks: list[Ranks]
+        first = _chunked(col)
+        if ci == 0 and n > 1 and pa.types.is_integer(first.type) and first.null_count == 0:
+            r0, hint = _dense_ints_with_order(first)
+            col_ranks = [r0]
+        else:
+            col_ranks = column_ranks(col)
+        for ranks, m in col_ranks:
             if key is None:
                 key, card = ranks, m
                 continue
@@ -277,7 +308,9 @@ def row_keys(columns: Sequence[pa.Array | pa.ChunkedArray], n: int) -> np.ndarra
             tied = np.bincount(key, minlength=card)[key] > 1
             if not tied.all():
                 active = np.flatnonzero(tied)
-    return np.zeros(n, dtype=np.int64) if key is None else key
+    if key is None:
+        return np.zeros(n, dtype=np.int64), None
+    return key, hint
 
 
 def _key_columns(table: pa.Table) -> list[str]:
@@ -298,8 +331,12 @@ def consolidate(table: pa.Table) -> pa.Table:
     if n == 0:
         return table
     cols = [table.column(c) for c in _key_columns(table)] + [table.column(T_COL)]
-    key = row_keys(cols, n)
-    order = np.argsort(key, kind="stable")
+    key, hint = row_keys_with_hint(cols, n)
+    # Rows with equal keys are equal rows, so the sort needn't be stable.
+    if hint is None:
+        order = np.argsort(key)
+    else:
+        order = hint[np.argsort(key[hint], kind="stable")]
     sorted_key = key[order]
     boundary = np.empty(n, dtype=bool)
     boundary[0] = True

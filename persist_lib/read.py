@@ -87,6 +87,59 @@ class SnapshotSplit:
         return to_user_table(internal, schemas)
 
 
+@dataclass(frozen=True)
+class RangeSplit:
+    """A picklable piece of the updates at times in ``[lower, upper)`` (times not
+    forwarded), fetched by any process with the blob URI: the time-range counterpart of
+    ``SnapshotSplit``. Concatenating the fetched splits and consolidating gives
+    ``ReadHandle.updates_between(lower, upper)``."""
+
+    blob_uri: str
+    shard_id: str
+    schemas_json: dict[str, Any]
+    lower: int
+    upper: int
+    parts: tuple[PartMeta, ...]
+
+    def __repr__(self) -> str:
+        from persist_lib.location.uri import redact
+
+        return (
+            f"RangeSplit(blob_uri={redact(self.blob_uri)!r}, shard_id={self.shard_id!r}, "
+            f"lower={self.lower}, upper={self.upper}, parts={len(self.parts)})"
+        )
+
+    def fetch(self, blob: Blob | None = None) -> pa.Table:
+        from persist_lib.location.uri import open_blob
+
+        schemas = Schemas.from_json(self.schemas_json)
+        b = blob if blob is not None else open_blob(self.blob_uri)
+        tables = [time_range(fetch_part(b, p, schemas, self.shard_id), self.lower, self.upper) for p in self.parts]
+        return to_user_table(consolidate(_concat(tables, schemas)), schemas)
+
+
+def _balance(parts: list[PartMeta], n: int) -> list[list[PartMeta]]:
+    """Greedy: the largest part into the lightest of ``n`` splits."""
+    buckets: list[list[PartMeta]] = [[] for _ in range(max(1, n))]
+    sizes = [0] * len(buckets)
+    for p in sorted(parts, key=lambda p: -p.size):
+        i = sizes.index(min(sizes))
+        buckets[i].append(p)
+        sizes[i] += p.size
+    return buckets
+
+
+def _parts_in_range(state: st.ShardState, lower: int, upper: int) -> list[PartMeta]:
+    """The parts that may hold updates at times in ``[lower, upper)``."""
+    return [
+        p
+        for _, b in state.trace_batches()
+        if (b.upper.is_empty() or (b.upper.time or 0) > lower) and (b.lower.time or 0) < upper
+        for p in b.parts
+        if p.tmax >= lower and p.tmin < upper
+    ]
+
+
 def _concat(tables: list[pa.Table], schemas: Schemas) -> pa.Table:
     from persist_lib.codec import empty_updates
 
@@ -156,22 +209,68 @@ class ReadHandle:
             held = self._machine.cached().seqno
             self._holds[held] += 1
             self._split_holds.append(held)
-        state = self._wait_for_upper_beyond(as_of, timeout_s)
-        self._check_as_of(state, as_of)
-        parts = sorted(
-            (p for _, b in state.trace_batches() if b.lower.less_equal(as_of) for p in b.parts),
-            key=lambda p: -p.size,
-        )
-        buckets: list[list[PartMeta]] = [[] for _ in range(num_splits)]
-        sizes = [0] * num_splits
-        for p in parts:  # greedy: largest part into the lightest split
-            i = sizes.index(min(sizes))
-            buckets[i].append(p)
-            sizes[i] += p.size
+        try:
+            state = self._wait_for_upper_beyond(as_of, timeout_s)
+            self._check_as_of(state, as_of)
+        except BaseException:
+            self._drop_last_split_hold(held)
+            raise
+        parts = [p for _, b in state.trace_batches() if b.lower.less_equal(as_of) for p in b.parts]
         sj = self.schemas.to_json()
         return [
-            SnapshotSplit(self._client.blob_uri, self.shard_id, sj, as_of, tuple(b)) for b in buckets
+            SnapshotSplit(self._client.blob_uri, self.shard_id, sj, as_of, tuple(b))
+            for b in _balance(parts, num_splits)
         ]
+
+    def range_splits(
+        self, lower: int, upper: int, num_splits: int, timeout_s: float | None = None
+    ) -> list[RangeSplit]:
+        """Splits of the updates at times in ``[lower, upper)`` (``updates_between``,
+        distributed) that other processes fetch. Waits for the upper; ``lower`` must be
+        beyond this reader's since (or both 0), as for ``updates_between``. Holds a seqno
+        for the splits until ``release_splits``."""
+        self._check_open()
+        lower = check_time(lower, "lower")
+        upper = check_time(upper, "upper")
+        if upper < lower:
+            raise InvalidUsage(f"shard {self.shard_id}: range [{lower}, {upper}) is backwards")
+        if num_splits < 1:
+            raise InvalidUsage(f"shard {self.shard_id}: num_splits must be >= 1, got {num_splits}")
+        with self._lock:
+            held = self._machine.cached().seqno
+            self._holds[held] += 1
+            self._split_holds.append(held)
+        try:
+            state = self._wait_for_upper_beyond(max(upper, 1) - 1, timeout_s)
+            self._check_range_lower(state, lower)
+        except BaseException:
+            self._drop_last_split_hold(held)
+            raise
+        parts = _parts_in_range(state, lower, upper) if upper > lower else []
+        sj = self.schemas.to_json()
+        return [
+            RangeSplit(self._client.blob_uri, self.shard_id, sj, lower, upper, tuple(b))
+            for b in [b for b in _balance(parts, num_splits) if b] or [[]]
+        ]
+
+    def _drop_last_split_hold(self, held: int) -> None:
+        """Undoes the split hold of a planning call that failed."""
+        with self._lock:
+            if held in self._split_holds:
+                self._split_holds.remove(held)
+                self._holds[held] -= 1
+                if self._holds[held] <= 0:
+                    del self._holds[held]
+
+    def _check_range_lower(self, state: st.ShardState, lower: int) -> None:
+        since = self._me(state).since
+        if not (since.less_than(lower) or since.time == lower == 0):
+            raise InvalidUsage(
+                f"shard {self.shard_id}: can't read updates from {lower}: it is not beyond "
+                f"this reader's since {since} (updates before the since may have been "
+                f"forwarded to it by compaction); read from {since} + 1 on, and take a "
+                "snapshot at the since for what came before"
+            )
 
     def release_splits(self) -> None:
         """Releases the seqno holds taken by ``snapshot_splits``."""
@@ -199,21 +298,8 @@ class ReadHandle:
             return to_user_table(_concat([], self.schemas), self.schemas)
         with self._hold():
             state = self._wait_for_upper_beyond(upper - 1, timeout_s)
-            since = self._me(state).since
-            if not (since.less_than(lower) or since.time == lower == 0):
-                raise InvalidUsage(
-                    f"shard {self.shard_id}: can't read updates from {lower}: it is not beyond "
-                    f"this reader's since {since} (updates before the since may have been "
-                    f"forwarded to it by compaction); read from {since} + 1 on, and take a "
-                    "snapshot at the since for what came before"
-                )
-            parts = [
-                p
-                for _, b in state.trace_batches()
-                if (b.upper.is_empty() or (b.upper.time or 0) > lower) and (b.lower.time or 0) < upper
-                for p in b.parts
-                if p.tmax >= lower and p.tmin < upper
-            ]
+            self._check_range_lower(state, lower)
+            parts = _parts_in_range(state, lower, upper)
             tables = self._fetch_all(parts, lambda t: time_range(t, lower, upper))
         internal = consolidate(_concat(tables, self.schemas))
         return to_user_table(internal.sort_by([("t", "ascending")]), self.schemas)

@@ -109,6 +109,24 @@ def test_multi_part_batch_equals_consolidated_input() -> None:
         assert 0 <= p.tmin <= p.tmax < 10
 
 
+def test_large_chunk_is_split_across_upload_threads() -> None:
+    """A chunk of >= 16 MiB is cut into max_inflight_uploads parts (sorted and encoded in
+    parallel) even below the part target; each part is a sorted, consolidated run."""
+    from persist_lib.batch_builder import MIN_PARALLEL_PART_BYTES
+
+    blob = SlowBlob(delay=0.3)
+    data = updates(700_000, distinct=1_000_000)
+    assert data.nbytes >= 2 * MIN_PARALLEL_PART_BYTES
+    for inflight, want in ((1, 1), (2, 2), (3, 3)):
+        batch = build_batch(
+            blob, S, data, shard="s1", writer=f"w{inflight}", lower=0, upper=10,
+            target_part_bytes=128 << 20, max_inflight_uploads=inflight,
+        )
+        assert len(batch.parts) == want, batch.parts
+        assert read_batch(blob, batch).equals(consolidate(data))  # each part a sorted run
+    assert blob.max_active >= 2  # parts were written concurrently
+
+
 def test_one_huge_chunk_is_split_into_target_sized_parts() -> None:
     blob = fresh_blob()
     data = updates(50_000)

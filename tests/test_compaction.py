@@ -196,6 +196,53 @@ def test_streaming_merge_under_budget() -> None:
     assert all(k.split("/")[1].startswith(COMPACTOR_WRITER_PREFIX) for k in out.batch.blob_keys())
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_skewed_runs_merge_equals_consolidation(seed: int) -> None:
+    """Runs of very different sizes and key ranges (a big run over a narrow key range,
+    many tiny runs over a wide one, medium runs in several parts) under budgets that
+    force folding small runs in memory, intermediate passes and proportional chunks:
+    the output always equals one whole-table consolidation."""
+    from persist_lib.location.mem import MemBlob
+
+    schemas = Schemas.create(KEY, VAL)
+    blob = MemBlob(uuid.uuid4().hex)
+    rng = np.random.default_rng(seed)
+    inputs, tables = [], []
+    specs = [(int(rng.integers(1, 40)), 0, 1_000_000) for _ in range(int(rng.integers(5, 40)))]
+    specs += [(int(rng.integers(20_000, 60_000)), 500_000, 500_000 + int(rng.integers(10, 5_000)))]
+    specs += [(int(rng.integers(2_000, 20_000)), 0, int(rng.integers(10, 2_000_000))) for _ in range(3)]
+    rng.shuffle(specs)
+    for i, (n, klo, khi) in enumerate(specs):
+        t = pa.table(
+            {
+                "k.k": pa.array(rng.integers(klo, khi, n)),
+                "v.v": pa.array([f"x{j % 3}" for j in rng.integers(0, 3, n)]),
+                "t": pa.array(rng.integers(i * 10, i * 10 + 10, n)),
+                "d": pa.array(rng.choice([-1, 1, 2], n)),
+            },
+            schema=internal_schema(schemas),
+        )
+        inputs.append(build_batch(
+            blob, schemas, t, shard="s1", writer="w1", lower=i * 10, upper=i * 10 + 10,
+            target_part_bytes=int(rng.choice([16 << 10, 256 << 10])), inline_threshold=512,
+        ))
+        tables.append(t)
+    budget = int(rng.choice([1 << 20, 4 << 20, 16 << 20]))
+    since = int(rng.integers(0, len(specs) * 10))
+    upper = len(specs) * 10
+    out = merge_batches(
+        blob, schemas, shard="s1", inputs=tuple(inputs), lower=Antichain([0]), upper=Antichain([upper]),
+        since=Antichain([since]), memory_budget=budget, target_part_bytes=128 << 20, inline_threshold=0,
+    )
+    got = pa.concat_tables([fetch_part(blob, p, schemas, "s1") for p in out.batch.parts])
+    expected = consolidate(advance_to_since(pa.concat_tables(tables), min(since, upper - 1)))
+    assert consolidate(got).equals(got), "the output is one sorted, consolidated run"
+    assert got.equals(expected), out.stats
+    assert out.stats.passes >= 1 and out.stats.steps >= 1, out.stats
+    keys = {m.key for m in blob.list_keys_and_metadata("s1/")}
+    assert keys == {k for b in inputs for k in b.blob_keys()} | set(out.batch.blob_keys())
+
+
 def test_unsorted_compactor_run_falls_back_to_a_run_per_part() -> None:
     """A batch that claims to be one run (compactor writer) but isn't is merged correctly."""
     from persist_lib.location.mem import MemBlob

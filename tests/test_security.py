@@ -79,7 +79,7 @@ def test_canary_never_shows_in_client_objects(
     w.compare_and_append([((("a",), (1,)), 0, 1)], 0, 1)
     since = c.open_critical_since(shard, KEY, VAL)
     lst = r.listen(0)
-    splits = r.snapshot_splits(0, 2)
+    splits = r.snapshot_splits(0, 2) + r.range_splits(0, 1, 2)
     m = c.machine(shard)
     texts = [
         repr(c), str(c), repr(w), str(w), repr(r), str(r), repr(since), str(since), repr(lst),

@@ -291,6 +291,35 @@ def test_snapshot_splits_equal_snapshot(client: PersistClient) -> None:
     r.release_splits()
 
 
+def test_range_splits_equal_updates_between(client: PersistClient) -> None:
+    """Range splits fetched elsewhere give ``updates_between``; a lower at the since is
+    refused like ``updates_between`` refuses it, and a refused call keeps no hold."""
+    import pickle
+
+    client.config.blob_target_size = 4096
+    client.config.inline_threshold = 0
+    w, r = client.open(ShardId.new(), KEY, VAL)
+    for t in range(5):
+        w.compare_and_append([(((f"k{i}",), (i * t,)), t, 1 if t % 2 else -1) for i in range(200)], t, t + 1)
+    splits = r.range_splits(1, 4, 3)
+    assert 1 <= len(splits) <= 3 and "RangeSplit(" in repr(splits[0])
+    merged = pa.concat_tables([pickle.loads(pickle.dumps(s)).fetch(client.blob) for s in splits])
+    got = sorted((x["k"], x["v"], x["ts"], x["diff"]) for x in merged.to_pylist())
+    assert got == rows(r.updates_between(1, 4))
+    assert {ts for _, _, ts, _ in got} == {1, 2, 3}
+    r.release_splits()
+    r.downgrade_since(2)
+    holds_before = dict(r._holds)
+    for lower in (1, 2):
+        with pytest.raises(InvalidUsage, match="not beyond"):
+            r.range_splits(lower, 4, 2)
+    with pytest.raises(InvalidUsage, match="backwards"):
+        r.range_splits(4, 3, 2)
+    assert dict(r._holds) == holds_before and not r._split_holds
+    assert r.range_splits(3, 4, 2)[0].lower == 3
+    r.release_splits()
+
+
 def test_empty_value_schema_and_closing_upper(client: PersistClient) -> None:
     w, r = client.open(ShardId.new(), KEY, pa.schema([]))
     w.compare_and_append([((("a",), ()), 0, 1)], 0, 1)

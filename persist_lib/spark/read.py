@@ -19,16 +19,14 @@ those values are affected.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from persist_lib.batch_meta import PartMeta
-from persist_lib.codec import DIFF, Schemas, to_user_table
+from persist_lib.codec import DIFF, Schemas
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import check_time
-from persist_lib.read import SnapshotSplit
+from persist_lib.read import RangeSplit, SnapshotSplit
 from persist_lib.spark._common import blob_uri_of, open_executor_blob, table_batches
 from persist_lib.spark.types import spark_arrow_schema, spark_schema, to_spark_arrow
 
@@ -37,52 +35,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.storage.reader import CollectionReader
 
 
-@dataclass(frozen=True)
-class RangeSplit:
-    """Updates at times in ``[lower, upper)`` of some parts (times not forwarded).
-
-    The time-range counterpart of ``read.SnapshotSplit``: picklable, fetched by any
-    process that can open ``blob_uri``.
-    """
-
-    blob_uri: str
-    shard_id: str
-    schemas_json: dict[str, Any]
-    lower: int
-    upper: int
-    parts: tuple[PartMeta, ...]
-
-    def fetch(self, blob: Any = None) -> pa.Table:
-        from persist_lib.codec import empty_updates
-        from persist_lib.consolidate import consolidate, time_range
-        from persist_lib.parts import fetch_part
-
-        schemas = Schemas.from_json(self.schemas_json)
-        b = blob if blob is not None else open_executor_blob(self.blob_uri)
-        tables = [
-            time_range(fetch_part(b, p, schemas, self.shard_id), self.lower, self.upper)
-            for p in self.parts
-        ]
-        internal = consolidate(pa.concat_tables(tables) if tables else empty_updates(schemas))
-        return to_user_table(internal, schemas)
-
-
 Split = SnapshotSplit | RangeSplit
 
 
 def _default_splits(spark: Any) -> int:
     return max(1, int(spark.sparkContext.defaultParallelism) * 2)
-
-
-def _balance(parts: list[PartMeta], n: int) -> list[list[PartMeta]]:
-    """Greedy: the largest part into the lightest split (as ``snapshot_splits`` does)."""
-    buckets: list[list[PartMeta]] = [[] for _ in range(max(1, n))]
-    sizes = [0] * len(buckets)
-    for p in sorted(parts, key=lambda p: -p.size):
-        i = sizes.index(min(sizes))
-        buckets[i].append(p)
-        sizes[i] += p.size
-    return [b for b in buckets if b] or [[]]
 
 
 def _fetcher(
@@ -163,33 +120,8 @@ def read_snapshot(
 def range_splits(
     reader: ReadHandle, lower: int, upper: int, num_splits: int, timeout_s: float | None = None
 ) -> list[RangeSplit]:
-    """Splits of every update at times in ``[lower, upper)`` (waits for the upper).
-
-    ``lower`` must be at or beyond the reader's since. Like ``snapshot_splits``, this
-    takes a seqno hold on the state it planned from; release it with
-    ``reader.release_splits()``.
-    """
-    # ReadHandle has no public range-split API yet: this mirrors ``snapshot_splits``
-    # (wait for the upper, check the since, take a hold released by release_splits).
-    reader._check_open()
-    with reader._lock:  # hold first, then pick the state: the hold is <= its seqno
-        held = reader._machine.cached().seqno
-        reader._holds[held] += 1
-        reader._split_holds.append(held)
-    state = reader._wait_for_upper_beyond(upper - 1, timeout_s)
-    reader._check_as_of(state, lower)
-    parts = [
-        p
-        for _, b in state.trace_batches()
-        if (b.upper.is_empty() or (b.upper.time or 0) > lower) and (b.lower.time or 0) < upper
-        for p in b.parts
-        if p.tmax >= lower and p.tmin < upper
-    ]
-    uri = reader._client.blob_uri
-    sj = reader.schemas.to_json()
-    return [
-        RangeSplit(uri, reader.shard_id, sj, lower, upper, tuple(b)) for b in _balance(parts, num_splits)
-    ]
+    """``reader.range_splits`` (kept for callers of the first Spark API)."""
+    return reader.range_splits(lower, upper, num_splits, timeout_s)
 
 
 def read_updates(
