@@ -130,6 +130,10 @@ class PersistClient:
         bg = self.__dict__.pop("_bg_compactor", None)
         if bg is not None:
             bg.close()
+        with self._lock:
+            machines = list(self._machines.values())
+        for m in machines:  # a background rollup still uses blob and consensus
+            m.wait_background()
         self.blob.close()
         self.consensus.close()
 

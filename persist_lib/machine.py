@@ -134,6 +134,14 @@ class Machine:
 
     def __post_init__(self) -> None:
         self.shared = shared_state_for(self.consensus.describe(), self.shard_id)
+        self._rollup_thread: threading.Thread | None = None
+
+    def wait_background(self, timeout_s: float = 10.0) -> None:
+        """Waits (bounded) for this machine's background rollup: the client calls it
+        before closing its blob and consensus, which the rollup still uses."""
+        t = self._rollup_thread
+        if t is not None and t.is_alive():
+            t.join(timeout_s)
 
     # ----- reading state ----------------------------------------------------------------
 
@@ -298,9 +306,11 @@ class Machine:
         if interval > 0 and new.seqno - last >= interval:
             if self.config.rollup_in_background:
                 if not self.shared.rollup_in_progress:
-                    threading.Thread(
+                    t = threading.Thread(
                         target=self.write_rollup, name=f"persist-rollup-{self.shard_id}", daemon=True
-                    ).start()
+                    )
+                    self._rollup_thread = t
+                    t.start()
             else:
                 self.write_rollup()
         for cb in list(self.on_commit):

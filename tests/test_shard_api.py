@@ -353,3 +353,38 @@ def test_round_trip_on_every_location(location: tuple[str, str]) -> None:
     assert str(shard) in other.list_shards()
     other.close()
     client.close()
+
+
+def test_close_waits_for_a_background_rollup(tmp_path: object) -> None:
+    """A rollup written off the writer's path is still using blob and consensus when the
+    client closes: close waits for it (it used to die in its thread on a closed SQLite)."""
+    import threading
+    import time as _time
+    from pathlib import Path
+
+    from persist_lib.location.file_blob import FileBlob
+    from persist_lib.location.sqlite_consensus import SqliteConsensus
+
+    class SlowRollupBlob(FileBlob):
+        def set(self, key: str, value: bytes) -> None:
+            if "/rollup/" in key:
+                _time.sleep(0.3)
+            super().set(key, value)
+
+    root = Path(str(tmp_path))
+    errors: list[object] = []
+    old_hook = threading.excepthook
+    threading.excepthook = lambda a: errors.append(a.exc_value)
+    try:
+        c = PersistClient(
+            SlowRollupBlob(root / "blob"), SqliteConsensus(root / "c.db"),
+            PersistConfig.for_tests(rollup_interval=2, rollup_in_background=True),
+        )
+        w = c.open_writer(ShardId.new(), KEY, VAL)
+        for t in range(3):
+            w.compare_and_append([((("a",), (t,)), t, 1)], t, t + 1)
+        c.close()
+        _time.sleep(0.5)
+    finally:
+        threading.excepthook = old_hook
+    assert errors == []
