@@ -329,3 +329,134 @@ def test_two_cdc_instances_race_on_one_slot(pg_server: Any) -> None:
     assert _snap(client, "race", "data", s["upper"] - 1) == _table(conn)
     assert _snap(client, "race", "state", s["upper"] - 1) == _table(conn)
     conn.close()
+
+
+CDC_WORKER = r"""
+import json, sys, time
+import pyarrow as pa
+from persist_lib import PersistClient, PersistConfig
+from persist_lib.ingest import IngestConfig, Ingestion
+from persist_lib.ingest.pg_cdc import PgCdcSource
+p = json.loads(sys.argv[1])
+client = PersistClient.open(p["blob"], p["consensus"], PersistConfig.for_tests())
+K = pa.schema([("id", pa.int64())])
+V = pa.schema([("name", pa.string()), ("qty", pa.int64()), ("price", pa.float64()), ("big", pa.string())])
+ing = Ingestion(client, p["name"], PgCdcSource(p["dsn"], "items"), K, V, envelope="upsert",
+                config=IngestConfig(max_records_per_binding=p["n"], poll_interval_s=0.02))
+print("started", flush=True)
+s = ing.run(max_duration_s=p["seconds"])
+ing.close()
+client.close()
+print(json.dumps(s, default=str))
+"""
+
+
+def _cdc_worker(params: dict[str, Any]) -> list[str]:
+    import json
+    import sys
+
+    return [sys.executable, "-c", CDC_WORKER, json.dumps(params)]
+
+
+def _cdc_history(client: PersistClient, name: str) -> tuple[int, dict[int, int]]:
+    """(upper, {binding time: wal frontier bound then}) from the remap shard itself (times
+    are the wall clock in ms; history below the since window is not readable)."""
+    from persist_lib.ingest.remap import RemapShard
+
+    shard = shard_id_for(name, "remap")
+    since = client.inspect(shard)["since"][0]
+    remap = RemapShard(client, shard, {}, label="check")
+    try:
+        remap.load(since)
+        bound = {b.time: b.frontier.get("wal", (0,))[0] for b in remap.bindings_between(since, remap.upper)}
+        return remap.upper, bound
+    finally:
+        remap.close()
+
+
+@pytest.mark.parametrize("kills,txns", [(4, 40), pytest.param(20, 300, marks=pytest.mark.slow)])
+def test_cdc_kill9_restarts_equal_the_table_at_every_bound_lsn(
+    pg_server: Any, tmp_path: Any, kills: int, txns: int
+) -> None:
+    """An ingestion process following a table is killed with SIGKILL at random points
+    while transactions commit, and restarted each time: at every time the remap shard
+    binds, data and state equal the table as of the bound LSN (no transaction lost,
+    duplicated or half applied), and the final collection equals the table."""
+    import os
+    import subprocess
+    import threading
+
+    from tests.test_ingest_support import worker_env
+
+    src = pg_server.create_database()
+    conn = psycopg.connect(src, autocommit=True)
+    conn.execute("CREATE TABLE items (id bigint PRIMARY KEY, name text, qty int, price numeric(10,2), big text)")
+    conn.execute("INSERT INTO items SELECT g, 'init' || g, g, g / 2.0, NULL FROM generate_series(1, 300) g")
+    initial = _table(conn)
+    (tmp_path / "blob").mkdir()
+    params = {
+        "blob": f"file://{tmp_path / 'blob'}", "consensus": f"sqlite:///{tmp_path / 'c.db'}",
+        "dsn": src, "name": "cdckill", "n": 20, "seconds": 1.0,
+    }
+    # First life to completion: creates the slot and binds the snapshot.
+    out = subprocess.run(_cdc_worker(params), capture_output=True, text=True, timeout=300, env=worker_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    conn.execute("SELECT pg_create_logical_replication_slot('verify', 'pgoutput')")
+    history: list[tuple[int, dict[int, tuple[Any, ...]]]] = []
+    wconn = psycopg.connect(src, autocommit=True)
+    done = threading.Event()
+    werr: list[BaseException] = []
+
+    def workload() -> None:
+        try:
+            rng = random.Random(99)
+            next_id, live = [1000], list(range(1, 301))
+            for i in range(txns):
+                xid = _workload_txn(wconn, rng, next_id, live, i)  # txn 20: 10,000 inserts + update all
+                history.append((xid, _table(wconn)))
+                time.sleep(rng.uniform(0.0, 0.08))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            werr.append(e)
+        finally:
+            done.set()
+
+    th = threading.Thread(target=workload)
+    th.start()
+    rng = random.Random(kills)
+    hits = 0
+    params_live = dict(params, seconds=60.0)
+    while not done.is_set() or hits < kills:
+        proc = subprocess.Popen(_cdc_worker(params_live), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=worker_env())
+        assert proc.stdout is not None
+        proc.stdout.readline()  # "started"
+        time.sleep(rng.uniform(0.1, 1.2))
+        if proc.poll() is None:
+            os.kill(proc.pid, 9)
+            hits += 1
+        proc.wait()
+        proc.stdout.close()
+        if hits >= kills and done.is_set():
+            break
+    th.join(120)
+    assert not werr, werr
+    # Last life to completion.
+    out = subprocess.run(_cdc_worker(params), capture_output=True, text=True, timeout=300, env=worker_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    commit_of = _commit_lsns(conn, "verify", "persist_cdckill")
+    client = PersistClient.open(params["blob"], params["consensus"], PersistConfig.for_tests())
+    try:
+        upper, frontier_at = _cdc_history(client, "cdckill")
+        checked = 0
+        for t, f in sorted(frontier_at.items()):
+            done_txns = [tbl for x, tbl in history if commit_of[x] < f]
+            expected = done_txns[-1] if done_txns else initial
+            assert _snap(client, "cdckill", "data", t) == expected, f"data at {t} (frontier {int_to_lsn(f)})"
+            assert _snap(client, "cdckill", "state", t) == expected, f"state at {t}"
+            checked += 1
+        assert _snap(client, "cdckill", "data", upper - 1) == history[-1][1] == _table(conn)
+    finally:
+        client.close()
+    assert hits >= kills and checked >= 10, (hits, checked)
+    conn.execute("SELECT pg_drop_replication_slot('verify')")
+    wconn.close()
+    conn.close()
