@@ -170,6 +170,11 @@ class ReadHandle:
         return self._machine.shard_id
 
     @property
+    def client(self) -> PersistClient:
+        """The client this handle was opened from (its locations and config)."""
+        return self._client
+
+    @property
     def since(self) -> Antichain:
         """This reader's since (it may read at any time at or beyond it)."""
         return self._me(self._machine.cached()).since

@@ -54,6 +54,11 @@ class WriteHandle:
         return self._machine.shard_id
 
     @property
+    def client(self) -> PersistClient:
+        """The client this handle was opened from (its locations and config)."""
+        return self._client
+
+    @property
     def upper(self) -> Antichain:
         """The shard upper as last seen by this process (see ``fetch_recent_upper``)."""
         return self._machine.cached().upper

@@ -107,7 +107,7 @@ def read_snapshot(
     parallelism); the result is materialized before the splits' hold is released.
     """
     as_of = check_time(as_of, "as_of")
-    blob_uri_of(reader._client, f"shard {reader.shard_id}")
+    blob_uri_of(reader.client, f"shard {reader.shard_id}")
     spark_schema(reader.schemas)  # unsupported types fail before any hold is taken
     n = num_splits or _default_splits(spark)
     splits: list[Split] = list(reader.snapshot_splits(as_of, n, timeout_s))
@@ -148,7 +148,7 @@ def read_updates(
         raise InvalidUsage(
             f"shard {reader.shard_id}: range ({from_as_of}, {to_as_of}] is backwards"
         )
-    blob_uri_of(reader._client, f"shard {reader.shard_id}")
+    blob_uri_of(reader.client, f"shard {reader.shard_id}")
     spark_schema(reader.schemas)
     if hi == lo:
         return splits_dataframe(spark, [], reader.schemas)
@@ -173,12 +173,12 @@ def read_collection_snapshot(
     as_of = check_time(as_of, "as_of")
     spark_schema(reader.schemas)
     rendition = reader.active_rendition(as_of, timeout_s)
-    handles = reader._guard(lambda: reader._readers_for(rendition))
+    handles = reader.rendition_readers(rendition)
     splits: list[Split] = []
     taken: list[ReadHandle] = []
     try:
         for h in handles:
-            blob_uri_of(h._client, f"shard {h.shard_id}")
+            blob_uri_of(h.client, f"shard {h.shard_id}")
             splits.extend(h.snapshot_splits(as_of, splits_per_shard, timeout_s))
             taken.append(h)
         return _materialize(splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate))

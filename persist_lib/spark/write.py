@@ -333,7 +333,7 @@ def write_batch(
     ``after_upload`` is a test hook (see ``AfterUpload``).
     """
     t0 = _now()
-    client = writer._client
+    client = writer.client
     shard = writer.shard_id
     what = f"shard {shard}"
     lower = as_frontier(expected_upper, "expected_upper")
@@ -381,7 +381,7 @@ def write_collection(
     lower = as_frontier(expected_upper, "expected_upper")
     upper = as_frontier(new_upper, "new_upper")
     _check_frontiers(what, lower, upper)
-    handles: list[WriteHandle] = list(writer._writers)
+    handles: list[WriteHandle] = list(writer.shard_writers)
     schemas = writer.schemas
     df = _prepare_df(df, schemas, what, time)
     uppers = [w.fetch_recent_upper() for w in handles]
@@ -391,7 +391,7 @@ def write_collection(
         raise UpperMismatch(what, lower, min(bad))
     shard_ids = [w.shard_id for w in handles]
     skipped = [shard_ids[i] for i in range(len(handles)) if i not in todo]
-    client = handles[0]._client
+    client = handles[0].client
     spec = _spec(client, shard_ids, schemas, lower, upper, target_part_bytes, chunk_bytes)
     batches: list[HollowBatch] = []
     rows_in = 0
@@ -413,7 +413,7 @@ def write_collection(
                     _delete_parts(client, rest)
                 raise
             batches.append(batch)
-    writer._advance_metadata(upper)
+    writer.advance_metadata(upper)
     return SparkWriteResult(
         shard_ids=shard_ids, lower=lower, upper=upper, part_writer=spec.part_writer,
         rows_in=rows_in, updates=sum(b.len for b in batches),

@@ -125,6 +125,11 @@ class CollectionReader:
         snap = self._meta.snapshot(as_of, timeout_s)
         return active_in(snap.to_pylist(), as_of, self._meta.shard_id)
 
+    def rendition_readers(self, rendition: str) -> list[ReadHandle]:
+        """The leased readers of a rendition's shards (opened once, at this handle's since),
+        in routing order: for readers that plan their own splits (Spark)."""
+        return list(self._guard(lambda: self._readers_for(rendition)))
+
     def _readers_for(self, rendition: str) -> list[ReadHandle]:
         rs = self._renditions.get(rendition)
         if rs is None:

@@ -55,6 +55,13 @@ class CollectionWriter:
         return [w.shard_id for w in self._writers]
 
     @property
+    def shard_writers(self) -> tuple[WriteHandle, ...]:
+        """The rendition's shard writers, in routing order (shard ``i`` gets the keys that
+        ``routing.split_by_shard`` sends to ``i``): for writers that build batches
+        themselves (Spark), followed by ``advance_metadata``."""
+        return tuple(self._writers)
+
+    @property
     def upper(self) -> Antichain:
         """The rendition upper: the minimum of its shards' uppers (read from consensus)."""
         return min(w.fetch_recent_upper() for w in self._writers)
@@ -70,7 +77,7 @@ class CollectionWriter:
         lo, hi = as_frontier(lower, "lower"), as_frontier(upper, "upper")
         for w, part in zip(self._writers, self._split(updates), strict=True):
             w.append(part, lo, hi)
-        self._advance_metadata(hi)
+        self.advance_metadata(hi)
 
     def compare_and_append(
         self, updates: Any, expected_upper: FrontierLike, new_upper: FrontierLike
@@ -85,10 +92,11 @@ class CollectionWriter:
             raise UpperMismatch(f"{self.name}/{self.rendition}", expected, min(uppers))
         for w, part in zip(self._writers, parts, strict=True):
             w.compare_and_append(part, expected, new)
-        self._advance_metadata(new)
+        self.advance_metadata(new)
 
-    def _advance_metadata(self, upper: Antichain) -> None:
-        """Moves the metadata upper to ``upper`` if this rendition is the active one."""
+    def advance_metadata(self, upper: Antichain) -> None:
+        """Moves the metadata upper to ``upper`` if this rendition is the active one (after
+        every shard's upper reached it: ``append`` and ``compare_and_append`` call it)."""
         if upper.is_empty():
             return  # never close the metadata shard: a later handover must stay possible
         while True:
