@@ -331,6 +331,48 @@ def test_two_cdc_instances_race_on_one_slot(pg_server: Any) -> None:
     conn.close()
 
 
+
+def test_slot_advanced_just_before_a_peek_is_reported_not_missed(pg_server: Any) -> None:
+    """Another instance advances the slot between a reader's position check and its
+    peek (a peek starts at the slot's position): the reader must report the data as
+    gone (the driver then resynchronizes), never return a chunk without the transactions
+    in between. This race made two instances disagree (NeedsNewRendition) in about half
+    of the runs of ``test_two_cdc_instances_race_on_one_slot``."""
+    from persist_lib.ingest import SourceDataGone
+    from persist_lib.ingest.pg_cdc import PgCdcReader
+
+    src_dsn = pg_server.create_database()
+    conn = psycopg.connect(src_dsn, autocommit=True)
+    conn.execute("CREATE TABLE items (id bigint PRIMARY KEY, name text, qty int, price numeric(10,2), big text)")
+    conn.execute("INSERT INTO items SELECT g, 'init' || g, g, g / 2.0, NULL FROM generate_series(1, 5) g")
+    client = _client()
+    with Ingestion(client, "toctou", PgCdcSource(src_dsn, "items"), KEY, VAL, envelope="upsert") as ing:
+        ing.run_once()  # creates the slot, binds the snapshot
+    src = PgCdcSource(src_dsn, "items")
+    src.attach(client, "toctou")
+    real_peek = src.peek
+    for live in (True, False):  # the live read, then the replay of a bound frontier
+        pos = src.slot_position()
+        conn.execute("UPDATE items SET qty = qty + 100 WHERE id = 1")
+        conn.execute("UPDATE items SET qty = qty + 200 WHERE id = 2")
+        after_both = src.current_lsn()
+        armed = [True]
+
+        def peek_after_another_instance_advanced(
+            upto: Any, n: Any, target: int = after_both, armed: list[bool] = armed
+        ) -> list[bytes]:
+            if armed[0]:
+                armed[0] = False
+                conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (src.slot, int_to_lsn(target)))
+            return real_peek(upto, n)
+
+        src.peek = peek_after_another_instance_advanced  # type: ignore[method-assign]
+        reader = PgCdcReader(src, pos)
+        with pytest.raises(SourceDataGone, match="past"):
+            reader.read(None if live else {"wal": (after_both + 1,)}, 100)
+    src.close()
+    conn.close()
+
 CDC_WORKER = r"""
 import json, sys, time
 import pyarrow as pa

@@ -672,15 +672,11 @@ class PgCdcReader:
             snap = self.src.load_snapshot()
             self._pos = snap.lsn
             return [self._chunk(0, snap.lsn, [], snap)]
-        slot = self.src.slot_position()
-        if slot > self._pos:
-            raise SourceDataGone(
-                f"replication slot {self.src.slot} is at {int_to_lsn(slot)}, past {int_to_lsn(self._pos)} "
-                "where this instance needs to read"
-            )
+        self._check_slot_not_past()
         if limit is not None:
             # replay a binding: exactly the transactions that committed before it
             txns = self._fetch(limit, None)
+            self._check_slot_not_past()
             txns = [t for t in txns if self._pos <= t.commit_lsn < limit]
             start, self._pos = self._pos, limit
             return [self._chunk(start, limit, txns)] if txns or limit > start else []
@@ -688,6 +684,7 @@ class PgCdcReader:
         n = max(max_records, 1) + 2
         while True:
             msgs = self.src.peek(w, n)
+            self._check_slot_not_past()
             txns = self._parse(msgs)
             new = [t for t in txns if t.commit_lsn >= self._pos]
             truncated = len(msgs) >= n
@@ -702,6 +699,21 @@ class PgCdcReader:
         if not new and end == start:
             return []
         return [self._chunk(start, end, new)]
+
+    def _check_slot_not_past(self) -> None:
+        """Raises ``SourceDataGone`` if the slot is past this reader's position.
+
+        Checked before *and after* every peek: another instance may advance the slot
+        between the first check and the peek (a peek starts at the slot's position, so it
+        would silently miss the transactions in between). The slot can't move during a
+        peek (it is active) and only moves forward, so a slot still at or before the
+        position after the peek means the peek saw everything from the position on."""
+        slot = self.src.slot_position()
+        if slot > self._pos:
+            raise SourceDataGone(
+                f"replication slot {self.src.slot} is at {int_to_lsn(slot)}, past {int_to_lsn(self._pos)} "
+                "where this instance needs to read"
+            )
 
     def _fetch(self, upto: int, n: int | None) -> list[Txn]:
         return self._parse(self.src.peek(upto, n))
