@@ -2,7 +2,11 @@
 
 One client holds one Blob and one Consensus (wrapped in retries with backoff up to a
 deadline). Handles of every client in a process share one cached state per shard.
-A background thread heartbeats live handles every lease/4 (configurable).
+A background thread heartbeats live handles every lease/4 (configurable); it survives
+any error of a single heartbeat (logged, retried next tick) and is restarted if it
+ever dies. A client keeps at most ``config.max_cached_shards`` shard machines (least
+recently used first out; handles keep their own), so a long-lived process that
+inspects many shards stays bounded.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,7 +26,7 @@ import pyarrow as pa
 from persist_lib import transitions as tr
 from persist_lib.codec import Schemas
 from persist_lib.config import PersistConfig
-from persist_lib.errors import ExternalError, InvalidUsage, LeaseExpired
+from persist_lib.errors import InvalidUsage, LeaseExpired
 from persist_lib.ids import CriticalReaderId, ReaderId, ShardId, WriterId
 from persist_lib.location.base import Blob, Consensus
 from persist_lib.location.retry import RetryingBlob, RetryingConsensus, RetryPolicy
@@ -84,7 +89,8 @@ class PersistClient:
         self._hb_thread: threading.Thread | None = None
         self._hb_stop = threading.Event()
         self._lock = threading.Lock()
-        self._machines: dict[str, Machine] = {}
+        self._machines: OrderedDict[str, Machine] = OrderedDict()
+        self.heartbeat_failures = 0  # heartbeats that raised (each logged)
         self._uploads: ThreadPoolExecutor | None = None
 
     # ----- construction ---------------------------------------------------------------
@@ -153,13 +159,24 @@ class PersistClient:
 
     def machine(self, shard: ShardLike) -> Machine:
         sid = str(ShardId.parse(shard))
+        evicted: list[Machine] = []
         with self._lock:
             m = self._machines.get(sid)
             if m is None:
                 m = self._machines[sid] = Machine(sid, self.blob, self.consensus, self.config)
-                if self.config.compaction_enabled:
-                    self.background_compactor().attach(m)
-            return m
+                attach = self.config.compaction_enabled
+                limit = max(1, self.config.max_cached_shards)
+                while len(self._machines) > limit:
+                    _, old = self._machines.popitem(last=False)
+                    evicted.append(old)
+            else:
+                self._machines.move_to_end(sid)
+                attach = False
+        for old in evicted:  # handles keep theirs; a background rollup finishes on its own
+            old.wait_background(0.0)
+        if attach:
+            self.background_compactor().attach(m)
+        return m
 
     def _open_shard(
         self,
@@ -275,42 +292,80 @@ class PersistClient:
     def _track(self, handle: Any) -> None:
         handle.last_heartbeat_monotonic = time.monotonic()
         self._handles.add(handle)
-        if self.config.background_heartbeats and self._hb_thread is None:
-            with self._lock:
-                if self._hb_thread is None:
-                    self._hb_thread = threading.Thread(
-                        target=self._heartbeat_loop, name="persist-heartbeat", daemon=True
-                    )
-                    self._hb_thread.start()
+        self.ensure_heartbeats()
+
+    def track_lease(self, lease: Any) -> None:
+        """Heartbeats ``lease`` (anything with ``heartbeat()``, ``lease_ms`` and
+        ``last_heartbeat_monotonic``, e.g. a ``PartWriter``) with the handles."""
+        self._track(lease)
+
+    def ensure_heartbeats(self) -> None:
+        """Starts the heartbeat thread, or restarts it if it died."""
+        if not self.config.background_heartbeats or self._hb_stop.is_set():
+            return
+        t = self._hb_thread
+        if t is not None and t.is_alive():
+            return
+        with self._lock:
+            t = self._hb_thread
+            if t is None or not t.is_alive():
+                if t is not None:
+                    log.error("persist heartbeat thread had died; restarting it")
+                self._hb_thread = threading.Thread(
+                    target=self._heartbeat_loop, name="persist-heartbeat", daemon=True
+                )
+                self._hb_thread.start()
 
     def _forget_handle(self, handle: Any) -> None:
         self._handles.discard(handle)
 
+    def _lease_ms(self, h: Any) -> int:
+        lease = getattr(h, "lease_ms", None)
+        if isinstance(lease, int):
+            return lease
+        return self.config.writer_lease_ms if isinstance(h, WriteHandle) else self.config.reader_lease_ms
+
     def _heartbeat_loop(self) -> None:
-        while not self._hb_stop.wait(1.0):
-            for h in list(self._handles):
-                lease_ms = (
-                    self.config.writer_lease_ms
-                    if isinstance(h, WriteHandle)
-                    else self.config.reader_lease_ms
-                )
-                if time.monotonic() - h.last_heartbeat_monotonic < lease_ms / 4000.0:
-                    continue
-                try:
-                    h.heartbeat()
-                    h.last_heartbeat_monotonic = time.monotonic()
-                except LeaseExpired:
-                    self._handles.discard(h)
-                except (ExternalError, InvalidUsage) as e:
-                    log.warning("heartbeat of %r failed: %s", h, e)
+        while not self._hb_stop.wait(self.config.heartbeat_tick_s):
+            try:
+                self.heartbeat_due()
+            except Exception:  # never let the thread die: every lease depends on it
+                log.exception("persist heartbeat loop failed; continuing")
+
+    def heartbeat_due(self) -> int:
+        """Heartbeats every tracked handle whose last heartbeat is older than lease/4.
+
+        A failure is logged (ERROR once half the lease has passed without a successful
+        heartbeat) and retried at the next tick; ``LeaseExpired`` stops tracking the
+        handle. Returns the number of failures.
+        """
+        failures = 0
+        for h in list(self._handles):
+            lease_ms = self._lease_ms(h)
+            since = time.monotonic() - h.last_heartbeat_monotonic
+            if since < lease_ms / 4000.0:
+                continue
+            try:
+                h.heartbeat()
+                h.last_heartbeat_monotonic = time.monotonic()
+            except LeaseExpired:
+                self._handles.discard(h)
+            except Exception as e:
+                failures += 1
+                self.heartbeat_failures += 1
+                level = logging.ERROR if since >= lease_ms / 2000.0 else logging.WARNING
+                log.log(level, "heartbeat of %r failed (%.0f s since the last one; lease %.0f s): %r",
+                        h, since, lease_ms / 1000.0, e)
+        return failures
 
     # ----- maintenance (persist_lib.maintenance) --------------------------------------
 
-    def compact(self, shard: ShardLike) -> dict[str, Any]:
-        """Runs the shard's pending merges now (see ``persist_lib.maintenance.compact``)."""
+    def compact(self, shard: ShardLike, **kwargs: Any) -> dict[str, Any]:
+        """Runs the shard's pending merges now (see ``persist_lib.maintenance.compact``:
+        ``retry_quarantined``, ``raise_on_failure``, ``max_rounds``)."""
         from persist_lib import maintenance
 
-        return maintenance.compact(self, shard)
+        return maintenance.compact(self, shard, **kwargs)
 
     def gc(self, shard: ShardLike) -> dict[str, Any]:
         """One idempotent garbage-collection run (see ``persist_lib.maintenance.gc``)."""

@@ -30,10 +30,12 @@ Rows are compared by ``consolidate.row_keys`` ranks computed over one concatenat
 which is what makes rows of different chunks comparable. Times below ``since`` are
 forwarded to ``since`` as chunks are read; forwarding is monotone, so runs stay sorted.
 
-**Applying.** One ``apply_merge_res`` transition replaces exactly the inputs. If it
-doesn't apply (the inputs changed), the output's blobs are deleted — unless a
-consensus call was indeterminate, in which case a leak (for the sweeper) is preferred
-to a dangling reference.
+**Applying.** The output is written under a part writer registered for the merge
+(``persist_lib.part_writers``), so the leaked-blob sweeper leaves it alone however
+long the merge runs. One ``apply_merge_res`` transition replaces exactly the inputs
+and releases that registration. If it doesn't apply (the inputs changed), the
+output's blobs are deleted; if applying fails in a way that leaves its outcome
+unknown, the output is kept (a leak, for the sweeper, beats a dangling reference).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -62,6 +64,7 @@ from persist_lib.errors import BlobNotFound, CorruptionError, ExternalError, Inv
 from persist_lib.frontier import Antichain
 from persist_lib.location.base import Blob
 from persist_lib.machine import Machine
+from persist_lib.part_writers import PartWriter
 from persist_lib.parts import (
     FORMAT_VERSION,
     META_FORMAT,
@@ -70,6 +73,9 @@ from persist_lib.parts import (
     verify_part_bytes,
 )
 from persist_lib.spine import CompactionRequest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.client import PersistClient
 
 log = logging.getLogger(__name__)
 
@@ -904,52 +910,75 @@ def _metadata_only_output(req: CompactionRequest) -> HollowBatch:
     return HollowBatch(lower=req.lower, upper=req.upper, since=since, parts=parts)
 
 
-def compact_request(machine: Machine, schemas: Schemas, config: PersistConfig, req: CompactionRequest) -> CompactionResult:
-    """Runs one merge and applies it with one transition (or deletes its output)."""
+def compact_request(
+    machine: Machine,
+    schemas: Schemas,
+    config: PersistConfig,
+    req: CompactionRequest,
+    *,
+    client: PersistClient | None = None,
+) -> CompactionResult:
+    """Runs one merge and applies it with one transition (or deletes its output).
+
+    A merge that rewrites data first registers a part writer (``part_writers``): its
+    output is linked only while that registration holds, so the leaked-blob sweeper can
+    never delete output that is about to be linked, however long the merge takes.
+    ``client`` (optional) heartbeats the registration during long merges.
+    """
     t0 = time.monotonic()
     stats = MergeStats()
+    pw: PartWriter | None = None
     if not req.rewrites_data or sum(1 for b in req.inputs if b.parts) == 0:
         output = _metadata_only_output(req)
         produced_keys: list[str] = []
     else:
+        pw = PartWriter.register(
+            machine, purpose="compaction", client=client, writer_id=new_compactor_writer_id()
+        )
         try:
             merged = merge_batches(
                 machine.blob, schemas, shard=machine.shard_id, inputs=req.inputs, lower=req.lower,
                 upper=req.upper, since=req.since, memory_budget=config.compaction_memory_budget,
                 target_part_bytes=config.blob_target_size, inline_threshold=config.inline_threshold,
+                writer=pw.writer_id,
             )
         except BlobNotFound:
             # The compactor holds no seqno: an input may have been replaced by another
             # merge and collected meanwhile. Then this merge is moot (and wrote nothing:
             # the merge deletes its partial output); otherwise a live blob is missing.
+            pw.release()
             if inputs_still_current(machine.fetch_latest(), req):
                 raise
             return CompactionResult(
                 req, mt.MergeOutcome.NOT_APPLIED_NO_MATCH, None, stats, time.monotonic() - t0, True
             )
+        except Exception:
+            pw.release()
+            raise
         output, stats = merged.batch, merged.stats
         reused = {k for b in req.inputs for k in b.blob_keys()}
         produced_keys = [k for k in output.blob_keys() if k not in reused]
-    # The leaked-blob sweeper deletes unreferenced blobs older than its grace period:
-    # output written longer ago than half of it must not be linked any more.
-    if produced_keys and (time.monotonic() - t0) * 1000 > config.leak_grace_ms / 2:
-        log.warning(
-            "shard %s: merge of %s took longer than half the leak grace period; abandoned",
-            machine.shard_id, req.batch_ids,
-        )
-        _delete_keys(machine, produced_keys)
-        return CompactionResult(req, mt.MergeOutcome.NOT_APPLIED_NO_MATCH, output, stats, time.monotonic() - t0, True)
-    # If applying raises, it is unknown whether it landed: the output is kept (a leak,
-    # for the sweeper, beats a dangling reference).
-    indeterminate_before = machine.metrics.indeterminate_retries
-    res = _apply(machine, config, req, output)
-    if res.outcome is mt.MergeOutcome.NOT_APPLIED_INLINE_BUDGET:
-        output = _uninline(machine, output)
-        reused = {k for b in req.inputs for k in b.blob_keys()}
-        produced_keys = [k for k in output.blob_keys() if k not in reused]
-        res = _apply(machine, config, req, output)
+    writer_id = pw.writer_id if pw is not None else None
+    try:
+        res = _apply(machine, config, req, output, writer_id)
+        if res.outcome is mt.MergeOutcome.NOT_APPLIED_INLINE_BUDGET:
+            output = _uninline(machine, output, writer_id)
+            reused = {k for b in req.inputs for k in b.blob_keys()}
+            produced_keys = [k for k in output.blob_keys() if k not in reused]
+            res = _apply(machine, config, req, output, writer_id)
+    except Exception:
+        # It is unknown whether the merge landed: the output is kept (a leak, for the
+        # sweeper once the registration is gone, beats a dangling reference).
+        if pw is not None:
+            pw.release()  # a no-op if the merge landed (it released it)
+        raise
+    if pw is not None:
+        pw.mark_released()  # every outcome of apply_merge_res released (or lost) it
+    # "Not applied" is definite: the transition ran against a state without our output
+    # (our own earlier landed CAS would show as ALREADY_APPLIED), and our part writer is
+    # unregistered now, so nothing can link the output any more.
     deleted = False
-    if not res.applied and machine.metrics.indeterminate_retries == indeterminate_before:
+    if not res.applied:
         _delete_keys(machine, produced_keys)
         deleted = True
     return CompactionResult(req, res.outcome, output, stats, time.monotonic() - t0, deleted)
@@ -972,22 +1001,28 @@ def inputs_still_current(state: Any, req: CompactionRequest) -> bool:
     return True
 
 
-def _apply(machine: Machine, config: PersistConfig, req: CompactionRequest, output: HollowBatch) -> mt.MergeResult:
+def _apply(
+    machine: Machine, config: PersistConfig, req: CompactionRequest, output: HollowBatch,
+    part_writer: str | None,
+) -> mt.MergeResult:
     res, _ = machine.apply(
         "apply_merge_res",
         lambda s, now: mt.apply_merge_res(
             s, now, input_ids=req.batch_ids, inputs=req.inputs, output=output,
-            inline_max_total=config.inline_max_total,
+            inline_max_total=config.inline_max_total, part_writer=part_writer,
         ),
     )
     assert isinstance(res, mt.MergeResult)
     return res
 
 
-def _uninline(machine: Machine, batch: HollowBatch) -> HollowBatch:
+def _uninline(machine: Machine, batch: HollowBatch, writer: str | None) -> HollowBatch:
+    """Moves inline output parts to blob, under the merge's registered part writer."""
+    if writer is None:
+        raise InvalidUsage(
+            f"shard {machine.shard_id}: a metadata-only merge can't need more inline room"
+        )
     parts: list[PartMeta] = []
-    writers = [_writer_of(k) for k in batch.blob_keys()]
-    writer = writers[0] if writers else new_compactor_writer_id()
     for p in batch.parts:
         if p.inline is None:
             parts.append(p)

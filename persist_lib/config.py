@@ -30,6 +30,7 @@ class PersistConfig:
     reader_lease_ms: int = 15 * 60 * 1000
     writer_lease_ms: int = 60 * 60 * 1000
     background_heartbeats: bool = True
+    heartbeat_tick_s: float = 1.0  # how often the heartbeat thread looks for due handles
     # Location retries.
     retry_deadline_s: float = 60.0
     # Reads.
@@ -42,8 +43,16 @@ class PersistConfig:
     compaction_workers: int = 2  # background merge threads per client
     compaction_queue_max: int = 20  # queued merges per client; excess dropped (re-derived later)
     gc_in_background: bool = True  # with compaction_enabled: GC once garbage is deletable
-    # Leaked-blob sweeper: blobs younger than this are never reported (uploads precede CAS).
+    # A failed background merge (or GC) is retried after this, doubling up to the max;
+    # a merge failing deterministically this many times is quarantined (maintenance.py).
+    compaction_retry_backoff_s: float = 1.0
+    compaction_retry_backoff_max_s: float = 300.0
+    compaction_quarantine_after: int = 2
+    # Leaked-blob sweeper: an extra guard on top of the registered-writer rule
+    # (``persist_lib.part_writers``): blobs younger than this are never reported.
     leak_grace_ms: int = 60 * 60 * 1000
+    # Shard machines a client keeps (least recently used dropped first).
+    max_cached_shards: int = 256
     # Injected clock (ms since the epoch) and RNG, so tests are deterministic.
     now_ms: Callable[[], int] = field(default=system_clock_ms)
     rng: random.Random = field(default_factory=random.Random)

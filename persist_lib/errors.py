@@ -46,6 +46,10 @@ class InvalidBlobKey(InvalidUsage):
     """A blob key does not follow the key grammar (or would escape the blob root)."""
 
 
+class StateFormatTooNew(InvalidUsage):
+    """Shard state written by a newer major state format: upgrade persist_lib."""
+
+
 class UpperMismatch(PersistError):
     """``compare_and_append`` lost: the shard upper is not the expected one.
 

@@ -23,9 +23,16 @@ resume where it stopped (every step is idempotent):
 **Leaked blobs** (crashed writers and compactors, lost races) are referenced by no
 state at all, so GC never sees them. ``unreferenced_blobs`` lists ``{shard}/`` in blob,
 replays every live state version (the earliest live rollup plus every diff up to the
-head) and reports the blobs none of them references and that are older than a grace
-period (default 1 h: a writer uploads its parts *before* the compare-and-set that
-references them).
+head) and reports the blobs none of them references — except blobs that may still be
+linked by a write in flight, which it never touches, whatever their age or the
+clocks say (``persist_lib.part_writers`` has the argument):
+
+* a part ``{shard}/{writer}/p...`` whose writer is registered in the head state it
+  read after listing (a live write handle, compactor or Spark job);
+* a rollup ``{shard}/rollup/{seqno}-...`` newer than the latest linked rollup and
+  within ``2 * ROLLUP_LINK_WINDOW`` seqnos of the head.
+
+A grace period on the blob's age (default 1 h) is kept as a second guard.
 """
 
 from __future__ import annotations
@@ -39,7 +46,9 @@ from persist_lib import maintenance_transitions as mt
 from persist_lib import state as st
 from persist_lib.errors import Determinate, ExternalError
 from persist_lib.location.base import Blob, Consensus
-from persist_lib.machine import SCAN_LIMIT, Machine, unframe
+from persist_lib.machine import SCAN_LIMIT, Machine, rollup_seqno_of, unframe
+from persist_lib.parts import part_writer_of
+from persist_lib.transitions import ROLLUP_LINK_WINDOW
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +202,15 @@ LIVE_REPLAY_ATTEMPTS = 5
 
 
 def live_blob_keys(blob: Blob, consensus: Consensus, shard: str) -> set[str]:
-    """Every blob key referenced by any state version still in consensus.
+    """Every blob key referenced by any state version still in consensus."""
+    return live_blob_keys_and_head(blob, consensus, shard)[0]
+
+
+def live_blob_keys_and_head(
+    blob: Blob, consensus: Consensus, shard: str
+) -> tuple[set[str], st.ShardState]:
+    """Every blob key referenced by any state version still in consensus, and the head
+    state the replay ended at.
 
     Replays from the earliest rollup whose blob still exists and whose following diffs
     are all in consensus (or from the beginning, if nothing was truncated) to the head.
@@ -201,9 +218,9 @@ def live_blob_keys(blob: Blob, consensus: Consensus, shard: str) -> set[str]:
     starts over (a gap in the seqnos is a concurrent truncation, not corruption).
     """
     for _ in range(LIVE_REPLAY_ATTEMPTS):
-        keys = _live_blob_keys_once(blob, consensus, shard)
-        if keys is not None:
-            return keys
+        got = _live_blob_keys_once(blob, consensus, shard)
+        if got is not None:
+            return got
     raise Determinate(
         f"shard {shard}: no consistent replay of the live state versions after "
         f"{LIVE_REPLAY_ATTEMPTS} attempts (consensus was truncated, or the rollup to start "
@@ -211,11 +228,13 @@ def live_blob_keys(blob: Blob, consensus: Consensus, shard: str) -> set[str]:
     )
 
 
-def _live_blob_keys_once(blob: Blob, consensus: Consensus, shard: str) -> set[str] | None:
+def _live_blob_keys_once(
+    blob: Blob, consensus: Consensus, shard: str
+) -> tuple[set[str], st.ShardState] | None:
     """One replay; ``None`` if the log was truncated under it."""
     first = consensus.scan(shard, 0, 1)
     if not first:
-        return set()
+        return set(), st.ShardState(shard)
     head = consensus.head(shard)
     assert head is not None
     head_payload = unframe(head.data, shard=shard, what=f"consensus entry {head.seqno}")
@@ -260,7 +279,23 @@ def _live_blob_keys_once(blob: Blob, consensus: Consensus, shard: str) -> set[st
                 keys.update(cur.garbage)
             prev = cur
         if len(entries) < SCAN_LIMIT:
-            return keys
+            return keys, cur
+
+
+def in_flight_reason(key: str, head: st.ShardState) -> str | None:
+    """Why an unreferenced ``key`` may still be linked by a write in flight (then the
+    sweeper must keep it), judged against a state read *after* the blob was listed."""
+    w = part_writer_of(key)
+    if w is not None:
+        return f"writer {w} is registered" if w in head.writers else None
+    r = rollup_seqno_of(key)
+    if r is not None:
+        latest = head.latest_rollup()
+        if latest is not None and r <= latest[0]:
+            return None  # a newer rollup is linked: this one never will be
+        if r > head.seqno - 2 * ROLLUP_LINK_WINDOW:
+            return f"rollup of seqno {r} may still be linked (head {head.seqno})"
+    return None
 
 
 def unreferenced_blobs(
@@ -271,20 +306,24 @@ def unreferenced_blobs(
     now_ms: int,
     older_than_ms: int = DEFAULT_LEAK_GRACE_MS,
     delete: bool = False,
+    in_flight_guard: bool = True,
 ) -> list[dict[str, Any]]:
-    """Blobs under ``{shard}/`` that no live state version references and that are older
-    than ``older_than_ms``; deleted too when ``delete``.
+    """Blobs under ``{shard}/`` that no live state version references, that no write in
+    flight may still link (``in_flight_reason``) and that are older than
+    ``older_than_ms``; deleted too when ``delete``.
 
-    Lists *before* replaying, so a blob written after the listing is never reported;
-    one written before it but referenced only by a commit after the replay is protected
-    by the grace period (use 0 only when no writer or compactor is running).
+    Lists *before* replaying, so every blob it sees was written before the state it
+    judges them by. ``in_flight_guard=False`` exists only for the reliability
+    harness's planted bug (it is the unsafe sweeper).
     """
     listed = list(blob.list_keys_and_metadata(f"{shard}/"))
-    live = live_blob_keys(blob, consensus, shard)
+    live, head = live_blob_keys_and_head(blob, consensus, shard)
     out = [
         {"key": m.key, "bytes": m.size_in_bytes, "last_modified_ms": m.last_modified_ms}
         for m in listed
-        if m.key not in live and now_ms - m.last_modified_ms >= older_than_ms
+        if m.key not in live
+        and now_ms - m.last_modified_ms >= older_than_ms
+        and (not in_flight_guard or in_flight_reason(m.key, head) is None)
     ]
     if delete:
         dummy = GcSummary(shard)

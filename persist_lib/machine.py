@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -99,7 +100,10 @@ class SharedShardState:
             return self.state
 
 
-_CACHE: dict[tuple[str, str], SharedShardState] = {}
+# Weak values: a shard's cached state lives as long as some Machine (a client's, or a
+# handle's) uses it, so a long-lived process that touched many shards does not keep
+# them all (clients bound their machines, ``PersistConfig.max_cached_shards``).
+_CACHE: weakref.WeakValueDictionary[tuple[str, str], SharedShardState] = weakref.WeakValueDictionary()
 _CACHE_LOCK = threading.Lock()
 
 
@@ -119,6 +123,25 @@ def clear_state_cache() -> None:
 
 def rollup_key(shard_id: str, seqno: int) -> str:
     return f"{shard_id}/rollup/{seqno}-{uuid.uuid4()}"
+
+
+def rollup_seqno_of(key: str) -> int | None:
+    """The seqno of a rollup key ``{shard}/rollup/{seqno}-{uuid}`` (None for other keys)."""
+    segs = key.split("/")
+    if len(segs) != 3 or segs[1] != "rollup":
+        return None
+    head = segs[2].split("-", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+@dataclass
+class ApplyProgress:
+    """What ``Machine.apply`` got to: ``cas_issued`` turns true just before the first
+    compare-and-set is sent. Until then nothing of the change can be in consensus, so a
+    caller may safely delete blobs it uploaded for it; afterwards it never may (the
+    CAS may have landed, whatever exception follows)."""
+
+    cas_issued: bool = False
 
 
 @dataclass
@@ -234,8 +257,16 @@ class Machine:
 
     # ----- applying transitions ---------------------------------------------------------
 
-    def apply(self, name: str, fn: Transition[R]) -> tuple[R, st.ShardState]:
-        """Applies ``fn`` through consensus; returns its result and the state it produced."""
+    def apply(
+        self, name: str, fn: Transition[R], progress: ApplyProgress | None = None
+    ) -> tuple[R, st.ShardState]:
+        """Applies ``fn`` through consensus; returns its result and the state it produced.
+
+        Once a compare-and-set may have landed, every failure is reported as
+        ``Indeterminate`` (a transition error while re-running it too: e.g. the writer
+        was expired meanwhile, so its token no longer tells whether it landed).
+        ``progress`` (optional) records whether a CAS was sent at all.
+        """
         cur = self.shared.current()
         if not cur.exists:
             cur = self.fetch_latest()
@@ -248,13 +279,24 @@ class Machine:
         try:
             while True:
                 now = self.config.now_ms()
-                new, result = fn(cur, now)
+                try:
+                    new, result = fn(cur, now)
+                except PersistError as e:
+                    if maybe_applied:
+                        raise Indeterminate(
+                            f"shard {self.shard_id}: {name}: a compare-and-set may have been "
+                            f"applied, then re-running the transition failed ({e}); the "
+                            "operation may or may not have happened"
+                        ) from e
+                    raise
                 if new is None:
                     self.metrics.noops += 1
                     return result, cur
                 new = new.evolve(seqno=cur.seqno + 1, walltime_ms=max(cur.walltime_ms + 1, now))
                 data = frame(st.encode_diff(cur, new))
                 self.metrics.cas_attempts += 1
+                if progress is not None:
+                    progress.cas_issued = True
                 try:
                     res = self.consensus.compare_and_set(
                         self.shard_id, cur.seqno if cur.exists else None, VersionedData(new.seqno, data)
@@ -312,12 +354,15 @@ class Machine:
                     self._rollup_thread = t
                     t.start()
             else:
-                self.write_rollup()
+                try:
+                    self.write_rollup()
+                except Exception as e:  # the change committed: never fail the caller for this
+                    log.warning("shard %s: inline rollup failed: %r", self.shard_id, e)
         for cb in list(self.on_commit):
             try:
                 cb(new)
-            except PersistError as e:  # maintenance must never fail the user's operation
-                log.warning("shard %s: post-commit maintenance failed: %s", self.shard_id, e)
+            except Exception as e:  # maintenance must never fail the user's operation
+                log.warning("shard %s: post-commit maintenance failed: %r", self.shard_id, e)
 
     def write_rollup(self) -> bool:
         """Writes a rollup of the current state and links it. Returns whether it linked."""
@@ -406,8 +451,23 @@ def describe_state(s: st.ShardState) -> dict[str, Any]:
         },
         "rollups": {str(k): v.key for k, v in sorted(s.rollups.items())},
         "garbage": {"blobs": len(s.garbage), "bytes": sum(g.size for g in s.garbage.values())},
+        "quarantined_merges": describe_state_quarantine(s),
         **_spine_info(s),
     }
+
+
+def describe_state_quarantine(s: st.ShardState) -> list[dict[str, Any]]:
+    """Quarantined merges (``maintenance`` module docstring) as JSON."""
+    return [
+        {
+            "batch_ids": list(e.batch_ids),
+            "error": e.error,
+            "failures": e.failures,
+            "first_failure_ms": e.first_failure_ms,
+            "last_failure_ms": e.last_failure_ms,
+        }
+        for _, e in sorted(s.quarantined_merges.items())
+    ]
 
 
 def _spine_info(s: st.ShardState) -> dict[str, Any]:

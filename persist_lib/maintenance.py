@@ -3,13 +3,29 @@
 Functions take a ``PersistClient`` and a shard, and return JSON-able summaries (what
 the CLI prints and a Dagster op records as metadata). ``BackgroundCompactor`` runs the
 spine's merges in-process, fed by every committed state change of the client.
+
+**Failing merges.** A merge can fail for a passing reason (the store is down: an
+``ExternalError``) or deterministically (an input part is corrupt or missing, or a
+bug): retrying the latter at once only burns CPU and requests. So a failed merge is
+retried with exponential backoff (``compaction_retry_backoff_s`` doubling up to
+``compaction_retry_backoff_max_s``), and after ``compaction_quarantine_after``
+deterministic failures it is *quarantined*: recorded in shard state
+(``state.quarantined_merges``: batch ids, error, failure count, times), skipped by
+every compactor's planning (``spine.compaction_requests``), shown by ``persist
+inspect`` and in the Dagster compaction metadata, and logged at ERROR. An operator
+retries it with ``compact(..., retry_quarantined=True)`` (``persist compact
+--retry-quarantined``) once the input is repaired; a merge that then succeeds drops
+its entry.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from persist_lib import gc as gcmod
@@ -17,9 +33,15 @@ from persist_lib import maintenance_transitions as mt
 from persist_lib import state as st
 from persist_lib.codec import Schemas
 from persist_lib.compactor import CompactionResult, compact_request
-from persist_lib.errors import ExternalError, InvalidUsage, PersistError
+from persist_lib.errors import (
+    BlobNotFound,
+    CorruptionError,
+    ExternalError,
+    InvalidUsage,
+    PersistError,
+)
 from persist_lib.ids import ShardId
-from persist_lib.machine import Machine
+from persist_lib.machine import Machine, describe_state_quarantine
 from persist_lib.spine import CompactionRequest, compaction_debt, compaction_requests
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,32 +73,85 @@ def _schemas(s: st.ShardState) -> Schemas:
 # ----- compaction -------------------------------------------------------------------------
 
 
+def is_deterministic_failure(e: BaseException) -> bool:
+    """Whether retrying a merge that raised ``e`` is pointless until something changes:
+    corruption, a missing input part (``compact_request`` re-raises ``BlobNotFound``
+    only when the inputs are still current), a usage error, or a bug. Location errors
+    (outages, timeouts) pass."""
+    if isinstance(e, (CorruptionError, BlobNotFound, InvalidUsage)):
+        return True
+    return not isinstance(e, (ExternalError, PersistError, OSError))
+
+
+def quarantine(m: Machine, req: CompactionRequest, error: BaseException, failures: int) -> bool:
+    """Records ``req`` as quarantined in shard state (best effort); logs at ERROR."""
+    msg = f"{type(error).__name__}: {error}"
+    log.error(
+        "shard %s: merge of batches %s failed %d time(s) deterministically and is quarantined "
+        "(not retried automatically; see `persist inspect`, retry with `persist compact "
+        "--retry-quarantined` once repaired): %s",
+        m.shard_id, list(req.batch_ids), failures, msg,
+    )
+    try:
+        done, _ = m.apply(
+            "quarantine_merge",
+            lambda s, now: mt.quarantine_merge(
+                s, now, batch_ids=req.batch_ids, error=msg, failures=failures
+            ),
+        )
+        return bool(done)
+    except PersistError as e:
+        log.warning("shard %s: recording the quarantine failed: %s", m.shard_id, e)
+        return False
+
+
 def compact(
-    client: PersistClient, shard: ShardLike, *, max_rounds: int = DEFAULT_MAX_ROUNDS
+    client: PersistClient,
+    shard: ShardLike,
+    *,
+    max_rounds: int = DEFAULT_MAX_ROUNDS,
+    retry_quarantined: bool = False,
+    raise_on_failure: bool = True,
 ) -> dict[str, Any]:
     """Runs the spine's pending merges now, round after round, until none is left.
 
     A merge whose inputs changed meanwhile is not applied (and its output deleted); the
     next round plans again from the new state. ``max_rounds`` bounds the work when
-    writers keep appending.
+    writers keep appending. Quarantined merges are skipped unless ``retry_quarantined``.
+    A merge that fails deterministically (corrupt or missing input) is quarantined and
+    the other merges still run; then the first such error is raised
+    (``raise_on_failure``), or the summary lists it under ``failed``.
     """
     m = _machine(client, shard)
     s = _existing(m)
     before = len(s.batches)
     debt_before = compaction_debt(s)
     results: list[CompactionResult] = []
+    failed: list[dict[str, Any]] = []
+    failed_ids: set[int] = set()
+    first_error: Exception | None = None
     rounds = 0
     while rounds < max_rounds:
         if s.tombstone:
             break
-        reqs = compaction_requests(s)
+        reqs = compaction_requests(s, failed_ids, include_quarantined=retry_quarantined)
         if not reqs:
             break
         rounds += 1
         schemas = _schemas(s)
         for req in reqs:
-            results.append(compact_request(m, schemas, client.config, req))
+            try:
+                results.append(compact_request(m, schemas, client.config, req, client=client))
+            except Exception as e:
+                if not is_deterministic_failure(e):
+                    raise
+                quarantine(m, req, e, 1)
+                first_error = first_error or e
+                failed_ids.update(req.batch_ids)
+                failed.append({"batch_ids": list(req.batch_ids), "error": f"{type(e).__name__}: {e}"})
         s = m.fetch_latest()
+    if first_error is not None and raise_on_failure:
+        raise first_error
     applied = [r for r in results if r.applied]
     return {
         "shard": m.shard_id,
@@ -95,7 +170,14 @@ def compact(
         "compaction_debt_before": debt_before,
         "compaction_debt_after": compaction_debt(s),
         "seconds": round(sum(r.seconds for r in results), 4),
+        "failed": failed,
+        "quarantined_merges": describe_quarantine(s),
     }
+
+
+def describe_quarantine(s: st.ShardState) -> list[dict[str, Any]]:
+    """The shard's quarantined merges as JSON (``persist inspect``, Dagster metadata)."""
+    return describe_state_quarantine(s)
 
 
 def compact_once(client: PersistClient, shard: ShardLike) -> list[CompactionResult]:
@@ -106,7 +188,7 @@ def compact_once(client: PersistClient, shard: ShardLike) -> list[CompactionResu
     if not reqs:
         return []
     schemas = _schemas(s)
-    return [compact_request(m, schemas, client.config, r) for r in reqs]
+    return [compact_request(m, schemas, client.config, r, client=client) for r in reqs]
 
 
 # ----- garbage collection -----------------------------------------------------------------
@@ -197,15 +279,29 @@ def _rollup_is_tombstone(m: Machine, rollup: tuple[int, st.RollupRef]) -> bool:
 # ----- background compaction --------------------------------------------------------------
 
 
+@dataclass
+class _Failure:
+    """A background merge (or GC) that failed: when it may run again."""
+
+    failures: int = 0
+    deterministic: int = 0
+    retry_at: float = 0.0  # time.monotonic()
+    last_error: str = ""
+    quarantined: bool = False
+
+
 class BackgroundCompactor:
     """A small worker pool running the spine's merges for a client's shards.
 
     Fed by ``Machine.on_commit``: each committed state re-derives the merges it needs.
     The queue is bounded (``config.compaction_queue_max``); excess requests are dropped
     because a later commit re-derives them. A merge already queued or running for the
-    same batches is not queued twice. When ``config.gc_in_background`` is set, a GC run
-    is queued whenever one is due (``gc.gc_due``: deletable garbage, or rollups older
-    than the oldest one still needed).
+    same batches is not queued twice. A failed merge backs off exponentially (its
+    batches are barriers meanwhile) and is re-offered by a timer when due; one failing
+    deterministically ``compaction_quarantine_after`` times is quarantined (module
+    docstring). When ``config.gc_in_background`` is set, a GC run is queued whenever
+    one is due (``gc.gc_due``: deletable garbage, or rollups older than the oldest one
+    still needed); a failed GC backs off the same way.
     """
 
     def __init__(self, client: PersistClient) -> None:
@@ -220,12 +316,18 @@ class BackgroundCompactor:
         self._pending: set[tuple[str, tuple[int, ...]]] = set()
         self._claimed: dict[str, set[int]] = {}  # batch ids in queued/running merges
         self._gc_pending: set[str] = set()
+        self._failures: dict[tuple[str, tuple[int, ...]], _Failure] = {}
+        self._gc_failures: dict[str, _Failure] = {}
+        self._timers: set[threading.Timer] = set()
+        self._rng = random.Random()
         self._closed = False
         self.dropped = 0
         self.completed = 0
         self.applied = 0
         self.failed = 0
         self.gc_runs = 0
+        self.gc_failed = 0
+        self.quarantined = 0
 
     def attach(self, m: Machine) -> None:
         if getattr(m, "_background_compactor", None) is self:
@@ -233,13 +335,27 @@ class BackgroundCompactor:
         m._background_compactor = self  # type: ignore[attr-defined]
         m.on_commit.append(lambda s: self.offer(m, s))
 
+    def _backing_off(self, shard: str, state: st.ShardState, now: float) -> set[int]:
+        """Batch ids of failed merges not yet due again (pruning entries whose batches
+        are gone: their merge is moot)."""
+        out: set[int] = set()
+        with self._lock:
+            for key in [k for k in self._failures if k[0] == shard]:
+                f = self._failures[key]
+                if any(b not in state.batches for b in key[1]):
+                    del self._failures[key]
+                elif f.quarantined or f.retry_at > now:
+                    out.update(key[1])
+        return out
+
     def offer(self, m: Machine, state: st.ShardState) -> None:
         """Queues the merges ``state`` needs (never raises: it runs inside a commit)."""
         try:
             if self._closed or state.tombstone or state.schemas is None:
                 return
             with self._lock:
-                claimed = frozenset(self._claimed.get(m.shard_id, ()))
+                claimed = set(self._claimed.get(m.shard_id, ()))
+            claimed |= self._backing_off(m.shard_id, state, time.monotonic())
             reqs = compaction_requests(state, claimed)
             if self.client.config.gc_in_background and gcmod.gc_due(state):
                 self._submit_gc(m)
@@ -272,7 +388,10 @@ class BackgroundCompactor:
 
     def _submit_gc(self, m: Machine) -> None:
         with self._lock:
+            f = self._gc_failures.get(m.shard_id)
             if m.shard_id in self._gc_pending or self._closed:
+                return
+            if f is not None and f.retry_at > time.monotonic():
                 return
             self._gc_pending.add(m.shard_id)
         try:
@@ -282,40 +401,103 @@ class BackgroundCompactor:
                 self._gc_pending.discard(m.shard_id)
                 self._idle.notify_all()
 
+    def _backoff_s(self, failures: int) -> float:
+        cfg = self.client.config
+        base = cfg.compaction_retry_backoff_s * (2 ** max(0, failures - 1))
+        return min(cfg.compaction_retry_backoff_max_s, base) * (0.5 + self._rng.random() / 2)
+
+    def _reoffer_later(self, m: Machine, delay_s: float) -> None:
+        """Offers the shard again once a backoff has passed (no commit may come)."""
+        def fire() -> None:
+            with self._lock:
+                self._timers.discard(timer)
+            self.offer(m, m.cached())
+
+        timer = threading.Timer(delay_s, fire)
+        timer.daemon = True
+        with self._lock:
+            if self._closed:
+                return
+            self._timers.add(timer)
+        timer.start()
+
+    def _record_failure(
+        self, m: Machine, req: CompactionRequest, key: tuple[str, tuple[int, ...]], e: BaseException
+    ) -> None:
+        deterministic = is_deterministic_failure(e)
+        with self._lock:
+            self.failed += 1
+            f = self._failures.setdefault(key, _Failure())
+            f.failures += 1
+            f.deterministic += int(deterministic)
+            f.last_error = f"{type(e).__name__}: {e}"
+            delay = self._backoff_s(f.failures)
+            f.retry_at = time.monotonic() + delay
+            do_quarantine = (
+                deterministic
+                and not f.quarantined
+                and f.deterministic >= self.client.config.compaction_quarantine_after
+            )
+            if do_quarantine:
+                f.quarantined = True
+                self.quarantined += 1
+            n = f.failures
+        if do_quarantine:
+            quarantine(m, req, e, n)
+            return
+        level = logging.ERROR if isinstance(e, CorruptionError) else logging.WARNING
+        log.log(
+            level,
+            "shard %s: background merge of batches %s failed (%d time(s); retrying in %.1f s): %s: %s",
+            m.shard_id, list(req.batch_ids), n, delay, type(e).__name__, e,
+            exc_info=not isinstance(e, PersistError),
+        )
+        self._reoffer_later(m, delay)
+
     def _run(self, m: Machine, req: CompactionRequest, key: tuple[str, tuple[int, ...]]) -> None:
         try:
             s = m.cached()
-            res = compact_request(m, _schemas(s), self.client.config, req)
+            res = compact_request(m, _schemas(s), self.client.config, req, client=self.client)
             with self._lock:
                 self.completed += 1
                 self.applied += int(res.applied)
-        except (PersistError, OSError) as e:
-            with self._lock:
-                self.failed += 1
-            log.info("shard %s: background compaction of %s failed: %s", m.shard_id, req.batch_ids, e)
+                self._failures.pop(key, None)
         except RuntimeError as e:
-            # The interpreter is exiting (its thread pools refuse work): the merge is
-            # abandoned; its partial output is left for the leaked-blob sweeper.
-            with self._lock:
-                self.failed += 1
-            log.info("shard %s: background compaction abandoned: %s", m.shard_id, e)
-        except Exception:
-            with self._lock:
-                self.failed += 1
-            log.exception("shard %s: background compaction crashed", m.shard_id)
+            if self._closed or "shutdown" in str(e) or "interpreter" in str(e):
+                # The interpreter is exiting (its thread pools refuse work): the merge is
+                # abandoned; its partial output is left for the leaked-blob sweeper.
+                log.info("shard %s: background compaction abandoned: %s", m.shard_id, e)
+            else:
+                self._record_failure(m, req, key, e)
+        except Exception as e:
+            self._record_failure(m, req, key, e)
         finally:
             self._release(key)
             # Our commit re-derived merges while our batches were still claimed: plan
-            # again now that they are free.
+            # again now that they are free (a failed merge's batches stay barriers
+            # until its backoff has passed).
             self.offer(m, m.cached())
 
     def _run_gc(self, m: Machine) -> None:
         try:
-            gcmod.collect_garbage(m)
+            summary = gcmod.collect_garbage(m)
             with self._lock:
                 self.gc_runs += 1
+                self._gc_failures.pop(m.shard_id, None)
+            if summary.errors:
+                log.warning("shard %s: background GC had errors: %s", m.shard_id, summary.errors[:5])
         except Exception as e:
-            log.info("shard %s: background GC failed: %s", m.shard_id, e)
+            with self._lock:
+                self.gc_failed += 1
+                f = self._gc_failures.setdefault(m.shard_id, _Failure())
+                f.failures += 1
+                f.last_error = f"{type(e).__name__}: {e}"
+                delay = self._backoff_s(f.failures)
+                f.retry_at = time.monotonic() + delay
+            level = logging.ERROR if isinstance(e, CorruptionError) else logging.WARNING
+            log.log(level, "shard %s: background GC failed (retrying in %.1f s): %s: %s",
+                    m.shard_id, delay, type(e).__name__, e)
+            self._reoffer_later(m, delay)
         finally:
             with self._lock:
                 self._gc_pending.discard(m.shard_id)
@@ -326,6 +508,22 @@ class BackgroundCompactor:
         with self._idle:
             return self._idle.wait_for(lambda: not self._pending and not self._gc_pending, timeout_s)
 
+    def failures(self) -> list[dict[str, Any]]:
+        """Merges currently backing off or quarantined in this process."""
+        with self._lock:
+            now = time.monotonic()
+            return [
+                {
+                    "shard": k[0],
+                    "batch_ids": list(k[1]),
+                    "failures": f.failures,
+                    "quarantined": f.quarantined,
+                    "retry_in_s": None if f.quarantined else round(max(0.0, f.retry_at - now), 3),
+                    "error": f.last_error,
+                }
+                for k, f in sorted(self._failures.items())
+            ]
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
@@ -335,9 +533,16 @@ class BackgroundCompactor:
                 "failed": self.failed,
                 "dropped": self.dropped,
                 "gc_runs": self.gc_runs,
+                "gc_failed": self.gc_failed,
+                "quarantined": self.quarantined,
+                "backing_off": sum(1 for f in self._failures.values() if not f.quarantined),
             }
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            timers = list(self._timers)
+            self._timers.clear()
+        for t in timers:
+            t.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)

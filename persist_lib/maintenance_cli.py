@@ -37,9 +37,19 @@ def _shards(client: PersistClient, shard: str | None) -> list[str]:
     return [shard] if shard is not None else client.list_shards()
 
 
-@command("compact", "run a shard's pending merges now (size-tiered spine)", _shard)
+def _compact_args(p: argparse.ArgumentParser) -> None:
+    _shard(p)
+    p.add_argument(
+        "--retry-quarantined",
+        action="store_true",
+        help="also retry merges quarantined after failing deterministically (see `persist "
+        "inspect`: quarantined_merges), e.g. after restoring a corrupt or missing part",
+    )
+
+
+@command("compact", "run a shard's pending merges now (size-tiered spine)", _compact_args)
 def _cmd_compact(client: PersistClient, ns: argparse.Namespace) -> Any:
-    return maintenance.compact(client, ns.shard)
+    return maintenance.compact(client, ns.shard, retry_quarantined=ns.retry_quarantined)
 
 
 @command(

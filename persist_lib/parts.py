@@ -235,6 +235,18 @@ def part_blob_key(shard: str, writer: str) -> str:
     return key
 
 
+def part_writer_of(key: str) -> str | None:
+    """The writer segment of a part key ``{shard}/{writer}/p{uuid}`` (None for other keys).
+
+    A part is linked only while this writer is registered in shard state, and the
+    leaked-blob sweeper never deletes the parts of a registered writer
+    (``persist_lib.part_writers``)."""
+    segs = key.split("/")
+    if len(segs) != 3 or not segs[2].startswith("p") or segs[1] == "rollup":
+        return None
+    return segs[1]
+
+
 def fetch_part(blob: Blob, part: PartMeta, schemas: Schemas, shard: str) -> pa.Table:
     """Reads one part (inline bytes or from blob), verifies and decodes it."""
     if part.inline is not None:

@@ -123,16 +123,28 @@ def _needs_logical(b: HollowBatch, since: Antichain) -> bool:
     return tmin < tmax and since.time >= tmax
 
 
+def quarantined_batch_ids(state: ShardState) -> set[int]:
+    """Batches of merges quarantined after failing deterministically (``state.quarantined_merges``)."""
+    return {b for e in state.quarantined_merges.values() for b in e.batch_ids}
+
+
 def compaction_requests(
-    state: ShardState, claimed: frozenset[int] | set[int] = frozenset()
+    state: ShardState,
+    claimed: frozenset[int] | set[int] = frozenset(),
+    *,
+    include_quarantined: bool = False,
 ) -> list[CompactionRequest]:
     """The merges the spine wants now (non-overlapping, oldest first).
 
-    ``claimed`` batch ids (inputs of merges already running) are barriers: the rules run
-    on the batches around them, so a long merge doesn't stop the tail from compacting.
+    ``claimed`` batch ids (inputs of merges already running, or backing off after a
+    failure) are barriers: the rules run on the batches around them, so a long merge
+    doesn't stop the tail from compacting. The batches of quarantined merges are
+    barriers too, unless ``include_quarantined`` (an operator's retry).
     """
     if state.tombstone:
         return []
+    if state.quarantined_merges and not include_quarantined:
+        claimed = set(claimed) | quarantined_batch_ids(state)
     trace = state.trace_batches()
     since = state.since
     out: list[CompactionRequest] = []

@@ -13,6 +13,13 @@ version:
 Map entries are immutable objects; the diff compares them by identity first, so the
 cost of diffing is proportional to the number of entries, and of encoding to the
 size of what changed.
+
+**Versions.** The format is ``[major, minor]``. A newer *major* is refused with a clear
+error (``StateFormatTooNew``). A newer *minor* may only add fields that older code can
+safely ignore (anything that changes what may be deleted or read needs a major bump):
+older code reads such a state, keeps the unknown fields it does not understand
+verbatim in ``ShardState.unknown`` (so its own rollups and diffs carry them forward
+unchanged) and otherwise ignores them.
 """
 
 from __future__ import annotations
@@ -23,11 +30,11 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from persist_lib.batch_meta import HollowBatch
-from persist_lib.errors import CorruptionError, InvalidUsage
+from persist_lib.errors import CorruptionError, StateFormatTooNew
 from persist_lib.frontier import Antichain
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1  # 1.1: quarantined_merges
 CODE_VERSION = "0.1.0"
 
 
@@ -125,6 +132,39 @@ class RollupRef:
         return cls(d["key"], d.get("size", 0))
 
 
+@dataclass(frozen=True)
+class QuarantineEntry:
+    """A merge that failed deterministically (a corrupt or missing input part, a bug)
+    and is no longer retried automatically until an operator asks (``persist compact
+    --retry-quarantined``) or its batches leave the trace."""
+
+    batch_ids: tuple[int, ...]
+    error: str
+    failures: int
+    first_failure_ms: int
+    last_failure_ms: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "batch_ids": list(self.batch_ids),
+            "error": self.error,
+            "failures": self.failures,
+            "first_ms": self.first_failure_ms,
+            "last_ms": self.last_failure_ms,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> QuarantineEntry:
+        return cls(
+            tuple(int(x) for x in d["batch_ids"]), str(d["error"]), int(d["failures"]),
+            int(d["first_ms"]), int(d["last_ms"]),
+        )
+
+
+def quarantine_key(batch_ids: tuple[int, ...]) -> str:
+    return "-".join(str(b) for b in batch_ids)
+
+
 # Map fields of the state: name -> (value decoder, key decoder).
 _MAP_CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[str], Any]]] = {
     "leased_readers": (LeasedReaderState.from_json, str),
@@ -133,10 +173,13 @@ _MAP_CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[str], Any]]] = {
     "batches": (HollowBatch.from_json, int),
     "rollups": (RollupRef.from_json, int),
     "garbage": (GarbageEntry.from_json, str),
+    "quarantined_merges": (QuarantineEntry.from_json, str),
 }
 
 # Scalar fields that are frontiers (encoded as int | None).
 _FRONTIER_SCALARS = {"since", "upper"}
+# Fields that are not part of the encoded state.
+_NOT_ENCODED = {"unknown"}
 
 @dataclass(frozen=True)
 class ShardState:
@@ -163,6 +206,10 @@ class ShardState:
     batches: Mapping[int, HollowBatch] = field(default_factory=dict)
     rollups: Mapping[int, RollupRef] = field(default_factory=dict)
     garbage: Mapping[str, GarbageEntry] = field(default_factory=dict)
+    quarantined_merges: Mapping[str, QuarantineEntry] = field(default_factory=dict)
+    # Fields written by a newer minor format that this code doesn't know, kept verbatim:
+    # {"scalars": {name: json}, "maps": {name: {key: json}}}.
+    unknown: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     # ----- derived views -------------------------------------------------------------
 
@@ -202,10 +249,11 @@ class ShardState:
     def _scalars_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in fields(self):
-            if f.name in _MAP_CODECS:
+            if f.name in _MAP_CODECS or f.name in _NOT_ENCODED:
                 continue
             v = getattr(self, f.name)
             out[f.name] = v.to_json() if isinstance(v, Antichain) else v
+        out.update(self.unknown.get("scalars", {}))
         return out
 
     def to_rollup_json(self) -> dict[str, Any]:
@@ -214,8 +262,11 @@ class ShardState:
             "kind": "rollup",
             "scalars": self._scalars_json(),
             "maps": {
-                name: {str(k): v.to_json() for k, v in getattr(self, name).items()}
-                for name in _MAP_CODECS
+                **{
+                    name: {str(k): v.to_json() for k, v in getattr(self, name).items()}
+                    for name in _MAP_CODECS
+                },
+                **self.unknown.get("maps", {}),
             },
         }
 
@@ -231,12 +282,27 @@ class ShardState:
         return _from_parts(d["scalars"], d["maps"])
 
 
+_SCALAR_FIELDS = frozenset(
+    f.name for f in fields(ShardState) if f.name not in _MAP_CODECS and f.name not in _NOT_ENCODED
+)
+
+
 def _from_parts(scalars: dict[str, Any], maps: dict[str, dict[str, Any]]) -> ShardState:
     kw: dict[str, Any] = {}
+    unknown_scalars: dict[str, Any] = {}
+    unknown_maps: dict[str, Any] = {}
     for name, v in scalars.items():
+        if name not in _SCALAR_FIELDS:
+            unknown_scalars[name] = v  # a newer minor format's field: carried, not used
+            continue
         kw[name] = Antichain.from_json(v) if name in _FRONTIER_SCALARS else v
     for name, (dec, kdec) in _MAP_CODECS.items():
         kw[name] = {kdec(k): dec(v) for k, v in maps.get(name, {}).items()}
+    for name, m in maps.items():
+        if name not in _MAP_CODECS:
+            unknown_maps[name] = dict(m)
+    if unknown_scalars or unknown_maps:
+        kw["unknown"] = {"scalars": unknown_scalars, "maps": unknown_maps}
     return ShardState(**kw)
 
 
@@ -252,13 +318,21 @@ def _loads(data: bytes, *, shard: str, what: str) -> dict[str, Any]:
 
 def _check_format(d: dict[str, Any], *, shard: str, what: str) -> None:
     fmt = d.get("format")
-    if not isinstance(fmt, list) or len(fmt) != 2:
-        raise CorruptionError(f"shard {shard}: {what} has no format version")
+    if (
+        not isinstance(fmt, list)
+        or len(fmt) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in fmt)
+    ):
+        raise CorruptionError(f"shard {shard}: {what} has no valid format version (got {fmt!r})")
     if fmt[0] > FORMAT_MAJOR:
-        raise InvalidUsage(
-            f"shard {shard}: {what} was written in state format {fmt[0]}.{fmt[1]}, newer than "
-            f"this code understands ({FORMAT_MAJOR}.{FORMAT_MINOR}); upgrade persist_lib"
+        raise StateFormatTooNew(
+            f"shard {shard}: {what} was written in state format {fmt[0]}.{fmt[1]} by a newer "
+            f"persist_lib; this code understands format {FORMAT_MAJOR}.x (up to "
+            f"{FORMAT_MAJOR}.{FORMAT_MINOR}) and does not read or write it: upgrade persist_lib"
         )
+    for k in ("scalars", "maps"):
+        if k in d and not isinstance(d[k], dict):
+            raise CorruptionError(f"shard {shard}: {what}: field {k!r} is not an object")
 
 
 def encode_diff(old: ShardState, new: ShardState) -> bytes:
@@ -315,16 +389,33 @@ def apply_diff(old: ShardState, data: bytes, seqno: int) -> ShardState:
             f"(it says prev={d.get('prev')})"
         )
     changes: dict[str, Any] = {}
+    unknown_scalars = dict(old.unknown.get("scalars", {}))
+    unknown_maps = {k: dict(v) for k, v in old.unknown.get("maps", {}).items()}
+    touched_unknown = False
     for name, v in d["scalars"].items():
+        if name not in _SCALAR_FIELDS:
+            unknown_scalars[name] = v  # a newer minor format's field: carried, not used
+            touched_unknown = True
+            continue
         changes[name] = Antichain.from_json(v) if name in _FRONTIER_SCALARS else v
     for name, m in d["maps"].items():
-        dec, kdec = _MAP_CODECS[name]
+        codec = _MAP_CODECS.get(name)
+        if codec is None:
+            um = unknown_maps.setdefault(name, {})
+            for k in m.get("del", []):
+                um.pop(k, None)
+            um.update(m.get("set", {}))
+            touched_unknown = True
+            continue
+        dec, kdec = codec
         cur = dict(getattr(old, name))
         for k in m.get("del", []):
             cur.pop(kdec(k), None)
         for k, v in m.get("set", {}).items():
             cur[kdec(k)] = dec(v)
         changes[name] = cur
+    if touched_unknown:
+        changes["unknown"] = {"scalars": unknown_scalars, "maps": unknown_maps}
     new = replace(old, **changes)
     if new.seqno != seqno:
         raise CorruptionError(f"shard {shard}: consensus entry {seqno} carries seqno {new.seqno}")

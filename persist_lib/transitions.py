@@ -157,6 +157,57 @@ def register_critical_reader(
     return new, new.critical_readers[reader_id]
 
 
+def register_part_writer(
+    state: ShardState, now_ms: int, *, writer_id: str, lease_ms: int, purpose: str
+) -> Result:
+    """Registers a writer that only uploads parts (a compactor, a Spark job's executors).
+
+    Its parts can be linked while it is registered, and the leaked-blob sweeper leaves
+    them alone until then (``persist_lib.part_writers``). Idempotent.
+    """
+    _check_not_tombstone(state)
+    if not state.exists:
+        raise InvalidUsage(f"shard {state.shard_id} does not exist; open it before writing parts")
+    if writer_id in state.writers:
+        return None, None
+    writers = dict(state.writers)
+    writers[writer_id] = WriterState(
+        last_heartbeat_ms=now_ms,
+        lease_duration_ms=lease_ms,
+        most_recent_write_upper=state.upper,
+        purpose=purpose,
+    )
+    return replace(state, writers=writers), None
+
+
+def unregistered_part_writers(state: ShardState, keys: Any) -> list[str]:
+    """The writers of ``keys`` (part blob keys) that are not registered in ``state``.
+
+    A part may be linked only while its writer is registered: the leaked-blob sweeper
+    deletes unreferenced parts of writers that are not (``persist_lib.part_writers``).
+    """
+    from persist_lib.parts import part_writer_of
+
+    missing: list[str] = []
+    for k in keys:
+        w = part_writer_of(k)
+        if w is None or w not in state.writers:
+            missing.append(w if w is not None else k)
+    return missing
+
+
+def _check_parts_linkable(state: ShardState, batch: HollowBatch) -> None:
+    missing = unregistered_part_writers(state, batch.blob_keys())
+    if missing:
+        raise LeaseExpired(
+            f"shard {state.shard_id}: the batch's parts were written by {sorted(set(missing))}, "
+            "which is not registered (any more): its lease expired, or the parts were written "
+            "under a key no registered writer owns. The leaked-blob sweeper may already have "
+            "deleted them, so the batch can't be linked; nothing was committed. Write the "
+            "batch again with a live handle."
+        )
+
+
 # ----- writes ---------------------------------------------------------------------
 
 
@@ -203,6 +254,7 @@ def compare_and_append(
             f"shard {state.shard_id}: new upper {batch.upper} is before the expected upper "
             f"{batch.lower}; an upper never moves backwards"
         )
+    _check_parts_linkable(state, batch)
     writers = dict(state.writers)
     writers[writer_id] = replace(
         w, last_heartbeat_ms=now_ms, most_recent_write_token=token, most_recent_write_upper=batch.upper
@@ -358,8 +410,15 @@ def expire_leases(state: ShardState, now_ms: int) -> Result:
     return replace(new, since=recompute_since(new)), ExpiredLeases(dead_r, dead_w)
 
 
+# A rollup of seqno S is linked only while the state is at most this many seqnos past
+# S; the leaked-blob sweeper never deletes an unlinked rollup within twice this many
+# seqnos of the head (unless a newer rollup is linked: then it can never be linked).
+ROLLUP_LINK_WINDOW = 4096
+
+
 def add_rollup(state: ShardState, now_ms: int, *, seqno: int, key: str, size: int) -> Result:
-    """Links a rollup of this shard at ``seqno``; a no-op if one at or after it is linked.
+    """Links a rollup of this shard at ``seqno``; a no-op if one at or after it is linked,
+    or if the state moved more than ``ROLLUP_LINK_WINDOW`` seqnos past it.
 
     The result tells the caller whether its blob was linked (if not, it deletes it).
     """
@@ -368,6 +427,8 @@ def add_rollup(state: ShardState, now_ms: int, *, seqno: int, key: str, size: in
         return None, state.rollups.get(seqno) == RollupRef(key, size)
     if seqno > state.seqno:
         raise InvalidUsage(f"shard {state.shard_id}: rollup seqno {seqno} is beyond state {state.seqno}")
+    if state.seqno - seqno > ROLLUP_LINK_WINDOW:
+        return None, False  # too old: the sweeper may consider it leaked
     rollups = dict(state.rollups)
     rollups[seqno] = RollupRef(key, size)
     return replace(state, rollups=rollups), True

@@ -1,10 +1,13 @@
 """``WriteHandle``: compare-and-append and definite append (DESIGN section 6).
 
 A writer has one outstanding state change at a time (backpressure). Its batches are
-built (and their parts uploaded) before the compare-and-set; a batch whose CAS loses
-is deleted again (best effort: the leaked-blob sweeper catches the rest). Each append
-carries an idempotency token, so a retry after an indeterminate consensus error never
-applies the write twice.
+built (and their parts uploaded) before the compare-and-set. A batch's blobs are
+deleted again only when the compare-and-set is *known* not to have applied: it lost
+(``UpperMismatch``), or it failed before any CAS was sent. On anything else (an
+indeterminate error, an interrupt such as KeyboardInterrupt or a run cancellation, a
+failure after the CAS) the blobs are kept, since the CAS may have landed, and the
+leaked-blob sweeper collects them if it did not. Each append carries an idempotency
+token, so a retry after an indeterminate consensus error never applies the write twice.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from persist_lib import transitions as tr
 from persist_lib.batch_builder import BatchBuilder, build_batch, delete_batch_blobs
 from persist_lib.batch_meta import HollowBatch, PartMeta
 from persist_lib.codec import Schemas, normalize_updates
-from persist_lib.errors import Indeterminate, InvalidUsage, UpperMismatch
+from persist_lib.errors import InvalidUsage, UpperMismatch
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
-from persist_lib.machine import Machine
+from persist_lib.machine import ApplyProgress, Machine
 from persist_lib.parts import part_blob_key
 from persist_lib.state import ShardState
 
@@ -250,15 +253,37 @@ class WriteHandle:
         )
 
     def _commit_or_delete(self, batch: HollowBatch, expected: Antichain, new: Antichain) -> None:
+        """Commits ``batch``; deletes its blobs only if the CAS certainly did not apply."""
+        progress = ApplyProgress()
+        uninlined: list[HollowBatch] = []
         try:
-            self._commit(batch, expected, new)
-        except Indeterminate:
-            raise  # it may have committed: keep the blobs (a leak beats a dangling reference)
-        except BaseException:
-            delete_batch_blobs(self._client.blob, batch)
+            self._commit(batch, expected, new, progress, uninlined)
+        except UpperMismatch:
+            # Definite: the transition saw a current state (after any indeterminate CAS,
+            # re-read from consensus) without our token and with another upper.
+            self._delete_uncommitted(batch, uninlined)
             raise
+        except Exception:
+            if not progress.cas_issued:
+                self._delete_uncommitted(batch, uninlined)  # nothing can reference them
+            raise
+        # BaseException (KeyboardInterrupt, SystemExit, a run cancellation): the CAS
+        # may have landed, so the blobs stay; the leaked-blob sweeper collects them if
+        # it did not.
 
-    def _commit(self, batch: HollowBatch, expected: Antichain, new: Antichain) -> None:
+    def _delete_uncommitted(self, batch: HollowBatch, uninlined: list[HollowBatch]) -> None:
+        delete_batch_blobs(self._client.blob, batch)
+        for b in uninlined:
+            delete_batch_blobs(self._client.blob, b)
+
+    def _commit(
+        self,
+        batch: HollowBatch,
+        expected: Antichain,
+        new: Antichain,
+        progress: ApplyProgress,
+        uninlined: list[HollowBatch],
+    ) -> None:
         token = uuid.uuid4().hex
         cfg = self._client.config
         while True:
@@ -268,21 +293,30 @@ class WriteHandle:
                     inline_max_total=cfg.inline_max_total,
                 )
 
-            res, _ = self._machine.apply("compare_and_append", caa)
+            res, _ = self._machine.apply("compare_and_append", caa, progress)
             self.last_heartbeat_monotonic = time.monotonic()
             if res.outcome in (tr.CaaOutcome.APPLIED, tr.CaaOutcome.ALREADY_COMMITTED):
                 return
             if res.outcome is tr.CaaOutcome.UPPER_MISMATCH:
                 raise UpperMismatch(self.shard_id, expected, res.current_upper)
-            batch = self._uninline(batch)  # inline backpressure: move tiny parts to blob
+            # Inline backpressure: move tiny parts to blob (recorded first, so that a
+            # failure below still deletes what was uploaded).
+            moved = self._uninline(batch, uninlined)
+            batch = moved
 
-    def _uninline(self, batch: HollowBatch) -> HollowBatch:
+    def _uninline(self, batch: HollowBatch, uninlined: list[HollowBatch]) -> HollowBatch:
         parts: list[PartMeta] = []
-        for p in batch.parts:
-            if p.inline is None:
-                parts.append(p)
-                continue
-            key = part_blob_key(self.shard_id, self.writer_id)
-            self._client.blob.set(key, p.inline)
-            parts.append(replace(p, key=key, inline=None))
+        written: list[PartMeta] = []
+        try:
+            for p in batch.parts:
+                if p.inline is None:
+                    parts.append(p)
+                    continue
+                key = part_blob_key(self.shard_id, self.writer_id)
+                moved = replace(p, key=key, inline=None)
+                written.append(moved)  # before the upload: a partial upload is deleted too
+                self._client.blob.set(key, p.inline)
+                parts.append(moved)
+        finally:
+            uninlined.append(replace(batch, parts=tuple(written)))
         return replace(batch, parts=tuple(parts))

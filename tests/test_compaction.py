@@ -22,9 +22,11 @@ from persist_lib.compactor import (
     COMPACTOR_WRITER_PREFIX,
     compact_request,
     merge_batches,
+    new_compactor_writer_id,
 )
 from persist_lib.consolidate import advance_to_since, consolidate
 from persist_lib.errors import CorruptionError, LeaseExpired
+from persist_lib.part_writers import PartWriter
 from persist_lib.parts import encode_part, fetch_part, part_meta_for
 from persist_lib.spine import compaction_requests
 
@@ -290,14 +292,24 @@ def test_apply_merge_res_is_idempotent() -> None:
     for t in range(2):
         w.compare_and_append([(((i,), ("x",)), t, 1) for i in range(100)], t, t + 1)
     m = client.machine(shard)
+    pw = PartWriter.register(m, purpose="test", writer_id=new_compactor_writer_id())
     s = m.fetch_latest()
     (req,) = compaction_requests(s)
     out = merge_batches(
         m.blob, Schemas.create(KEY, VAL), shard=str(shard), inputs=req.inputs, lower=req.lower,
         upper=req.upper, since=req.since, memory_budget=8 << 20, target_part_bytes=2048, inline_threshold=0,
+        writer=pw.writer_id,
     ).batch
-    new, res = mt.apply_merge_res(s, 0, input_ids=req.batch_ids, inputs=req.inputs, output=out)
+    # Output of a writer that is not registered is never linked.
+    unreg, res0 = mt.apply_merge_res(
+        s.evolve(writers={}), 0, input_ids=req.batch_ids, inputs=req.inputs, output=out
+    )
+    assert unreg is None and res0.outcome is mt.MergeOutcome.NOT_APPLIED_WRITER_EXPIRED
+    new, res = mt.apply_merge_res(
+        s, 0, input_ids=req.batch_ids, inputs=req.inputs, output=out, part_writer=pw.writer_id
+    )
     assert new is not None and res.outcome is mt.MergeOutcome.APPLIED
+    assert pw.writer_id not in new.writers  # released in the same state change
     assert set(res.garbage_keys) == {k for b in req.inputs for k in b.blob_keys()}
     assert all(new.garbage[k].seqno == s.seqno for k in res.garbage_keys)  # last referencing version
     new = new.evolve(seqno=s.seqno + 1)
@@ -396,17 +408,62 @@ def test_expired_reader_stops_holding_back_compaction() -> None:
     assert contents(r_new.snapshot(9)) == {(1, "v9"): 1}
 
 
-def test_merge_slower_than_half_the_leak_grace_is_abandoned() -> None:
-    """The sweeper deletes unreferenced blobs older than its grace period, so a merge
-    whose output is older than half of it never links that output."""
-    client = mem_client(blob_target_size=2048, inline_threshold=0, leak_grace_ms=0)
+def test_long_merge_output_is_protected_from_the_sweeper_until_applied() -> None:
+    """Issue 13 defect 2 (compaction side): the sweeper used to rely on a time grace only;
+    a merge running longer than it (or a sweeper clock ahead) lost its output. Now the
+    output's writer is registered while the merge runs: a sweep with grace 0 and a clock
+    hours ahead in the middle of the merge deletes none of it, and the merge applies."""
+    from persist_lib.testing.hooks import clock_skew
+
+    client = mem_client(blob_target_size=2048, inline_threshold=0)
     shard = ShardId.new()
     w, r = client.open(shard, KEY, VAL)
     for t in range(2):
         w.compare_and_append([(((i,), ("x",)), t, 1) for i in range(100)], t, t + 1)
-    before = client.machine(shard).fetch_latest().batches
-    keys_before = {m.key for m in client.blob.list_keys_and_metadata(f"{shard}/")}
-    res = mn.compact(client, shard, max_rounds=1)
-    assert res["merges_applied"] == 0 and res["merges_not_applied"] == 1
-    assert client.machine(shard).fetch_latest().batches == before
-    assert {m.key for m in client.blob.list_keys_and_metadata(f"{shard}/")} == keys_before
+    m = client.machine(shard)
+    (req,) = compaction_requests(m.fetch_latest())
+    swept: list[dict[str, object]] = []
+    orig_set = client.blob.set
+
+    def set_then_sweep(key: str, value: bytes) -> None:
+        orig_set(key, value)
+        if "/cmp-" in key:  # a merge output part just landed: sweep with the clock ahead
+            with clock_skew(client.config, 3 * 3_600_000):
+                swept.extend(client.unreferenced_blobs(shard, older_than_ms=0, delete=True))
+
+    client.blob.set = set_then_sweep  # type: ignore[method-assign]
+    try:
+        res = compact_request(m, Schemas.create(KEY, VAL), client.config, req, client=client)
+    finally:
+        client.blob.set = orig_set  # type: ignore[method-assign]
+    assert swept == []
+    assert res.outcome is mt.MergeOutcome.APPLIED
+    assert not any(wid.startswith("cmp-") for wid in m.fetch_latest().writers)
+    assert contents(r.snapshot(1)) == {(i, "x"): 2 for i in range(100)}
+
+
+def test_merge_whose_registration_lapsed_is_not_applied_and_its_output_deleted() -> None:
+    client = mem_client(blob_target_size=2048, inline_threshold=0)
+    shard = ShardId.new()
+    w, r = client.open(shard, KEY, VAL)
+    for t in range(2):
+        w.compare_and_append([(((i,), ("x",)), t, 1) for i in range(100)], t, t + 1)
+    m = client.machine(shard)
+    before = m.fetch_latest().batches
+    (req,) = compaction_requests(m.fetch_latest())
+    orig_set = client.blob.set
+    expired: list[object] = []
+
+    def set_then_expire(key: str, value: bytes) -> None:
+        orig_set(key, value)
+        if "/cmp-" in key and not expired:  # lease expiry with a clock far ahead
+            expired.append(client.expire_leases(shard, now=client.config.now_ms() + 10 * 3_600_000))
+
+    client.blob.set = set_then_expire  # type: ignore[method-assign]
+    try:
+        res = compact_request(m, Schemas.create(KEY, VAL), client.config, req, client=client)
+    finally:
+        client.blob.set = orig_set  # type: ignore[method-assign]
+    assert res.outcome is mt.MergeOutcome.NOT_APPLIED_WRITER_EXPIRED and res.deleted_output
+    assert m.fetch_latest().batches == before
+    assert not [k for k in client.blob.list_keys_and_metadata(f"{shard}/") if "/cmp-" in k.key]

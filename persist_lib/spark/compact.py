@@ -21,9 +21,12 @@ output equals the in-process ``compactor.merge_batches`` output row for row, and
 later merges treat it as one run like any compactor output. The driver applies it
 with ``maintenance_transitions.apply_merge_res`` — the in-process compactor's
 transition — which replaces exactly the inputs or, if they changed meanwhile, does
-nothing (and the output is deleted). A failed job leaves only blobs under its
-``{shard}/cmp-.../`` prefix, which the driver deletes (best effort) and the leaked-blob
-sweeper otherwise collects.
+nothing (and the output is deleted). The job's writer id is registered on the shard
+before any task writes (``persist_lib.part_writers``), so the leaked-blob sweeper
+never deletes output that may still be linked; the transition releases it. A failed
+job leaves only blobs under its ``{shard}/cmp-.../`` prefix, which the driver deletes
+(best effort) and the leaked-blob sweeper otherwise collects once the registration is
+released or has lapsed.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from persist_lib.batch_meta import HollowBatch, PartMeta
 from persist_lib.codec import D_COL, Schemas, internal_schema
 from persist_lib.compactor import forward_time, new_compactor_writer_id
 from persist_lib.errors import InvalidUsage
+from persist_lib.part_writers import PartWriter
 from persist_lib.spark._common import blob_uri_of, open_executor_blob
 from persist_lib.spine import CompactionRequest, compaction_requests
 
@@ -97,6 +101,8 @@ class SparkMergeOutput:
     batch: HollowBatch
     stats: SparkMergeStats
     writer: str
+    # The job's part-writer registration (released when the merge is applied or not).
+    registration: PartWriter | None = None
 
 
 @dataclass
@@ -298,6 +304,9 @@ def spark_merge(
     cfg = client.config
     parts = [p for b in req.inputs for p in b.parts]
     writer = new_compactor_writer_id()
+    registration = PartWriter.register(
+        client.machine(shard_id), purpose="spark-compaction", client=client, writer_id=writer
+    )
     spec = _MergeSpec(
         blob_uri=blob_uri_of(client, f"shard {shard_id}"),
         shard_id=shard_id,
@@ -349,6 +358,11 @@ def spark_merge(
             .mapPartitionsWithIndex(lambda i, it: _merge_task(spec, i, it))
             .collect()
         )
+    except Exception:
+        if cleanup_on_failure:
+            _delete_prefix(spec)
+        registration.release()
+        raise
     except BaseException:
         if cleanup_on_failure:
             _delete_prefix(spec)
@@ -366,7 +380,7 @@ def spark_merge(
     stats.bytes_out = batch.size
     stats.max_bucket_rows = max(per_bucket.values(), default=0)
     stats.seconds = time.monotonic() - t0
-    return SparkMergeOutput(batch, stats, writer)
+    return SparkMergeOutput(batch, stats, writer, registration)
 
 
 def _time(f: Any, what: str) -> int:
@@ -404,25 +418,33 @@ def apply_merge(
     """Applies a merge output with the in-process compactor's transition, or deletes it."""
     cfg = client.config
     output = out.batch
-    indeterminate_before = machine.metrics.indeterminate_retries
 
     def apply(o: HollowBatch) -> mt.MergeResult:
         res, _ = machine.apply(
             "apply_merge_res",
             lambda s, now: mt.apply_merge_res(
                 s, now, input_ids=req.batch_ids, inputs=req.inputs, output=o,
-                inline_max_total=cfg.inline_max_total,
+                inline_max_total=cfg.inline_max_total, part_writer=out.writer,
             ),
         )
         assert isinstance(res, mt.MergeResult)
         return res
 
-    res = apply(output)
-    if res.outcome is mt.MergeOutcome.NOT_APPLIED_INLINE_BUDGET:
-        output = _uninline(machine, output, out.writer)
+    try:
         res = apply(output)
+        if res.outcome is mt.MergeOutcome.NOT_APPLIED_INLINE_BUDGET:
+            output = _uninline(machine, output, out.writer)
+            res = apply(output)
+    except Exception:
+        # Unknown whether it landed: keep the output (for the sweeper if it did not).
+        if out.registration is not None:
+            out.registration.release()
+        raise
+    if out.registration is not None:
+        out.registration.mark_released()  # apply_merge_res released it (or it lapsed)
     deleted = False
-    if not res.applied and machine.metrics.indeterminate_retries == indeterminate_before:
+    # "Not applied" is definite (see compactor.compact_request): delete the output.
+    if not res.applied:
         reused = {k for b in req.inputs for k in b.blob_keys()}
         for k in output.blob_keys():
             if k not in reused:
@@ -474,7 +496,7 @@ def compact_shard(
                 )
                 spark_results.append(apply_merge(client, m, req, out))
             else:
-                r = compact_request(m, schemas, client.config, req)
+                r = compact_request(m, schemas, client.config, req, client=client)
                 local_applied += int(r.applied)
                 local_not_applied += int(not r.applied)
                 local_read += r.stats.bytes_read

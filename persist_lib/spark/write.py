@@ -15,8 +15,13 @@ running while the job is torn down may upload later), and the leaked-blob sweepe
 compare-and-set (``UpperMismatch``) deletes the batch's parts, as every writer does.
 
 Each job mints its own part-writer id (a fresh ``WriterId``) for the blob keys, so a
-failed job's leftovers are one prefix; the commit itself goes through the caller's
-registered ``WriteHandle`` (its writer id, lease and idempotency token).
+failed job's leftovers are one prefix, and registers it on every shard it writes
+before any executor starts (``persist_lib.part_writers``): the leaked-blob sweeper
+never deletes the parts of a registered writer, however long the job runs, and the
+commit links them only while the registration holds. The registration is released
+when the job ends (lease expiry does it if the driver dies). The commit itself goes
+through the caller's registered ``WriteHandle`` (its writer id, lease and idempotency
+token); its parts are deleted only when the compare-and-set certainly did not apply.
 
 ``write_collection`` does the same for a rendition of a STORAGE collection: rows are
 routed to shards by ``storage.routing.route`` on the *normalized* key columns — the
@@ -39,6 +44,7 @@ from persist_lib.codec import DIFF, KEY_PREFIX, TS, Schemas
 from persist_lib.errors import InvalidUsage, UpperMismatch
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.ids import WriterId
+from persist_lib.part_writers import PartWriter
 from persist_lib.spark._common import (
     DEFAULT_CHUNK_BYTES,
     blob_uri_of,
@@ -344,10 +350,16 @@ def write_batch(
     cur = writer.fetch_recent_upper()
     if cur != lower:  # fail fast, before any executor works; the CAS re-checks
         raise UpperMismatch(shard, lower, cur)
-    per_shard, rows_in = _run_job(df, spec, after_upload, cleanup_on_failure)
-    parts = per_shard[0]
-    batch = HollowBatch(lower=lower, upper=upper, since=lower, parts=tuple(parts))
-    writer.compare_and_append_batch(batch, lower, upper)  # deletes the parts if it loses
+    pws = _register_part_writers(client, [shard], spec.part_writer)
+    try:
+        per_shard, rows_in = _run_job(df, spec, after_upload, cleanup_on_failure)
+        parts = per_shard[0]
+        batch = HollowBatch(lower=lower, upper=upper, since=lower, parts=tuple(parts))
+        writer.compare_and_append_batch(batch, lower, upper)  # deletes the parts if it loses
+    except Exception:
+        _release(pws)
+        raise
+    _release(pws)
     return SparkWriteResult(
         shard_ids=[shard], lower=lower, upper=upper, part_writer=spec.part_writer,
         rows_in=rows_in, updates=batch.len, parts=len(parts), bytes=batch.size,
@@ -396,23 +408,16 @@ def write_collection(
     batches: list[HollowBatch] = []
     rows_in = 0
     if todo:
-        per_shard, rows_in = _run_job(df, spec, after_upload, cleanup_on_failure)
-        for i, w in enumerate(handles):
-            parts = per_shard[i]
-            if i not in todo:
-                _delete_parts(client, parts)
-                continue
-            batch = HollowBatch(lower=lower, upper=upper, since=lower, parts=tuple(parts))
-            try:
-                w.compare_and_append_batch(batch, lower, upper)
-            except UpperMismatch as e:
-                if e.current is not None and e.current >= upper:
-                    skipped.append(w.shard_id)  # a concurrent identical writer got there first
-                    continue
-                for rest in per_shard[i + 1 :]:
-                    _delete_parts(client, rest)
-                raise
-            batches.append(batch)
+        pws = _register_part_writers(client, [shard_ids[i] for i in todo], spec.part_writer)
+        try:
+            rows_in = _write_and_commit(
+                df, spec, after_upload, cleanup_on_failure, handles, todo, client, lower, upper,
+                batches, skipped,
+            )
+        except Exception:
+            _release(pws)
+            raise
+        _release(pws)
     writer.advance_metadata(upper)
     return SparkWriteResult(
         shard_ids=shard_ids, lower=lower, upper=upper, part_writer=spec.part_writer,
@@ -420,6 +425,61 @@ def write_collection(
         parts=sum(len(b.parts) for b in batches), bytes=sum(b.size for b in batches),
         batches=batches, skipped_shards=skipped, seconds=_now() - t0,
     )
+
+
+def _register_part_writers(client: Any, shard_ids: list[str], writer_id: str) -> list[PartWriter]:
+    """Registers the job's part writer on each shard before any executor uploads."""
+    pws: list[PartWriter] = []
+    try:
+        for sid in shard_ids:
+            pws.append(
+                PartWriter.register(
+                    client.machine(sid), purpose="spark-write", client=client, writer_id=writer_id
+                )
+            )
+    except Exception:
+        _release(pws)
+        raise
+    return pws
+
+
+def _release(pws: list[PartWriter]) -> None:
+    for pw in pws:
+        pw.release()
+
+
+def _write_and_commit(
+    df: Any,
+    spec: _WriteSpec,
+    after_upload: AfterUpload | None,
+    cleanup_on_failure: bool,
+    handles: list[WriteHandle],
+    todo: list[int],
+    client: Any,
+    lower: Antichain,
+    upper: Antichain,
+    batches: list[HollowBatch],
+    skipped: list[str],
+) -> int:
+    """Runs the job and commits one batch per shard in ``todo``; returns the input rows."""
+    per_shard, rows_in = _run_job(df, spec, after_upload, cleanup_on_failure)
+    for i, w in enumerate(handles):
+        parts = per_shard[i]
+        if i not in todo:
+            _delete_parts(client, parts)  # written by no registered writer: never linked
+            continue
+        batch = HollowBatch(lower=lower, upper=upper, since=lower, parts=tuple(parts))
+        try:
+            w.compare_and_append_batch(batch, lower, upper)
+        except UpperMismatch as e:
+            if e.current is not None and e.current >= upper:
+                skipped.append(w.shard_id)  # a concurrent identical writer got there first
+                continue
+            for rest in per_shard[i + 1 :]:
+                _delete_parts(client, rest)
+            raise
+        batches.append(batch)
+    return rows_in
 
 
 def _now() -> float:
