@@ -236,8 +236,12 @@ def compare_and_append(
     batch: HollowBatch,
     token: str,
     inline_max_total: int = DEFAULT_INLINE_MAX_TOTAL,
+    release_writer: str | None = None,
 ) -> Result:
     """Appends ``batch`` iff the shard upper equals ``batch.lower``.
+
+    ``release_writer`` (a part writer whose parts the batch links, e.g. a Spark job's)
+    is unregistered by the same state change when the append applies.
 
     The writer's idempotency token is checked first: if it matches, this exact write
     already committed (we are retrying after an indeterminate error) and nothing is
@@ -259,6 +263,8 @@ def compare_and_append(
     writers[writer_id] = replace(
         w, last_heartbeat_ms=now_ms, most_recent_write_token=token, most_recent_write_upper=batch.upper
     )
+    if release_writer is not None and release_writer != writer_id:
+        writers.pop(release_writer, None)
     if batch.upper == batch.lower:
         if batch.parts:
             raise InvalidUsage(

@@ -150,9 +150,18 @@ class WriteHandle:
         return normalize_updates(updates, self.schemas, shard=self.shard_id)
 
     def compare_and_append_batch(
-        self, batch: HollowBatch, expected_upper: FrontierLike, new_upper: FrontierLike
+        self,
+        batch: HollowBatch,
+        expected_upper: FrontierLike,
+        new_upper: FrontierLike,
+        *,
+        release_part_writer: str | None = None,
     ) -> None:
-        """Commits a batch built by ``builder`` (or by Spark executors) with one CAS."""
+        """Commits a batch built by ``builder`` (or by Spark executors) with one CAS.
+
+        Its parts must have been written by a registered writer: this handle, or a part
+        writer (``persist_lib.part_writers``) that the same CAS may release
+        (``release_part_writer``)."""
         expected = as_frontier(expected_upper, "expected_upper")
         new = as_frontier(new_upper, "new_upper")
         with self._lock:
@@ -169,7 +178,7 @@ class WriteHandle:
                         f"shard {self.shard_id}: the batch has updates at times [{p.tmin}, {p.tmax}] "
                         f"outside [{expected}, {new})"
                     )
-            self._commit_or_delete(batch, expected, new)
+            self._commit_or_delete(batch, expected, new, release_part_writer)
 
     def heartbeat(self) -> None:
         self._check_open()
@@ -252,12 +261,14 @@ class WriteHandle:
             executor=self._client.upload_executor(),
         )
 
-    def _commit_or_delete(self, batch: HollowBatch, expected: Antichain, new: Antichain) -> None:
+    def _commit_or_delete(
+        self, batch: HollowBatch, expected: Antichain, new: Antichain, release: str | None = None
+    ) -> None:
         """Commits ``batch``; deletes its blobs only if the CAS certainly did not apply."""
         progress = ApplyProgress()
         uninlined: list[HollowBatch] = []
         try:
-            self._commit(batch, expected, new, progress, uninlined)
+            self._commit(batch, expected, new, progress, uninlined, release)
         except UpperMismatch:
             # Definite: the transition saw a current state (after any indeterminate CAS,
             # re-read from consensus) without our token and with another upper.
@@ -283,6 +294,7 @@ class WriteHandle:
         new: Antichain,
         progress: ApplyProgress,
         uninlined: list[HollowBatch],
+        release: str | None = None,
     ) -> None:
         token = uuid.uuid4().hex
         cfg = self._client.config
@@ -290,7 +302,7 @@ class WriteHandle:
             def caa(s: ShardState, now: int, b: HollowBatch = batch) -> tr.Result:
                 return tr.compare_and_append(
                     s, now, writer_id=self.writer_id, batch=b, token=token,
-                    inline_max_total=cfg.inline_max_total,
+                    inline_max_total=cfg.inline_max_total, release_writer=release,
                 )
 
             res, _ = self._machine.apply("compare_and_append", caa, progress)

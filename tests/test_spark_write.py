@@ -56,7 +56,10 @@ def _write_and_check_one_cas(spark: Any, tmp_path: Path, n: int) -> None:
     before = client.inspect(SHARD)
     res = write_batch(df, w, 0, 3)
     after = client.inspect(SHARD)
-    assert after["seqno"] == before["seqno"] + 1, "the append must be exactly one CAS"
+    # One CAS registers the job's part writer (before any executor uploads, so the
+    # sweeper leaves its parts alone), one links the whole batch and releases it.
+    assert after["seqno"] == before["seqno"] + 2, "register + one commit"
+    assert res.part_writer not in after["writers"]
     assert after["num_batches"] == before["num_batches"] + 1 == 1
     assert after["upper"] == [3] and after["num_updates"] == n == res.rows_in == res.updates
     assert res.parts == len(after["batches"][0]["parts"]) > 1  # parts from several executors
@@ -106,7 +109,8 @@ def test_failed_job_commits_nothing_and_leaves_only_sweepable_parts(spark: Any, 
             after_upload=crash_after_upload,
         )
     after = client.inspect(SHARD)
-    assert after["seqno"] == before["seqno"] and after["batches"] == before["batches"]
+    assert after["upper"] == before["upper"] and after["batches"] == before["batches"]
+    assert after["writers"].keys() == before["writers"].keys()  # the job's writer released
     leaked = {b["key"] for b in client.unreferenced_blobs(SHARD, older_than_ms=0)}
     assert leaked and leaked == _blob_keys(client, SHARD) - committed
     assert len({k.split("/")[1] for k in leaked}) == 1, "all leaks are under the job's writer id"
@@ -135,7 +139,8 @@ def test_killed_executor_process_commits_nothing(spark: Any, tmp_path: Path) -> 
     with pytest.raises(Exception) as ei:
         write_batch(_input(spark, 10_000, parts=2), w, 0, 3, after_upload=kill_after_upload)
     assert "InvalidUsage" not in str(ei.value)
-    assert client.inspect(SHARD)["seqno"] == before["seqno"]
+    assert client.inspect(SHARD)["upper"] == before["upper"]
+    assert client.inspect(SHARD)["writers"].keys() == before["writers"].keys()
     assert client.inspect(SHARD)["num_batches"] == 0
     # Whatever the driver's cleanup missed is sweepable (nothing is referenced yet).
     client.unreferenced_blobs(SHARD, older_than_ms=0, delete=True)
@@ -276,6 +281,6 @@ def test_write_and_read_on_s3_and_postgres(spark: Any, s3_blob_uri: str, pg_cons
     df = _input(spark, 20_000, parts=2)
     before = client.inspect(SHARD)["seqno"]
     write_batch(df, w, 0, 3)
-    assert client.inspect(SHARD)["seqno"] == before + 1
+    assert client.inspect(SHARD)["seqno"] == before + 2  # register the part writer + one commit
     assert df_counter(read_snapshot(spark, r, 2)) == table_counter(r.snapshot(2))
     client.close()

@@ -355,11 +355,13 @@ def write_batch(
         per_shard, rows_in = _run_job(df, spec, after_upload, cleanup_on_failure)
         parts = per_shard[0]
         batch = HollowBatch(lower=lower, upper=upper, since=lower, parts=tuple(parts))
-        writer.compare_and_append_batch(batch, lower, upper)  # deletes the parts if it loses
+        # One CAS links the parts and releases the job's part writer (or, if it loses
+        # for certain, the parts are deleted).
+        writer.compare_and_append_batch(batch, lower, upper, release_part_writer=spec.part_writer)
     except Exception:
         _release(pws)
         raise
-    _release(pws)
+    _release(pws)  # a no-op unless the commit did not release it
     return SparkWriteResult(
         shard_ids=[shard], lower=lower, upper=upper, part_writer=spec.part_writer,
         rows_in=rows_in, updates=batch.len, parts=len(parts), bytes=batch.size,
@@ -417,7 +419,7 @@ def write_collection(
         except Exception:
             _release(pws)
             raise
-        _release(pws)
+        _release(pws)  # no-ops where the commit released it
     writer.advance_metadata(upper)
     return SparkWriteResult(
         shard_ids=shard_ids, lower=lower, upper=upper, part_writer=spec.part_writer,
@@ -470,7 +472,7 @@ def _write_and_commit(
             continue
         batch = HollowBatch(lower=lower, upper=upper, since=lower, parts=tuple(parts))
         try:
-            w.compare_and_append_batch(batch, lower, upper)
+            w.compare_and_append_batch(batch, lower, upper, release_part_writer=spec.part_writer)
         except UpperMismatch as e:
             if e.current is not None and e.current >= upper:
                 skipped.append(w.shard_id)  # a concurrent identical writer got there first
