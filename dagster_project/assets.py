@@ -76,15 +76,27 @@ def persist_shard(
         res.get("compaction_debt_after"),
     )
     after = client.inspect(shard)
-    return dg.MaterializeResult(
-        metadata={
-            **shard_metadata(after),
-            "compaction_engine": res["engine"],
-            "compaction_debt_before": int(res.get("compaction_debt_before") or 0),
-            "merges_applied": int(res.get("merges_applied") or 0),
-            "bytes_written": int(res.get("bytes_written") or 0),
-        }
-    )
+    metadata = {
+        **shard_metadata(after),
+        "compaction_engine": res["engine"],
+        "compaction_debt_before": int(res.get("compaction_debt_before") or 0),
+        "merges_applied": int(res.get("merges_applied") or 0),
+        "bytes_written": int(res.get("bytes_written") or 0),
+    }
+    failed = res.get("failed") or []
+    if failed:
+        # A merge failed deterministically (a corrupt or missing input part): it is
+        # quarantined in shard state; the run fails so that someone looks.
+        raise dg.Failure(
+            description=(
+                f"shard {shard}: {len(failed)} merge(s) failed deterministically and were "
+                f"quarantined (first: batches {failed[0]['batch_ids']}: {failed[0]['error']}). "
+                "Other merges ran. Repair or restore the part, then run `persist compact "
+                f"{shard} --retry-quarantined`."
+            ),
+            metadata=metadata,
+        )
+    return dg.MaterializeResult(metadata=metadata)
 
 
 # ----- per-source assets -------------------------------------------------------------

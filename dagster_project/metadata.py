@@ -85,7 +85,29 @@ def shard_metadata(state: Mapping[str, Any]) -> dict[str, dg.MetadataValue]:
         "writers": dg.MetadataValue.int(len(state.get("writers", {}))),
         "garbage_blobs": dg.MetadataValue.int(int(state.get("garbage", {}).get("blobs", 0))),
         "spine": dg.MetadataValue.md(spine_markdown(state)),
+        "quarantined_merges": dg.MetadataValue.int(len(state.get("quarantined_merges", []))),
+        **(
+            {"quarantine": dg.MetadataValue.md(quarantine_markdown(state["quarantined_merges"]))}
+            if state.get("quarantined_merges")
+            else {}
+        ),
     }
+
+
+def quarantine_markdown(entries: Iterable[Mapping[str, Any]]) -> str:
+    """Merges that failed deterministically and are no longer retried automatically."""
+    return md_table(
+        ["batches", "failures", "last failure (ms)", "error"],
+        [
+            (
+                ", ".join(str(b) for b in e["batch_ids"]),
+                e["failures"],
+                e["last_failure_ms"],
+                str(e["error"])[:300].replace("|", "/"),
+            )
+            for e in entries
+        ],
+    )
 
 
 def inspect_shards(client: PersistClient, shards: Iterable[str]) -> dict[str, dict[str, Any]]:

@@ -29,6 +29,8 @@ class ShardDebt:
     debt: int
     bytes: int
     batches: int
+    pending_merges: int = 0  # merges compaction would run now (quarantined ones excluded)
+    quarantined: int = 0
 
 
 def shard_debts(client: PersistClient) -> list[ShardDebt]:
@@ -48,6 +50,8 @@ def shard_debts(client: PersistClient) -> list[ShardDebt]:
                 int(st.get("compaction_debt", 0)),
                 int(st["bytes"]),
                 int(st["num_batches"]),
+                len({b["pending_request"] for b in st.get("spine", []) if b.get("pending_request") is not None}),
+                len(st.get("quarantined_merges", [])),
             )
         )
     return out
@@ -89,7 +93,9 @@ def compact_shard(
         )
         res.setdefault("bytes_written", int(res.get("spark_bytes_written", 0)))
     else:
-        res = dict(client.compact(shard))
+        # Deterministic failures (corrupt/missing parts) are quarantined and listed in
+        # ``failed``; the caller records them and fails the run.
+        res = dict(client.compact(shard, raise_on_failure=False))
         res["engine"] = "in-process"
     res.setdefault("compaction_debt_before", debt)
     return res

@@ -374,12 +374,19 @@ class PersistClient:
         return maintenance.gc(self, shard)
 
     def unreferenced_blobs(
-        self, shard: ShardLike, older_than_ms: int | None = None, *, delete: bool = False
+        self,
+        shard: ShardLike,
+        older_than_ms: int | None = None,
+        *,
+        delete: bool = False,
+        quiescent: bool = False,
     ) -> list[dict[str, Any]]:
-        """Leaked blobs of ``shard`` (older than the grace period; ``delete`` removes them)."""
+        """Leaked blobs of ``shard`` (see ``maintenance.unreferenced_blobs``)."""
         from persist_lib import maintenance
 
-        return maintenance.unreferenced_blobs(self, shard, older_than_ms, delete=delete)
+        return maintenance.unreferenced_blobs(
+            self, shard, older_than_ms, delete=delete, quiescent=quiescent
+        )
 
     def finalize(self, shard: ShardLike) -> dict[str, Any]:
         """Deletes a shard whose since and upper are empty, leaving a tombstone."""

@@ -207,10 +207,14 @@ def unreferenced_blobs(
     older_than_ms: int | None = None,
     *,
     delete: bool = False,
+    quiescent: bool = False,
 ) -> list[dict[str, Any]]:
     """Leaked blobs of ``shard``: under ``{shard}/``, referenced by no live state version,
-    older than ``older_than_ms`` (default ``config.leak_grace_ms``, 1 h). ``delete=True``
-    deletes them. Use a grace of 0 only when no writer or compactor is running."""
+    that no write in flight may still link (parts of registered writers, recent unlinked
+    rollups: ``gc.in_flight_reason``) and older than ``older_than_ms`` (default
+    ``config.leak_grace_ms``, 1 h). ``delete=True`` deletes them. ``quiescent=True``
+    drops the in-flight guard: only when nothing at all runs against the shard and
+    every lease was expired (a test's final sweep)."""
     sid = str(ShardId.parse(shard))
     grace = client.config.leak_grace_ms if older_than_ms is None else older_than_ms
     return gcmod.unreferenced_blobs(
@@ -220,6 +224,7 @@ def unreferenced_blobs(
         now_ms=client.config.now_ms(),
         older_than_ms=grace,
         delete=delete,
+        in_flight_guard=not quiescent,
     )
 
 

@@ -67,7 +67,10 @@ def build_compaction_debt_sensor(
         debts = shard_debts(persist.client())
         known = set(context.instance.get_dynamic_partitions(shard_partitions.name or ""))
         new_keys = sorted(d.shard for d in debts if d.shard not in known)
-        over = sorted((d for d in debts if d.debt > threshold), key=lambda d: -d.debt)
+        # A shard whose only pending merges are quarantined has nothing to run.
+        over = sorted(
+            (d for d in debts if d.debt > threshold and d.pending_merges > 0), key=lambda d: -d.debt
+        )
         requests: list[dg.RunRequest] = []
         for d in over:
             if len(requests) >= max_runs_per_tick:
@@ -93,8 +96,9 @@ def build_compaction_debt_sensor(
             run_requests=requests,
             skip_reason=None
             if requests
-            else f"no shard above the compaction-debt threshold {threshold} "
-            f"({len(debts)} shards, max debt {max((d.debt for d in debts), default=0)})",
+            else f"no shard above the compaction-debt threshold {threshold} with merges to run "
+            f"({len(debts)} shards, max debt {max((d.debt for d in debts), default=0)}, "
+            f"{sum(d.quarantined for d in debts)} quarantined merge(s))",
             cursor=json.dumps(cursor, sort_keys=True),
             dynamic_partitions_requests=[shard_partitions.build_add_request(new_keys)]
             if new_keys

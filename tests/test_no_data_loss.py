@@ -18,7 +18,6 @@ import pytest
 
 from persist_lib import Antichain, PersistClient, PersistConfig, ShardId
 from persist_lib import machine as machine_mod
-from persist_lib import maintenance as mn
 from persist_lib import maintenance_transitions as mt
 from persist_lib import state as st
 from persist_lib.errors import (

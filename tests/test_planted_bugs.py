@@ -15,7 +15,12 @@ from urllib.parse import quote
 import pytest
 
 from persist_lib.testing import planted
-from persist_lib.testing.controls import STATEFUL_BUGS, corruption_catches, stateful_catches
+from persist_lib.testing.controls import (
+    STATEFUL_BUGS,
+    background_compaction_catches,
+    corruption_catches,
+    stateful_catches,
+)
 from persist_lib.testing.runner import HistoryResult, default_config, run_history
 
 
@@ -76,3 +81,32 @@ def test_history_catches_pg_cas_not_exists(tmp_path: Path, pg_server: object) ->
 def test_history_catches_gc_ignoring_holds(tmp_path: Path) -> None:
     res = _caught(9, tmp_path, None, "gc_ignores_holds", GC_KINDS, inline_threshold=0)
     assert res.report.by_kind().keys() & GC_KINDS, res.describe()
+
+
+# ----- issue 13: interrupts, skewed sweeps vs long writes, heartbeats, failing merges -----
+
+
+def test_history_catches_sweeper_without_the_in_flight_guard(tmp_path: Path) -> None:
+    kinds = GC_KINDS | {"part_missing"}
+    res = _caught(
+        11, tmp_path, None, "sweeper_no_inflight_guard", kinds,
+        inline_threshold=0, long_write_rate=0.35, sweep_rate=0.6, long_write_pause_s=(0.1, 0.4),
+    )
+    assert res.report.by_kind().keys() & kinds, res.describe()
+
+
+def test_history_catches_a_heartbeat_thread_that_dies(tmp_path: Path) -> None:
+    kinds = {"heartbeat_thread_dead"}
+    res = _caught(12, tmp_path, None, "heartbeat_thread_dies", kinds, heartbeat_fault_rate=0.5)
+    assert res.report.by_kind().keys() & kinds, res.describe()
+
+
+def test_history_catches_delete_on_any_exception(tmp_path: Path) -> None:
+    kinds = GC_KINDS | {"part_missing", "snapshot_mismatch", "trace_contents_wrong"}
+    res = _caught(13, tmp_path, None, "delete_on_any_exception", kinds, interrupt_rate=0.08, inline_threshold=0)
+    assert res.report.by_kind().keys() & kinds, res.describe()
+
+
+def test_background_compaction_control_catches_immediate_retry() -> None:
+    assert background_compaction_catches(None) is None, "the real code hot-loops or never quarantines"
+    assert background_compaction_catches("immediate_retry") is not None, "the hot loop went unnoticed"

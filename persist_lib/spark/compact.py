@@ -469,6 +469,7 @@ def compact_shard(
     """Runs the shard's pending merges: those reading ``>= min_bytes`` on Spark, the
     rest in-process (``compactor.compact_request``), round after round until the spine
     wants nothing more. Returns a JSON-able summary (what a Dagster op records)."""
+    from persist_lib import maintenance
     from persist_lib.compactor import compact_request
     from persist_lib.spine import compaction_debt
 
@@ -482,25 +483,38 @@ def compact_shard(
     spark_results: list[SparkCompactionResult] = []
     local_applied = local_not_applied = rounds = 0
     local_read = local_written = 0
+    failed: list[dict[str, Any]] = []
+    failed_ids: set[int] = set()
     while rounds < max_rounds and not s.tombstone:
-        reqs = compaction_requests(s)
+        reqs = compaction_requests(s, failed_ids)
         if not reqs:
             break
         rounds += 1
         for req in reqs:
             big = req.rewrites_data and sum(1 for b in req.inputs if b.parts) > 0 and req.num_bytes >= min_bytes
-            if big:
-                out = spark_merge(
-                    spark, client, schemas, req, shard_id=m.shard_id, bucket_bytes=bucket_bytes,
-                    num_buckets=num_buckets,
-                )
-                spark_results.append(apply_merge(client, m, req, out))
-            else:
-                r = compact_request(m, schemas, client.config, req, client=client)
-                local_applied += int(r.applied)
-                local_not_applied += int(not r.applied)
-                local_read += r.stats.bytes_read
-                local_written += r.stats.bytes_written
+            try:
+                if big:
+                    out = spark_merge(
+                        spark, client, schemas, req, shard_id=m.shard_id, bucket_bytes=bucket_bytes,
+                        num_buckets=num_buckets,
+                    )
+                    spark_results.append(apply_merge(client, m, req, out))
+                else:
+                    r = compact_request(m, schemas, client.config, req, client=client)
+                    local_applied += int(r.applied)
+                    local_not_applied += int(not r.applied)
+                    local_read += r.stats.bytes_read
+                    local_written += r.stats.bytes_written
+            except Exception as e:
+                # A corrupt or missing input fails every attempt: quarantine it (shard
+                # state), carry on with the other merges, report it in ``failed``. A
+                # failing Spark job is reported by its Py4J error, which is no persist
+                # error type: it counts as deterministic only for the local path.
+                if big or not maintenance.is_deterministic_failure(e):
+                    raise
+                maintenance.quarantine(m, req, e, 1)
+                failed_ids.update(req.batch_ids)
+                failed.append({"batch_ids": list(req.batch_ids), "error": f"{type(e).__name__}: {e}"})
         s = m.fetch_latest()
     spark_applied = sum(1 for r in spark_results if r.applied)
     return {
@@ -523,4 +537,6 @@ def compact_shard(
         "compaction_debt_after": compaction_debt(s),
         "seconds": round(time.monotonic() - t0, 3),
         "spark_merges": [r.to_json() for r in spark_results],
+        "failed": failed,
+        "quarantined_merges": maintenance.describe_quarantine(s),
     }

@@ -12,10 +12,31 @@ starts it through a multiprocessing ``forkserver`` context, so a restart after a
 - runs until the runner creates the stop file, then releases its handles and exits.
 
 Roles: ``writer`` (compare_and_append with good and stale bounds, definite ``append``
-of a deterministic stream, heartbeats), ``reader`` (snapshots, one listen at a time,
-since downgrades, backward downgrades that must fail), ``compactor``, ``gc`` and
-``expirer``. Writers write unique, traceable records: the key of every inserted
-record is ``{op id}/{i}``, and the definite stream's records are ``d/{t}/{j}``.
+of a deterministic stream, heartbeats, and *long writes*: a batch built part by part
+with pauses, through the handle's builder or Spark-style under a separately
+registered part writer, then committed with ``compare_and_append_batch``), ``reader``
+(snapshots, one listen at a time, since downgrades, backward downgrades that must
+fail), ``compactor``, ``gc`` (GC runs, and leaked-blob *sweeps* that delete, with a
+clock hours ahead) and ``expirer`` (with a clock somewhat ahead). Writers write
+unique, traceable records: the key of every inserted record is ``{op id}/{i}``, and
+the definite stream's records are ``d/{t}/{j}``.
+
+The fault model beyond location errors and kill -9 (issue 13):
+
+- **interrupts**: a seeded ``InterruptPlan`` raises BaseExceptions shaped like
+  KeyboardInterrupt and a run cancellation inside client calls, before a blob write
+  or a compare-and-set, or after it took effect (a CAS that landed; post-commit work
+  such as an inline rollup included). The op is logged ``info``; the actor carries on
+  with the same client (and sometimes drops its handle);
+- **clock skew**: writers and readers run with a fixed skew in
+  ``[-actor_clock_skew_ms, +actor_clock_skew_ms]``, the expirer ahead by up to
+  ``expirer_clock_ahead_ms`` and the sweeper ``sweeper_clock_ahead_ms`` ahead;
+- **long writes** overlapping sweeps (``long_write_rate``, ``long_write_pause_s``);
+- **heartbeat faults**: a handle's heartbeat raises an unexpected error
+  (``heartbeat_fault_rate``) in the heartbeat thread, which must survive it: an actor
+  that finds the thread dead while it holds handles logs ``heartbeat_thread_dead``;
+- **concurrent first opens**: with ``fresh_start`` nothing creates the location or the
+  shard before the actors, which all start at once.
 """
 
 from __future__ import annotations
@@ -84,6 +105,22 @@ class HistoryConfig:
     background_compaction: bool = False
     time_limit_s: float = 120.0
     planted: list[str] = field(default_factory=list)
+    # Issue 13's wider fault model (module docstring).
+    interrupt_rate: float = 0.0
+    actor_clock_skew_ms: int = 0
+    expirer_clock_ahead_ms: int = 0
+    sweeper_clock_ahead_ms: int = 0
+    sweep_rate: float = 0.0
+    long_write_rate: float = 0.0
+    long_write_pause_s: tuple[float, float] = (0.05, 0.5)
+    heartbeat_fault_rate: float = 0.0
+    fresh_start: bool = False
+
+    @property
+    def lease_slack_ms(self) -> float:
+        """How early a lease may lapse in wall time: clocks ahead expire sooner, clocks
+        behind record older heartbeats."""
+        return 100.0 + self.expirer_clock_ahead_ms + self.actor_clock_skew_ms
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -92,6 +129,8 @@ class HistoryConfig:
     def from_json(cls, s: str) -> HistoryConfig:
         d = json.loads(s)
         d["outage_s"] = tuple(d["outage_s"])
+        if "long_write_pause_s" in d:
+            d["long_write_pause_s"] = tuple(d["long_write_pause_s"])
         return cls(**d)
 
     # Paths inside ``root``.
@@ -152,6 +191,7 @@ def build_location(
     faults: bool,
     seed: int,
     now_ms: Callable[[], int] | None = None,
+    interrupts: Any = None,
 ) -> Location:
     """A ``PersistClient`` on the history's location: audit wrappers under fault injection."""
     from persist_lib.client import PersistClient
@@ -200,6 +240,11 @@ def build_location(
         )
         blob = UnreliableBlob(audit_blob, handle)
         cons = UnreliableConsensus(audit_cons, handle)
+    if interrupts is not None:
+        from persist_lib.testing.hooks import InterruptingBlob, InterruptingConsensus
+
+        blob = InterruptingBlob(blob, interrupts)
+        cons = InterruptingConsensus(cons, interrupts)
     client = PersistClient(
         blob, cons, config, blob_uri=f"file://{cfg.blob_dir}", consensus_uri=cfg.consensus_uri
     )
@@ -211,6 +256,10 @@ def build_location(
 
 def classify(e: BaseException) -> str:
     """Jepsen outcome of an operation that raised ``e``."""
+    from persist_lib.testing.hooks import INTERRUPTS
+
+    if isinstance(e, INTERRUPTS):
+        return INFO  # interrupted: it may or may not have happened
     if isinstance(e, UpperMismatch | InvalidUsage | Timeout):
         return FAIL
     if isinstance(e, Indeterminate):
@@ -230,11 +279,57 @@ class Actor:
         self.seed = actor_seed(cfg.seed, actor, incarnation)
         self.rng = random.Random(self.seed)
         self.log = EventLog(os.path.join(cfg.log_dir, f"{actor}.{incarnation}.jsonl"), actor, incarnation)
+        from persist_lib.testing.hooks import InterruptPlan, skewed_clock
+
+        self.skew_ms = self.clock_skew_ms()
+        self.interrupts = (
+            InterruptPlan(self.seed ^ 0x1A7, cfg.interrupt_rate, main_thread_only=True)
+            if cfg.interrupt_rate > 0
+            else None
+        )
         self.loc = build_location(
-            cfg, self.log, f"{actor}.{incarnation}.jsonl", faults=True, seed=self.seed
+            cfg, self.log, f"{actor}.{incarnation}.jsonl", faults=True, seed=self.seed,
+            now_ms=skewed_clock(_system_ms, self.skew_ms) if self.skew_ms else None,
+            interrupts=self.interrupts,
         )
         self.client = self.loc.client
         self.shard = cfg.shard_id
+        self.hb_dead_reported = False
+
+    def clock_skew_ms(self) -> int:
+        """This actor's fixed clock offset (subclasses: maintenance runs ahead)."""
+        x = self.cfg.actor_clock_skew_ms
+        return int(random.Random(self.seed ^ 0xC10C).uniform(-x, x)) if x else 0
+
+    def faulty_heartbeats(self, h: Any) -> None:
+        """Makes ``h.heartbeat`` raise unexpected errors in the heartbeat thread."""
+        rate = self.cfg.heartbeat_fault_rate
+        if rate <= 0:
+            return
+        orig = h.heartbeat
+        rng = random.Random(self.seed ^ 0x4EA7)
+        lock = threading.Lock()
+
+        def heartbeat() -> None:
+            if threading.current_thread().name == "persist-heartbeat":
+                with lock:
+                    x = rng.random()
+                if x < rate:
+                    self.log.note("heartbeat_fault_injected")
+                    raise (RuntimeError if x < rate / 2 else CorruptionError)("injected heartbeat fault")
+            orig()
+
+        h.heartbeat = heartbeat
+
+    def check_heartbeat_thread(self) -> None:
+        """The client's heartbeat thread must be alive while it has handles to keep."""
+        c = self.client
+        if self.hb_dead_reported or not c.config.background_heartbeats or not len(c._handles):
+            return
+        t = c._hb_thread
+        if t is None or not t.is_alive():
+            self.hb_dead_reported = True
+            self.log.note("heartbeat_thread_dead", handles=len(c._handles))
 
     def stopped(self) -> bool:
         return os.path.exists(self.cfg.stop_path)
@@ -277,9 +372,15 @@ class Actor:
         op_id: str | None = None,
     ) -> tuple[str, Any, BaseException | None]:
         """Runs ``fn`` as a logged operation; returns (outcome, result, error)."""
+        from persist_lib.testing.hooks import INTERRUPTS
+
         oid = self.log.invoke(op, args, op_id)
         try:
             res = fn()
+        except INTERRUPTS as e:
+            self.log.complete(oid, INFO, error=str(e), error_type=type(e).__name__, faults=self.faults())
+            self.after_interrupt()
+            return INFO, None, e
         except Exception as e:  # noqa: BLE001 - every outcome is logged
             outcome = classify(e)
             tb = None if isinstance(e, PersistError) else traceback.format_exc()
@@ -295,10 +396,17 @@ class Actor:
         self.log.complete(oid, OK, result=res, faults=self.faults())
         return OK, res, None
 
+    def after_interrupt(self) -> None:
+        """Like a program that caught the interrupt: carry on (subclasses may drop handles)."""
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.client.close()
         self.log.close()
+
+
+def _system_ms() -> int:
+    return int(time.time() * 1000)
 
 
 # ----- writers ------------------------------------------------------------------------------
@@ -317,6 +425,7 @@ class Writer(Actor):
                 self.w = self.client.open_writer(
                     self.shard, KEY_SCHEMA, VAL_SCHEMA, purpose=f"{self.actor}.{self.inc}"
                 )
+                self.faulty_heartbeats(self.w)
                 return {"writer_id": self.w.writer_id}
 
             outcome, _, _ = self.run_op("open_writer", {}, do)
@@ -337,7 +446,9 @@ class Writer(Actor):
         if upper_t is None:
             return
         r = self.rng.random()
-        if r < 0.55:
+        if self.rng.random() < self.cfg.long_write_rate:
+            self.long_write(upper_t)
+        elif r < 0.55:
             self.caa(upper_t, stale=False)
         elif r < 0.62:
             self.caa(upper_t, stale=True)
@@ -382,6 +493,68 @@ class Writer(Actor):
             self.acked.append(retracted)  # definitely not retracted: may retract later
         self.after(e)
 
+    def long_write(self, upper_t: int) -> None:
+        """A batch built slowly, part by part, then committed with one CAS: through the
+        handle's own builder, or Spark-style (parts under a separately registered part
+        writer, released by the commit). Sweeps with a clock hours ahead run meanwhile."""
+        from persist_lib.batch_builder import BatchBuilder
+        from persist_lib.part_writers import PartWriter
+
+        w = self.w
+        expected, new = upper_t, upper_t + self.rng.randint(1, 3)
+        oid = self.log.new_op_id()
+        ups: list[Update] = [
+            ((((f"{oid}/{i}",), (self.rng.randint(0, 999),))), self.rng.randrange(expected, new), 1)
+            for i in range(self.rng.randint(1, 6))
+        ]
+        spark_style = self.rng.random() < 0.5
+        pauses = [self.rng.uniform(*self.cfg.long_write_pause_s) for _ in range(len(ups) + 1)]
+        args = {
+            "writer_id": w.writer_id,
+            "expected": expected,
+            "new": new,
+            "stale": False,
+            "long": "spark" if spark_style else "builder",
+            "updates": [[u[0][0][0], u[0][1][0], u[1], u[2]] for u in ups],
+        }
+
+        def do() -> None:
+            pw = None
+            if spark_style:
+                pw = PartWriter.register(
+                    self.client.machine(self.shard), purpose="spark-style", client=self.client
+                )
+            b = BatchBuilder(
+                self.client.blob, w.schemas, shard=w.shard_id,
+                writer=pw.writer_id if pw is not None else w.writer_id,
+                lower=_frontier(expected), target_part_bytes=1, max_inflight_uploads=1,
+                inline_threshold=0, executor=self.client.upload_executor(),
+            )
+            try:
+                for u, pause in zip(ups, pauses, strict=False):
+                    b.add(w.normalize([u]))  # a part per update (target 1 byte)
+                    time.sleep(pause)
+                batch = b.finish(new)
+            except Exception:
+                if pw is not None:
+                    pw.release()
+                raise
+            time.sleep(pauses[-1])
+            w.compare_and_append_batch(
+                batch, expected, new, release_part_writer=pw.writer_id if pw is not None else None
+            )
+            if pw is not None:
+                pw.release()
+
+        outcome, _, e = self.run_op("caa", args, do, op_id=oid)
+        if outcome == OK:
+            self.acked += [(u[0][0][0], u[0][1][0]) for u in ups]
+        self.after(e)
+
+    def after_interrupt(self) -> None:
+        if self.rng.random() < 0.3:
+            self.w = None  # the program abandons the handle (its lease lapses)
+
     def definite_append(self, upper_t: int) -> None:
         w = self.w
         lo = max(0, upper_t - self.rng.randint(0, 2))
@@ -418,6 +591,7 @@ class Reader(Actor):
                 self.r = self.client.open_leased_reader(
                     self.shard, KEY_SCHEMA, VAL_SCHEMA, purpose=f"{self.actor}.{self.inc}"
                 )
+                self.faulty_heartbeats(self.r)
                 return {"reader_id": self.r.reader_id}
 
             outcome, _, _ = self.run_op("open_reader", {}, do)
@@ -605,8 +779,20 @@ class Compactor(Actor):
 
 
 class Gc(Actor):
+    """GC runs, leak reports, and (``sweep_rate``) sweeps that delete, with the clock
+    ``sweeper_clock_ahead_ms`` ahead: only the in-flight guard protects writes then."""
+
+    def clock_skew_ms(self) -> int:
+        return self.cfg.sweeper_clock_ahead_ms
+
     def step(self) -> None:
-        if self.rng.random() < 0.15:
+        if self.rng.random() < self.cfg.sweep_rate:
+            self.run_op(
+                "sweep",
+                {"clock_ahead_ms": self.skew_ms},
+                lambda: len(self.client.unreferenced_blobs(self.shard, 60_000, delete=True)),
+            )
+        elif self.rng.random() < 0.15:
             self.run_op(
                 "leak_report",
                 {},
@@ -618,6 +804,10 @@ class Gc(Actor):
 
 
 class Expirer(Actor):
+    def clock_skew_ms(self) -> int:
+        x = self.cfg.expirer_clock_ahead_ms
+        return int(random.Random(self.seed ^ 0xE7).uniform(0, x)) if x else 0
+
     def step(self) -> None:
         self.run_op("expire_leases", {}, lambda: _jsonable(self.client.expire_leases(self.shard)))
         self.sleep(0.1, 0.4)
@@ -634,6 +824,12 @@ ROLES: dict[str, type[Actor]] = {
 
 def role_of(actor: str) -> str:
     return {"w": "writer", "r": "reader"}.get(actor[0], actor) if actor[:1] in "wr" and actor[1:].isdigit() else actor
+
+
+def _frontier(t: int) -> Any:
+    from persist_lib.frontier import Antichain
+
+    return Antichain([t])
 
 
 def _schemas() -> Any:
@@ -660,6 +856,7 @@ def actor_main(cfg_json: str, actor: str, incarnation: int) -> None:
         while not a.stopped():
             try:
                 a.step()
+                a.check_heartbeat_thread()
             except PersistError as e:  # outside a logged op (e.g. reading frontiers)
                 a.log.note("step_error", error=str(e)[:500], error_type=type(e).__name__)
                 if isinstance(e, CorruptionError | BlobNotFound):

@@ -34,6 +34,7 @@ STATEFUL_BUGS = (
     "truncate_deletes_head",
     "lease_expiry_ignores_hb",
     "since_regress",
+    "delete_on_any_exception",
 )
 
 
@@ -71,4 +72,58 @@ def corruption_catches(name: str = "skipped_checksum", examples: int = 300) -> s
             prop()
         except AssertionError:
             return found[-1]
+    return None
+
+
+def background_compaction_catches(name: str | None = "immediate_retry", window_s: float = 1.5) -> str | None:
+    """A corrupt input part met by background compaction: the merge must back off and be
+    quarantined, not retried in a hot loop. Runs with ``name`` planted (None: the real
+    code); returns what went wrong (None: behaved)."""
+    import time
+    import uuid
+
+    import pyarrow as pa
+
+    from persist_lib.client import PersistClient
+    from persist_lib.config import PersistConfig
+    from persist_lib.ids import ShardId
+
+    key_s, val_s = pa.schema([("k", pa.int64())]), pa.schema([("v", pa.int64())])
+    loc = f"mem://{uuid.uuid4().hex}"
+    ctx = planted.activate([name]) if name else planted.activate([])
+    with ctx:
+        client = PersistClient.open(loc, loc, PersistConfig.for_tests(
+            compaction_enabled=True, compaction_workers=1, inline_threshold=0,
+            compaction_retry_backoff_s=0.1, compaction_retry_backoff_max_s=1.0,
+        ))
+        try:
+            shard = ShardId.new()
+            w, _ = client.open(shard, key_s, val_s)
+            w.compare_and_append([(((i,), (i,)), 0, 1) for i in range(100)], 0, 1)
+            m = client.machine(shard)
+            part = next(iter(m.fetch_latest().batches.values())).parts[0]
+            assert part.key is not None
+            data = client.blob.get(part.key) or b""
+            client.raw_blob.set(part.key, data[: len(data) // 2])
+            gets = [0]
+            orig_get = client.blob.get
+
+            def counting(k: str) -> bytes | None:
+                if k == part.key:
+                    gets[0] += 1
+                return orig_get(k)
+
+            client.blob.get = counting  # type: ignore[method-assign]
+            w.compare_and_append([(((i,), (i,)), 1, 1) for i in range(100)], 1, 2)
+            time.sleep(window_s)
+            attempts = gets[0]
+            quarantined = bool(m.fetch_latest().quarantined_merges)
+            client.background_compactor().close()
+        finally:
+            client.close()
+    # Two attempts (then quarantine); allow a few more for backoff timers under load.
+    if attempts > 6:
+        return f"{attempts} merge attempts of a corrupt input in {window_s} s (a hot loop)"
+    if not quarantined:
+        return f"no quarantine after {attempts} deterministic failures"
     return None

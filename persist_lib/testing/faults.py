@@ -102,15 +102,18 @@ class ScriptedConsensus(Consensus):
     """
 
     KINDS = ("applied_then_timeout", "timeout_only", "determinate")
+    # Interrupts (BaseException, like KeyboardInterrupt or a run cancellation): armed
+    # only around one call by the caller, which must handle them.
+    INTERRUPTS = ("applied_then_interrupt", "interrupt_before")
 
     def __init__(self, inner: Consensus) -> None:
         self.inner = inner
         self.armed: str | None = None
-        self.fired: dict[str, int] = {k: 0 for k in self.KINDS}
+        self.fired: dict[str, int] = {k: 0 for k in (*self.KINDS, *self.INTERRUPTS)}
 
     def arm(self, kind: str) -> None:
-        if kind not in self.KINDS:
-            raise ValueError(f"unknown fault {kind!r}; one of {self.KINDS}")
+        if kind not in self.KINDS and kind not in self.INTERRUPTS:
+            raise ValueError(f"unknown fault {kind!r}; one of {self.KINDS + self.INTERRUPTS}")
         self.armed = kind
 
     def head(self, key: str) -> VersionedData | None:
@@ -120,6 +123,20 @@ class ScriptedConsensus(Consensus):
         kind, self.armed = self.armed, None
         if kind is None:
             return self.inner.compare_and_set(key, expected, new)
+        if kind == "applied_then_interrupt":
+            from persist_lib.testing.hooks import Interrupt
+
+            res = self.inner.compare_and_set(key, expected, new)
+            if res is not CaSResult.COMMITTED:
+                self.armed = kind  # fire on a compare-and-set that lands
+                return res
+            self.fired[kind] += 1
+            raise Interrupt("scripted: interrupted after the compare_and_set was applied")
+        if kind == "interrupt_before":
+            from persist_lib.testing.hooks import Interrupt
+
+            self.fired[kind] += 1
+            raise Interrupt("scripted: interrupted before the compare_and_set was run")
         self.fired[kind] += 1
         if kind == "applied_then_timeout":
             self.inner.compare_and_set(key, expected, new)

@@ -59,16 +59,28 @@ def skewed_clock(base: Callable[[], int], skew_ms: int) -> Callable[[], int]:
 class InterruptPlan:
     """Decides, from a seeded RNG, whether and where the next call is interrupted."""
 
-    def __init__(self, seed: int, rate: float, kinds: tuple[type[BaseException], ...] = INTERRUPTS) -> None:
+    def __init__(
+        self,
+        seed: int,
+        rate: float,
+        kinds: tuple[type[BaseException], ...] = INTERRUPTS,
+        *,
+        main_thread_only: bool = False,
+    ) -> None:
         self.rng = random.Random(seed)
         self.rate = rate
         self.kinds = kinds
+        # Interrupts reach a program's main thread (KeyboardInterrupt, a cancellation);
+        # background threads (uploads, heartbeats, compaction) are not interrupted.
+        self.main_thread_only = main_thread_only
         self.enabled = True
         self.lock = threading.Lock()
         self.counts: dict[str, int] = {"before": 0, "after": 0}
 
     def draw(self) -> tuple[str, type[BaseException]] | None:
         """``None``, or (``"before"``/``"after"``, the exception type to raise)."""
+        if self.main_thread_only and threading.current_thread() is not threading.main_thread():
+            return None
         with self.lock:
             if not self.enabled or self.rng.random() >= self.rate:
                 return None

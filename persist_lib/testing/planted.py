@@ -29,6 +29,17 @@ lease_expiry_ignores_hb     lease expiry ignores heartbeats (expires every     s
                             lease holder)                                      (lease expired early)
 since_regress               downgrade_since accepts a backward since and the   stateful test, history checker
                             shard since is recomputed without its floor        (since regressed)
+delete_on_any_exception     a write deletes its batch's blobs on any exception stateful test (interrupt after the
+                            but Indeterminate (interrupts, failures after a    CAS landed), history checker
+                            CAS that landed): the pre-issue-13 behaviour       (interrupts: deleted reachable blob)
+sweeper_no_inflight_guard   the leaked-blob sweeper ignores registered writers history checker (long writes and
+                            and unlinked rollups: only its (skewed) clock      Spark-style part writers vs sweeps
+                            and grace protect writes in flight                 with the clock hours ahead)
+heartbeat_thread_dies       the heartbeat loop catches only location and      history checker (heartbeat faults:
+                            usage errors, dies on anything else, is never      the thread found dead with handles)
+                            restarted
+immediate_retry             a failed background merge is resubmitted at once,  background-compaction control
+                            never backs off, never quarantined                 (a corrupt input part)
 ==========================  =================================================  ===============================
 """
 
@@ -56,6 +67,10 @@ PLANTED_BUGS: tuple[str, ...] = (
     "truncate_deletes_head",
     "lease_expiry_ignores_hb",
     "since_regress",
+    "delete_on_any_exception",
+    "sweeper_no_inflight_guard",
+    "heartbeat_thread_dies",
+    "immediate_retry",
 )
 
 # Which check catches each bug in the default run (the figures report it).
@@ -69,6 +84,10 @@ CAUGHT_BY: dict[str, str] = {
     "truncate_deletes_head": "stateful",
     "lease_expiry_ignores_hb": "stateful",
     "since_regress": "stateful",
+    "delete_on_any_exception": "stateful",
+    "sweeper_no_inflight_guard": "history (skewed sweeps vs long writes)",
+    "heartbeat_thread_dies": "history (heartbeat faults)",
+    "immediate_retry": "background-compaction control",
 }
 
 # Bugs that live in the consensus backend (the runner opens consensus through
@@ -191,6 +210,70 @@ def _since_regress() -> contextlib.AbstractContextManager[Any]:
     return stack
 
 
+def _delete_on_any_exception() -> contextlib.AbstractContextManager[Any]:
+    from persist_lib import write as wmod
+    from persist_lib.batch_builder import delete_batch_blobs
+    from persist_lib.errors import Indeterminate as Ind
+    from persist_lib.machine import ApplyProgress
+
+    def old(self: Any, batch: Any, expected: Any, new: Any, release: Any = None) -> None:
+        try:
+            self._commit(batch, expected, new, ApplyProgress(), [], release)
+        except Ind:
+            raise
+        except BaseException:
+            delete_batch_blobs(self._client.blob, batch)
+            raise
+
+    return _patched(wmod.WriteHandle, "_commit_or_delete", old)
+
+
+def _sweeper_no_inflight_guard() -> contextlib.AbstractContextManager[Any]:
+    from persist_lib import gc as gcmod
+
+    return _patched(gcmod, "in_flight_reason", lambda key, head: None)
+
+
+def _heartbeat_thread_dies() -> contextlib.AbstractContextManager[Any]:
+    from persist_lib import client as cmod
+    from persist_lib.errors import ExternalError, InvalidUsage, LeaseExpired
+
+    def loop(self: Any) -> None:
+        while not self._hb_stop.wait(self.config.heartbeat_tick_s):
+            for h in list(self._handles):
+                if time.monotonic() - h.last_heartbeat_monotonic < self._lease_ms(h) / 4000.0:
+                    continue
+                try:
+                    h.heartbeat()
+                    h.last_heartbeat_monotonic = time.monotonic()
+                except LeaseExpired:
+                    self._handles.discard(h)
+                except (ExternalError, InvalidUsage):
+                    pass  # anything else ends the thread
+
+    def ensure(self: Any) -> None:
+        if self.config.background_heartbeats and self._hb_thread is None:
+            self._hb_thread = threading.Thread(
+                target=self._heartbeat_loop, name="persist-heartbeat", daemon=True
+            )
+            self._hb_thread.start()
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(_patched(cmod.PersistClient, "_heartbeat_loop", loop))
+    stack.enter_context(_patched(cmod.PersistClient, "ensure_heartbeats", ensure))
+    return stack
+
+
+def _immediate_retry() -> contextlib.AbstractContextManager[Any]:
+    from persist_lib import maintenance
+
+    def record(self: Any, m: Any, req: Any, key: Any, e: BaseException) -> None:
+        with self._lock:
+            self.failed += 1  # no backoff, no quarantine: _run's finally offers it again
+
+    return _patched(maintenance.BackgroundCompactor, "_record_failure", record)
+
+
 _PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
     "gc_ignores_holds": _gc_ignores_holds,
     "caa_no_idempotency_token": _caa_no_token,
@@ -198,6 +281,10 @@ _PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
     "skipped_checksum": _skipped_checksum,
     "lease_expiry_ignores_hb": _lease_expiry_ignores_hb,
     "since_regress": _since_regress,
+    "delete_on_any_exception": _delete_on_any_exception,
+    "sweeper_no_inflight_guard": _sweeper_no_inflight_guard,
+    "heartbeat_thread_dies": _heartbeat_thread_dies,
+    "immediate_retry": _immediate_retry,
 }
 
 

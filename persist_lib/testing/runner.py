@@ -11,8 +11,9 @@
    handles, new op ids); an actor that dies on its own is restarted too and reported;
 3. stops when ``target_ops`` operations completed (or at ``time_limit_s``): creates the
    stop file, waits for the actors to release their handles, kills stragglers;
-4. a fault-free final phase: expires every lease, runs GC, sweeps leaked blobs (grace 0:
-   nothing else runs now) and counts what is still unreferenced after the sweep;
+4. a fault-free final phase: expires every lease, runs GC, sweeps leaked blobs (grace 0
+   and no in-flight guard: nothing else runs now) and counts what is still unreferenced
+   after the sweep;
 5. checks the history (``persist_lib.testing.checker``).
 
 The seed determines the shard id, every actor's RNG (operations, fault injection and
@@ -78,6 +79,15 @@ def default_config(seed: int, root: str, consensus_uri: str, **overrides: Any) -
         inline_max_total=rng.choice([1 << 20, 4096]),
         rollup_interval=rng.choice([4, 8, 16, 32]),
         background_compaction=rng.random() < 0.3,
+        # Issue 13's wider fault model (actors.py docstring).
+        interrupt_rate=rng.choice([0.0, 0.01, 0.02]),
+        actor_clock_skew_ms=rng.choice([0, 100, 250]),
+        expirer_clock_ahead_ms=rng.choice([0, 300, 700]),
+        sweeper_clock_ahead_ms=rng.choice([2, 6, 48]) * 3_600_000,
+        sweep_rate=rng.choice([0.2, 0.4]),
+        long_write_rate=rng.choice([0.05, 0.15]),
+        heartbeat_fault_rate=rng.choice([0.0, 0.1, 0.3]),
+        fresh_start=rng.random() < 0.3,
     )
     for k, v in overrides.items():
         if not hasattr(cfg, k):
@@ -176,9 +186,14 @@ def _final_phase(cfg: HistoryConfig, res: HistoryResult) -> None:
         op("final_expire_leases", lambda: c.expire_leases(cfg.shard_id, now=far))
         op("final_gc", lambda: c.gc(cfg.shard_id))
         op("final_gc", lambda: c.gc(cfg.shard_id))
-        swept = op("final_sweep", lambda: c.unreferenced_blobs(cfg.shard_id, 0, delete=True))
+        swept = op(
+            "final_sweep", lambda: c.unreferenced_blobs(cfg.shard_id, 0, delete=True, quiescent=True)
+        )
         res.leaked_before_sweep = len(swept or [])
-        left = op("final_leak_report", lambda: c.unreferenced_blobs(cfg.shard_id, 0, delete=False))
+        left = op(
+            "final_leak_report",
+            lambda: c.unreferenced_blobs(cfg.shard_id, 0, delete=False, quiescent=True),
+        )
         res.leaked_after_sweep = len(left or [])
     finally:
         c.close()
@@ -193,7 +208,8 @@ def run_history(cfg: HistoryConfig, *, keep_dir: bool = True) -> HistoryResult:
     rng = random.Random(f"nemesis/{cfg.seed}")
     nlog = EventLog(os.path.join(cfg.log_dir, "nemesis.0.jsonl"), "nemesis", 0)
     res = HistoryResult(cfg, CheckReport())
-    _create_shard(cfg)
+    if not cfg.fresh_start:
+        _create_shard(cfg)  # else: every actor races to open a fresh location and shard
     cfg_json = cfg.to_json()
     procs: dict[str, BaseProcess] = {}
     incs: dict[str, int] = {}

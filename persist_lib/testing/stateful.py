@@ -170,6 +170,45 @@ class ShardStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.writers)
     @rule(
         i=st.integers(0, 7),
+        n=st.integers(1, 4),
+        kind=st.sampled_from(ScriptedConsensus.INTERRUPTS),
+        data=st.data(),
+    )
+    def interrupted_append(self, i: int, n: int, kind: str, data: Any) -> None:
+        """A compare_and_append interrupted (a BaseException: Ctrl-C, a run cancellation)
+        before its CAS or after it landed. Whatever happened must be whole: if it landed,
+        every part it references must still be readable (the invariant fetches them)."""
+        from persist_lib.testing.hooks import Interrupt
+
+        wid, w = self.writers[i % len(self.writers)]
+        m = self.model
+        wm = m.writers[wid]
+        if wm.expired:
+            return
+        expected, new = m.upper, m.upper + 1
+        rows = self._fresh_rows(n, expected, 1, data.draw)
+        ups = [(((k,), (v,)), t, d) for k, v, t, d in rows]
+        fired_before = self.cons.fired[kind]
+        self.cons.arm(kind)
+        try:
+            w.compare_and_append(ups, expected, new)
+            interrupted = False
+        except Interrupt:
+            interrupted = True
+        finally:
+            self.cons.armed = None
+        fired = self.cons.fired[kind] > fired_before
+        if not interrupted:
+            assert not fired
+            assert m.compare_and_append(rows, expected, new)
+            wm.last_heartbeat_ms = self.clock[0]
+        elif kind == "applied_then_interrupt":
+            assert m.compare_and_append(rows, expected, new)  # it landed
+            wm.last_heartbeat_ms = self.clock[0]
+
+    @precondition(lambda self: self.writers)
+    @rule(
+        i=st.integers(0, 7),
         back=st.integers(-1, 3),
         width=st.integers(1, 4),
         n=st.integers(0, 3),
