@@ -289,3 +289,46 @@ def test_rendition_backfill_hands_over_under_a_reader(
     assert check_results(res)["ge_contents"].passed
     assert ctl.describe("orders")["renditions"]["r0"]["status"] == "dropped"
     mine.close()
+
+
+def test_corrupt_part_quarantines_the_merge_fails_the_run_and_shows_in_metadata(
+    resources: dict[str, object], instance: dg.DagsterInstance, home: Path
+) -> None:
+    """Issue 13 defect 3 (Dagster side): a merge that fails on a corrupt part fails the
+    compaction run once, with the quarantine in its failure metadata; later runs skip the
+    merge (and say so in the materialization metadata) instead of failing forever, and
+    the compaction sensor stops asking for runs that have nothing to do."""
+    import pyarrow as pa
+
+    from dagster_project.operations import shard_debts
+    from persist_lib import ShardId
+
+    client = resources["persist"].client()  # type: ignore[attr-defined]
+    shard = str(ShardId.new())
+    key, val = pa.schema([("k", pa.int64())]), pa.schema([("v", pa.int64())])
+    w, _ = client.open(shard, key, val)
+    for t in range(2):
+        w.compare_and_append([(((i,), (t,)), t, 1) for i in range(2000)], t, t + 1)
+    part = next(iter(client.machine(shard).fetch_latest().batches.values())).parts[0]
+    assert part.key is not None
+    data = client.blob.get(part.key)
+    client.raw_blob.set(part.key, data[: len(data) // 2])
+    instance.add_dynamic_partitions("persist_shards", [shard])
+    run_config = {"ops": {"persist_shard": {"config": {"debt_threshold": 0}}}}
+    res = dg.materialize(
+        [persist_shard], resources=resources, instance=instance, partition_key=shard,
+        run_config=run_config, raise_on_error=False,
+    )
+    assert not res.success
+    (failure,) = res.get_step_failure_events()
+    user = failure.step_failure_data.user_failure_data
+    assert user is not None and "quarantined" in (user.description or "")
+    assert user.metadata["quarantined_merges"].value == 1
+    res = dg.materialize(
+        [persist_shard], resources=resources, instance=instance, partition_key=shard,
+        run_config=run_config,
+    )
+    meta = metadata_of(res, "persist_shard")
+    assert meta["quarantined_merges"] == 1 and "CorruptionError" in str(meta["quarantine"])
+    (d,) = [d for d in shard_debts(client) if d.shard == shard]
+    assert d.quarantined == 1 and d.pending_merges == 0

@@ -83,3 +83,27 @@ def test_maintenance_commands(tmp_path: Path) -> None:
     out = run(["inspect", str(shard)], home)
     assert out.returncode == 0 and json.loads(out.stdout)["tombstone"] is True
     client.close()
+
+
+def test_quarantined_merge_in_inspect_and_retry_from_the_cli(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    client = PersistClient.default(home, PersistConfig.for_tests(blob_target_size=4096, inline_threshold=0))
+    shard = ShardId.new()
+    w, r = client.open(shard, KEY, VAL)
+    for t in range(2):
+        w.compare_and_append([(((i,), (f"v{t}",)), t, 1) for i in range(100)], t, t + 1)
+    part = next(iter(client.machine(shard).fetch_latest().batches.values())).parts[0]
+    assert part.key is not None
+    good = client.blob.get(part.key)
+    assert good is not None
+    client.raw_blob.set(part.key, good[:10])  # truncated: corrupt
+    out = run(["compact", str(shard)], home)
+    assert out.returncode != 0 and "CorruptionError" in out.stderr + out.stdout
+    doc = ok(["inspect", str(shard)], home)
+    assert isinstance(doc, dict) and len(doc["quarantined_merges"]) == 1
+    assert "checksum" in doc["quarantined_merges"][0]["error"] or "truncated" in doc["quarantined_merges"][0]["error"]
+    assert ok(["compact", str(shard)], home)["merges_applied"] == 0  # type: ignore[index]
+    client.raw_blob.set(part.key, good)  # restored from a backup
+    res = ok(["compact", str(shard), "--retry-quarantined"], home)
+    assert isinstance(res, dict) and res["merges_applied"] >= 1 and res["quarantined_merges"] == []
+    client.close()

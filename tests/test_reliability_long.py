@@ -30,7 +30,12 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
-from persist_lib.testing.controls import STATEFUL_BUGS, corruption_catches, stateful_catches
+from persist_lib.testing.controls import (
+    STATEFUL_BUGS,
+    background_compaction_catches,
+    corruption_catches,
+    stateful_catches,
+)
 from persist_lib.testing.corruption import CorruptionFixture, flip_bit, truncate_to
 from persist_lib.testing.figures import Figures
 from persist_lib.testing.runner import HistoryResult, default_config, run_history
@@ -104,22 +109,29 @@ def test_soak_postgres(tmp_path_factory: pytest.TempPathFactory, pg_server: obje
 
 # ----- planted bugs ---------------------------------------------------------------------------
 
-HISTORY_EXPECT = {
-    "sqlite_cas_race": {"consensus_fork", "acked_write_lost", "corruption_observed", "consensus_entry_rewritten"},
-    "pg_cas_not_exists": {"consensus_fork", "acked_write_lost", "corruption_observed", "consensus_entry_rewritten"},
-    "gc_ignores_holds": {"reachable_blob_deleted", "blob_not_found_with_lease"},
-    "caa_no_idempotency_token": {"failed_write_committed", "reachable_blob_deleted", "blob_not_found_with_lease"},
-    "compaction_drops_part": {"trace_contents_wrong", "snapshot_mismatch", "listen_mismatch"},
-    "truncate_deletes_head": {"consensus_head_regressed", "consensus_entry_rewritten", "acked_write_lost"},
-    "lease_expiry_ignores_hb": {"lease_expired_early"},
-    "since_regress": {"since_regressed", "reader_since_regressed", "backward_since_accepted"},
+RACE = {"consensus_fork", "acked_write_lost", "corruption_observed", "consensus_entry_rewritten"}
+GC = {"reachable_blob_deleted", "blob_not_found_with_lease", "part_missing"}
+# name -> (violation kinds that count as caught, history config overrides)
+HISTORY_EXPECT: dict[str, tuple[set[str], dict[str, Any]]] = {
+    "sqlite_cas_race": (RACE, {}),
+    "pg_cas_not_exists": (RACE, {}),
+    "gc_ignores_holds": ({"reachable_blob_deleted", "blob_not_found_with_lease"}, {}),
+    "caa_no_idempotency_token": ({"failed_write_committed", "reachable_blob_deleted", "blob_not_found_with_lease"}, {}),
+    "compaction_drops_part": ({"trace_contents_wrong", "snapshot_mismatch", "listen_mismatch"}, {}),
+    "truncate_deletes_head": ({"consensus_head_regressed", "consensus_entry_rewritten", "acked_write_lost"}, {}),
+    "lease_expiry_ignores_hb": ({"lease_expired_early"}, {"expirer_clock_ahead_ms": 0, "actor_clock_skew_ms": 0}),
+    "since_regress": ({"since_regressed", "reader_since_regressed", "backward_since_accepted"}, {}),
+    # Issue 13's classes.
+    "delete_on_any_exception": (GC | {"snapshot_mismatch", "trace_contents_wrong"}, {"interrupt_rate": 0.08}),
+    "sweeper_no_inflight_guard": (GC, {"long_write_rate": 0.35, "sweep_rate": 0.6, "long_write_pause_s": (0.1, 0.4)}),
+    "heartbeat_thread_dies": ({"heartbeat_thread_dead"}, {"heartbeat_fault_rate": 0.5}),
 }
 
 
 @pytest.mark.postgres
 def test_planted_bugs_all_caught(tmp_path_factory: pytest.TempPathFactory, pg_server: object) -> None:
     missed = []
-    for i, (name, kinds) in enumerate(sorted(HISTORY_EXPECT.items())):
+    for i, (name, (kinds, overrides)) in enumerate(sorted(HISTORY_EXPECT.items())):
         root = tmp_path_factory.mktemp(f"planted-{name}")
         if name == "pg_cas_not_exists":
             uri = pg_server.create_database()  # type: ignore[attr-defined]
@@ -131,7 +143,7 @@ def test_planted_bugs_all_caught(tmp_path_factory: pytest.TempPathFactory, pg_se
         for attempt in range(3):
             cfg = default_config(
                 3000 + 10 * i + attempt, str(root / str(attempt)), uri, target_ops=150, time_limit_s=120,
-                planted=[name], inline_threshold=0,
+                planted=[name], **{"inline_threshold": 0, **overrides},
             )
             res = run_history(cfg)
             hit = res.report.by_kind().keys() & kinds
@@ -153,6 +165,11 @@ def test_planted_bugs_all_caught(tmp_path_factory: pytest.TempPathFactory, pg_se
     FIGURES.add_planted("skipped_checksum", "corruption", ce is not None, ce or "", time.monotonic() - t0)
     if ce is None:
         missed.append("corruption property missed skipped_checksum")
+    t0 = time.monotonic()
+    be = background_compaction_catches("immediate_retry")
+    FIGURES.add_planted("immediate_retry", "background compaction", be is not None, be or "", time.monotonic() - t0)
+    if be is None:
+        missed.append("background-compaction control missed immediate_retry")
     assert not missed, "\n".join(missed)
 
 

@@ -362,7 +362,11 @@ class Actor:
 
     def faults(self) -> dict[str, int]:
         h = self.loc.handle
-        return h.snapshot_counts() if h is not None else {}
+        out = dict(h.snapshot_counts()) if h is not None else {}
+        if self.interrupts is not None:
+            out["interrupt_before"] = self.interrupts.counts["before"]
+            out["interrupt_after"] = self.interrupts.counts["after"]
+        return out
 
     def run_op(
         self,

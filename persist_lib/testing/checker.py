@@ -670,6 +670,16 @@ def check_history(cfg: HistoryConfig, consensus: Consensus, extra: dict[str, Any
             "final_since": final.since.time,
             "torn_lines": hist.torn_lines,
             "blob_deletes": len(hist.by_kind("blob_delete")),
+            # Issue 13's fault model.
+            "interrupted_ops": sum(1 for o in hist.ops if (o.error_type or "") in INTERRUPT_TYPES),
+            "heartbeat_faults": len(hist.by_kind("heartbeat_fault_injected")),
+            "sweeps": sum(1 for o in hist.ops if o.op == "sweep" and o.outcome == OK),
+            "blobs_swept": sum(int(o.result or 0) for o in hist.ops if o.op == "sweep" and o.outcome == OK),
+            "long_writes": sum(1 for o in hist.ops if o.op == "caa" and o.args.get("long")),
+            "long_writes_ok": sum(
+                1 for o in hist.ops if o.op == "caa" and o.args.get("long") and o.outcome == OK
+            ),
+            "fresh_start": int(cfg.fresh_start),
         }
     )
     faults: Counter[str] = Counter()

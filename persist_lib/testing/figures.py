@@ -44,6 +44,13 @@ class BackendFigures:
     deletes_audited: int = 0
     leaked_before_sweep: int = 0
     leaked_after_sweep: int = 0
+    interrupted_ops: int = 0
+    heartbeat_faults: int = 0
+    sweeps: int = 0
+    blobs_swept: int = 0
+    long_writes: int = 0
+    long_writes_ok: int = 0
+    fresh_starts: int = 0
     violations: Counter[str] = field(default_factory=Counter)
     failed_seeds: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
@@ -64,9 +71,12 @@ class BackendFigures:
         for k in (
             "commits", "seqnos", "indeterminate_writes", "snapshots_checked",
             "listen_progress_checked", "versions_content_checked", "deletes_audited",
+            "interrupted_ops", "heartbeat_faults", "sweeps", "blobs_swept", "long_writes",
+            "long_writes_ok",
         ):
             setattr(self, k, getattr(self, k) + int(s.get(k, 0) or 0))
         self.indeterminate_committed += int(s.get("indeterminate_committed", 0))
+        self.fresh_starts += int(s.get("fresh_start", 0))
         self.leaked_before_sweep += r.leaked_before_sweep
         self.leaked_after_sweep += r.leaked_after_sweep
         self.violations.update(r.report.by_kind())
@@ -145,6 +155,16 @@ class Figures:
         for k in ("determinate", "applied_then_timeout", "timeout_only", "stall"):
             row(f"   {k}", [c.faults.get(k, 0) for c in cols])
         row("   outages (timeout/determinate)", [f"{c.outages.get('timeout_only', 0)}/{c.outages.get('determinate', 0)}" for c in cols])
+        row(
+            "   interrupts before/after effect",
+            [f"{c.faults.get('interrupt_before', 0)}/{c.faults.get('interrupt_after', 0)}" for c in cols],
+        )
+        row("   ops ended by an interrupt", [c.interrupted_ops for c in cols])
+        row("   heartbeat faults (unexpected)", [c.heartbeat_faults for c in cols])
+        row("   sweeps, clock hours ahead", [c.sweeps for c in cols])
+        row("      blobs they deleted", [c.blobs_swept for c in cols])
+        row("   long writes (ok / all)", [f"{c.long_writes_ok}/{c.long_writes}" for c in cols])
+        row("   fresh concurrent first opens", [c.fresh_starts for c in cols])
         row("R7 crashes (kill -9)", [c.crashes for c in cols])
         row("   leaked blobs before sweep", [c.leaked_before_sweep for c in cols])
         row("   leaked blobs after sweep", [c.leaked_after_sweep for c in cols])
