@@ -85,6 +85,11 @@ class HistoryConfig:
     time_limit_s: float = 120.0
     planted: list[str] = field(default_factory=list)
 
+    def __repr__(self) -> str:  # the consensus URI may hold a password
+        from persist_lib.location.redaction import redacted_dataclass_repr
+
+        return redacted_dataclass_repr(self)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
