@@ -131,13 +131,28 @@ _SECRET_PARAM_RE = re.compile(
 )
 
 
+_URL_TOKEN_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://\S+")
+
+
 def redact(text: str) -> str:
     """``text`` with every URL password and secret-looking parameter replaced by ``****``.
 
     For text that does not come with its URI (when it does, use
-    ``SensitiveUrl.scrub``, which knows the secrets exactly)."""
+    ``SensitiveUrl.scrub``, which knows the secrets exactly): each URL-looking token
+    (up to a blank) is parsed and replaced by its redacted form, and its secrets are
+    scrubbed from the whole text; then userinfo passwords and ``name=value`` secrets
+    left over (a URL cut by a blank in its password, a libpq conninfo) go by pattern."""
+    found: list[str] = []
+
+    def one(m: re.Match[str]) -> str:
+        parsed = _parse(m.group())
+        found.extend(parsed.secrets)
+        return parsed.redacted
+
+    text = _URL_TOKEN_RE.sub(one, text)
     text = _USERINFO_RE.sub(lambda m: f"{m.group(1)}:{REDACTED}@", text)
-    return _SECRET_PARAM_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+    text = _SECRET_PARAM_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+    return scrub(text, sorted(set(found), key=lambda f: (-len(f), f)))
 
 
 # -- parsing ---------------------------------------------------------------------------
@@ -147,6 +162,12 @@ class _Parsed(NamedTuple):
     redacted: str
     secrets: tuple[str, ...]  # secret_forms of every candidate secret
     problem: str | None  # why the URI is ambiguous (None: it is not)
+
+    def __repr__(self) -> str:
+        return (
+            f"_Parsed(redacted={self.redacted!r}, secrets=<{len(self.secrets)} hidden>, "
+            f"problem={self.problem!r})"
+        )
 
 
 _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
