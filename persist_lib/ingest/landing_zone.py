@@ -56,6 +56,7 @@ from persist_lib.ingest.source import Address, Chunk, Frontier, Lag, Note, encod
 from persist_lib.location.redaction import SensitiveUrl, redacted_dataclass_repr
 
 PARTITION = "files"
+_WHITESPACE = np.frombuffer(b" \t\n\r\x0b\x0c", dtype=np.uint8)
 FORMATS = ("jsonl", "csv", "parquet")
 _EXTENSIONS = {
     ".jsonl": "jsonl",
@@ -313,11 +314,22 @@ def _maybe_gunzip(name: str, data: bytes) -> bytes:
 
 class _Parsed:
     fmt: str
-    rows: int
+    rows: int  # addresses (JSON lines: lines; CSV: records after the header), blank ones too
     size: int
+    _blank_cs: np.ndarray | None = None  # prefix sums of the blank rows (computed once)
 
     def decode(self, spec: DecodeSpec, file: str, r0: int, r1: int) -> Decoded:
         raise NotImplementedError
+
+    def _blank_rows(self) -> np.ndarray:
+        """One bool per row: the row is blank (no record)."""
+        return np.zeros(self.rows, dtype=bool)
+
+    def blank_between(self, r0: int, r1: int) -> int:
+        """How many of rows ``[r0, r1)`` are blank: addresses that hold no record."""
+        if self._blank_cs is None:
+            self._blank_cs = np.concatenate(([0], np.cumsum(self._blank_rows(), dtype=np.int64)))
+        return int(self._blank_cs[r1] - self._blank_cs[r0])
 
 
 class _JsonLines(_Parsed):
@@ -337,6 +349,12 @@ class _JsonLines(_Parsed):
 
     def line(self, i: int) -> bytes:
         return self.data[int(self.starts[i]) : int(self.ends[i])]
+
+    def _blank_rows(self) -> np.ndarray:
+        # blank = only ASCII whitespace (what bytes.strip() removes, as decode() skips)
+        arr = np.frombuffer(self.data, dtype=np.uint8)
+        solid = np.concatenate(([0], np.cumsum(~np.isin(arr, _WHITESPACE), dtype=np.int64)))
+        return np.asarray(solid[self.ends] - solid[self.starts] == 0, dtype=bool)
 
     def decode(self, spec: DecodeSpec, file: str, r0: int, r1: int) -> Decoded:
         lines = [self.line(i) for i in range(r0, r1)]
@@ -374,6 +392,9 @@ class _Csv(_Parsed):
             self.records = records[1:]
         self.delimiter = delimiter
         self.rows = len(self.records)
+
+    def _blank_rows(self) -> np.ndarray:
+        return np.array([not r for r in self.records], dtype=bool)  # decode skips these
 
     def _raw(self, rec: list[str]) -> bytes:
         buf = io.StringIO()
@@ -499,10 +520,14 @@ class FileChunk(Chunk):
         self.r1 = r1
         self.start = (file, r0)
         self.end = (file, r1)
-        self.num_records = r1 - r0
+        self.num_records = r1 - r0  # addresses: what bindings are cut by
         rows = max(parsed.rows, 1)
         self.nbytes = int(parsed.size * (r1 - r0) / rows)
         self.notes = notes
+
+    @property
+    def num_blank(self) -> int:  # type: ignore[override]  # derived, never assigned
+        return self.parsed.blank_between(self.r0, self.r1)
 
     def split(self, at: Address) -> tuple[Chunk | None, Chunk | None]:
         af, ar = at[0], int(at[1])

@@ -81,6 +81,7 @@ class _Predecoded(Chunk):
         self.start = chunk.start
         self.end = chunk.end
         self.num_records = chunk.num_records
+        self.num_blank = chunk.num_blank
         self.nbytes = chunk.nbytes
         self.notes = chunk.notes
         self._decoded = decoded
