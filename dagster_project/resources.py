@@ -15,10 +15,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import unquote, urlsplit
 
 import dagster as dg
 from dagster_aws.s3 import S3Resource
@@ -29,7 +30,31 @@ from pydantic import PrivateAttr
 from persist_lib.client import PersistClient, default_home, default_uris
 from persist_lib.config import PersistConfig
 from persist_lib.ingest.landing_zone import format_of
+from persist_lib.location.redaction import redacted_value
 from persist_lib.storage import StorageController
+
+
+def _redacted_repr_args(args: Iterable[tuple[str | None, Any]]) -> Iterator[tuple[str | None, Any]]:
+    """A pydantic model's ``__repr_args__`` with URI/DSN/secret fields redacted (also in
+    nested models such as dagster-aws's ``S3Resource``, which holds a secret key)."""
+    for name, value in args:
+        if hasattr(value, "__repr_args__"):
+            inner = ", ".join(
+                f"{k}={v!r}" if k else repr(v) for k, v in _redacted_repr_args(value.__repr_args__())
+            )
+            yield name, _Shown(f"{type(value).__name__}({inner})")
+        else:
+            yield name, redacted_value(name or "", value)
+
+
+class _Shown:
+    """A value whose repr is a given (already redacted) string."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 class PersistResource(dg.ConfigurableResource):
@@ -46,6 +71,9 @@ class PersistResource(dg.ConfigurableResource):
 
     _client: PersistClient | None = PrivateAttr(default=None)
     _controller: StorageController | None = PrivateAttr(default=None)
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:  # repr and str: URIs redacted
+        return _redacted_repr_args(super().__repr_args__())
 
     def uris(self) -> tuple[str, str]:
         """The (blob, consensus) URIs this resource opens (environment resolved now)."""
@@ -172,6 +200,9 @@ class LandingZoneResource(dg.ConfigurableResource):
     uri: str = ""
     s3: S3Resource
 
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:  # the URI and s3's secret key
+        return _redacted_repr_args(super().__repr_args__())
+
     def base_uri(self) -> str:
         uri = self.uri or os.environ.get("PERSIST_LANDING_URI", "")
         if not uri:
@@ -211,15 +242,18 @@ class LandingZoneResource(dg.ConfigurableResource):
 
     def _list_s3(self, uri: str, after: str) -> list[LandingFile]:
         parts = urlsplit(uri)
-        q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        # not parse_qs: a '+' in a secret key stays a '+' (as in the ingestion's S3Store)
+        q = {unquote(k): unquote(v) for k, _, v in (p.partition("=") for p in parts.query.split("&") if p)}
         bucket, prefix = parts.netloc, parts.path.lstrip("/").rstrip("/") + "/"
         s3 = self.s3
-        if q.get("endpoint_url") and not s3.endpoint_url:
+        creds = q.get("access_key_id") and q.get("secret_access_key")
+        if (q.get("endpoint_url") and not s3.endpoint_url) or (creds and not s3.aws_access_key_id):
             s3 = S3Resource(
-                endpoint_url=q["endpoint_url"],
+                endpoint_url=s3.endpoint_url or q.get("endpoint_url"),
                 region_name=s3.region_name or q.get("region"),
-                aws_access_key_id=s3.aws_access_key_id,
-                aws_secret_access_key=s3.aws_secret_access_key,
+                aws_access_key_id=s3.aws_access_key_id or q.get("access_key_id"),
+                aws_secret_access_key=s3.aws_secret_access_key or q.get("secret_access_key"),
+                aws_session_token=s3.aws_session_token or q.get("session_token"),
             )
         client = s3.get_client()
         kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}

@@ -70,10 +70,10 @@ class SnapshotSplit:
 
     def __repr__(self) -> str:
         # The URI may carry credentials (an S3 secret key): never show it unredacted.
-        from persist_lib.location.uri import redact
+        from persist_lib.location.redaction import SensitiveUrl
 
         return (
-            f"SnapshotSplit(blob_uri={redact(self.blob_uri)!r}, shard_id={self.shard_id!r}, "
+            f"SnapshotSplit(blob_uri={SensitiveUrl(self.blob_uri).redacted!r}, shard_id={self.shard_id!r}, "
             f"as_of={self.as_of}, parts={len(self.parts)})"
         )
 
@@ -102,10 +102,10 @@ class RangeSplit:
     parts: tuple[PartMeta, ...]
 
     def __repr__(self) -> str:
-        from persist_lib.location.uri import redact
+        from persist_lib.location.redaction import SensitiveUrl
 
         return (
-            f"RangeSplit(blob_uri={redact(self.blob_uri)!r}, shard_id={self.shard_id!r}, "
+            f"RangeSplit(blob_uri={SensitiveUrl(self.blob_uri).redacted!r}, shard_id={self.shard_id!r}, "
             f"lower={self.lower}, upper={self.upper}, parts={len(self.parts)})"
         )
 

@@ -242,11 +242,13 @@ class Pipeline:
     def report(self) -> None:
         from dagster_project.checks import read_latest
         from dagster_project.metadata import frontier_text
+        from persist_lib.location.redaction import SensitiveUrl
 
         persist = self.resources["persist"]
         ctl = persist.controller()  # type: ignore[attr-defined]
         print("\n== Report")
-        print(f"   persist: {persist.uris()[0]} + {persist.uris()[1]}")  # type: ignore[attr-defined]
+        blob_uri, consensus_uri = persist.uris()  # type: ignore[attr-defined]
+        print(f"   persist: {SensitiveUrl(blob_uri)} + {SensitiveUrl(consensus_uri)}")
         print(
             f"   {'collection':<15} {'active':<7} {'shards':>6} {'since':>14} {'upper':>14} {'batches':>8} {'updates':>8} {'bytes':>9}"
         )

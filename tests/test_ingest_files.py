@@ -125,6 +125,27 @@ def test_every_kind_of_bad_record_lands_in_errors_with_its_address(tmp_path: Pat
     ing.close()
 
 
+def test_blank_lines_are_no_records_in_the_run_summary(tmp_path: Path) -> None:
+    """docs/ingestion.md: a blank JSON line (empty or whitespace only) is no record -- its
+    line number still counts as an address -- and neither is a blank CSV line: the run
+    summary and the progress events count only the records, with bindings cut anywhere."""
+    z = tmp_path / "z"
+    z.mkdir()
+    (z / "a.jsonl").write_text('{"id": 1, "name": "a"}\n\n   \n{"id": 2, "name": "b"}\n\t\r\n{"id": 3}\n\n')
+    (z / "b.jsonl").write_text('\n\n{"id": 4, "name": "d"}')  # blank first, no final newline
+    (z / "c.csv").write_text("id,name,qty\n5,five,1\n\n6,six,2\n")
+    (z / "d.jsonl").write_text("\n \n")  # nothing but blank lines
+    for n in (1, 2, 100):
+        client, _ = mem_client()
+        events: list[Any] = []
+        ing, s = ingest(client, z, envelope="append_only", n=n, progress=events.append)
+        assert set(data_state(ing, s["upper"])) == {1, 2, 3, 4, 5, 6}
+        assert s["errors"] == 0 and errors_of(ing, s["upper"]) == []
+        assert s["records"] == 6, (n, s["records"])
+        assert events[-1].records == 6
+        ing.close()
+
+
 def test_late_file_is_reported_not_ingested(tmp_path: Path) -> None:
     z = tmp_path / "z"
     z.mkdir()

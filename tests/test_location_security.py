@@ -20,6 +20,7 @@ import tempfile
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -38,6 +39,7 @@ from persist_lib.location import (
     redact,
     validate_key,
 )
+from tests.support.secrets import NASTY_PASSWORDS, assert_no_leak
 
 CANARY = "canary-S3cr3t-pw"
 
@@ -356,6 +358,85 @@ def test_invalid_uri_messages_are_redacted(uri: str) -> None:
         opener(uri)
     assert CANARY not in _all_text(ei.value)
     assert "Accepted forms" in str(ei.value)
+
+
+# -- hostile passwords ------------------------------------------------------------------
+
+
+def _libpq_quoted(pw: str) -> str:
+    return "'" + pw.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _uri_templates(pw: str, encoded: bool) -> list[tuple[str, str, str]]:
+    """(kind, URI, a part the redacted form must still show) with ``pw`` in it, written
+    correctly (percent-encoded) or raw (as a careless user would)."""
+    p = quote(pw, safe="") if encoded else pw
+    endpoint = f"http://u:{p}@minio:9000"
+    if encoded:
+        endpoint = quote(endpoint, safe="")
+    out = [
+        ("consensus", f"postgresql://persist:{p}@db.example:5432/persist?sslmode=require", "db.example"),
+        ("consensus", f"postgres://persist:{p}@db.example/persist", "db.example"),
+        ("consensus", f"unreliable+postgresql://persist:{p}@db.example:5432/db?unreliable_seed=3", "db.example"),
+        ("consensus", f"postgresql://persist@db.example:5432/persist?password={p}", "db.example"),
+        ("blob", f"s3://bkt/p?endpoint_url=http://minio:9000&region=r&access_key_id=AK&secret_access_key={p}", "bkt"),
+        ("blob", f"s3://bkt/p?region=r&access_key_id=AK&secret_access_key=x&session_token={p}", "bkt"),
+        ("blob", f"unreliable+s3://bkt/p?access_key_id=AK&secret_access_key={p}&unreliable_seed=1", "bkt"),
+        ("blob", f"s3://bkt/p?endpoint_url={endpoint}&region=r", "bkt"),
+        ("other", f"https://u:{p}@minio:9000/x", "minio"),
+    ]
+    if encoded:
+        out.append(("other", f"host=db.example user=persist password={_libpq_quoted(pw)} dbname=d", "db.example"))
+    return out
+
+
+@pytest.mark.parametrize("encoded", [True, False], ids=["encoded", "raw"])
+@pytest.mark.parametrize("pw", NASTY_PASSWORDS)
+def test_nasty_passwords_never_show(pw: str, encoded: bool) -> None:
+    """Every URI form, with the password percent-encoded (as it must be) or raw: its
+    SensitiveUrl, the opener's error or backend repr, and scrubbed messages never show
+    the password in any spelling. Encoded URIs are accepted and keep their host."""
+    for kind, uri, keep in _uri_templates(pw, encoded):
+        s = SensitiveUrl(uri)
+        texts = [str(s), repr(s), f"{s}", f"{s:>10}", s.redacted, repr([s]), repr({"u": s})]
+        texts.append(s.scrub(f"error talking to {uri}: refused ({pw}, {quote(pw, safe='')})"))
+        if encoded:
+            assert s.problem is None, (uri, s.problem)
+            assert keep in s.redacted, s.redacted
+            texts.append(redact(f"error talking to {uri}: refused"))
+        if kind != "other":
+            opener = open_consensus if kind == "consensus" else open_blob
+            try:
+                backend = opener(uri)
+            except InvalidUri as e:
+                assert not encoded, f"{uri}: a percent-encoded password must be accepted: {e}"
+                texts.append(_all_text(e))
+            else:
+                assert s.problem is None, f"{uri}: an ambiguous URI was opened"
+                texts += [repr(backend), str(backend), backend.describe()]
+                backend.close()
+        assert_no_leak(texts, pw, uri)
+
+
+@pytest.mark.parametrize("pw", NASTY_PASSWORDS)
+def test_nasty_passwords_are_refused_or_parsed_exactly(pw: str) -> None:
+    """A raw password is either refused (ambiguous) or read exactly as the user wrote it
+    by libpq: never silently cut at a special character."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    from persist_lib.location.postgres_consensus import PostgresConsensus
+
+    uri = f"postgresql://persist:{pw}@127.0.0.1:5432/db"
+    try:
+        c = open_consensus(uri)
+    except InvalidUri as e:
+        assert "percent-encode" in str(e)
+        with pytest.raises(InvalidUri):
+            PostgresConsensus(uri)  # constructed directly: refused as well
+        return
+    assert isinstance(c, PostgresConsensus)
+    assert conninfo_to_dict(uri)["password"] == unquote(pw)
+    c.close()
 
 
 # -- SQL is never built from strings --------------------------------------------------

@@ -234,22 +234,83 @@ def test_indeterminate_after_successful_cas_never_duplicates() -> None:
     assert client.inspect(w.shard_id)["upper"] == [5]
 
 
-def test_reopen_from_rollups_after_many_appends() -> None:
-    client = mem_client(rollup_interval=16)
+class ScanCounting(Consensus):
+    """Passes everything through; counts the entries ``scan`` returns (the diffs a
+    machine replays on top of its starting state)."""
+
+    def __init__(self, inner: Consensus) -> None:
+        self.inner = inner
+        self.scanned = 0
+
+    def head(self, key: str) -> VersionedData | None:
+        return self.inner.head(key)
+
+    def compare_and_set(self, key: str, expected: int | None, new: VersionedData) -> CaSResult:
+        return self.inner.compare_and_set(key, expected, new)
+
+    def scan(self, key: str, from_seqno: int, limit: int) -> list[VersionedData]:
+        out = self.inner.scan(key, from_seqno, limit)
+        self.scanned += len(out)
+        return out
+
+    def truncate(self, key: str, seqno: int) -> int:
+        return self.inner.truncate(key, seqno)
+
+    def list_keys(self):  # type: ignore[no-untyped-def]
+        return self.inner.list_keys()
+
+    def describe(self) -> str:
+        return "scan-counting:" + self.inner.describe()
+
+
+INTERVAL = 16  # the rollup interval the bound is checked against
+
+
+@pytest.mark.parametrize(
+    "write_interval",
+    [
+        INTERVAL,
+        pytest.param(
+            10**9,
+            marks=pytest.mark.xfail(
+                strict=True, reason="rollups disabled by config: the open must replay every diff"
+            ),
+            id="rollups-disabled-must-fail",
+        ),
+    ],
+    ids=lambda v: f"rollup_interval={v}",
+)
+def test_reopen_after_many_commits_replays_a_bounded_number_of_diffs(write_interval: int) -> None:
+    """Opening a shard after many commits costs one rollup load plus at most about
+    ``rollup_interval`` diffs, however many commits there were (DESIGN section 5). The
+    second case writes with rollups disabled and must fail the bound (strict xfail):
+    the check is not vacuous."""
+    commits = 15 * INTERVAL
+    client = mem_client(rollup_interval=write_interval)
     shard = ShardId.new()
     w, r = client.open(shard, KEY, VAL)
-    for t in range(100):
+    for t in range(commits):
         w.compare_and_append([((("a",), (t,)), t, 1)], t, t + 1)
     state = client.inspect(shard)
-    assert state["rollups"], "rollups were written"
-    clear_state_cache()
-    fresh = PersistClient(client.raw_blob, client.raw_consensus, PersistConfig.for_tests())
+    assert state["seqno"] >= commits
+    clear_state_cache()  # a cold open, as in a new process
+    counting = ScanCounting(client.raw_consensus)
+    fresh = PersistClient(client.raw_blob, counting, PersistConfig.for_tests(rollup_interval=INTERVAL))
     m = fresh.machine(shard)
     s = m.fetch_latest()
-    assert m.metrics.rollup_loads == 0 or s.seqno == state["seqno"]
+    assert s.seqno == state["seqno"]
     assert fresh.inspect(shard) == state
+    replayed = counting.scanned
+    assert m.metrics.rollup_loads == 1, "a cold open starts from the latest rollup"
+    # the latest rollup the head points to: the open replays exactly the diffs after it
+    latest_rollup = max((int(k) for k in state["rollups"]), default=0)
+    assert replayed == s.seqno - latest_rollup
+    assert replayed <= 2 * INTERVAL, (
+        f"opening the shard at seqno {s.seqno} replayed {replayed} diffs (latest rollup at "
+        f"{latest_rollup}): replay on open is not bounded by ~rollup_interval={INTERVAL}"
+    )
     r2 = fresh.open_leased_reader(shard, KEY, VAL)
-    assert len(r2.snapshot(99)) == 100
+    assert len(r2.snapshot(commits - 1)) == commits
 
 
 def test_critical_since_handle_fencing(client: PersistClient) -> None:

@@ -374,7 +374,7 @@ class Ingestion:
                 raw = raw.append_column("diff", pa.array(np.ones(n, dtype=np.int64)))
                 acc.add("raw", raw)
         st = self._stats
-        st.records += sum(c.num_records for c in chunks)
+        st.records += sum(c.num_records - c.num_blank for c in chunks)  # blank lines: no record
         st.bytes += sum(c.nbytes for c in chunks)
         st.errors += len(errors)
         st.updates += out_ups.num_rows

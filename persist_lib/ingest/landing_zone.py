@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 import numpy as np
 import pyarrow as pa
@@ -53,8 +53,10 @@ from persist_lib.ingest.decode import (
 )
 from persist_lib.ingest.errors import IngestConfigError, SourceDataGone, SourceUnavailable
 from persist_lib.ingest.source import Address, Chunk, Frontier, Lag, Note, encode_address
+from persist_lib.location.redaction import SensitiveUrl, redacted_dataclass_repr
 
 PARTITION = "files"
+_WHITESPACE = np.frombuffer(b" \t\n\r\x0b\x0c", dtype=np.uint8)
 FORMATS = ("jsonl", "csv", "parquet")
 _EXTENSIONS = {
     ".jsonl": "jsonl",
@@ -146,25 +148,54 @@ class LocalStore(_Store):
 
 
 class S3Store(_Store):
+    """``s3://BUCKET/PREFIX[?endpoint_url=..&region=..&access_key_id=..&secret_access_key=..
+    &session_token=..]`` (credentials default to boto3's chain: AWS_* variables...).
+    The URI is held as a ``SensitiveUrl``: no repr, message or log shows its secrets."""
+
+    _PARAMS = ("endpoint_url", "region", "access_key_id", "secret_access_key", "session_token")
+
     def __init__(self, uri: str) -> None:
+        self._url = SensitiveUrl(uri)
+        if self._url.problem:
+            raise IngestConfigError(f"landing zone URI {self._url}: {self._url.problem}")
         parts = urlsplit(uri)
         self.bucket = parts.netloc
-        if not self.bucket:
+        if not self.bucket or "@" in self.bucket:
             raise IngestConfigError(
-                f"landing zone URI {uri!r} has no bucket: use s3://BUCKET/PREFIX[?endpoint_url=...&region=...]"
+                f"landing zone URI {self._url.redacted!r} has no bucket (credentials go in "
+                "parameters, not before the bucket): use s3://BUCKET/PREFIX[?endpoint_url=...&region=...]"
             )
         p = unquote(parts.path).strip("/")
         self.prefix = f"{p}/" if p else ""
-        q = parse_qs(parts.query)
-        unknown = sorted(set(q) - {"endpoint_url", "region"})
+        q: dict[str, str] = {}
+        for piece in parts.query.split("&") if parts.query else []:
+            k, _, v = piece.partition("=")
+            q[unquote(k)] = unquote(v)  # not parse_qs: a '+' in a secret key stays a '+'
+        unknown = sorted(set(q) - set(self._PARAMS))
         if unknown:
             raise IngestConfigError(
-                f"landing zone URI {uri!r}: unknown parameter(s) {unknown}; supported: endpoint_url, region"
+                self._url.scrub(
+                    f"landing zone URI {self._url.redacted!r}: unknown parameter(s) {unknown}; "
+                    f"supported: {', '.join(self._PARAMS)}"
+                )
             )
-        self.endpoint_url = q.get("endpoint_url", [None])[0]
-        self.region = q.get("region", [None])[0]
+        if ("access_key_id" in q) != ("secret_access_key" in q):
+            raise IngestConfigError(
+                f"landing zone URI {self._url.redacted!r}: access_key_id and secret_access_key "
+                "must be given together"
+            )
+        self.endpoint_url = q.get("endpoint_url") or None
+        self.region = q.get("region") or None
+        self._credentials = {
+            "aws_access_key_id": q.get("access_key_id") or None,
+            "aws_secret_access_key": q.get("secret_access_key") or None,
+            "aws_session_token": q.get("session_token") or None,
+        }
         self.uri = f"s3://{self.bucket}/{self.prefix}"
         self._client: Any = None
+
+    def __repr__(self) -> str:
+        return f"S3Store({self._url.redacted!r})"
 
     def _s3(self) -> Any:
         if self._client is None:
@@ -175,6 +206,7 @@ class S3Store(_Store):
                 "s3",
                 endpoint_url=self.endpoint_url,
                 region_name=self.region,
+                **{k: v for k, v in self._credentials.items() if v},
                 config=Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5, read_timeout=60),
             )
         return self._client
@@ -186,21 +218,25 @@ class S3Store(_Store):
             code = e.response.get("Error", {}).get("Code", "")
             if code in ("NoSuchBucket", "404") and what == "check":
                 return IngestConfigError(
-                    f"landing zone bucket {self.bucket!r} does not exist at "
-                    f"{self.endpoint_url or 'AWS'}: create it or fix the URI"
+                    self._url.scrub(
+                        f"landing zone bucket {self.bucket!r} does not exist at "
+                        f"{SensitiveUrl(self.endpoint_url or 'AWS')}: create it or fix the URI"
+                    )
                 )
             if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
                 return IngestConfigError(
                     f"landing zone {self.uri}: access denied ({code}); check the credentials "
                     "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket policy"
                 )
-        return SourceUnavailable(f"landing zone {self.uri}: {what} failed: {type(e).__name__}: {e}")
+        return SourceUnavailable(
+            self._url.scrub(f"landing zone {self.uri}: {what} failed: {type(e).__name__}: {e}")
+        )
 
     def check(self) -> None:
         try:
             self._s3().head_bucket(Bucket=self.bucket)
         except Exception as e:  # noqa: BLE001 - classified by _wrap
-            raise self._wrap("check", e) from e
+            raise self._wrap("check", e) from None
 
     def list_files(self) -> list[FileInfo]:
         out: list[FileInfo] = []
@@ -215,7 +251,7 @@ class S3Store(_Store):
                         continue
                     out.append(FileInfo(rel, int(obj["Size"])))
         except Exception as e:  # noqa: BLE001
-            raise self._wrap("list", e) from e
+            raise self._wrap("list", e) from None
         out.sort(key=lambda f: f.name)
         return out
 
@@ -227,32 +263,34 @@ class S3Store(_Store):
         except ClientError as e:
             code = e.response.get("Error", {}).get("Code", "")
             if code in ("NoSuchKey", "404"):
-                raise FileNotFoundError(name) from e
+                raise FileNotFoundError(name) from None
             if code in ("AccessDenied", "403"):
-                raise PermissionError(f"access denied reading {name}") from e
-            raise self._wrap(f"reading {name}", e) from e
+                raise PermissionError(f"access denied reading {name}") from None
+            raise self._wrap(f"reading {name}", e) from None
         except Exception as e:  # noqa: BLE001
-            raise self._wrap(f"reading {name}", e) from e
+            raise self._wrap(f"reading {name}", e) from None
 
 
 def open_store(uri: str) -> _Store:
     if not isinstance(uri, str) or not uri:
         raise IngestConfigError(
-            f"landing zone URI must be a non-empty string (a directory, file:///DIR or s3://BUCKET/PREFIX), got {uri!r}"
+            "landing zone URI must be a non-empty string (a directory, file:///DIR or "
+            f"s3://BUCKET/PREFIX), got {type(uri).__name__} {SensitiveUrl(str(uri))!r}"
         )
+    shown = SensitiveUrl(uri).redacted
     parts = urlsplit(uri)
     if parts.scheme in ("", "file") or (len(parts.scheme) == 1 and uri[1:3] in (":\\", ":/")):
         if parts.scheme == "file":
             if parts.netloc not in ("", "localhost"):
                 raise IngestConfigError(
-                    f"landing zone URI {uri!r}: file URIs need an absolute path (file:///DIR)"
+                    f"landing zone URI {shown!r}: file URIs need an absolute path (file:///DIR)"
                 )
             return LocalStore(unquote(parts.path))
         return LocalStore(uri)
     if parts.scheme == "s3":
         return S3Store(uri)
     raise IngestConfigError(
-        f"unsupported landing zone URI scheme {parts.scheme!r} in {uri!r}: use a local directory, "
+        f"unsupported landing zone URI scheme {parts.scheme!r} in {shown!r}: use a local directory, "
         "file:///DIR or s3://BUCKET/PREFIX?endpoint_url=...&region=..."
     )
 
@@ -276,11 +314,22 @@ def _maybe_gunzip(name: str, data: bytes) -> bytes:
 
 class _Parsed:
     fmt: str
-    rows: int
+    rows: int  # addresses (JSON lines: lines; CSV: records after the header), blank ones too
     size: int
+    _blank_cs: np.ndarray | None = None  # prefix sums of the blank rows (computed once)
 
     def decode(self, spec: DecodeSpec, file: str, r0: int, r1: int) -> Decoded:
         raise NotImplementedError
+
+    def _blank_rows(self) -> np.ndarray:
+        """One bool per row: the row is blank (no record)."""
+        return np.zeros(self.rows, dtype=bool)
+
+    def blank_between(self, r0: int, r1: int) -> int:
+        """How many of rows ``[r0, r1)`` are blank: addresses that hold no record."""
+        if self._blank_cs is None:
+            self._blank_cs = np.concatenate(([0], np.cumsum(self._blank_rows(), dtype=np.int64)))
+        return int(self._blank_cs[r1] - self._blank_cs[r0])
 
 
 class _JsonLines(_Parsed):
@@ -300,6 +349,12 @@ class _JsonLines(_Parsed):
 
     def line(self, i: int) -> bytes:
         return self.data[int(self.starts[i]) : int(self.ends[i])]
+
+    def _blank_rows(self) -> np.ndarray:
+        # blank = only ASCII whitespace (what bytes.strip() removes, as decode() skips)
+        arr = np.frombuffer(self.data, dtype=np.uint8)
+        solid = np.concatenate(([0], np.cumsum(~np.isin(arr, _WHITESPACE), dtype=np.int64)))
+        return np.asarray(solid[self.ends] - solid[self.starts] == 0, dtype=bool)
 
     def decode(self, spec: DecodeSpec, file: str, r0: int, r1: int) -> Decoded:
         lines = [self.line(i) for i in range(r0, r1)]
@@ -337,6 +392,9 @@ class _Csv(_Parsed):
             self.records = records[1:]
         self.delimiter = delimiter
         self.rows = len(self.records)
+
+    def _blank_rows(self) -> np.ndarray:
+        return np.array([not r for r in self.records], dtype=bool)  # decode skips these
 
     def _raw(self, rec: list[str]) -> bytes:
         buf = io.StringIO()
@@ -462,10 +520,14 @@ class FileChunk(Chunk):
         self.r1 = r1
         self.start = (file, r0)
         self.end = (file, r1)
-        self.num_records = r1 - r0
+        self.num_records = r1 - r0  # addresses: what bindings are cut by
         rows = max(parsed.rows, 1)
         self.nbytes = int(parsed.size * (r1 - r0) / rows)
         self.notes = notes
+
+    @property
+    def num_blank(self) -> int:  # type: ignore[override]  # derived, never assigned
+        return self.parsed.blank_between(self.r0, self.r1)
 
     def split(self, at: Address) -> tuple[Chunk | None, Chunk | None]:
         af, ar = at[0], int(at[1])
@@ -530,6 +592,9 @@ class LandingZoneSource:
         if len(self.csv_delimiter) != 1:
             raise IngestConfigError(f"csv_delimiter must be one character, got {self.csv_delimiter!r}")
         self._store = open_store(self.uri)
+
+    def __repr__(self) -> str:  # the URI may carry an S3 secret key
+        return redacted_dataclass_repr(self)
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "uri": self._store.describe(), "format": self.format, "pattern": self.pattern}

@@ -58,6 +58,7 @@ from persist_lib.ingest.pgoutput import (
     lsn_to_int,
 )
 from persist_lib.ingest.source import Address, Chunk, Frontier, Lag, Note
+from persist_lib.location.redaction import SensitiveUrl, redacted_dataclass_repr
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.client import PersistClient
@@ -71,17 +72,29 @@ _IDENT = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 
 def _connect(dsn: str, **kw: Any) -> Any:
+    """A connection to the source; errors say why with the DSN's secrets scrubbed (and
+    chain no psycopg exception, whose message is not)."""
     import psycopg
 
+    url = SensitiveUrl(dsn)
+    if url.problem:  # refused before libpq, whose errors would quote a piece of it
+        raise IngestConfigError(f"the CDC source DSN {url} is ambiguous: {url.problem}")
+    err: Exception | None = None
     try:
-        return psycopg.connect(dsn, autocommit=True, connect_timeout=10, **kw)
+        return psycopg.connect(url.raw, autocommit=True, connect_timeout=10, **kw)
     except psycopg.OperationalError as e:
-        from persist_lib.location.uri import redact
-
-        msg = redact(str(e)).strip()
+        msg = url.scrub(str(e)).strip()
         if "does not exist" in msg or "password authentication failed" in msg or "invalid" in msg:
-            raise IngestConfigError(f"cannot connect to the CDC source database: {msg}; fix the DSN") from e
-        raise SourceUnavailable(f"cannot connect to the CDC source database: {msg}") from e
+            err = IngestConfigError(
+                f"cannot connect to the CDC source database {url}: {msg}; fix the DSN"
+            )
+        else:
+            err = SourceUnavailable(f"cannot connect to the CDC source database {url}: {msg}")
+    except psycopg.Error as e:  # a DSN libpq can't parse (ProgrammingError)
+        err = IngestConfigError(
+            f"the CDC source DSN {url} is not valid: {url.scrub(str(e)).strip()}; fix the DSN"
+        )
+    raise err
 
 
 def _safe_name(s: str) -> str:
@@ -194,6 +207,9 @@ class PgCdcSource:
             raise IngestConfigError(
                 "the CDC source DSN must be a postgresql://USER:PASSWORD@HOST:PORT/DB URL"
             )
+        problem = SensitiveUrl(self.dsn).problem
+        if problem:
+            raise IngestConfigError(f"the CDC source DSN {SensitiveUrl(self.dsn)} is ambiguous: {problem}")
         parts = self.table.split(".")
         if len(parts) == 1:
             self._schema, self._relname = "public", parts[0]
@@ -219,12 +235,13 @@ class PgCdcSource:
         if self.publication is None:
             self.publication = _safe_name(f"persist_{name}")
 
-    def describe(self) -> dict[str, Any]:
-        from persist_lib.location.uri import redact
+    def __repr__(self) -> str:  # the DSN holds a password
+        return redacted_dataclass_repr(self)
 
+    def describe(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
-            "dsn": redact(self.dsn),
+            "dsn": SensitiveUrl(self.dsn).redacted,
             "table": f"{self._schema}.{self._relname}",
             "slot": self.slot,
             "publication": self.publication,

@@ -71,9 +71,12 @@ class Chunk(ABC):
     partition: str
     start: Address
     end: Address
-    num_records: int
+    num_records: int  # messages (addresses) in [start, end): bindings are cut by these
     nbytes: int
     notes: tuple[Note, ...]
+    #: of ``num_records``, the addresses that hold no record (a blank JSON or CSV line):
+    #: they take part in addressing and binding extents but are not counted as records
+    num_blank: int = 0
 
     @abstractmethod
     def split(self, at: Address) -> tuple[Chunk | None, Chunk | None]:

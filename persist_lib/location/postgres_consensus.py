@@ -80,7 +80,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import sql
 
-from persist_lib.errors import Determinate, Indeterminate, InvalidUsage
+from persist_lib.errors import Determinate, Indeterminate, InvalidUri, InvalidUsage
 from persist_lib.location.base import CaSResult, Consensus, VersionedData
 from persist_lib.location.mem import _check_cas_args
 from persist_lib.location.uri import SensitiveUrl, redact
@@ -202,6 +202,8 @@ class PostgresConsensus(Consensus):
         application_name: str = "persist",
     ) -> None:
         self.url = SensitiveUrl(url)
+        if self.url.problem:  # refused before libpq, whose errors would quote a piece of it
+            raise InvalidUri(f"postgres consensus URL {self.url}: {self.url.problem}")
         if not table or (schema is not None and not schema):
             raise InvalidUsage("postgres consensus: table and schema names must be non-empty")
         self.table = table
@@ -233,11 +235,8 @@ class PostgresConsensus(Consensus):
 
     @staticmethod
     def _find_secrets(raw: str) -> list[str]:
-        try:
-            params = psycopg.conninfo.conninfo_to_dict(raw)
-        except Exception:  # noqa: BLE001 - an unparsable URL fails later, redacted
-            return []
-        return [str(v) for k, v in params.items() if k in ("password", "sslpassword") and v]
+        # every spelling of every secret libpq or a URL parser could read from it
+        return list(SensitiveUrl(raw).secrets)
 
     def _redact(self, text: str) -> str:
         text = redact(text)

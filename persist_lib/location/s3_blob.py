@@ -36,7 +36,7 @@ from botocore.exceptions import (
 
 from persist_lib.errors import Determinate, Indeterminate, InvalidUsage
 from persist_lib.location.base import Blob, BlobMetadata
-from persist_lib.location.uri import redact
+from persist_lib.location.redaction import SensitiveUrl, scrub, secret_forms
 
 __all__ = ["MULTIPART_PART_SIZE", "S3Blob"]
 
@@ -77,7 +77,9 @@ class S3Blob(Blob):
         self.endpoint_url = endpoint_url
         self.region = region
         self.part_size = part_size
-        self._secrets = [s for s in (secret_key, session_token) if s]
+        self._endpoint = SensitiveUrl(endpoint_url or "")
+        # every spelling of the secret key, the session token and an endpoint password
+        self._secrets = secret_forms([secret_key, session_token]) + self._endpoint.secrets
         config = Config(
             connect_timeout=connect_timeout_s,
             read_timeout=read_timeout_s,
@@ -100,17 +102,14 @@ class S3Blob(Blob):
     def describe(self) -> str:
         where = f"s3://{self.bucket}/{self.prefix}"
         if self.endpoint_url:
-            where += f" at {redact(self.endpoint_url)}"
+            where += f" at {self._endpoint}"
         return where
 
     def __repr__(self) -> str:
         return f"S3Blob({self.describe()!r})"
 
     def _redact(self, text: str) -> str:
-        text = redact(text)
-        for s in self._secrets:
-            text = text.replace(s, "****")
-        return text
+        return scrub(self._endpoint.scrub(text), self._secrets)
 
     def _call(self, op: str, key: str, write: bool, fn: Callable[[], T]) -> T:
         """Runs ``fn``, translating botocore errors (raised outside the except block so

@@ -28,9 +28,11 @@ Accepted consensus URIs::
     mem://name                   in-process (tests)
     unreliable+<consensus-uri>   as for blobs
 
-Passwords: ``SensitiveUrl`` holds a URI and redacts it in ``repr``/``str``; ``redact``
-removes passwords (userinfo passwords and ``password=``/``secret_access_key=``-like
-parameters) from any text, e.g. a driver's error message.
+Passwords: ``SensitiveUrl`` holds a URI and redacts it in ``repr``/``str`` by parsing it
+(``persist_lib.location.redaction``); a URI whose password is ambiguous (an unencoded
+``@``, ``/``, ``?``, ``#``, ``&`` in a secret...) is refused with a hint to
+percent-encode, before any driver sees it. ``redact`` removes passwords from text that
+comes without its URI, e.g. a driver's error message.
 """
 
 from __future__ import annotations
@@ -38,23 +40,26 @@ from __future__ import annotations
 import os
 import re
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qsl, quote, unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from persist_lib.errors import InvalidUri
 from persist_lib.location.base import Blob, Consensus
-
-if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.location.unreliable import UnreliableHandle
+from persist_lib.location.redaction import REDACTED, SensitiveUrl, redact
 
 __all__ = [
     "BLOB_URI_FORMS",
     "CONSENSUS_URI_FORMS",
+    "REDACTED",
     "SensitiveUrl",
     "default_uris",
     "open_blob",
     "open_consensus",
     "redact",
 ]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.location.unreliable import UnreliableHandle
+
 
 BLOB_URI_FORMS = (
     "file:///abs/dir",
@@ -72,74 +77,34 @@ CONSENSUS_URI_FORMS = (
     "unreliable+<consensus-uri>[?unreliable_seed=N&unreliable_rate=P]",
 )
 
-REDACTED = "****"
-
-# scheme://user:PASSWORD@  (greedy to the last '@' of the token: over-redacting is safe)
-_USERINFO_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^\s/:@'\"<>]*):[^\s'\"<>]*@")
-_SECRET_PARAM_NAMES = (
-    "password|passwd|pwd|passfile|sslpassword|secret|secret_key|secret_access_key|"
-    "aws_secret_access_key|session_token|aws_session_token|token|unreliable_secret"
-)
-# name=value in a query string or a libpq conninfo (value possibly quoted)
-_SECRET_PARAM_RE = re.compile(
-    rf"(?<![A-Za-z0-9_])({_SECRET_PARAM_NAMES})(\s*=\s*)('(?:[^'\\]|\\.)*'|[^&\s'\"<>]*)",
-    re.IGNORECASE,
-)
-
-
-def redact(text: str) -> str:
-    """``text`` with every URL password and secret-looking parameter replaced by ``****``."""
-    text = _USERINFO_RE.sub(lambda m: f"{m.group(1)}:{REDACTED}@", text)
-    return _SECRET_PARAM_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
-
-
-class SensitiveUrl:
-    """A URL whose password never shows in ``repr``/``str`` (``.raw`` is the real value)."""
-
-    __slots__ = ("_raw",)
-
-    def __init__(self, raw: str | SensitiveUrl) -> None:
-        self._raw = raw.raw if isinstance(raw, SensitiveUrl) else str(raw)
-
-    @property
-    def raw(self) -> str:
-        return self._raw
-
-    @property
-    def redacted(self) -> str:
-        return redact(self._raw)
-
-    def __str__(self) -> str:
-        return self.redacted
-
-    def __repr__(self) -> str:
-        return f"SensitiveUrl({self.redacted!r})"
-
-    def __format__(self, spec: str) -> str:
-        return format(self.redacted, spec)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SensitiveUrl) and other._raw == self._raw
-
-    def __hash__(self) -> int:
-        return hash(self._raw)
-
-    def __reduce__(self) -> tuple[type[SensitiveUrl], tuple[str]]:
-        return (SensitiveUrl, (self._raw,))
-
-
 def _invalid(kind: str, uri: str, problem: str, forms: tuple[str, ...]) -> InvalidUri:
     listed = "; ".join(forms)
-    return InvalidUri(f"invalid {kind} URI {redact(uri)!r}: {problem}. Accepted forms: {listed}")
+    url = SensitiveUrl(uri)
+    return InvalidUri(
+        f"invalid {kind} URI {url.redacted!r}: {url.scrub(problem)}. Accepted forms: {listed}"
+    )
+
+
+def _check_unambiguous(kind: str, uri: str, forms: tuple[str, ...]) -> None:
+    """Refuses a URI whose secrets can't be located unambiguously (before any driver,
+    whose error message could quote a piece of the password, sees it)."""
+    problem = SensitiveUrl(uri).problem if isinstance(uri, str) else None
+    if problem:
+        raise _invalid(kind, uri, problem, forms)
 
 
 def _params(
     kind: str, uri: str, query: str, allowed: tuple[str, ...], forms: tuple[str, ...]
 ) -> dict[str, str]:
-    try:
-        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
-    except ValueError:
-        raise _invalid(kind, uri, f"malformed query string {redact(query)!r}", forms) from None
+    pairs: list[tuple[str, str]] = []
+    for piece in query.split("&") if query else []:
+        name, eq, value = piece.partition("=")
+        if not eq or not name:
+            raise _invalid(
+                kind, uri, "malformed query string (expected NAME=VALUE&NAME=VALUE...)", forms
+            )
+        # Percent-decoding only: a '+' stays a '+' (AWS secret keys contain them).
+        pairs.append((unquote(name), unquote(value)))
     out: dict[str, str] = {}
     for k, v in pairs:
         if k not in allowed:
@@ -236,6 +201,7 @@ def _file_path(kind: str, uri: str, netloc: str, path: str, forms: tuple[str, ..
 def open_blob(uri: str) -> Blob:
     """Opens the Blob a URI names (see the module docstring for the forms)."""
     forms = BLOB_URI_FORMS
+    _check_unambiguous("blob", uri, forms)
     unreliable = _split_unreliable("blob", uri, forms)
     if unreliable is not None:
         from persist_lib.location.unreliable import UnreliableBlob
@@ -300,6 +266,7 @@ def open_blob(uri: str) -> Blob:
 def open_consensus(uri: str) -> Consensus:
     """Opens the Consensus a URI names (see the module docstring for the forms)."""
     forms = CONSENSUS_URI_FORMS
+    _check_unambiguous("consensus", uri, forms)
     unreliable = _split_unreliable("consensus", uri, forms)
     if unreliable is not None:
         from persist_lib.location.unreliable import UnreliableConsensus

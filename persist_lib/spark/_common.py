@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from persist_lib.errors import InvalidUsage
 from persist_lib.location.base import Blob
+from persist_lib.location.redaction import SensitiveUrl
 
 EXECUTOR_RETRY_DEADLINE_S = 60.0
 # Arrow bytes an executor buffers from Spark before validating and adding them to a
@@ -31,7 +32,7 @@ def blob_uri_of(client: Any, what: str) -> str:
         )
     if uri.startswith("mem://") or uri.startswith("unreliable+mem://"):
         raise InvalidUsage(
-            f"{what}: blob {uri!r} is in-process memory, which Spark executors (other processes) "
+            f"{what}: blob {SensitiveUrl(uri).redacted!r} is in-process memory, which Spark executors (other processes) "
             "can't see; use a file:// or s3:// blob"
         )
     return str(uri)

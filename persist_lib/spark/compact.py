@@ -78,6 +78,11 @@ class _MergeSpec:
     target_part_bytes: int
     inline_threshold: int
 
+    def __repr__(self) -> str:  # the blob URI may carry an S3 secret key
+        from persist_lib.location.redaction import redacted_dataclass_repr
+
+        return redacted_dataclass_repr(self)
+
 
 @dataclass
 class SparkMergeStats:

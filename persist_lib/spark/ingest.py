@@ -63,6 +63,11 @@ class _SourceSpec:
     pattern: str | None
     csv_delimiter: str
 
+    def __repr__(self) -> str:  # the landing zone URI may carry an S3 secret key
+        from persist_lib.location.redaction import redacted_dataclass_repr
+
+        return redacted_dataclass_repr(self)
+
     @classmethod
     def of(cls, s: LandingZoneSource) -> _SourceSpec:
         return cls(s.uri, s.format, s.pattern, s.csv_delimiter)
@@ -76,6 +81,7 @@ class _Predecoded(Chunk):
         self.start = chunk.start
         self.end = chunk.end
         self.num_records = chunk.num_records
+        self.num_blank = chunk.num_blank
         self.nbytes = chunk.nbytes
         self.notes = chunk.notes
         self._decoded = decoded
@@ -107,12 +113,12 @@ def _decode_task(
                 parsed = parse_file(r.file, data, source.format_for(r.file) or "jsonl", csv_delimiter=src.csv_delimiter)
             except (FileNotFoundError, Unreadable) as e:
                 raise SourceDataGone(
-                    f"landing zone {src.uri}: file {r.file!r} was readable by the driver but not on a "
+                    f"landing zone {source.describe()['uri']}: file {r.file!r} was readable by the driver but not on a "
                     f"Spark executor ({type(e).__name__}: {e}); landed files must not change"
                 ) from e
             if parsed.rows != r.rows or parsed.size != r.size:
                 raise SourceDataGone(
-                    f"landing zone {src.uri}: file {r.file!r} has {parsed.rows} rows / {parsed.size} "
+                    f"landing zone {source.describe()['uri']}: file {r.file!r} has {parsed.rows} rows / {parsed.size} "
                     f"bytes on the executor but {r.rows} rows / {r.size} bytes on the driver; landed "
                     "files must not change"
                 )

@@ -83,6 +83,11 @@ class _WriteSpec:
     max_inflight_uploads: int
     chunk_bytes: int
 
+    def __repr__(self) -> str:  # the blob URI may carry an S3 secret key
+        from persist_lib.location.redaction import redacted_dataclass_repr
+
+        return redacted_dataclass_repr(self)
+
 
 @dataclass
 class SparkWriteResult:

@@ -122,6 +122,11 @@ class HistoryConfig:
         behind record older heartbeats."""
         return 100.0 + self.expirer_clock_ahead_ms + self.actor_clock_skew_ms
 
+    def __repr__(self) -> str:  # the consensus URI may hold a password
+        from persist_lib.location.redaction import redacted_dataclass_repr
+
+        return redacted_dataclass_repr(self)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 

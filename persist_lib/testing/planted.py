@@ -56,6 +56,7 @@ from typing import Any
 
 from persist_lib.errors import Determinate, Indeterminate, InvalidUsage
 from persist_lib.location.base import CaSResult, Consensus, VersionedData
+from persist_lib.location.redaction import SensitiveUrl
 
 PLANTED_BUGS: tuple[str, ...] = (
     "sqlite_cas_race",
@@ -393,17 +394,26 @@ class NotExistsPostgresConsensus(Consensus):
         import psycopg
 
         self._psycopg = psycopg
-        self.url = url
+        self.url = SensitiveUrl(url)
         self.window_s = window_s
         self._local = threading.local()
-        self._c().execute(
-            "CREATE TABLE IF NOT EXISTS consensus_nopk (shard text, seqno bigint, data bytea)"
+        self._do(
+            lambda c: c.execute(
+                "CREATE TABLE IF NOT EXISTS consensus_nopk (shard text, seqno bigint, data bytea)"
+            ),
+            False,
         )
+
+    def describe(self) -> str:
+        return f"planted-postgres {self.url}"
+
+    def __repr__(self) -> str:
+        return f"NotExistsPostgresConsensus({self.describe()!r})"
 
     def _c(self) -> Any:
         c = getattr(self._local, "c", None)
         if c is None or c.closed:
-            c = self._psycopg.connect(self.url, autocommit=True)
+            c = self._psycopg.connect(self.url.raw, autocommit=True)
             self._local.c = c
         return c
 
@@ -467,9 +477,6 @@ class NotExistsPostgresConsensus(Consensus):
         c = getattr(self._local, "c", None)
         if c is not None:
             c.close()
-
-    def describe(self) -> str:
-        return "planted-postgres"
 
 
 class HeadDeletingConsensus(Consensus):
