@@ -411,7 +411,9 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
     from persist_lib.testing.actors import HistoryConfig
     from persist_lib.testing.audit import AuditBlob, AuditConsensus
     from persist_lib.testing.corruption import CorruptingBlob, CorruptingConsensus
+    from persist_lib.part_writers import PartWriter
     from persist_lib.testing.faults import ScriptedConsensus
+    from persist_lib.testing.hooks import InterruptingBlob, InterruptingConsensus, InterruptPlan
     from persist_lib.testing.planted import (
         HeadDeletingConsensus,
         NoPkSqliteConsensus,
@@ -478,6 +480,15 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
             CorruptingConsensus(x.client.raw_consensus, None, same)
         ],
         "persist_lib.testing.faults.ScriptedConsensus": lambda x: [ScriptedConsensus(x.client.raw_consensus)],
+        "persist_lib.testing.hooks.InterruptingBlob": lambda x: [
+            InterruptingBlob(x.client.raw_blob, InterruptPlan(1, 0.0))
+        ],
+        "persist_lib.testing.hooks.InterruptingConsensus": lambda x: [
+            InterruptingConsensus(x.client.raw_consensus, InterruptPlan(1, 0.0))
+        ],
+        "persist_lib.part_writers.PartWriter": lambda x: [
+            PartWriter.register(x.client.machine(x.shard), purpose="canary", client=x.client)
+        ],
         "persist_lib.testing.planted.HeadDeletingConsensus": lambda x: [
             HeadDeletingConsensus(x.client.raw_consensus)
         ],
