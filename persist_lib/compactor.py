@@ -446,6 +446,9 @@ class _Run:
     def close(self) -> None:
         """Drops the decoded data and closes a spilled run's file."""
         self.part = self.buf = self.prev_last = None
+        self._close_spill_file()
+
+    def _close_spill_file(self) -> None:
         self._spill_reader = None
         if self._spill_file is not None:
             self._spill_file.close()
@@ -458,7 +461,7 @@ class _Run:
         sp = self.spill
         assert sp is not None
         if self.next_part >= sp.batches:
-            self.close()
+            self._close_spill_file()  # (its buffered rows are still to be merged)
             return False
         if self._spill_reader is None:
             self._spill_file = pa.OSFile(sp.path, "rb")
@@ -1044,8 +1047,11 @@ def stream_merge(
         return
     yielded = False
     try:
-        for t in _stream_runs(blob, schemas, shard, runs, memory_budget, since, lower, upper,
-                              spill_dir, st, purpose, check_order=True):
+        for t in _coalesce(
+            _stream_runs(blob, schemas, shard, runs, memory_budget, since, lower, upper,
+                         spill_dir, st, purpose, check_order=True),
+            memory_budget // 64,
+        ):
             yielded = True
             yield t
     except _RunOrderViolation:
@@ -1059,8 +1065,26 @@ def stream_merge(
         log.warning("shard %s: compactor runs were not sorted; reading with a run per part", shard)
         st.restarted_per_part = True
         per_part = [[p] for run in runs for p in run]
-        yield from _stream_runs(blob, schemas, shard, per_part, memory_budget, since, lower, upper,
-                                spill_dir, st, purpose, check_order=False)
+        yield from _coalesce(
+            _stream_runs(blob, schemas, shard, per_part, memory_budget, since, lower, upper,
+                         spill_dir, st, purpose, check_order=False),
+            memory_budget // 64,
+        )
+
+
+def _coalesce(tables: Iterator[pa.Table], min_bytes: int) -> Iterator[pa.Table]:
+    """Joins consecutive small tables (merge steps near the end of a run emit a few rows
+    each) until they hold ``min_bytes``; larger ones pass through."""
+    pending: list[pa.Table] = []
+    held = 0
+    for t in tables:
+        pending.append(t)
+        held += t.nbytes
+        if held >= min_bytes:
+            yield pending[0] if len(pending) == 1 else pa.concat_tables(pending).combine_chunks()
+            pending, held = [], 0
+    if pending:
+        yield pending[0] if len(pending) == 1 else pa.concat_tables(pending).combine_chunks()
 
 
 def _stream_runs(
