@@ -1042,7 +1042,7 @@ def stream_merge(
         raise InvalidUsage(f"memory budget must be >= 1 MiB, got {memory_budget} bytes")
     st = stats if stats is not None else MergeStats()
     runs = [r for r in runs if r]
-    st.runs = len(runs)
+    st.runs += len(runs)  # (stats may add up several streams)
     if not runs:
         return
     yielded = False
@@ -1106,7 +1106,7 @@ def _stream_runs(
     schema = internal_schema(schemas)
     total_in = sum(p.size for run in runs_parts for p in run)
     if total_in <= budget // 64:
-        stats.passes = 1
+        stats.passes += 1
         merged = _fold_in_memory(
             blob, schemas, shard, runs_parts, since, stats, lower=lower, upper=upper, purpose=purpose
         )

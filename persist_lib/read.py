@@ -40,6 +40,7 @@ from persist_lib.batch_meta import HollowBatch, PartMeta
 from persist_lib.codec import Schemas, to_user_table, user_schema
 from persist_lib.compactor import (
     STEP_BYTES_PER_ROW,
+    MergeStats,
     batch_runs,
     estimate_decoded_bytes,
     stream_merge,
@@ -130,12 +131,20 @@ class BatchStream(HeldIterator[pa.RecordBatch]):
 
     Iterate it (or ``read_all()``); close it (or use ``with``) when stopping early. It
     holds its reader's seqno hold until then, so the parts it reads can't be garbage
-    collected under it.
+    collected under it. ``stats`` fills in as it is read (runs, passes, rows, the most
+    the merge held at once; ``passes == 0``: the parts were small and read whole).
     """
 
-    def __init__(self, source: Iterator[pa.RecordBatch], schema: pa.Schema, release: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        source: Iterator[pa.RecordBatch],
+        schema: pa.Schema,
+        release: Callable[[], None],
+        stats: MergeStats | None = None,
+    ) -> None:
         super().__init__(source, release)
         self.schema = schema
+        self.stats = stats if stats is not None else MergeStats()
 
     def __enter__(self) -> BatchStream:
         return self
@@ -351,10 +360,14 @@ class ReadHandle:
         except BaseException:
             self._release_hold(seqno)
             raise
-        return self._stream(self._snapshot_tables(state, as_of, budget), budget, seqno)
+        stats = MergeStats()
+        return self._stream(self._snapshot_tables(state, as_of, budget, stats), budget, seqno, stats)
 
-    def _snapshot_tables(self, state: st.ShardState, as_of: int, budget: int) -> Iterator[pa.Table]:
+    def _snapshot_tables(
+        self, state: st.ShardState, as_of: int, budget: int, stats: MergeStats | None = None
+    ) -> Iterator[pa.Table]:
         """The snapshot at ``as_of`` as consolidated tables (internal layout)."""
+        stats = stats if stats is not None else MergeStats()
         runs = [
             [p for p in run if p.tmin <= as_of]
             for _, b in state.trace_batches()
@@ -365,27 +378,32 @@ class ReadHandle:
         if _whole_read_bytes(parts, self.schemas) <= budget:
             tables = self._fetch_all(parts, lambda t: snapshot_at(t, as_of))
             out = consolidate(_concat(tables, self.schemas))
+            stats.runs += len(runs)
+            stats.output_rows += out.num_rows
             if out.num_rows:
                 yield out
             return
         yield from self._guard_missing(
             stream_merge(
                 self._client.blob, self.schemas, shard=self.shard_id, runs=runs, memory_budget=budget,
-                since=as_of, upper=as_of + 1, purpose="snapshot read",
+                since=as_of, upper=as_of + 1, stats=stats, purpose="snapshot read",
             )
         )
 
     def _range_tables(
-        self, state: st.ShardState, lower: int, upper: int | None, budget: int, *, sort_by_time: bool
+        self, state: st.ShardState, lower: int, upper: int | None, budget: int, *, sort_by_time: bool,
+        stats: MergeStats | None = None,
     ) -> Iterator[pa.Table]:
         """The updates at times in ``[lower, upper)`` as consolidated tables (internal
         layout), batch by batch of the trace, so in time order across tables (batches
         hold disjoint time ranges, so nothing consolidates across them); each table is
         sorted by time if ``sort_by_time``, else by ``(k, v, t)``."""
+        stats = stats if stats is not None else MergeStats()
         parts = _parts_in_range(state, lower, upper)
         if _whole_read_bytes(parts, self.schemas) <= budget:
             tables = self._fetch_all(parts, lambda t: time_range(t, lower, upper))
             out = consolidate(_concat(tables, self.schemas))
+            stats.output_rows += out.num_rows
             if out.num_rows:
                 yield out.sort_by([("t", "ascending")]) if sort_by_time else out
             return
@@ -396,12 +414,12 @@ class ReadHandle:
             for t in self._guard_missing(
                 stream_merge(
                     self._client.blob, self.schemas, shard=self.shard_id, runs=runs,
-                    memory_budget=budget, lower=lower, upper=upper, purpose="range read",
+                    memory_budget=budget, lower=lower, upper=upper, stats=stats, purpose="range read",
                 )
             ):
                 yield t.sort_by([("t", "ascending")]) if sort_by_time else t
 
-    def _stream(self, tables: Iterator[pa.Table], budget: int, seqno: int) -> BatchStream:
+    def _stream(self, tables: Iterator[pa.Table], budget: int, seqno: int, stats: MergeStats) -> BatchStream:
         """Wraps internal tables as a ``BatchStream`` that releases ``seqno`` when done."""
         schemas = self.schemas
         max_rows = max(1024, (budget // 32) // max(1, _row_width(schemas)))
@@ -411,7 +429,7 @@ class ReadHandle:
                 self._check_open()
                 yield from to_user_table(t, schemas).to_batches(max_chunksize=max_rows)
 
-        return BatchStream(batches(), user_schema(schemas), lambda: self._release_hold(seqno))
+        return BatchStream(batches(), user_schema(schemas), lambda: self._release_hold(seqno), stats)
 
     def _guard_missing(self, it: Iterator[pa.Table]) -> Iterator[pa.Table]:
         """A missing blob we were entitled to read means our lease lapsed (expiry dropped
@@ -562,10 +580,13 @@ class ReadHandle:
         except BaseException:
             self._release_hold(seqno)
             raise
+        stats = MergeStats()
         tables: Iterator[pa.Table] = (
-            self._range_tables(state, lower, upper, budget, sort_by_time=True) if upper > lower else iter(())
+            self._range_tables(state, lower, upper, budget, sort_by_time=True, stats=stats)
+            if upper > lower
+            else iter(())
         )
-        return self._stream(tables, budget, seqno)
+        return self._stream(tables, budget, seqno, stats)
 
     def _check_range_args(self, lower: int, upper: int) -> tuple[int, int]:
         lower = check_time(lower, "lower")

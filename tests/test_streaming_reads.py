@@ -119,6 +119,9 @@ def test_snapshot_batches_equal_snapshot(seed: int) -> None:
             batches = list(stream)
         got = pa.Table.from_batches(batches, schema=stream.schema)
         assert stream.schema == whole.schema
+        st = stream.stats  # the k-way merge ran (not a whole decode), within the budget
+        assert st.passes >= 1 and st.steps > 1 and st.output_rows >= got.num_rows, st
+        assert st.peak_bytes_held <= BUDGET, st
         assert rows(whole) == want
         assert rows(got) == want, f"as of {as_of}"
         # Consolidated: every (k, v) once, nonzero diffs, times forwarded to as_of.
