@@ -13,7 +13,8 @@ done the simple way (fetch every part in parallel, one consolidate). A larger on
 streams: ``snapshot_batches`` / ``updates_between_batches`` yield record batches from
 the compactor's k-way merge of the parts' sorted runs (``compactor.stream_merge``),
 holding about one decoded part per run plus the merge's chunks; runs that don't fit
-together are first merged into local spill files. The stream holds its seqno hold
+together are first merged into spill files in the local temporary directory
+(``$TMPDIR``), deleted when the stream ends. The stream holds its seqno hold
 until it is exhausted, closed or garbage collected. ``snapshot`` and
 ``updates_between`` build their table from the stream when the read is large, and a
 ``Listen`` whose next range is large hands its updates out over several ``next``
