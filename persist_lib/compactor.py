@@ -397,6 +397,32 @@ def _consolidate_sorted_equal(t: pa.Table) -> pa.Table:
     return one.set_column(di, one.schema.field(di), pa.array([total], pa.int64()))
 
 
+def _has_adjacent_equal_rows(t: pa.Table) -> bool:
+    """Whether two neighbouring rows of ``t`` (sorted by ``(k, v, t)``) may be equal in
+    ``(k, v, t)``: in a sorted table equal rows are neighbours, so when none are, the
+    table is already consolidated (given nonzero diffs) and consolidating it again —
+    a sort — would change nothing. A linear, vectorized comparison; conservative (True)
+    for nested types. Equality here may differ from the ranking's on floats (NaN, -0.0):
+    a missed duplicate is summed by the merge step anyway."""
+    n = t.num_rows
+    if n < 2:
+        return False
+    names = [T_COL] + [c for c in t.column_names if c not in (T_COL, D_COL)]
+    mask: pa.ChunkedArray | pa.Array | None = None
+    for name in names:
+        col = t.column(name)
+        if pa.types.is_nested(col.type):
+            return True
+        a, b = col.slice(0, n - 1), col.slice(1)
+        eq = pc.equal(a, b)
+        if col.null_count:
+            eq = pc.or_kleene(pc.fill_null(eq, False), pc.and_(pc.is_null(a), pc.is_null(b)))
+        mask = eq if mask is None else pc.and_(mask, eq)
+        if not pc.any(mask).as_py():
+            return False
+    return True
+
+
 def _consolidate(t: pa.Table) -> pa.Table:
     from persist_lib.consolidate import consolidate
 
@@ -429,6 +455,13 @@ class _Run:
         self.exhausted = False
         self._first_of_part = False
         self.spill = src.spill
+        # Whether the current part's chunks need the time filter (spilled and folded
+        # runs were filtered when they were made; a part whose times lie inside the
+        # range needs none).
+        self._filter = False
+        # Whether forwarding can make rows of the current part equal: not if the part
+        # holds one time (it is consolidated, so its (k, v) are distinct).
+        self._may_collide = True
         self._spill_file: pa.OSFile | None = None
         self._spill_reader: pa.ipc.RecordBatchFileReader | None = None
         if src.table is not None:  # already decoded (small runs folded in memory)
@@ -484,6 +517,8 @@ class _Run:
             return False
         p = self.parts[self.next_part]
         self.next_part += 1
+        self._filter = (m.lower is not None and p.tmin < m.lower) or (m.upper is not None and p.tmax >= m.upper)
+        self._may_collide = p.tmin != p.tmax
         data = m.fetch_bytes(p)
         m.stats.bytes_read += len(data)
         self.part = None  # let the previous part go before decoding the next
@@ -509,12 +544,12 @@ class _Run:
             self.offset += c.num_rows
             if self.offset >= self.part.num_rows:
                 self.part, self.part_bytes = None, 0  # the slice keeps what it needs alive
-            if m.lower is not None or m.upper is not None:
+            if self._filter:
                 c = time_range(c, m.lower, m.upper)  # a filter: the chunk stays sorted
             if m.since is not None:
                 before = c
                 c = advance_to_since(c, m.since)
-                if c is not before and c.num_rows > 1:
+                if c is not before and c.num_rows > 1 and self._may_collide and _has_adjacent_equal_rows(c):
                     c = _consolidate(c)  # forwarding made equal rows: fold them now
             if c.num_rows == 0:
                 continue
