@@ -790,6 +790,8 @@ class Listen:
         self._budget = handle._read_budget(memory_budget)
         # A range too large to decode at once, being handed out over several calls.
         self._pending: HeldIterator[ListenEvent] | None = None
+        self._partial = False  # updates handed out since the last progress (pending range)
+        self._dead: str | None = None  # why next() can't go on (closed, or failed mid-range)
 
     @property
     def frontier(self) -> Antichain:
@@ -809,6 +811,8 @@ class Listen:
         """
         h = self._h
         h._check_open()
+        if self._dead is not None:
+            raise InvalidUsage(self._dead)
         if self._pending is not None:
             return self._drain_pending()
         if self._frontier.is_empty():
@@ -889,11 +893,16 @@ class Listen:
 
     def _drain_pending(self) -> list[ListenEvent]:
         """The next events of the pending range: updates up to about 1/8 of the budget
-        (at least one chunk), and the progress events among them."""
+        (at least one chunk), and the progress events among them.
+
+        If reading fails, nothing of this call is handed out and the frontier stays;
+        the listen can go on from it unless updates after it were handed out by an
+        earlier call (then it would repeat them: it refuses to continue instead)."""
         p = self._pending
         assert p is not None
         events: list[ListenEvent] = []
         held = 0
+        frontier, partial = self._frontier, self._partial
         try:
             while held < self._budget // 8:
                 try:
@@ -903,27 +912,44 @@ class Listen:
                     break
                 events.append(e)
                 if isinstance(e, ListenProgress):
-                    self._frontier = e.upper
+                    frontier, partial = e.upper, False
                 else:
                     held += e.table.nbytes
-        except BaseException:
+                    partial = True
+        except BaseException as err:
             p.close()
             self._pending = None
+            if self._partial:
+                self._dead = (
+                    f"shard {self._h.shard_id}: listen at frontier {self._frontier} failed "
+                    f"({type(err).__name__}) after handing out part of the updates before its "
+                    "next progress; going on would repeat them. Open a new listen at an as_of "
+                    ">= the since, dropping the updates received after the last progress"
+                )
             raise
         if self._pending is not None and p.closed:
             self._pending = None
+        self._frontier, self._partial = frontier, partial
         return events
 
     def close(self) -> None:
-        """Stops a range being handed out (releasing its hold); a later ``next`` reads
-        again from the frontier."""
+        """Ends the listen: releases what a range being handed out holds; ``next`` then
+        raises ``InvalidUsage``."""
+        if self._dead is None:
+            self._dead = f"shard {self._h.shard_id}: this listen was closed; open a new one"
         if self._pending is not None:
             self._pending.close()
             self._pending = None
 
+    def __enter__(self) -> Listen:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __iter__(self) -> Iterator[ListenEvent]:
         """Blocks forever (until the shard upper becomes empty), yielding events."""
-        while not self._frontier.is_empty():
+        while not self._frontier.is_empty() and self._dead is None:
             yield from self.next(timeout_s=self._h._client.config.listen_poll_max_s)
 
     def read_until(self, upper: int, timeout_s: float = 30.0) -> pa.Table:

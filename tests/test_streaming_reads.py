@@ -23,7 +23,7 @@ from persist_lib import Antichain, PersistClient, PersistConfig, ShardId
 from persist_lib import maintenance as mn
 from persist_lib.compactor import MergeStats, batch_runs, stream_merge
 from persist_lib.consolidate import consolidate, forward_and_filter, is_consolidated
-from persist_lib.errors import InvalidUsage, Timeout
+from persist_lib.errors import CorruptionError, InvalidUsage, Timeout
 from persist_lib.parts import fetch_part
 from persist_lib.read import (
     BatchStream,
@@ -296,21 +296,51 @@ def test_listen_hands_a_large_range_out_in_bounded_chunks() -> None:
 
 def test_listen_close_releases_a_pending_range() -> None:
     f = Fixture(10, batches=12)
-    listen = f.r.listen(f.since, memory_budget=BUDGET)
-    listen.next(1.0)
-    assert listen._pending is not None and f.r._held_seqnos()
-    listen.close()
+    with f.r.listen(f.since, memory_budget=BUDGET) as listen:
+        listen.next(1.0)
+        assert listen._pending is not None and f.r._held_seqnos()
     assert f.r._held_seqnos() == {}
-    # It reads on from its frontier (a later call re-plans the rest of the range).
-    rest: list[Row] = []
-    start = listen.frontier.time
-    assert start is not None
-    while listen.frontier.time is not None and listen.frontier.time < f.upper:
-        for e in listen.next(1.0):
-            if isinstance(e, ListenUpdates):
-                rest += [(r["k"], r["v"], r["ts"], r["diff"]) for r in e.table.to_pylist()]
-    got = sorted((k, v, t, d) for (k, v, t), d in _sum(rest).items() if d)
-    assert got == model_range(f.log, start, f.upper)
+    with pytest.raises(InvalidUsage, match="closed"):
+        listen.next(1.0)
+
+
+def _corrupt(client: PersistClient, key: str) -> None:
+    data = bytearray(client.blob.get(key) or b"")
+    data[len(data) // 2] ^= 0x10
+    client.raw_blob.delete(key)
+    client.raw_blob.set(key, bytes(data))
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_listen_failing_mid_range(where: str) -> None:
+    """A failure before any update of the pending range was handed out leaves the listen
+    at its frontier (a retry reads the same); after some were, it refuses to go on
+    (going on would repeat them)."""
+    client = mem_client()
+    shard = ShardId.new()
+    w, r = client.open(shard, KEY, VAL)
+    for t in range(3):
+        w.compare_and_append([(((i,), (f"v{t}",)), t, 1) for i in range(7000)], t, t + 1)
+    mn.compact(client, shard)  # one batch [0, 3): one sorted run of many parts
+    (b,) = [b for _, b in client.machine(shard).fetch_latest().trace_batches()]
+    assert len(batch_runs(b)) == 1 and len(b.parts) > 20
+    key = b.parts[0 if where == "first" else -1].key
+    assert key is not None
+    _corrupt(client, key)
+    listen = r.listen(0, memory_budget=BUDGET)
+    handed = 0
+    with pytest.raises(CorruptionError):
+        for _ in range(100):
+            handed += sum(1 for e in listen.next(1.0) if isinstance(e, ListenUpdates))
+    assert listen.frontier == Antichain([1]) and r._held_seqnos() == {}
+    if where == "first":
+        assert handed == 0
+        with pytest.raises(CorruptionError):
+            listen.next(1.0)  # not dead: it tries again (and finds the same corruption)
+    else:
+        assert handed > 0
+        with pytest.raises(InvalidUsage, match="repeat"):
+            listen.next(1.0)
 
 
 def _sum(acc: list[Row]) -> Counter[tuple[int, str, int]]:
