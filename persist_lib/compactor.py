@@ -38,6 +38,7 @@ to a dangling reference.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -271,6 +272,14 @@ def estimate_decoded_bytes(p: PartMeta, schemas: Schemas) -> int:
     """Arrow bytes of a decoded part, before decoding it: fixed-width fields exactly,
     variable-width ones from the part's encoded bytes per row (compressed data expands
     ~2-4x; we take 4x to be safe)."""
+    fixed, variable = _row_layout(schemas)
+    per_row_var = 4.0 * p.size / max(p.count, 1) if variable else 0.0
+    return int(p.count * (fixed + per_row_var)) + 4096
+
+
+@functools.lru_cache(maxsize=256)
+def _row_layout(schemas: Schemas) -> tuple[int, int]:
+    """(fixed bytes per row, number of variable-width fields) of the internal layout."""
     fixed = 0
     variable = 0
     for f in internal_schema(schemas):
@@ -280,8 +289,7 @@ def estimate_decoded_bytes(p: PartMeta, schemas: Schemas) -> int:
             fixed += 4  # offsets
         else:
             fixed += bw
-    per_row_var = 4.0 * p.size / max(p.count, 1) if variable else 0.0
-    return int(p.count * (fixed + per_row_var)) + 4096
+    return fixed, variable
 
 
 def _byte_width(t: pa.DataType) -> int | None:
