@@ -40,11 +40,16 @@ unknown, the output is kept (a leak, for the sweeper, beats a dangling reference
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -59,7 +64,7 @@ from persist_lib.batch_builder import BatchBuilder
 from persist_lib.batch_meta import HollowBatch, PartMeta
 from persist_lib.codec import D_COL, T_COL, Schemas, internal_schema
 from persist_lib.config import PersistConfig
-from persist_lib.consolidate import advance_to_since, row_keys
+from persist_lib.consolidate import advance_to_since, row_keys, time_range
 from persist_lib.errors import BlobNotFound, CorruptionError, ExternalError, InvalidUsage
 from persist_lib.frontier import Antichain
 from persist_lib.location.base import Blob
@@ -135,20 +140,36 @@ class _DecodedCache:
 _DECODED = _DecodedCache()
 
 
-def fetch_small_part(blob: Blob, p: PartMeta, schemas: Schemas, shard: str) -> pa.Table:
+def _missing_part(shard: str, key: str, purpose: str) -> BlobNotFound:
+    if purpose == "compaction":
+        return BlobNotFound(
+            f"shard {shard}: compaction input part {key} is missing (it was garbage "
+            "collected: the inputs were replaced meanwhile); the merge is abandoned"
+        )
+    return BlobNotFound(
+        f"shard {shard}: part {key} is missing ({purpose}): it was deleted (garbage collected "
+        "while still referenced?) or never written; re-read the shard state and retry"
+    )
+
+
+def fetch_part_bytes(blob: Blob, p: PartMeta, shard: str, purpose: str = "compaction") -> bytes:
+    """A part's encoded bytes (inline or from blob), not yet verified."""
+    if p.inline is not None:
+        return p.inline
+    if p.key is None:
+        raise CorruptionError(f"shard {shard}: part metadata has neither a blob key nor inline bytes: {p}")
+    got = blob.get(p.key)
+    if got is None:
+        raise _missing_part(shard, p.key, purpose)
+    return got
+
+
+def fetch_small_part(
+    blob: Blob, p: PartMeta, schemas: Schemas, shard: str, purpose: str = "compaction"
+) -> pa.Table:
     """``parts.fetch_part`` for small parts, with the decoded-part cache behind the
     checksum: the bytes are always fetched and verified first."""
-    if p.inline is not None:
-        data = p.inline
-    else:
-        assert p.key is not None
-        got = blob.get(p.key)
-        if got is None:
-            raise BlobNotFound(
-                f"shard {shard}: compaction input part {p.key} is missing (it was garbage "
-                "collected: the inputs were replaced meanwhile); the merge is abandoned"
-            )
-        data = got
+    data = fetch_part_bytes(blob, p, shard, purpose)
     verify_part_bytes(data, expected_sha256=p.sha256, expected_size=p.size, shard=shard, key=p.location)
     fp = schemas.fingerprint()
     hit = _DECODED.get(p.sha256, fp)
@@ -257,6 +278,14 @@ def estimate_decoded_bytes(p: PartMeta, schemas: Schemas) -> int:
     """Arrow bytes of a decoded part, before decoding it: fixed-width fields exactly,
     variable-width ones from the part's encoded bytes per row (compressed data expands
     ~2-4x; we take 4x to be safe)."""
+    fixed, variable = _row_layout(schemas)
+    per_row_var = 4.0 * p.size / max(p.count, 1) if variable else 0.0
+    return int(p.count * (fixed + per_row_var)) + 4096
+
+
+@functools.lru_cache(maxsize=256)
+def _row_layout(schemas: Schemas) -> tuple[int, int]:
+    """(fixed bytes per row, number of variable-width fields) of the internal layout."""
     fixed = 0
     variable = 0
     for f in internal_schema(schemas):
@@ -266,8 +295,7 @@ def estimate_decoded_bytes(p: PartMeta, schemas: Schemas) -> int:
             fixed += 4  # offsets
         else:
             fixed += bw
-    per_row_var = 4.0 * p.size / max(p.count, 1) if variable else 0.0
-    return int(p.count * (fixed + per_row_var)) + 4096
+    return fixed, variable
 
 
 def _byte_width(t: pa.DataType) -> int | None:
@@ -383,6 +411,35 @@ def _consolidate_sorted_equal(t: pa.Table) -> pa.Table:
     return one.set_column(di, one.schema.field(di), pa.array([total], pa.int64()))
 
 
+def _has_adjacent_equal_rows(t: pa.Table) -> bool:
+    """Whether two neighbouring rows of ``t`` (sorted by ``(k, v, t)``) may be equal in
+    ``(k, v, t)``: in a sorted table equal rows are neighbours, so when none are, the
+    table is already consolidated (given nonzero diffs) and consolidating it again —
+    a sort — would change nothing. A linear, vectorized comparison; conservative (True)
+    for nested types. Equality here may differ from the ranking's on floats (NaN, -0.0):
+    a missed duplicate is summed by the merge step anyway."""
+    n = t.num_rows
+    if n < 2:
+        return False
+    names = [T_COL] + [c for c in t.column_names if c not in (T_COL, D_COL)]
+    mask: pa.ChunkedArray | pa.Array | None = None
+    for name in names:
+        col = t.column(name)
+        if pa.types.is_nested(col.type):
+            return True
+        a, b = col.slice(0, n - 1), col.slice(1)
+        try:
+            eq = pc.equal(a, b)
+            if col.null_count:
+                eq = pc.or_kleene(pc.fill_null(eq, False), pc.and_(pc.is_null(a), pc.is_null(b)))
+            mask = eq if mask is None else pc.and_(mask, eq)
+            if not pc.any(mask).as_py():
+                return False
+        except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
+            return True  # a type Arrow can't compare: consolidate to be sure
+    return True
+
+
 def _consolidate(t: pa.Table) -> pa.Table:
     from persist_lib.consolidate import consolidate
 
@@ -414,6 +471,16 @@ class _Run:
         self.buf: pa.Table | None = None
         self.exhausted = False
         self._first_of_part = False
+        self.spill = src.spill
+        # Whether the current part's chunks need the time filter (spilled and folded
+        # runs were filtered when they were made; a part whose times lie inside the
+        # range needs none).
+        self._filter = False
+        # Whether forwarding can make rows of the current part equal: not if the part
+        # holds one time (it is consolidated, so its (k, v) are distinct).
+        self._may_collide = True
+        self._spill_file: pa.OSFile | None = None
+        self._spill_reader: pa.ipc.RecordBatchFileReader | None = None
         if src.table is not None:  # already decoded (small runs folded in memory)
             self.part, self.part_bytes = src.table, src.table.nbytes
             self._first_of_part = True
@@ -426,13 +493,49 @@ class _Run:
         """The decoded part plus buffered rows (counted as copies: an upper bound)."""
         return self.part_bytes + int(self.rows * self.m.row_width)
 
+    def close(self) -> None:
+        """Drops the decoded data and closes a spilled run's file."""
+        self.part = self.buf = self.prev_last = None
+        self._close_spill_file()
+
+    def _close_spill_file(self) -> None:
+        self._spill_reader = None
+        if self._spill_file is not None:
+            self._spill_file.close()
+            self._spill_file = None
+
+    def _load_next_spilled(self) -> bool:
+        """The next record batch of a run spilled to a local file (bounded in size by the
+        merge step that wrote it): read on its own, not memory-mapped."""
+        m = self.m
+        sp = self.spill
+        assert sp is not None
+        if self.next_part >= sp.batches:
+            self._close_spill_file()  # (its buffered rows are still to be merged)
+            return False
+        if self._spill_reader is None:
+            self._spill_file = pa.OSFile(sp.path, "rb")
+            self._spill_reader = pa.ipc.open_file(self._spill_file)
+        table = pa.Table.from_batches([self._spill_reader.get_batch(self.next_part)])
+        self.next_part += 1
+        m.observe_row_width(table)
+        m.account_transient(table.nbytes)
+        self.part, self.offset, self.part_bytes = table, 0, table.nbytes
+        m.stats.rows_read += table.num_rows
+        self._first_of_part = True
+        return True
+
     def _load_next_part(self) -> bool:
         m = self.m
         self.part, self.part_bytes = None, 0
+        if self.spill is not None:
+            return self._load_next_spilled()
         if self.next_part >= len(self.parts):
             return False
         p = self.parts[self.next_part]
         self.next_part += 1
+        self._filter = (m.lower is not None and p.tmin < m.lower) or (m.upper is not None and p.tmax >= m.upper)
+        self._may_collide = p.tmin != p.tmax
         data = m.fetch_bytes(p)
         m.stats.bytes_read += len(data)
         self.part = None  # let the previous part go before decoding the next
@@ -458,10 +561,12 @@ class _Run:
             self.offset += c.num_rows
             if self.offset >= self.part.num_rows:
                 self.part, self.part_bytes = None, 0  # the slice keeps what it needs alive
+            if self._filter:
+                c = time_range(c, m.lower, m.upper)  # a filter: the chunk stays sorted
             if m.since is not None:
                 before = c
                 c = advance_to_since(c, m.since)
-                if c is not before and c.num_rows > 1:
+                if c is not before and c.num_rows > 1 and self._may_collide and _has_adjacent_equal_rows(c):
                     c = _consolidate(c)  # forwarding made equal rows: fold them now
             if c.num_rows == 0:
                 continue
@@ -488,7 +593,12 @@ class _Run:
 
 
 class _Merger:
-    """One k-way merge pass of some runs into a sink (a ``BatchBuilder``)."""
+    """One k-way merge pass of some runs, into a sink (a ``BatchBuilder``: ``merge``) or
+    as an iterator of consolidated tables (``iter_merge``).
+
+    Every chunk read is first filtered to times in ``[lower, upper)`` (when given), then
+    forwarded to ``since``: both keep a sorted run sorted.
+    """
 
     def __init__(
         self,
@@ -498,11 +608,18 @@ class _Merger:
         since: int | None,
         plan: MemoryPlan,
         stats: MergeStats,
+        *,
+        lower: int | None = None,
+        upper: int | None = None,
+        purpose: str = "compaction",
     ) -> None:
         self.blob = blob
         self.schemas = schemas
         self.shard = shard
         self.since = since
+        self.lower = lower
+        self.upper = upper
+        self.purpose = purpose
         self.plan = plan
         self.stats = stats
         self.row_width = 64.0
@@ -511,16 +628,7 @@ class _Merger:
         self._key_cols = [n for n in internal_schema(schemas).names if n != D_COL]
 
     def fetch_bytes(self, p: PartMeta) -> bytes:
-        if p.inline is not None:
-            return p.inline
-        assert p.key is not None
-        data = self.blob.get(p.key)
-        if data is None:
-            raise BlobNotFound(
-                f"shard {self.shard}: compaction input part {p.key} is missing (it was garbage "
-                "collected: the inputs were replaced meanwhile); the merge is abandoned"
-            )
-        return data
+        return fetch_part_bytes(self.blob, p, self.shard, self.purpose)
 
     def observe_row_width(self, t: pa.Table) -> None:
         if t.num_rows:
@@ -549,6 +657,12 @@ class _Merger:
         s.peak_bytes_held = max(s.peak_bytes_held, held)
 
     def merge(self, runs: list[_Run], sink: BatchBuilder) -> None:
+        for out in self.iter_merge(runs):
+            sink.add(out)
+
+    def iter_merge(self, runs: list[_Run]) -> Iterator[pa.Table]:
+        """The merged runs as consolidated tables (internal layout), in ``(k, v, t)``
+        order across tables; each table is one step's output (bounded by the plan)."""
         self.runs = runs
         self.total_rows = sum(r.total_rows for r in runs)
         try:
@@ -564,16 +678,19 @@ class _Merger:
                     continue
                 self._account(runs)
                 self.stats.steps += 1
-                self._step(runs, active, sink)
+                out = self._step(runs, active)
+                if out is not None:
+                    yield out
         finally:
             # Runs and merger reference each other: drop the decoded data now rather
             # than when the cyclic garbage collector gets to it.
             for r in runs:
-                r.part = r.buf = r.prev_last = None
+                r.close()
             self.runs = []
 
-    def _step(self, runs: list[_Run], active: list[_Run], sink: BatchBuilder) -> None:
+    def _step(self, runs: list[_Run], active: list[_Run]) -> pa.Table | None:
         # Rank the first and last buffered row of every active run together.
+        out: pa.Table | None = None
         ends = []
         for r in active:
             assert r.buf is not None
@@ -618,7 +735,7 @@ class _Merger:
                 off += m
             idx = np.concatenate([np.arange(o, o + c, dtype=np.int64) for o, c in take_masks])
             if len(idx):
-                self._emit(cat, keys, idx, sink)
+                out = self._emit(cat, keys, idx)
         # Runs whose last row is F hold only rows equal to F now: fold them, refill.
         for i, r in enumerate(active):
             if r.buf is not None and r.buf.num_rows and kf_end is not None and lasts[i] == kf_end:
@@ -629,8 +746,9 @@ class _Merger:
         for r in runs:
             if not r.exhausted and r.rows < max(2, self.chunk_rows(r) // 2):
                 r.refill()
+        return out
 
-    def _emit(self, cat: pa.Table, keys: np.ndarray, idx: np.ndarray, sink: BatchBuilder) -> None:
+    def _emit(self, cat: pa.Table, keys: np.ndarray, idx: np.ndarray) -> pa.Table | None:
         k = keys[idx]
         order = np.argsort(k, kind="stable")
         sk = k[order]
@@ -643,13 +761,13 @@ class _Merger:
         sums = np.add.reduceat(d, starts)
         keep = sums != 0
         if not keep.any():
-            return
+            return None
         rows = idx[order[starts[keep]]]
         out = cat.take(pa.array(rows))
         di = out.schema.get_field_index(D_COL)
         out = out.set_column(di, out.schema.field(di), pa.array(sums[keep], pa.int64()))
         self.stats.output_rows += out.num_rows
-        sink.add(out)
+        return out
 
 
 # ----- merging batches ------------------------------------------------------------------
@@ -743,6 +861,7 @@ def _merge(
     plan = MemoryPlan.for_runs(budget, [r.max_decoded for r in sources], max_encoded, target_part_bytes)
     stats = MergeStats(runs=len(runs_parts), output_reserve_bytes=8 * plan.output_part_bytes)
     intermediate: list[str] = []
+    ctx = _MergeCtx(blob, schemas, shard, since_t, budget, max_encoded, target_part_bytes, stats, check_order)
 
     def builder(inline: int) -> BatchBuilder:
         return BatchBuilder(
@@ -770,52 +889,29 @@ def _merge(
             _DECODED.put(batch.parts[0].sha256, schemas.fingerprint(), merged)
         return MergeOutput(batch, stats, [])
 
-    def run_pass(group: list[RunSource], sink: BatchBuilder) -> None:
-        # Forwarding is idempotent, so every pass forwards (intermediate runs are cheap).
-        p = MemoryPlan.for_runs(budget, [r.max_decoded for r in group], max_encoded, target_part_bytes)
-        stats.fan_in = max(stats.fan_in, len(group))
-        merger = _Merger(blob, schemas, shard, since_t, p, stats)
-        merger.merge([_Run(merger, src, check_order) for src in group], sink)
+    def to_blob(group: list[RunSource]) -> RunSource | None:
+        # An intermediate run: written to blob, deleted once the merge is done.
+        b = builder(0)
+        try:
+            for t in ctx.iter_pass(group):
+                b.add(t)
+            hb = b.finish(upper)
+        except BaseException:
+            b.abort()
+            raise
+        intermediate.extend(hb.blob_keys())
+        stats.intermediate_bytes += hb.size
+        stats.bytes_written += hb.size
+        return RunSource.of_parts(list(hb.parts), schemas) if hb.parts else None
 
     try:
-        # The smallest runs, up to 1/16 of the budget decoded, are folded into one
-        # in-memory run with a single consolidate: a k-way merge of many tiny runs costs
-        # a step per few rows, a consolidate ~0.3 us per row.
-        level = sorted(sources, key=lambda r: r.total_decoded)
-        folded = 0
-        est = 0
-        while folded < len(level) and est + level[folded].total_decoded <= budget // 16:
-            est += level[folded].total_decoded
-            folded += 1
-        if folded >= 2:
-            stats.passes += 1
-            groups = [r.parts or [] for r in level[:folded]]
-            table = _fold_in_memory(blob, schemas, shard, groups, since_t, stats)
-            level = [RunSource.of_table(table)] + level[folded:]
-        while not plan.fits([r.max_decoded for r in level]) and len(level) > 2:
-            # Merge as many of the smallest runs as fit (at least two), to blob.
-            level.sort(key=lambda r: r.total_decoded)
-            g = 2
-            while g < len(level) and plan.fits([r.max_decoded for r in level[: g + 1]]):
-                g += 1
-            group, level = level[:g], level[g:]
-            stats.passes += 1
-            b = builder(0)
-            try:
-                run_pass(group, b)
-                hb = b.finish(upper)
-            except BaseException:
-                b.abort()
-                raise
-            intermediate.extend(hb.blob_keys())
-            stats.intermediate_bytes += hb.size
-            stats.bytes_written += hb.size
-            if hb.parts:
-                level.append(RunSource.of_parts(list(hb.parts), schemas))
+        level = ctx.fold_smallest(sources)
+        level = ctx.reduce_to_fit(level, plan, to_blob)
         stats.passes += 1
         out = builder(inline_threshold)
         try:
-            run_pass(level, out)
+            for t in ctx.iter_pass(level):
+                out.add(t)
             batch = out.finish(upper, since)
         except BaseException:
             out.abort()
@@ -831,14 +927,98 @@ def _merge(
 
 
 @dataclass
+class _MergeCtx:
+    """What every pass of one merge shares: the plan's inputs and the chunk transform
+    (time filter ``[lower, upper)``, then forwarding to ``since``)."""
+
+    blob: Blob
+    schemas: Schemas
+    shard: str
+    since: int | None
+    budget: int
+    max_encoded: int
+    target_part_bytes: int
+    stats: MergeStats
+    check_order: bool
+    lower: int | None = None
+    upper: int | None = None
+    purpose: str = "compaction"
+
+    def iter_pass(self, group: list[RunSource]) -> Iterator[pa.Table]:
+        """One k-way merge pass of ``group`` (planned for just these runs)."""
+        # Forwarding and filtering are idempotent, so every pass applies them
+        # (intermediate runs are cheap to re-filter).
+        p = MemoryPlan.for_runs(
+            self.budget, [r.max_decoded for r in group], self.max_encoded, self.target_part_bytes
+        )
+        self.stats.fan_in = max(self.stats.fan_in, len(group))
+        merger = _Merger(
+            self.blob, self.schemas, self.shard, self.since, p, self.stats,
+            lower=self.lower, upper=self.upper, purpose=self.purpose,
+        )
+        return merger.iter_merge([_Run(merger, src, self.check_order) for src in group])
+
+    def fold_smallest(self, sources: list[RunSource]) -> list[RunSource]:
+        """The smallest runs, up to 1/16 of the budget decoded, folded into one in-memory
+        run with a single consolidate: a k-way merge of many tiny runs costs a step per
+        few rows, a consolidate ~0.3 us per row. Returns the runs to merge."""
+        level = sorted(sources, key=lambda r: r.total_decoded)
+        folded = 0
+        est = 0
+        while folded < len(level) and est + level[folded].total_decoded <= self.budget // 16:
+            est += level[folded].total_decoded
+            folded += 1
+        if folded >= 2:
+            self.stats.passes += 1
+            groups = [r.parts or [] for r in level[:folded]]
+            table = _fold_in_memory(
+                self.blob, self.schemas, self.shard, groups, self.since, self.stats,
+                lower=self.lower, upper=self.upper, purpose=self.purpose,
+            )
+            level = [RunSource.of_table(table)] + level[folded:]
+        return level
+
+    def reduce_to_fit(
+        self,
+        level: list[RunSource],
+        plan: MemoryPlan,
+        write_run: Callable[[list[RunSource]], RunSource | None],
+    ) -> list[RunSource]:
+        """While the runs don't fit the plan together, merges as many of the smallest as
+        fit (at least two) into an intermediate run (``write_run``: to blob or a local
+        file); returns runs that fit (or two that don't)."""
+        while not plan.fits([r.max_decoded for r in level]) and len(level) > 2:
+            level.sort(key=lambda r: r.total_decoded)
+            g = 2
+            while g < len(level) and plan.fits([r.max_decoded for r in level[: g + 1]]):
+                g += 1
+            group, level = level[:g], level[g:]
+            self.stats.passes += 1
+            new = write_run(group)
+            if new is not None:
+                level.append(new)
+        return level
+
+
+@dataclass
+class SpilledRun:
+    """A sorted run written to a local Arrow IPC file (record batches of bounded size)."""
+
+    path: str
+    batches: int
+
+
+@dataclass
 class RunSource:
-    """A run to merge: its parts in blob/inline, or (folded small runs) a decoded table."""
+    """A run to merge: its parts in blob/inline, (folded small runs) a decoded table, or
+    (an intermediate run of a read) a local file."""
 
     parts: list[PartMeta] | None
     table: pa.Table | None
     rows: int
     max_decoded: int  # the most one decoded part of it holds at once (estimated)
     total_decoded: int  # all of it decoded (estimated)
+    spill: SpilledRun | None = None
 
     @classmethod
     def of_parts(cls, parts: list[PartMeta], schemas: Schemas) -> RunSource:
@@ -852,17 +1032,21 @@ class RunSource:
 
 def _fold_in_memory(
     blob: Blob, schemas: Schemas, shard: str, runs: list[list[PartMeta]], since_t: int | None,
-    stats: MergeStats,
+    stats: MergeStats, *, lower: int | None = None, upper: int | None = None,
+    purpose: str = "compaction",
 ) -> pa.Table:
-    """Decodes every part of ``runs`` whole, forwards and consolidates them at once."""
+    """Decodes every part of ``runs`` whole, filters to ``[lower, upper)``, forwards and
+    consolidates them at once."""
     tables = []
     enc = 0
     for run in runs:
         for p in run:
-            t = fetch_small_part(blob, p, schemas, shard)
+            t = fetch_small_part(blob, p, schemas, shard, purpose)
             enc += p.size
             stats.bytes_read += p.size
             stats.rows_read += t.num_rows
+            if lower is not None or upper is not None:
+                t = time_range(t, lower, upper)
             tables.append(advance_to_since(t, since_t) if since_t is not None else t)
     rows = sum(t.num_rows for t in tables)
     decoded = sum(t.nbytes for t in tables)
@@ -871,6 +1055,150 @@ def _fold_in_memory(
     if not tables:
         return internal_schema(schemas).empty_table()
     return _consolidate(pa.concat_tables(tables))
+
+
+# ----- streaming merges (reads) -----------------------------------------------------------
+
+
+def stream_merge(
+    blob: Blob,
+    schemas: Schemas,
+    *,
+    shard: str,
+    runs: list[list[PartMeta]],
+    memory_budget: int,
+    since: int | None = None,
+    lower: int | None = None,
+    upper: int | None = None,
+    spill_dir: str | None = None,
+    stats: MergeStats | None = None,
+    purpose: str = "read",
+) -> Iterator[pa.Table]:
+    """The updates of ``runs`` (each a list of parts sorted across part boundaries)
+    filtered to times in ``[lower, upper)``, forwarded to ``since`` and consolidated, as
+    a stream of tables (internal layout) in ``(k, v, t)`` order across tables — the
+    compactor's k-way merge, emitting to the caller instead of to a ``BatchBuilder``.
+
+    Memory is planned as for compaction (``MemoryPlan``): the smallest runs are folded
+    in memory, and when the remaining runs don't fit the budget together they are
+    merged in groups into intermediate runs written to local Arrow IPC files under
+    ``spill_dir`` (a temporary directory, deleted when the stream ends or is closed);
+    a reader never writes to blob. Each yielded table is one merge step's output.
+
+    A generator: nothing is fetched before the first ``next``; ``close()`` (or dropping
+    it) releases what it holds. A batch that claims to be one sorted run (a compactor
+    output) but isn't is re-merged with a run per part when nothing was yielded yet;
+    later, it raises ``CorruptionError`` (the rows already yielded can't be taken back).
+    """
+    if memory_budget < 1 * MiB:
+        raise InvalidUsage(f"memory budget must be >= 1 MiB, got {memory_budget} bytes")
+    st = stats if stats is not None else MergeStats()
+    runs = [r for r in runs if r]
+    st.runs += len(runs)  # (stats may add up several streams)
+    if not runs:
+        return
+    yielded = False
+    try:
+        for t in _coalesce(
+            _stream_runs(blob, schemas, shard, runs, memory_budget, since, lower, upper,
+                         spill_dir, st, purpose, check_order=True),
+            memory_budget // 64,
+        ):
+            yielded = True
+            yield t
+    except _RunOrderViolation:
+        if yielded:
+            raise CorruptionError(
+                f"shard {shard}: a batch written by the compactor is not one sorted run (its "
+                "parts overlap); the read stopped after returning part of its rows. Read "
+                "again with a snapshot() (it re-merges with a run per part) and investigate "
+                "the compactor that wrote it"
+            ) from None
+        log.warning("shard %s: compactor runs were not sorted; reading with a run per part", shard)
+        st.restarted_per_part = True
+        per_part = [[p] for run in runs for p in run]
+        yield from _coalesce(
+            _stream_runs(blob, schemas, shard, per_part, memory_budget, since, lower, upper,
+                         spill_dir, st, purpose, check_order=False),
+            memory_budget // 64,
+        )
+
+
+def _coalesce(tables: Iterator[pa.Table], min_bytes: int) -> Iterator[pa.Table]:
+    """Joins consecutive small tables (merge steps near the end of a run emit a few rows
+    each) until they hold ``min_bytes``; larger ones pass through."""
+    pending: list[pa.Table] = []
+    held = 0
+    for t in tables:
+        pending.append(t)
+        held += t.nbytes
+        if held >= min_bytes:
+            yield pending[0] if len(pending) == 1 else pa.concat_tables(pending).combine_chunks()
+            pending, held = [], 0
+    if pending:
+        yield pending[0] if len(pending) == 1 else pa.concat_tables(pending).combine_chunks()
+
+
+def _stream_runs(
+    blob: Blob, schemas: Schemas, shard: str, runs_parts: list[list[PartMeta]], budget: int,
+    since: int | None, lower: int | None, upper: int | None, spill_dir: str | None,
+    stats: MergeStats, purpose: str, *, check_order: bool,
+) -> Iterator[pa.Table]:
+    max_encoded = max((p.size for run in runs_parts for p in run), default=0)
+    sources = [RunSource.of_parts(run, schemas) for run in runs_parts]
+    # No output parts here: the consumer holds what it is handed. The plan's share for
+    # them (1/32 of the budget, ~8x) covers the yielded table and its conversions.
+    target = budget
+    plan = MemoryPlan.for_runs(budget, [r.max_decoded for r in sources], max_encoded, target)
+    ctx = _MergeCtx(
+        blob, schemas, shard, since, budget, max_encoded, target, stats, check_order,
+        lower=lower, upper=upper, purpose=purpose,
+    )
+    tmpdir: str | None = None
+    schema = internal_schema(schemas)
+    total_in = sum(p.size for run in runs_parts for p in run)
+    if total_in <= budget // 64:
+        stats.passes += 1
+        merged = _fold_in_memory(
+            blob, schemas, shard, runs_parts, since, stats, lower=lower, upper=upper, purpose=purpose
+        )
+        stats.output_rows += merged.num_rows
+        if merged.num_rows:
+            yield merged
+        return
+
+    def to_local_file(group: list[RunSource]) -> RunSource | None:
+        nonlocal tmpdir
+        if tmpdir is None:
+            tmpdir = tempfile.mkdtemp(prefix="persist-merge-", dir=spill_dir)
+        path = os.path.join(tmpdir, f"run-{uuid.uuid4().hex}.arrow")
+        rows = batches = max_bytes = total = 0
+        opts = pa.ipc.IpcWriteOptions(compression="lz4" if pa.Codec.is_available("lz4") else None)
+        with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, schema, options=opts) as w:
+            for t in ctx.iter_pass(group):
+                for b in t.to_batches():
+                    w.write_batch(b)
+                    rows += b.num_rows
+                    batches += 1
+                    max_bytes = max(max_bytes, b.nbytes)
+                    total += b.nbytes
+        stats.intermediate_bytes += os.path.getsize(path)
+        for src in group:  # a spilled input run is no longer needed
+            if src.spill is not None:
+                os.unlink(src.spill.path)
+        if rows == 0:
+            os.unlink(path)
+            return None
+        return RunSource(None, None, rows, max_bytes, total, SpilledRun(path, batches))
+
+    try:
+        level = ctx.fold_smallest(sources)
+        level = ctx.reduce_to_fit(level, plan, to_local_file)
+        stats.passes += 1
+        yield from ctx.iter_pass(level)
+    finally:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 # ----- the compactor --------------------------------------------------------------------

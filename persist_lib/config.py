@@ -37,6 +37,9 @@ class PersistConfig:
     snapshot_timeout_s: float = 60.0
     fetch_parallelism: int = 4
     listen_poll_max_s: float = 1.0
+    # Streaming reads (snapshot_batches, updates_between_batches, large listens) and the
+    # in-memory snapshot's choice between decoding whole and streaming: their budget.
+    read_memory_budget: int = 256 * MiB
     # Compaction (in-process, background). Filled in by the maintenance layer.
     compaction_enabled: bool = False
     compaction_memory_budget: int = 256 * MiB

@@ -6,25 +6,46 @@ references). Every read registers the seqno of the state version it reads from u
 it is done, and the hold only moves up to the oldest such registration, so a blob a
 read is fetching can't be deleted under it — unless the lease lapses, in which case
 the read fails with ``LeaseExpired`` rather than returning partial data.
+
+**Memory.** Reads have a budget (``memory_budget``, default
+``PersistConfig.read_memory_budget``). A read whose parts, decoded whole, fit it is
+done the simple way (fetch every part in parallel, one consolidate). A larger one
+streams: ``snapshot_batches`` / ``updates_between_batches`` yield record batches from
+the compactor's k-way merge of the parts' sorted runs (``compactor.stream_merge``),
+holding about one decoded part per run plus the merge's chunks; runs that don't fit
+together are first merged into spill files in the local temporary directory
+(``$TMPDIR``), deleted when the stream ends. The stream holds its seqno hold
+until it is exhausted, closed or garbage collected. ``snapshot`` and
+``updates_between`` build their table from the stream when the read is large, and a
+``Listen`` whose next range is large hands its updates out over several ``next``
+calls, batch by batch of the trace (in time order), in chunks.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
-from collections.abc import Iterator
+import weakref
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import pyarrow as pa
 
 from persist_lib import state as st
 from persist_lib import transitions as tr
-from persist_lib.batch_meta import PartMeta
-from persist_lib.codec import Schemas, to_user_table
+from persist_lib.batch_meta import HollowBatch, PartMeta
+from persist_lib.codec import Schemas, to_user_table, user_schema
+from persist_lib.compactor import (
+    STEP_BYTES_PER_ROW,
+    MergeStats,
+    batch_runs,
+    estimate_decoded_bytes,
+    stream_merge,
+)
 from persist_lib.consolidate import consolidate, snapshot_at, time_range
 from persist_lib.errors import BlobNotFound, InvalidUsage, LeaseExpired, Timeout
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
@@ -53,6 +74,117 @@ class ListenProgress:
 
 
 ListenEvent = ListenUpdates | ListenProgress
+
+MiB = 1 << 20
+T = TypeVar("T")
+
+
+def _close_source(source: Iterator[Any], release: Callable[[], None]) -> None:
+    try:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+    finally:
+        release()
+
+
+class HeldIterator(Generic[T]):
+    """An iterator that holds something (a reader's seqno hold) while it is open.
+
+    What it holds is released exactly once: when the iterator is exhausted, raises,
+    is closed (``close()``, or leaving a ``with`` block) or is garbage collected.
+    """
+
+    def __init__(self, source: Iterator[T], release: Callable[[], None]) -> None:
+        self._source = source
+        # The finalizer references the source and the release callback, never self.
+        self._finalizer = weakref.finalize(self, _close_source, source, release)
+
+    def __iter__(self) -> HeldIterator[T]:
+        return self
+
+    def __next__(self) -> T:
+        if not self._finalizer.alive:
+            raise StopIteration
+        try:
+            return next(self._source)
+        except BaseException:  # exhausted (StopIteration) or failed: release now
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stops the iteration and releases what it holds (idempotent)."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> HeldIterator[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class BatchStream(HeldIterator[pa.RecordBatch]):
+    """Record batches of a streaming read (key fields, value fields, ``ts``, ``diff``).
+
+    Iterate it (or ``read_all()``); close it (or use ``with``) when stopping early. It
+    holds its reader's seqno hold until then, so the parts it reads can't be garbage
+    collected under it. ``stats`` fills in as it is read (runs, passes, rows, the most
+    the merge held at once; ``passes == 0``: the parts were small and read whole).
+    """
+
+    def __init__(
+        self,
+        source: Iterator[pa.RecordBatch],
+        schema: pa.Schema,
+        release: Callable[[], None],
+        stats: MergeStats | None = None,
+    ) -> None:
+        super().__init__(source, release)
+        self.schema = schema
+        self.stats = stats if stats is not None else MergeStats()
+
+    def __enter__(self) -> BatchStream:
+        return self
+
+    def read_all(self) -> pa.Table:
+        """The rest of the stream as one table (then closed)."""
+        with self:
+            return pa.Table.from_batches(list(self), schema=self.schema)
+
+
+def _whole_read_bytes(parts: list[PartMeta], schemas: Schemas) -> int:
+    """What reading ``parts`` whole costs at peak: the decoded parts (fetched in
+    parallel), their concatenation and the consolidated output, plus the consolidate's
+    working set per row."""
+    dec = sum(estimate_decoded_bytes(p, schemas) for p in parts)
+    rows = sum(p.count for p in parts)
+    return 3 * dec + rows * STEP_BYTES_PER_ROW
+
+
+def _row_width(schemas: Schemas) -> int:
+    """Bytes per row of the internal layout (variable-width fields counted as 32)."""
+    from persist_lib.codec import internal_schema
+
+    w = 0
+    for f in internal_schema(schemas):
+        try:
+            w += max(1, f.type.bit_width // 8)
+        except ValueError:
+            w += 32
+    return w
+
+
+def _batch_overlaps(b: HollowBatch, lower: int, upper: int | None) -> bool:
+    """Whether batch ``b`` may hold updates at times in ``[lower, upper)``."""
+    return (b.upper.is_empty() or (b.upper.time or 0) > lower) and (upper is None or (b.lower.time or 0) < upper)
+
+
+def _part_overlaps(p: PartMeta, lower: int, upper: int | None) -> bool:
+    return p.tmax >= lower and (upper is None or p.tmin < upper)
 
 
 @dataclass(frozen=True)
@@ -129,14 +261,15 @@ def _balance(parts: list[PartMeta], n: int) -> list[list[PartMeta]]:
     return buckets
 
 
-def _parts_in_range(state: st.ShardState, lower: int, upper: int) -> list[PartMeta]:
-    """The parts that may hold updates at times in ``[lower, upper)``."""
+def _parts_in_range(state: st.ShardState, lower: int, upper: int | None) -> list[PartMeta]:
+    """The parts that may hold updates at times in ``[lower, upper)`` (``None``: no
+    upper bound)."""
     return [
         p
         for _, b in state.trace_batches()
-        if (b.upper.is_empty() or (b.upper.time or 0) > lower) and (b.lower.time or 0) < upper
+        if _batch_overlaps(b, lower, upper)
         for p in b.parts
-        if p.tmax >= lower and p.tmin < upper
+        if _part_overlaps(p, lower, upper)
     ]
 
 
@@ -160,6 +293,7 @@ class ReadHandle:
         self.schemas = schemas
         self.purpose = purpose
         self._holds: Counter[int] = Counter()
+        self._released: deque[int] = deque()  # holds released by streams, to apply
         self._split_holds: list[int] = []
         self._lock = threading.Lock()
         self._expired = False
@@ -185,20 +319,135 @@ class ReadHandle:
 
     # ----- snapshots ----------------------------------------------------------------
 
-    def snapshot(self, as_of: int, timeout_s: float | None = None) -> pa.Table:
+    def snapshot(
+        self, as_of: int, timeout_s: float | None = None, *, memory_budget: int | None = None
+    ) -> pa.Table:
         """The shard's contents at ``as_of``: every update at ``t <= as_of``, consolidated.
 
         Waits (up to ``timeout_s``) while ``as_of`` is not yet complete (``as_of >= upper``);
-        ``as_of`` below this reader's since is an ``InvalidUsage``.
+        ``as_of`` below this reader's since is an ``InvalidUsage``. The table is whole in
+        memory; when decoding every part at once would exceed ``memory_budget`` it is
+        built from ``snapshot_batches`` (the table plus about the budget at peak).
         """
         self._check_open()
         as_of = check_time(as_of, "as_of")
+        budget = self._read_budget(memory_budget)
         with self._hold():
             state = self._wait_for_upper_beyond(as_of, timeout_s)
             self._check_as_of(state, as_of)
-            parts = [p for _, b in state.trace_batches() if b.lower.less_equal(as_of) for p in b.parts]
+            tables = list(self._snapshot_tables(state, as_of, budget))
+        return to_user_table(_concat(tables, self.schemas), self.schemas)
+
+    def snapshot_batches(
+        self, as_of: int, *, memory_budget: int | None = None, timeout_s: float | None = None
+    ) -> BatchStream:
+        """``snapshot(as_of)`` as a stream of record batches, within ``memory_budget``
+        (default ``PersistConfig.read_memory_budget``, at least 1 MiB) however large the
+        shard: the same rows (each ``(k, v)`` at most once, nonzero diffs, ``ts`` =
+        ``as_of``), in ``(k, v)`` order.
+
+        Arguments are checked, and the wait for the upper done, before this returns
+        (``InvalidUsage``, ``Timeout`` as for ``snapshot``); parts are fetched as the
+        stream is iterated. The stream holds this reader's seqno hold until it is
+        exhausted, closed or garbage collected: close it when stopping early (``with``).
+        """
+        self._check_open()
+        as_of = check_time(as_of, "as_of")
+        budget = self._read_budget(memory_budget)
+        seqno = self._take_hold()
+        try:
+            state = self._wait_for_upper_beyond(as_of, timeout_s)
+            self._check_as_of(state, as_of)
+        except BaseException:
+            self._release_hold(seqno)
+            raise
+        stats = MergeStats()
+        return self._stream(self._snapshot_tables(state, as_of, budget, stats), budget, seqno, stats)
+
+    def _snapshot_tables(
+        self, state: st.ShardState, as_of: int, budget: int, stats: MergeStats | None = None
+    ) -> Iterator[pa.Table]:
+        """The snapshot at ``as_of`` as consolidated tables (internal layout)."""
+        stats = stats if stats is not None else MergeStats()
+        runs = [
+            [p for p in run if p.tmin <= as_of]
+            for _, b in state.trace_batches()
+            if b.lower.less_equal(as_of)
+            for run in batch_runs(b)
+        ]
+        parts = [p for run in runs for p in run]
+        if _whole_read_bytes(parts, self.schemas) <= budget:
             tables = self._fetch_all(parts, lambda t: snapshot_at(t, as_of))
-        return to_user_table(consolidate(_concat(tables, self.schemas)), self.schemas)
+            out = consolidate(_concat(tables, self.schemas))
+            stats.runs += len(runs)
+            stats.output_rows += out.num_rows
+            if out.num_rows:
+                yield out
+            return
+        yield from self._guard_missing(
+            stream_merge(
+                self._client.blob, self.schemas, shard=self.shard_id, runs=runs, memory_budget=budget,
+                since=as_of, upper=as_of + 1, stats=stats, purpose="snapshot read",
+            )
+        )
+
+    def _range_tables(
+        self, state: st.ShardState, lower: int, upper: int | None, budget: int, *, sort_by_time: bool,
+        stats: MergeStats | None = None,
+    ) -> Iterator[pa.Table]:
+        """The updates at times in ``[lower, upper)`` as consolidated tables (internal
+        layout), batch by batch of the trace, so in time order across tables (batches
+        hold disjoint time ranges, so nothing consolidates across them); each table is
+        sorted by time if ``sort_by_time``, else by ``(k, v, t)``."""
+        stats = stats if stats is not None else MergeStats()
+        parts = _parts_in_range(state, lower, upper)
+        if _whole_read_bytes(parts, self.schemas) <= budget:
+            tables = self._fetch_all(parts, lambda t: time_range(t, lower, upper))
+            out = consolidate(_concat(tables, self.schemas))
+            stats.output_rows += out.num_rows
+            if out.num_rows:
+                yield out.sort_by([("t", "ascending")]) if sort_by_time else out
+            return
+        for _, b in state.trace_batches():
+            if not _batch_overlaps(b, lower, upper):
+                continue
+            runs = [[p for p in run if _part_overlaps(p, lower, upper)] for run in batch_runs(b)]
+            for t in self._guard_missing(
+                stream_merge(
+                    self._client.blob, self.schemas, shard=self.shard_id, runs=runs,
+                    memory_budget=budget, lower=lower, upper=upper, stats=stats, purpose="range read",
+                )
+            ):
+                yield t.sort_by([("t", "ascending")]) if sort_by_time else t
+
+    def _stream(self, tables: Iterator[pa.Table], budget: int, seqno: int, stats: MergeStats) -> BatchStream:
+        """Wraps internal tables as a ``BatchStream`` that releases ``seqno`` when done."""
+        schemas = self.schemas
+        max_rows = max(1024, (budget // 32) // max(1, _row_width(schemas)))
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            for t in tables:
+                self._check_open()
+                yield from to_user_table(t, schemas).to_batches(max_chunksize=max_rows)
+
+        return BatchStream(batches(), user_schema(schemas), lambda: self._release_hold(seqno), stats)
+
+    def _guard_missing(self, it: Iterator[pa.Table]) -> Iterator[pa.Table]:
+        """A missing blob we were entitled to read means our lease lapsed (expiry dropped
+        our seqno hold and GC ran): that raises ``LeaseExpired``; anything else is a loss."""
+        try:
+            yield from it
+        except BlobNotFound:
+            self._me(self._machine.fetch_latest())
+            raise
+
+    def _read_budget(self, memory_budget: int | None) -> int:
+        b = self._client.config.read_memory_budget if memory_budget is None else memory_budget
+        if isinstance(b, bool) or not isinstance(b, int) or b < MiB:
+            raise InvalidUsage(
+                f"shard {self.shard_id}: memory_budget must be an int >= 1 MiB ({MiB} bytes), got {b!r}"
+            )
+        return b
 
     def snapshot_splits(self, as_of: int, num_splits: int, timeout_s: float | None = None) -> list[SnapshotSplit]:
         """Splits of the snapshot at ``as_of`` that other processes (Spark executors) fetch.
@@ -286,8 +535,11 @@ class ReadHandle:
                     del self._holds[s]
             self._split_holds.clear()
 
-    def updates_between(self, lower: int, upper: int, timeout_s: float | None = None) -> pa.Table:
-        """Every update at times in ``[lower, upper)``, consolidated (times not forwarded).
+    def updates_between(
+        self, lower: int, upper: int, timeout_s: float | None = None, *, memory_budget: int | None = None
+    ) -> pa.Table:
+        """Every update at times in ``[lower, upper)``, consolidated (times not forwarded),
+        sorted by time.
 
         Waits until the shard upper reaches ``upper``. ``lower`` must be *beyond* this
         reader's since (or both 0): compaction forwards older updates to the since, so the
@@ -295,34 +547,71 @@ class ReadHandle:
         block of incremental (listen-range) reads.
         """
         self._check_open()
-        lower = check_time(lower, "lower")
-        upper = check_time(upper, "upper")
-        if upper < lower:
-            raise InvalidUsage(f"shard {self.shard_id}: range [{lower}, {upper}) is backwards")
+        lower, upper = self._check_range_args(lower, upper)
+        budget = self._read_budget(memory_budget)
         if upper == lower:
             return to_user_table(_concat([], self.schemas), self.schemas)
         with self._hold():
             state = self._wait_for_upper_beyond(upper - 1, timeout_s)
             self._check_range_lower(state, lower)
-            parts = _parts_in_range(state, lower, upper)
-            tables = self._fetch_all(parts, lambda t: time_range(t, lower, upper))
-        internal = consolidate(_concat(tables, self.schemas))
+            tables = list(self._range_tables(state, lower, upper, budget, sort_by_time=False))
+        internal = _concat(tables, self.schemas)
         return to_user_table(internal.sort_by([("t", "ascending")]), self.schemas)
+
+    def updates_between_batches(
+        self, lower: int, upper: int, *, memory_budget: int | None = None, timeout_s: float | None = None
+    ) -> BatchStream:
+        """``updates_between(lower, upper)`` as a stream of record batches within
+        ``memory_budget``: the same rows, in time order batch by batch of the shard's
+        trace (each batch of the trace covers its own time range) and sorted by time
+        within each record batch, but not globally (one large trace batch comes out in
+        several record batches, each sorted by time).
+
+        Arguments are checked and the upper waited for before this returns; the stream
+        holds this reader's seqno hold until it is exhausted, closed or collected.
+        """
+        self._check_open()
+        lower, upper = self._check_range_args(lower, upper)
+        budget = self._read_budget(memory_budget)
+        seqno = self._take_hold()
+        try:
+            if upper > lower:
+                state = self._wait_for_upper_beyond(upper - 1, timeout_s)
+                self._check_range_lower(state, lower)
+        except BaseException:
+            self._release_hold(seqno)
+            raise
+        stats = MergeStats()
+        tables: Iterator[pa.Table] = (
+            self._range_tables(state, lower, upper, budget, sort_by_time=True, stats=stats)
+            if upper > lower
+            else iter(())
+        )
+        return self._stream(tables, budget, seqno, stats)
+
+    def _check_range_args(self, lower: int, upper: int) -> tuple[int, int]:
+        lower = check_time(lower, "lower")
+        upper = check_time(upper, "upper")
+        if upper < lower:
+            raise InvalidUsage(f"shard {self.shard_id}: range [{lower}, {upper}) is backwards")
+        return lower, upper
 
     # ----- listen -------------------------------------------------------------------
 
-    def listen(self, as_of: int) -> Listen:
+    def listen(self, as_of: int, *, memory_budget: int | None = None) -> Listen:
         """Every update at times ``> as_of``, in time order, with progress events.
 
         Together with ``snapshot(as_of)`` it reproduces the collection at every later time.
+        A ``next`` call decodes about ``memory_budget`` at most (see ``Listen.next``).
         """
         self._check_open()
         as_of = check_time(as_of, "as_of")
+        budget = self._read_budget(memory_budget)
         state = self._machine.cached()
         if not state.exists:
             state = self._machine.fetch_latest()
         self._check_as_of(state, as_of)
-        return Listen(self, as_of)
+        return Listen(self, as_of, budget)
 
     # ----- since -----------------------------------------------------------------------
 
@@ -349,6 +638,7 @@ class ReadHandle:
 
     def _hold_seqno(self, s: st.ShardState) -> int:
         with self._lock:
+            self._apply_released()
             held = min(self._holds) if self._holds else None
         return s.seqno if held is None else min(held, s.seqno)
 
@@ -421,22 +711,56 @@ class ReadHandle:
         return s
 
     @contextmanager
-    def _hold(self) -> Iterator[None]:
-        """Holds the cached seqno while a read runs.
+    def _hold(self) -> Iterator[int]:
+        """Holds the cached seqno while a read runs (yields it).
 
         Taken *before* the read picks the state version it reads, so a concurrent
         heartbeat can never move this reader's durable seqno hold past that version.
         """
-        with self._lock:
-            seqno = self._machine.cached().seqno
-            self._holds[seqno] += 1
+        seqno = self._take_hold()
         try:
-            yield
+            yield seqno
         finally:
             with self._lock:
                 self._holds[seqno] -= 1
                 if self._holds[seqno] <= 0:
                     del self._holds[seqno]
+
+    def _take_hold(self, seqno: int | None = None) -> int:
+        """Registers a hold on ``seqno`` (default: the cached state's, taken before the
+        read picks its state version; an explicit one must already be held)."""
+        with self._lock:
+            s = self._machine.cached().seqno if seqno is None else seqno
+            self._holds[s] += 1
+        return s
+
+    def _release_hold(self, seqno: int) -> None:
+        """Releases a hold taken by ``_take_hold`` for a stream. May run in a finalizer
+        (any thread, at any allocation): it never waits for the lock; a release that
+        can't take it now is applied by the next heartbeat (the only reader of holds)."""
+        self._released.append(seqno)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_released()
+            finally:
+                self._lock.release()
+
+    def _apply_released(self) -> None:
+        """Applies released stream holds (the lock is held)."""
+        while True:
+            try:
+                s = self._released.popleft()
+            except IndexError:
+                return
+            self._holds[s] -= 1
+            if self._holds[s] <= 0:
+                del self._holds[s]
+
+    def _held_seqnos(self) -> dict[int, int]:
+        """The seqnos this handle holds, with counts (for tests and ``inspect``)."""
+        with self._lock:
+            self._apply_released()
+            return dict(self._holds)
 
     def _fetch_all(self, parts: list[PartMeta], post: Any) -> list[pa.Table]:
         blob = self._client.blob
@@ -459,10 +783,15 @@ class ReadHandle:
 class Listen:
     """An ongoing subscription: ``next(timeout)`` returns the events since the last call."""
 
-    def __init__(self, handle: ReadHandle, as_of: int) -> None:
+    def __init__(self, handle: ReadHandle, as_of: int, memory_budget: int | None = None) -> None:
         self._h = handle
         self.as_of = as_of
         self._frontier: Antichain = Antichain([as_of + 1])
+        self._budget = handle._read_budget(memory_budget)
+        # A range too large to decode at once, being handed out over several calls.
+        self._pending: HeldIterator[ListenEvent] | None = None
+        self._partial = False  # updates handed out since the last progress (pending range)
+        self._dead: str | None = None  # why next() can't go on (closed, or failed mid-range)
 
     @property
     def frontier(self) -> Antichain:
@@ -470,18 +799,34 @@ class Listen:
         return self._frontier
 
     def next(self, timeout_s: float = 1.0) -> list[ListenEvent]:
-        """New events, waiting up to ``timeout_s`` for the upper to advance ([] if it didn't)."""
+        """New events, waiting up to ``timeout_s`` for the upper to advance ([] if it didn't).
+
+        Updates come in time order: each ``ListenUpdates`` is sorted by time and covers
+        ``[lower, upper)``; a ``ListenProgress(upper)`` follows all the updates before
+        ``upper``. When the updates of the new range decoded at once would exceed the
+        listen's memory budget, they are handed out over several calls instead (each
+        decoding about the budget at most): batch by batch of the shard's trace, in time
+        order, with a progress event after each batch; a large batch comes in several
+        ``ListenUpdates`` with the same ``[lower, upper)``, each sorted by time.
+        """
         h = self._h
         h._check_open()
+        if self._dead is not None:
+            raise InvalidUsage(self._dead)
+        if self._pending is not None:
+            return self._drain_pending()
         if self._frontier.is_empty():
             return []
         f = self._frontier.time
         assert f is not None
         deadline = time.monotonic() + timeout_s
-        with h._hold():
-            return self._next_held(f, deadline)
+        with h._hold() as held:
+            events = self._next_held(f, deadline, held)
+        if events is None:  # a large range: stream it (its own hold was taken above)
+            return self._drain_pending()
+        return events
 
-    def _next_held(self, f: int, deadline: float) -> list[ListenEvent]:
+    def _next_held(self, f: int, deadline: float, held: int) -> list[ListenEvent] | None:
         h = self._h
         s = h._machine.cached()
         if not s.exists or s.upper <= self._frontier:
@@ -505,14 +850,13 @@ class Listen:
             )
         upper = s.upper
         hi = upper.time
-        parts = [
-            p
-            for _, b in s.trace_batches()
-            if (b.upper.is_empty() or (b.upper.time or 0) > f)
-            and (hi is None or (b.lower.time or 0) < hi)
-            for p in b.parts
-            if p.tmax >= f and (hi is None or p.tmin < hi)
-        ]
+        parts = _parts_in_range(s, f, hi)
+        if _whole_read_bytes(parts, h.schemas) > self._budget:
+            # Too large to decode at once: hand it out over several calls. The stream
+            # takes its own hold on the seqno held now (so it can't have been passed).
+            seqno = h._take_hold(held)
+            self._pending = HeldIterator(self._stream_events(s, f, upper), lambda: h._release_hold(seqno))
+            return None
         tables = h._fetch_all(parts, lambda t: time_range(t, f, hi))
         events: list[ListenEvent] = []
         internal = consolidate(_concat(tables, h.schemas))
@@ -523,9 +867,89 @@ class Listen:
         self._frontier = upper
         return events
 
+    def _stream_events(self, s: st.ShardState, f: int, upper: Antichain) -> Iterator[ListenEvent]:
+        """The events of ``[f, upper)`` read from state ``s``: per trace batch (batches
+        cover disjoint, increasing time ranges, so nothing consolidates across them) its
+        updates in chunks sorted by time, then progress to the batch's upper."""
+        h = self._h
+        hi = upper.time
+        lower = Antichain([f])
+        for _, b in s.trace_batches():
+            if not _batch_overlaps(b, f, hi):
+                continue
+            b_upper = upper if b.upper.is_empty() or not b.upper < upper else b.upper
+            runs = [[p for p in run if _part_overlaps(p, f, hi)] for run in batch_runs(b)]
+            for t in h._guard_missing(
+                stream_merge(
+                    h._client.blob, h.schemas, shard=h.shard_id, runs=runs, memory_budget=self._budget,
+                    lower=f, upper=hi, purpose="listen read",
+                )
+            ):
+                yield ListenUpdates(to_user_table(t.sort_by([("t", "ascending")]), h.schemas), lower, b_upper)
+            if b_upper < upper and lower < b_upper:
+                yield ListenProgress(b_upper)
+                lower = b_upper
+        yield ListenProgress(upper)
+
+    def _drain_pending(self) -> list[ListenEvent]:
+        """The next events of the pending range: updates up to about 1/8 of the budget
+        (at least one chunk), and the progress events among them.
+
+        If reading fails, nothing of this call is handed out and the frontier stays;
+        the listen can go on from it unless updates after it were handed out by an
+        earlier call (then it would repeat them: it refuses to continue instead)."""
+        p = self._pending
+        assert p is not None
+        events: list[ListenEvent] = []
+        held = 0
+        frontier, partial = self._frontier, self._partial
+        try:
+            while held < self._budget // 8:
+                try:
+                    e = next(p)
+                except StopIteration:
+                    self._pending = None
+                    break
+                events.append(e)
+                if isinstance(e, ListenProgress):
+                    frontier, partial = e.upper, False
+                else:
+                    held += e.table.nbytes
+                    partial = True
+        except BaseException as err:
+            p.close()
+            self._pending = None
+            if self._partial:
+                self._dead = (
+                    f"shard {self._h.shard_id}: listen at frontier {self._frontier} failed "
+                    f"({type(err).__name__}) after handing out part of the updates before its "
+                    "next progress; going on would repeat them. Open a new listen at an as_of "
+                    ">= the since, dropping the updates received after the last progress"
+                )
+            raise
+        if self._pending is not None and p.closed:
+            self._pending = None
+        self._frontier, self._partial = frontier, partial
+        return events
+
+    def close(self) -> None:
+        """Ends the listen: releases what a range being handed out holds; ``next`` then
+        raises ``InvalidUsage``."""
+        if self._dead is None:
+            self._dead = f"shard {self._h.shard_id}: this listen was closed; open a new one"
+        if self._pending is not None:
+            self._pending.close()
+            self._pending = None
+
+    def __enter__(self) -> Listen:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __iter__(self) -> Iterator[ListenEvent]:
         """Blocks forever (until the shard upper becomes empty), yielding events."""
-        while not self._frontier.is_empty():
+        while not self._frontier.is_empty() and self._dead is None:
             yield from self.next(timeout_s=self._h._client.config.listen_poll_max_s)
 
     def read_until(self, upper: int, timeout_s: float = 30.0) -> pa.Table:

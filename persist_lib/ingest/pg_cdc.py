@@ -16,7 +16,10 @@ instance made it durable; resynchronize" when the outputs have moved on.
 The initial snapshot: the slot is created with an exported snapshot, the table is read
 in that snapshot (exactly the state at the slot's consistent point ``C``), and the rows
 are *staged* in a persist shard before any binding can cover them, so the snapshot is
-replayable like everything else. It is the message at address ``(0,)``; the frontier
+replayable like everything else. The table is read through a server-side cursor,
+``SNAPSHOT_FETCH_ROWS`` rows at a time, and each chunk goes into the staging batch's
+bounded-memory builder before the next is fetched, so staging a large table holds a
+chunk and the builder's parts in flight, not the table. It is the message at address ``(0,)``; the frontier
 after it is ``(C,)``. An advisory lock serializes slot creation among instances; a slot
 left without a staged snapshot (its creator crashed) is dropped and recreated.
 
@@ -32,6 +35,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +72,9 @@ log = logging.getLogger(__name__)
 PARTITION = "wal"
 SNAPSHOT_KEY = pa.schema([("i", pa.int64())])
 SNAPSHOT_VAL = pa.schema([("values", pa.string())])
+#: Rows per fetch of the initial snapshot's server-side cursor (each chunk is staged
+#: before the next is fetched).
+SNAPSHOT_FETCH_ROWS = 10_000
 _IDENT = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 
@@ -95,6 +102,28 @@ def _connect(dsn: str, **kw: Any) -> Any:
             f"the CDC source DSN {url} is not valid: {url.scrub(str(e)).strip()}; fix the DSN"
         )
     raise err
+
+
+def _fetch_chunks(cur: Any, n: int) -> Iterator[list[tuple[str | None, ...]]]:
+    """The rows of an executed cursor, ``n`` at a time."""
+    while True:
+        rows = cur.fetchmany(n)
+        if not rows:
+            return
+        yield rows
+
+
+def _staged_rows(first: int, values: list[str]) -> pa.Table:
+    """Rows ``first, first + 1, ...`` of the snapshot staging shard, at time 0."""
+    n = len(values)
+    return pa.table(
+        {
+            "i": pa.array(range(first, first + n), pa.int64()),
+            "values": pa.array(values, pa.string()),
+            "ts": pa.array([0] * n, pa.int64()),
+            "diff": pa.array([1] * n, pa.int64()),
+        }
+    )
 
 
 def _safe_name(s: str) -> str:
@@ -419,45 +448,52 @@ class PgCdcSource:
             ).fetchone()
             lsn = lsn_to_int(row[1])
             snap_name = row[2]
-            columns: list[str] = []
-            rows: list[list[str | None]] = []
-            if self.snapshot:
-                with _connect(self.dsn) as c2:
-                    c2.autocommit = False
-                    c2.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-                    c2.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snap_name)))
-                    columns = [
-                        r[0]
-                        for r in c2.execute(
-                            "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
-                            "AND NOT attisdropped ORDER BY attnum",
-                            (f"{self._schema}.{self._relname}",),
-                        ).fetchall()
-                    ]
-                    q = sql.SQL("SELECT {} FROM {}").format(
-                        sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(col)) for col in columns),
-                        sql.Identifier(self._schema, self._relname),
-                    )
-                    rows = [list(r) for r in c2.execute(q).fetchall()]
-                    c2.rollback()
-            self._stage(_Snapshot(lsn, columns, rows))
+            if not self.snapshot:
+                self._stage(lsn, [], [])
+                return
+            with _connect(self.dsn) as c2:
+                c2.autocommit = False
+                c2.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                c2.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snap_name)))
+                columns = [
+                    r[0]
+                    for r in c2.execute(
+                        "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
+                        "AND NOT attisdropped ORDER BY attnum",
+                        (f"{self._schema}.{self._relname}",),
+                    ).fetchall()
+                ]
+                q = sql.SQL("SELECT {} FROM {}").format(
+                    sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(col)) for col in columns),
+                    sql.Identifier(self._schema, self._relname),
+                )
+                # A server-side (named) cursor: the table is fetched and staged in chunks.
+                with c2.cursor(name="persist_cdc_snapshot") as cur:
+                    cur.execute(q)
+                    self._stage(lsn, columns, _fetch_chunks(cur, SNAPSHOT_FETCH_ROWS))
+                c2.rollback()
         finally:
             rc.close()
 
-    def _stage(self, snap: _Snapshot) -> None:
+    def _stage(self, lsn: int, columns: list[str], chunks: Iterable[list[tuple[str | None, ...]]]) -> None:
+        """Writes the snapshot to the staging shard as one batch at time 0: a header row
+        (``i = -1``: the LSN and the columns), then row ``i`` = the JSON list of the
+        ``i``-th row's text values, chunk by chunk through a bounded-memory builder."""
         w = self._client.open_writer(self._snapshot_shard(), SNAPSHOT_KEY, SNAPSHOT_VAL, purpose="ingest:cdc-snapshot")
         try:
-            header = json.dumps({"lsn": snap.lsn, "columns": snap.columns})
-            n = len(snap.rows)
-            t = pa.table(
-                {
-                    "i": pa.array([-1, *range(n)], pa.int64()),
-                    "values": pa.array([header] + [json.dumps(r) for r in snap.rows], pa.string()),
-                    "ts": pa.array([0] * (n + 1), pa.int64()),
-                    "diff": pa.array([1] * (n + 1), pa.int64()),
-                }
-            )
-            w.compare_and_append(t, 0, 1)
+            builder = w.builder(0)
+            try:
+                header = json.dumps({"lsn": lsn, "columns": columns})
+                builder.add(w.normalize(_staged_rows(-1, [header])))
+                i = 0
+                for rows in chunks:
+                    builder.add(w.normalize(_staged_rows(i, [json.dumps(list(r)) for r in rows])))
+                    i += len(rows)
+                batch = builder.finish(1)
+            except BaseException:
+                builder.abort()
+                raise
+            w.compare_and_append_batch(batch, 0, 1)
         finally:
             w.expire()
 

@@ -15,16 +15,24 @@ continues with ``new``'s updates after ``h``.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist_lib.codec import Schemas, empty_updates, to_user_table
+from persist_lib.codec import Schemas, empty_updates, to_user_table, user_schema
 from persist_lib.consolidate import consolidate
 from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
-from persist_lib.read import ListenEvent, ListenProgress, ListenUpdates, ReadHandle, read_until
+from persist_lib.read import (
+    BatchStream,
+    ListenEvent,
+    ListenProgress,
+    ListenUpdates,
+    ReadHandle,
+    read_until,
+)
 from persist_lib.storage.metadata import Handover, active_in, timeline_from_updates
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -100,6 +108,42 @@ class CollectionReader:
 
         return self._guard(go)
 
+    def snapshot_batches(
+        self, as_of: int, *, memory_budget: int | None = None, timeout_s: float | None = None
+    ) -> BatchStream:
+        """``snapshot(as_of)`` as a stream of record batches, within ``memory_budget`` per
+        shard stream (``ReadHandle.snapshot_batches``): the active rendition's shards one
+        after the other (records are routed to shards by key, so nothing consolidates
+        across them). Arguments are checked, and every shard's upper waited for, before
+        this returns; the stream holds a seqno hold on each shard until it is exhausted,
+        closed or collected."""
+        as_of = check_time(as_of, "as_of")
+
+        def go() -> BatchStream:
+            rendition = self._active_at(as_of, timeout_s)
+            streams: list[BatchStream] = []
+            try:
+                for r in self._readers_for(rendition):
+                    streams.append(r.snapshot_batches(as_of, memory_budget=memory_budget, timeout_s=timeout_s))
+            except BaseException:
+                for st in streams:
+                    st.close()
+                raise
+
+            def chain() -> Iterator[pa.RecordBatch]:
+                for st in streams:
+                    with st:
+                        yield from st
+
+            def release() -> None:
+                for st in streams:
+                    st.close()
+
+            return BatchStream(self._guard_iter(chain()), user_schema(self.schemas), release)
+
+        stream: BatchStream = self._guard(go)
+        return stream
+
     def active_rendition(self, as_of: int, timeout_s: float | None = None) -> str:
         return self._guard(lambda: self._active_at(check_time(as_of, "as_of"), timeout_s))
 
@@ -114,6 +158,17 @@ class CollectionReader:
             raise InvalidUsage(f"collection {self.name}: this read handle was expired")
         try:
             return fn()
+        except (LeaseExpired, ShardTombstoned) as e:
+            if not self._ctl._collection_exists(self.name):
+                raise CollectionDeleted(
+                    f"collection {self.name} was deleted; its read handles can't be used any more"
+                ) from e
+            raise
+
+    def _guard_iter(self, it: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        """``_guard`` for the iteration of a stream."""
+        try:
+            yield from it
         except (LeaseExpired, ShardTombstoned) as e:
             if not self._ctl._collection_exists(self.name):
                 raise CollectionDeleted(
