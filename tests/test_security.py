@@ -406,12 +406,12 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
     from persist_lib.location.postgres_consensus import PostgresConsensus
     from persist_lib.location.redaction import SensitiveUrl, _parse
     from persist_lib.maintenance import BackgroundCompactor
+    from persist_lib.part_writers import PartWriter
     from persist_lib.spark.ingest import SparkIngestion
     from persist_lib.storage.controller import StorageController
     from persist_lib.testing.actors import HistoryConfig
     from persist_lib.testing.audit import AuditBlob, AuditConsensus
     from persist_lib.testing.corruption import CorruptingBlob, CorruptingConsensus
-    from persist_lib.part_writers import PartWriter
     from persist_lib.testing.faults import ScriptedConsensus
     from persist_lib.testing.hooks import InterruptingBlob, InterruptingConsensus, InterruptPlan
     from persist_lib.testing.planted import (
