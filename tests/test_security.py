@@ -353,6 +353,18 @@ def _merger(x: _World) -> list[Any]:
     return [_Merger(x.client.blob, Schemas.create(KEY, VAL), str(x.shard), None, plan, MergeStats())]
 
 
+def _merge_ctx(x: _World) -> list[Any]:
+    from persist_lib.codec import Schemas
+    from persist_lib.compactor import MergeStats, _MergeCtx
+
+    return [
+        _MergeCtx(
+            x.client.blob, Schemas.create(KEY, VAL), str(x.shard), None, 1 << 24, 1 << 20,
+            1 << 20, MergeStats(), True,
+        )
+    ]
+
+
 def _spark_specs(x: _World, which: str) -> list[Any]:
     from persist_lib.ingest.landing_zone import LandingZoneSource
     from persist_lib.spark.compact import _MergeSpec
@@ -447,6 +459,7 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
             BatchBuilder(x.client.blob, Schemas.create(KEY, VAL), shard=str(x.shard), writer="w", lower=0)
         ],
         "persist_lib.compactor._Merger": _merger,
+        "persist_lib.compactor._MergeCtx": _merge_ctx,
         "persist_lib.maintenance.BackgroundCompactor": lambda x: [x.keep(BackgroundCompactor(x.client))],
         "persist_lib.storage.controller.StorageController": lambda x: [x.keep(StorageController(x.client))],
         # blob and consensus backends and their wrappers
