@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import multiprocessing
 import os
 import random
 import socket
@@ -20,6 +21,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -947,3 +949,142 @@ def test_postgres_clients_on_other_tables_do_not_share_cached_state(
         ca.close()
         cb.close()
 
+
+# -- SQLite: concurrent first opens of a fresh file -------------------------------------
+
+
+def _hold_write_lock(path: Path) -> sqlite3.Connection:
+    """A rival that holds the write lock of a fresh (still rollback-journal) file, as a
+    rival opener does while it switches the file to WAL."""
+    rival = sqlite3.connect(path, isolation_level=None)
+    rival.execute("BEGIN IMMEDIATE")
+    return rival
+
+
+def test_sqlite_first_open_waits_for_a_rival_holding_the_write_lock(tmp_path: Path) -> None:
+    """``PRAGMA journal_mode=WAL`` on a fresh file answers SQLITE_BUSY at once (no busy
+    handler) while a rival holds the write lock: the open used to fail within ~1 ms."""
+    path = tmp_path / "fresh.db"
+    rival = _hold_write_lock(path)
+    result: list[BaseException | SqliteConsensus] = []
+
+    def open_it() -> None:
+        try:
+            result.append(SqliteConsensus(path, busy_timeout_ms=120_000))
+        except BaseException as e:  # noqa: BLE001
+            result.append(e)
+
+    t = threading.Thread(target=open_it, daemon=True)
+    t.start()
+    t.join(timeout=1.0)  # the opener meets the held lock (a failing one is done by now)
+    rival.execute("COMMIT")
+    rival.close()
+    t.join(timeout=120)
+    assert len(result) == 1 and isinstance(result[0], SqliteConsensus), result
+    c = result[0]
+    assert c.compare_and_set("k", None, _v(0)) == COMMITTED
+    assert c.head("k") == _v(0)
+    c.close()
+
+
+def test_sqlite_first_open_gives_up_after_the_busy_timeout_and_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "fresh.db"
+    rival = _hold_write_lock(path)
+    try:
+        with pytest.raises(Determinate) as ei:
+            SqliteConsensus(path, busy_timeout_ms=300)
+    finally:
+        rival.execute("ROLLBACK")
+        rival.close()
+    msg = str(ei.value)
+    assert "locked" in msg and "busy timeout 300 ms" in msg and "attempt(s) over" in msg, msg
+    assert "after the 300 ms busy timeout" not in msg  # the old, untrue claim
+    assert SqliteConsensus(path).head("k") is None  # usable once the rival is gone
+
+
+FIRST_OPEN_THREADS = 100
+FIRST_OPEN_PROCESSES = 20
+
+
+def _fresh_location(tmp_path: Path) -> tuple[str, str]:
+    d = tmp_path / f"loc-{uuid.uuid4().hex[:8]}"
+    return "file://" + str(d / "blob"), "sqlite:///" + str(d / "consensus.db")
+
+
+def _open_and_cas(blob_uri: str, consensus_uri: str, i: int) -> None:
+    from persist_lib import PersistClient, PersistConfig
+
+    client = PersistClient.open(blob_uri, consensus_uri, PersistConfig.for_tests())
+    try:
+        # the raw backend: no retries may hide a failure
+        assert client.raw_consensus.compare_and_set(f"k{i}", None, _v(i)) == COMMITTED
+    finally:
+        client.close()
+
+
+def _check_all_written(consensus_uri: str, n: int) -> None:
+    c = open_consensus(consensus_uri)
+    assert sorted(c.list_keys()) == sorted(f"k{i}" for i in range(n))
+    assert all(c.head(f"k{i}") == _v(i) for i in range(n))
+    c.close()
+
+
+def test_sqlite_many_threads_open_a_fresh_location_at_once(tmp_path: Path) -> None:
+    blob_uri, consensus_uri = _fresh_location(tmp_path)
+    start = threading.Barrier(FIRST_OPEN_THREADS)
+    errors: list[str] = []
+
+    def worker(i: int) -> None:
+        try:
+            start.wait(timeout=60)
+            _open_and_cas(blob_uri, consensus_uri, i)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(f"thread {i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(FIRST_OPEN_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert errors == [], f"{len(errors)} of {FIRST_OPEN_THREADS} failed: {errors[:3]}"
+    _check_all_written(consensus_uri, FIRST_OPEN_THREADS)
+
+
+def first_open_worker(blob_uri: str, consensus_uri: str, i: int, start: Any, out: Any) -> None:
+    """Module level: spawned children import this module."""
+    try:
+        start.wait(timeout=120)
+        _open_and_cas(blob_uri, consensus_uri, i)
+        out.put((i, None))
+    except BaseException as e:  # noqa: BLE001
+        out.put((i, f"{type(e).__name__}: {e}"))
+
+
+def test_sqlite_many_processes_open_a_fresh_location_at_once(tmp_path: Path) -> None:
+    blob_uri, consensus_uri = _fresh_location(tmp_path)
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(FIRST_OPEN_PROCESSES)
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=first_open_worker, args=(blob_uri, consensus_uri, i, start, out), daemon=True
+        )
+        for i in range(FIRST_OPEN_PROCESSES)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, str | None] = {}
+    try:
+        for _ in procs:
+            i, err = out.get(timeout=300)
+            results[i] = err
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+    errors = {i: e for i, e in results.items() if e is not None}
+    assert len(results) == FIRST_OPEN_PROCESSES and not errors, (
+        f"{len(errors)} of {FIRST_OPEN_PROCESSES} failed: {list(errors.values())[:3]}"
+    )
+    _check_all_written(consensus_uri, FIRST_OPEN_PROCESSES)
