@@ -61,12 +61,12 @@ is chained to ours).
 
     SELECT pg_notify($channel, $payload), set_config('synchronous_commit', 'off', true)
 
-Not inside the CAS transaction: a notifying transaction takes Postgres's cluster-wide
-notify lock at pre-commit and holds it until its commit is over, so a CAS that notified
-in its own transaction held that lock across its commit fsync, serializing every CAS of
+Not inside the CAS transaction (as it used to be): a notifying transaction takes
+Postgres's cluster-wide notify lock at pre-commit and holds it until its commit is over,
+so a CAS that notified held that lock across its commit fsync, serializing every CAS of
 every shard in the cluster through one fsync at a time (measured with
-``bench/pg_cas_concurrency.py``); and a full notification queue (a listener that never
-consumes) made every CAS fail. The separate notification commits asynchronously (it
+``bench/pg_cas_concurrency.py``); and a failing notification (a queue filled by a
+listener that never consumes, a role without EXECUTE on ``pg_notify``) failed the CAS. The separate notification commits asynchronously (it
 needs no durability: listeners read its commit status, not the disk), so it holds the
 lock only briefly. Its failure never fails a CAS that committed (nor makes it
 indeterminate): it is logged (a warning the first time, then at debug level) and
@@ -318,7 +318,7 @@ class PostgresConsensus(Consensus):
             "shard text NOT NULL, seqno bigint NOT NULL, data bytea NOT NULL, "
             "PRIMARY KEY (shard, seqno))"
         ).format(t)
-        tail = sql.SQL("SELECT seqno FROM ins")
+        tail = sql.SQL("SELECT seqno FROM ins")  # no pg_notify here: see the module docstring
         self._q_cas = sql.SQL(
             "WITH expected_row AS ("
             " SELECT seqno FROM {t} WHERE shard = %(shard)s AND seqno = %(expected)s"
