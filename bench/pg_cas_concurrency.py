@@ -18,6 +18,10 @@ Measured side by side, in alternating rounds (so a change of background load hit
 - ``raw_insert``: a raw psycopg loop of autocommit ``INSERT``s into an identical table
   (no notify, no CAS check): the server's limit for 8 committing writers.
 
+While the writers run, the parent samples ``pg_locks`` every 10 ms: how many sessions
+wait for the notify lock (the mechanism; the CAS/s also depend on how fast the disk
+fsyncs and on CPU: with a fast fsync and few cores, CPU can hide the serialization).
+
 Payload 600 bytes. Server: a throwaway Postgres (``tests/support/pg_server.py``,
 ``fsync=on``, default ``synchronous_commit``) unless ``--pg-url`` names one (a role that
 may ``CREATE DATABASE``).
@@ -200,14 +204,19 @@ def _measure(ctx: Any, url: str, variant: str, writers: int, seconds: float) -> 
     for p in procs:
         p.start()
     load_before = _loadavg()
+    sampler = _NotifyLockSampler(url)
     try:
         barrier.wait(timeout=300)
     except threading.BrokenBarrierError:
         pass  # a writer failed before the start: its error is in the queue
+    sampler.start()
     results: dict[int, dict[str, Any]] = {}
-    for _ in procs:
-        i, r = out.get(timeout=seconds + 300)
-        results[i] = r
+    try:
+        for _ in procs:
+            i, r = out.get(timeout=seconds + 300)
+            results[i] = r
+    finally:
+        lock_waits = sampler.stop()
     for p in procs:
         p.join(timeout=60)
     errors = [r["error"] for r in results.values() if "error" in r]
@@ -223,6 +232,7 @@ def _measure(ctx: Any, url: str, variant: str, writers: int, seconds: float) -> 
         "per_writer_ops_per_s": [
             round(results[i]["ops"] / results[i]["elapsed_s"], 1) for i in sorted(results)
         ],
+        "notify_lock": lock_waits,
         "p50_ms": s["p50_ms"],
         "p95_ms": s["p95_ms"],
         "p99_ms": s["p99_ms"],
@@ -230,6 +240,50 @@ def _measure(ctx: Any, url: str, variant: str, writers: int, seconds: float) -> 
         "loadavg_before": load_before,
         "loadavg_after": _loadavg(),
     }
+
+
+class _NotifyLockSampler:
+    """Samples, every 10 ms while the writers run, how many sessions wait for Postgres's
+    cluster-wide notify lock (``LockSharedObject(DatabaseRelationId, 0)``: pg_locks
+    ``locktype='object'``, ``classid=pg_database``, ``objid=0``), which a notifying
+    transaction takes at pre-commit and holds until its commit is over."""
+
+    QUERY = (
+        "SELECT count(*) FILTER (WHERE NOT granted), count(*) FILTER (WHERE granted) "
+        "FROM pg_locks WHERE locktype = 'object' AND classid = 'pg_database'::regclass "
+        "AND objid = 0"
+    )
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.waiting: list[int] = []
+        self.held: list[int] = []
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psycopg
+
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            while not self._stop.wait(0.01):
+                row = conn.execute(self.QUERY).fetchone()
+                if row is not None:
+                    self.waiting.append(int(row[0]))
+                    self.held.append(int(row[1]))
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        n = len(self.waiting)
+        return {
+            "samples": n,
+            "mean_waiting": round(sum(self.waiting) / n, 2) if n else None,
+            "max_waiting": max(self.waiting, default=0),
+            "share_held": round(sum(1 for h in self.held if h) / n, 3) if n else None,
+        }
 
 
 def _loadavg() -> str:
@@ -310,6 +364,9 @@ def run(
             "median_p50_ms": statistics.median(
                 m["p50_ms"] for m in measurements if m["variant"] == variant
             ),
+            "mean_waiting_for_notify_lock": [
+                m["notify_lock"]["mean_waiting"] for m in measurements if m["variant"] == variant
+            ],
         }
     raw = summary["raw_insert"]["median_ops_per_s"]
     for variant in VARIANTS:
@@ -335,14 +392,16 @@ def _table(doc: dict[str, Any]) -> str:
         f"{doc['listener_processes']} listener process(es), {doc['seconds_per_measurement']} s "
         f"per measurement, {doc['rounds']} round(s); git {doc['meta']['git']}",
         "",
-        "| variant | median ops/s | by round | median p50 (ms) | / raw insert |",
-        "|---|---|---|---|---|",
+        "| variant | median ops/s | by round | median p50 (ms) | / raw insert "
+        "| sessions waiting for the notify lock (mean, by round) |",
+        "|---|---|---|---|---|---|",
     ]
     for variant, s in doc["summary"].items():
         by_round = ", ".join(f"{x:g}" for x in s["ops_per_s_by_round"])
+        waits = ", ".join(str(x) for x in s["mean_waiting_for_notify_lock"])
         lines.append(
             f"| {variant} | {s['median_ops_per_s']:g} | {by_round} | {s['median_p50_ms']:g} | "
-            f"{s['ratio_to_raw_insert']} |"
+            f"{s['ratio_to_raw_insert']} | {waits} |"
         )
     lines.append("")
     lines.append(
