@@ -25,10 +25,10 @@ Why it looks the way it does (research/reliability.md section 5):
   (it does not call the busy handler there, which could deadlock) when another
   connection holds the write lock, e.g. a rival doing the same switch: concurrent
   first opens failed within a millisecond. So the whole initialisation is retried on
-  SQLITE_BUSY/SQLITE_LOCKED with jittered exponential backoff (1 ms doubling to
-  50 ms) until ``busy_timeout_ms`` has passed since the first attempt (each
-  statement's own busy wait is capped by what is left); the error then says how long
-  and how many attempts it tried.
+  SQLITE_BUSY/SQLITE_LOCKED, on a new connection, with jittered exponential backoff
+  (1 ms doubling to 50 ms) until ``busy_timeout_ms`` has passed since the first
+  attempt (a retry's statements wait at most what is left); the error then says how
+  long and how many attempts it tried.
 - Never put the file on a network filesystem (WAL needs shared memory).
 """
 
@@ -156,43 +156,48 @@ class SqliteConsensus(Consensus):
         is busy, for up to ``busy_timeout_ms`` in all (see the module docstring)."""
         start = time.monotonic()
         budget_s = self.busy_timeout_ms / 1000.0
+        timeout_s = budget_s  # the busy wait of each statement of this attempt
         backoff_s = 0.001
         attempts = 0
         err: Exception | None = None
-        conn: sqlite3.Connection | None = None
-        try:
-            conn = sqlite3.connect(
-                self.path, timeout=budget_s, isolation_level=None, check_same_thread=False
-            )
-            while err is None:
-                attempts += 1
-                left_s = budget_s - (time.monotonic() - start)
-                try:
-                    # Each statement's busy wait is capped by what is left of the budget.
-                    conn.execute(f"PRAGMA busy_timeout={max(0, int(left_s * 1000))}")
-                    conn.execute("PRAGMA journal_mode=WAL")
+        while err is None:
+            attempts += 1
+            conn: sqlite3.Connection | None = None
+            try:
+                conn = self._connect(timeout_s)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute(_SYNCHRONOUS[self.synchronous])
+                conn.execute(_CREATE)
+                if timeout_s < budget_s:
+                    # A retry waited at most what was left: reconnect with the full busy
+                    # timeout for the life of the connection (WAL mode and the table are in
+                    # the file now; `synchronous` is per connection).
+                    conn.close()
+                    conn = self._connect(budget_s)
                     conn.execute(_SYNCHRONOUS[self.synchronous])
-                    conn.execute(_CREATE)
-                    conn.execute(f"PRAGMA busy_timeout={self.busy_timeout_ms}")
-                    return conn
-                except sqlite3.Error as e:
-                    elapsed_s = time.monotonic() - start
-                    left_s = budget_s - elapsed_s
-                    if not _is_busy(e) or left_s <= 0:
-                        err = self._open_error(e, attempts, elapsed_s)
-                        continue
-                time.sleep(min(left_s, backoff_s * (0.5 + 0.5 * random.random())))
-                backoff_s = min(backoff_s * 2, 0.05)
-        except sqlite3.Error as e:  # connect() itself failed (bad path, permissions...)
-            err = self._error("open", None, e, write=False)
-        except BaseException:
-            if conn is not None:
-                conn.close()
-            raise
-        if conn is not None:
-            conn.close()
-        assert err is not None
+                return conn
+            except sqlite3.Error as e:
+                if conn is not None:
+                    conn.close()
+                elapsed_s = time.monotonic() - start
+                left_s = budget_s - elapsed_s
+                if not _is_busy(e) or left_s <= 0:
+                    err = self._open_error(e, attempts, elapsed_s)
+                    continue
+            except BaseException:
+                if conn is not None:
+                    conn.close()
+                raise
+            pause_s = min(left_s, backoff_s * (0.5 + 0.5 * random.random()))
+            time.sleep(pause_s)
+            backoff_s = min(backoff_s * 2, 0.05)
+            timeout_s = max(0.0, left_s - pause_s)
         raise err
+
+    def _connect(self, timeout_s: float) -> sqlite3.Connection:
+        return sqlite3.connect(
+            self.path, timeout=timeout_s, isolation_level=None, check_same_thread=False
+        )
 
     def _open_error(self, e: sqlite3.Error, attempts: int, elapsed_s: float) -> Exception:
         if not _is_busy(e):
