@@ -1030,6 +1030,8 @@ def _check_all_written(consensus_uri: str, n: int) -> None:
 
 
 def test_sqlite_many_threads_open_a_fresh_location_at_once(tmp_path: Path) -> None:
+    import persist_lib.client  # noqa: F401 - slow imports before the start, not after
+
     blob_uri, consensus_uri = _fresh_location(tmp_path)
     start = threading.Barrier(FIRST_OPEN_THREADS)
     errors: list[str] = []
@@ -1053,6 +1055,8 @@ def test_sqlite_many_threads_open_a_fresh_location_at_once(tmp_path: Path) -> No
 def first_open_worker(blob_uri: str, consensus_uri: str, i: int, start: Any, out: Any) -> None:
     """Module level: spawned children import this module."""
     try:
+        import persist_lib.client  # noqa: F401 - slow imports before the start, not after
+
         start.wait(timeout=120)
         _open_and_cas(blob_uri, consensus_uri, i)
         out.put((i, None))
