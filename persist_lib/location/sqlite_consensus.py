@@ -206,7 +206,7 @@ class SqliteConsensus(Consensus):
         return Determinate(
             f"sqlite consensus {self.path!r}: open failed: {e} ({name}): the file was still "
             f"busy after {attempts} attempt(s) over {elapsed_s * 1000:.0f} ms (busy timeout "
-            f"{self.busy_timeout_ms} ms); nothing was written; retry (another connection "
+            f"{self.busy_timeout_ms} ms); it was not opened; retry (another connection "
             "holds the write lock)"
         )
 
