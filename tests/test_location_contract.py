@@ -10,14 +10,18 @@ each backend promises (what is ``Determinate`` and what is ``Indeterminate``).
 from __future__ import annotations
 
 import errno
+import logging
+import multiprocessing
 import os
 import random
 import socket
 import sqlite3
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -734,3 +738,357 @@ def test_postgres_error_classification(pg_consensus_url: str) -> None:
             assert type(got) is kind, (err, write, got)
             assert "'k'" in str(got)
     c.close()
+
+
+# -- Postgres: notifications after the commit, best effort ------------------------------
+
+
+def _role_url(url: str, role: str, password: str) -> str:
+    return psycopg.conninfo.make_conninfo(url, user=role, password=password)
+
+
+@pytest.mark.postgres
+def test_postgres_cas_commits_even_when_its_notification_fails(
+    pg_consensus_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``pg_notify`` used to run inside the CAS transaction, so a failing notification
+    failed the CAS (in production: a notification queue filled by a listener that never
+    consumes). Here it fails for real: the writer's role may not execute ``pg_notify``.
+    The CAS must commit and say so; a waiter must still see the change (it re-checks)."""
+    from psycopg import sql
+
+    from persist_lib.location.postgres_consensus import PostgresConsensus
+
+    caplog.set_level(logging.DEBUG, logger="persist_lib.location.postgres_consensus")
+    role, password = f"no_notify_{uuid.uuid4().hex[:8]}", "no-notify-S3cr3t"
+    owner = PostgresConsensus(pg_consensus_url)
+    assert owner.head("k") is None  # creates the table (as its owner)
+    with psycopg.connect(pg_consensus_url, autocommit=True) as admin:
+        admin.execute(
+            sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                sql.Identifier(role), sql.Literal(password)
+            )
+        )
+        admin.execute(sql.SQL("GRANT USAGE, CREATE ON SCHEMA public TO {}").format(sql.Identifier(role)))
+        admin.execute(
+            sql.SQL("GRANT ALL ON consensus TO {}").format(sql.Identifier(role))
+        )
+        # Only in this test's database: pg_proc is per database.
+        admin.execute("REVOKE EXECUTE ON FUNCTION pg_notify(text, text) FROM PUBLIC")
+    url = _role_url(pg_consensus_url, role, password)
+    writer = PostgresConsensus(url)
+    waiter = PostgresConsensus(pg_consensus_url)
+    try:
+        with psycopg.connect(url, autocommit=True) as probe:  # the failure is real
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                probe.execute("SELECT pg_notify('persist_consensus', 'k')")
+
+        assert writer.compare_and_set("k", None, _v(0)) == COMMITTED
+        assert writer.notify_failures == 1
+        assert owner.head("k") == _v(0)
+        assert writer.compare_and_set("k", None, _v(0)) == MISMATCH
+        assert writer.notify_failures == 1  # nothing is sent for a CAS that did not commit
+        assert writer.compare_and_set("k", 0, _v(1)) == COMMITTED
+        assert writer.notify_failures == 2
+        assert writer.scan("k", 0, 10) == [_v(0), _v(1)]
+
+        # A waiter misses the wake-up but still notices the commit (its re-check).
+        done = threading.Event()
+
+        def wait() -> None:
+            waiter.wait_for_change("k", 1, timeout_s=600)
+            done.set()
+
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        assert writer.compare_and_set("k", 1, _v(2)) == COMMITTED
+        t.join(timeout=300)
+        assert done.is_set() and waiter.head("k") == _v(2)
+
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "committed but its notification failed" in warnings[0].getMessage()
+        assert password not in caplog.text
+    finally:
+        for c in (writer, waiter, owner):
+            c.close()
+        with psycopg.connect(pg_consensus_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+@pytest.mark.postgres
+def test_postgres_notifies_listeners_after_each_commit(pg_consensus_url: str) -> None:
+    """Listeners still wake on commits: one notification per committed CAS, after the
+    commit (the new head is visible when it arrives), none for a mismatch."""
+    from persist_lib.location.postgres_consensus import NOTIFY_CHANNEL, PostgresConsensus
+
+    c = PostgresConsensus(pg_consensus_url)
+    waiter = PostgresConsensus(pg_consensus_url)
+    try:
+        assert c.head("a") is None
+        with psycopg.connect(pg_consensus_url, autocommit=True) as lc:
+            lc.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            assert c.compare_and_set("a", None, _v(0)) == COMMITTED
+            got = list(lc.notifies(timeout=60, stop_after=1))
+            assert [(n.channel, n.payload) for n in got] == [(NOTIFY_CHANNEL, "a")]
+            assert waiter.head("a") == _v(0)
+            assert c.compare_and_set("a", None, _v(0)) == MISMATCH
+            assert c.compare_and_set("a", 5, _v(6)) == MISMATCH
+            assert c.compare_and_set("b", None, _v(3)) == COMMITTED
+            got = list(lc.notifies(timeout=60, stop_after=1))
+            assert [n.payload for n in got] == ["b"]  # the mismatches sent nothing
+            long_key = "x" * 8000  # too long for a payload: an empty one wakes everybody
+            assert c.compare_and_set(long_key, None, _v(0)) == COMMITTED
+            got = list(lc.notifies(timeout=60, stop_after=1))
+            assert [n.payload for n in got] == [""]
+
+        # ... and through the instance's own listener, a waiter wakes up.
+        done = threading.Event()
+
+        def wait() -> None:
+            waiter.wait_for_change("a", 0, timeout_s=600)
+            done.set()
+
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        assert c.compare_and_set("a", 0, _v(1)) == COMMITTED
+        t.join(timeout=300)
+        assert done.is_set() and waiter.head("a") == _v(1)
+        assert c.notify_failures == 0
+    finally:
+        c.close()
+        waiter.close()
+
+
+# -- describe(): identifies the log (the process-wide state cache is keyed by it) ------
+
+
+def test_consensus_describe_identifies_the_log(tmp_path: Path) -> None:
+    from persist_lib.location.postgres_consensus import PostgresConsensus
+
+    url = "postgresql://persist:pw-S3cr3t@127.0.0.1:5432/db"
+    pgs = [
+        PostgresConsensus(url),
+        PostgresConsensus(url, table="other"),
+        PostgresConsensus(url, schema="s"),
+        PostgresConsensus(url, schema="s", table="other"),
+        PostgresConsensus(url, table="s.consensus"),  # not schema "s", table "consensus"
+        PostgresConsensus(url, table='a"."b'),
+        PostgresConsensus(url, schema="a", table="b"),
+        # A later '@' makes redaction hide the host and database: still told apart.
+        PostgresConsensus("postgresql://u:pw-S3cr3t@h1/db1?application_name=x@y"),
+        PostgresConsensus("postgresql://u:pw-S3cr3t@h2/db2?application_name=x@y"),
+        PostgresConsensus("host=h1 dbname=db1 user=u password=pw-S3cr3t"),
+        PostgresConsensus("host=h1 dbname=db2 user=u password=pw-S3cr3t"),
+    ]
+    descs = [c.describe() for c in pgs]
+    assert len(set(descs)) == len(descs), descs
+    assert all("pw-S3cr3t" not in d for d in descs), descs
+    assert descs[0] == 'postgresql://persist:****@127.0.0.1:5432/db (table "consensus")'
+    assert descs[3].endswith('(table "s"."other")')
+    # Same log, same description (the password is not part of the identity).
+    assert PostgresConsensus(url.replace("pw-S3cr3t", "other-pw")).describe() == descs[0]
+
+    a = SqliteConsensus(tmp_path / "a.db")
+    b = SqliteConsensus(tmp_path / "b.db")
+    m1, m2 = MemConsensus(f"d-{uuid.uuid4().hex}"), MemConsensus(f"d-{uuid.uuid4().hex}")
+    others = [a, b, m1, m2]
+    assert len({c.describe() for c in others}) == 4
+    for inner in (*others, pgs[1]):
+        assert RetryingConsensus(inner).describe() == inner.describe()  # same log
+        wrapped = UnreliableConsensus(inner, UnreliableHandle(0, FaultRates()))
+        assert inner.describe() in wrapped.describe()
+    for c in (*pgs, *others):
+        c.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(120)  # it used to spin forever: its cache was ahead of its log
+def test_postgres_clients_on_other_tables_do_not_share_cached_state(
+    pg_consensus_url: str,
+) -> None:
+    """Two clients on one Postgres URL with different tables (two separate logs) write
+    the same shard id: each reads back only its own data. (They shared the process's
+    cached state when ``describe()`` ignored the table, and computed diffs against the
+    other log's state.)"""
+    import pyarrow as pa
+
+    from persist_lib import Antichain, PersistClient, PersistConfig, ShardId
+    from persist_lib.location.postgres_consensus import PostgresConsensus
+    from persist_lib.machine import clear_state_cache
+
+    key_schema = pa.schema([("k", pa.string())])
+    val_schema = pa.schema([("v", pa.int64())])
+
+    def rows(t: pa.Table) -> list[tuple[object, ...]]:
+        return sorted((r["k"], r["v"], r["ts"], r["diff"]) for r in t.to_pylist())
+
+    shard = ShardId.new()
+    cfg = PersistConfig.for_tests(inline_threshold=0)
+    tag = uuid.uuid4().hex
+    ca = PersistClient(MemBlob(f"a-{tag}"), PostgresConsensus(pg_consensus_url, table="log_a"), cfg)
+    cb = PersistClient(MemBlob(f"b-{tag}"), PostgresConsensus(pg_consensus_url, table="log_b"), cfg)
+    try:
+        wa, ra = ca.open(shard, key_schema, val_schema)
+        wa.compare_and_append([((("a0",), (1,)), 0, 1)], 0, 1)
+        wa.compare_and_append([((("a1",), (2,)), 1, 1)], 1, 2)
+        wb, rb = cb.open(shard, key_schema, val_schema)
+        wb.compare_and_append([((("b0",), (10,)), 0, 1)], 0, 1)
+        wa.compare_and_append([((("a2",), (3,)), 2, 1)], 2, 3)
+        assert rows(ra.snapshot(2)) == [("a0", 1, 2, 1), ("a1", 2, 2, 1), ("a2", 3, 2, 1)]
+        assert rows(rb.snapshot(0)) == [("b0", 10, 0, 1)]
+        # ... and so does a process that starts cold.
+        clear_state_cache()
+        assert ca.machine(shard).fetch_latest().upper == Antichain([3])
+        assert cb.machine(shard).fetch_latest().upper == Antichain([1])
+        ra2 = ca.open_leased_reader(shard, key_schema, val_schema)
+        rb2 = cb.open_leased_reader(shard, key_schema, val_schema)
+        assert rows(ra2.snapshot(2)) == [("a0", 1, 2, 1), ("a1", 2, 2, 1), ("a2", 3, 2, 1)]
+        assert rows(rb2.snapshot(0)) == [("b0", 10, 0, 1)]
+    finally:
+        ca.close()
+        cb.close()
+
+
+# -- SQLite: concurrent first opens of a fresh file -------------------------------------
+
+
+def _hold_write_lock(path: Path) -> sqlite3.Connection:
+    """A rival that holds the write lock of a fresh (still rollback-journal) file, as a
+    rival opener does while it switches the file to WAL."""
+    rival = sqlite3.connect(path, isolation_level=None)
+    rival.execute("BEGIN IMMEDIATE")
+    return rival
+
+
+def test_sqlite_first_open_waits_for_a_rival_holding_the_write_lock(tmp_path: Path) -> None:
+    """``PRAGMA journal_mode=WAL`` on a fresh file answers SQLITE_BUSY at once (no busy
+    handler) while a rival holds the write lock: the open used to fail within ~1 ms."""
+    path = tmp_path / "fresh.db"
+    rival = _hold_write_lock(path)
+    result: list[BaseException | SqliteConsensus] = []
+
+    def open_it() -> None:
+        try:
+            result.append(SqliteConsensus(path, busy_timeout_ms=120_000))
+        except BaseException as e:  # noqa: BLE001
+            result.append(e)
+
+    t = threading.Thread(target=open_it, daemon=True)
+    t.start()
+    t.join(timeout=1.0)  # the opener meets the held lock (a failing one is done by now)
+    rival.execute("COMMIT")
+    rival.close()
+    t.join(timeout=120)
+    assert len(result) == 1 and isinstance(result[0], SqliteConsensus), result
+    c = result[0]
+    assert c.compare_and_set("k", None, _v(0)) == COMMITTED
+    assert c.head("k") == _v(0)
+    c.close()
+
+
+def test_sqlite_first_open_gives_up_after_the_busy_timeout_and_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "fresh.db"
+    rival = _hold_write_lock(path)
+    try:
+        with pytest.raises(Determinate) as ei:
+            SqliteConsensus(path, busy_timeout_ms=300)
+    finally:
+        rival.execute("ROLLBACK")
+        rival.close()
+    msg = str(ei.value)
+    assert "locked" in msg and "busy timeout 300 ms" in msg and "attempt(s) over" in msg, msg
+    assert "after the 300 ms busy timeout" not in msg  # the old, untrue claim
+    assert SqliteConsensus(path).head("k") is None  # usable once the rival is gone
+
+
+FIRST_OPEN_THREADS = 100
+FIRST_OPEN_PROCESSES = 20
+
+
+def _fresh_location(tmp_path: Path) -> tuple[str, str]:
+    d = tmp_path / f"loc-{uuid.uuid4().hex[:8]}"
+    return "file://" + str(d / "blob"), "sqlite:///" + str(d / "consensus.db")
+
+
+def _open_and_cas(blob_uri: str, consensus_uri: str, i: int) -> None:
+    from persist_lib import PersistClient, PersistConfig
+
+    client = PersistClient.open(blob_uri, consensus_uri, PersistConfig.for_tests())
+    try:
+        # the raw backend: no retries may hide a failure
+        assert client.raw_consensus.compare_and_set(f"k{i}", None, _v(i)) == COMMITTED
+    finally:
+        client.close()
+
+
+def _check_all_written(consensus_uri: str, n: int) -> None:
+    c = open_consensus(consensus_uri)
+    assert sorted(c.list_keys()) == sorted(f"k{i}" for i in range(n))
+    assert all(c.head(f"k{i}") == _v(i) for i in range(n))
+    c.close()
+
+
+def test_sqlite_many_threads_open_a_fresh_location_at_once(tmp_path: Path) -> None:
+    import persist_lib.client  # noqa: F401 - slow imports before the start, not after
+
+    blob_uri, consensus_uri = _fresh_location(tmp_path)
+    start = threading.Barrier(FIRST_OPEN_THREADS)
+    errors: list[str] = []
+
+    def worker(i: int) -> None:
+        try:
+            start.wait(timeout=60)
+            _open_and_cas(blob_uri, consensus_uri, i)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(f"thread {i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(FIRST_OPEN_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert errors == [], f"{len(errors)} of {FIRST_OPEN_THREADS} failed: {errors[:3]}"
+    _check_all_written(consensus_uri, FIRST_OPEN_THREADS)
+
+
+def first_open_worker(blob_uri: str, consensus_uri: str, i: int, start: Any, out: Any) -> None:
+    """Module level: spawned children import this module."""
+    try:
+        import persist_lib.client  # noqa: F401 - slow imports before the start, not after
+
+        start.wait(timeout=120)
+        _open_and_cas(blob_uri, consensus_uri, i)
+        out.put((i, None))
+    except BaseException as e:  # noqa: BLE001
+        out.put((i, f"{type(e).__name__}: {e}"))
+
+
+def test_sqlite_many_processes_open_a_fresh_location_at_once(tmp_path: Path) -> None:
+    blob_uri, consensus_uri = _fresh_location(tmp_path)
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(FIRST_OPEN_PROCESSES)
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=first_open_worker, args=(blob_uri, consensus_uri, i, start, out), daemon=True
+        )
+        for i in range(FIRST_OPEN_PROCESSES)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, str | None] = {}
+    try:
+        for _ in procs:
+            i, err = out.get(timeout=300)
+            results[i] = err
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+    errors = {i: e for i, e in results.items() if e is not None}
+    assert len(results) == FIRST_OPEN_PROCESSES and not errors, (
+        f"{len(errors)} of {FIRST_OPEN_PROCESSES} failed: {list(errors.values())[:3]}"
+    )
+    _check_all_written(consensus_uri, FIRST_OPEN_PROCESSES)

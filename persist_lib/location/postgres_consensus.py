@@ -11,7 +11,7 @@ primary key arbitrates, in one autocommit statement::
         INSERT INTO consensus (shard, seqno, data)
         SELECT $key, $new, $data FROM expected_row RETURNING seqno
     )
-    SELECT pg_notify($channel, $payload) FROM ins
+    SELECT seqno FROM ins
 
 Seqnos are contiguous, so ``expected`` is the head exactly when row ``expected`` exists
 and row ``expected + 1`` does not. Rival appenders of ``expected + 1`` collide on the
@@ -30,7 +30,7 @@ same statement as its data row::
         INSERT INTO consensus (shard, seqno, data) VALUES ($key, -1, '')
         ON CONFLICT DO NOTHING RETURNING seqno
     ), ins AS (INSERT ... SELECT $key, $new, $data FROM marker RETURNING seqno)
-    SELECT pg_notify(...) FROM ins
+    SELECT seqno FROM ins
 
 Exactly one first write can insert the marker (the primary key again arbitrates,
 ``ON CONFLICT DO NOTHING`` waits for an uncommitted rival and then yields nothing),
@@ -56,11 +56,28 @@ a connection lost while a write was in flight is ``Indeterminate``. The URL's pa
 never appears in any message or repr (messages are redacted, and no psycopg exception
 is chained to ours).
 
-**Push notifications**: each successful CAS sends ``pg_notify('persist_consensus',
-key)`` in its own transaction (so it is delivered iff the CAS commits).
+**Push notifications**: after a CAS has committed, the same connection sends
+``pg_notify('persist_consensus', key)`` in a transaction of its own, best effort::
+
+    SELECT pg_notify($channel, $payload), set_config('synchronous_commit', 'off', true)
+
+Not inside the CAS transaction (as it used to be): a notifying transaction takes
+Postgres's cluster-wide notify lock at pre-commit and holds it until its commit is over,
+so a CAS that notified held that lock across its commit fsync, serializing every CAS of
+every shard in the cluster through one fsync at a time (measured with
+``bench/pg_cas_concurrency.py``); and a failing notification (a queue filled by a
+listener that never consumes, a role without EXECUTE on ``pg_notify``) failed the CAS. The separate notification commits asynchronously (it
+needs no durability: listeners read its commit status, not the disk), so it holds the
+lock only briefly. Its failure never fails a CAS that committed (nor makes it
+indeterminate): it is logged (a warning the first time, then at debug level) and
+counted in ``notify_failures``; listeners miss the wake-up and notice the change at
+their next re-check (see below). A notification is never sent for a CAS that did not
+commit; one can be lost (a crash or error between the two transactions).
+
 ``wait_for_change`` uses one lazily started LISTEN connection per instance (a daemon
-thread) that wakes waiters through a ``threading.Condition``; while it is down,
-waiters fall back to polling.
+thread) that wakes waiters through a ``threading.Condition``; waiters re-check the head
+once a second even while it is up (a lost notification costs at most that), and while
+it is down they fall back to polling with backoff.
 
 **Connections**: psycopg_pool is not installed, so each thread gets its own autocommit
 connection (cached thread-locally, re-created when broken or after ``fork``); ``close()``
@@ -94,6 +111,30 @@ T = TypeVar("T")
 NOTIFY_CHANNEL = "persist_consensus"
 _MAX_PAYLOAD = 7900  # NOTIFY payloads must be < 8000 bytes
 _MARKER = -1
+
+
+# Connection parameters that do not change which server/database/role is reached.
+_NOT_TARGET = frozenset({"password", "sslpassword", "passfile"})
+
+
+def _target(conninfo: str) -> dict[str, str] | None:
+    """What a URL/conninfo connects to, by libpq's own parser, without secrets."""
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(conninfo)
+    except Exception:  # noqa: BLE001 - unparsable (e.g. over-redacted): no identity
+        return None
+    return {k: str(v) for k, v in params.items() if k not in _NOT_TARGET}
+
+
+_TARGET_NUMBERS: dict[tuple[tuple[str, str], ...], int] = {}
+_TARGET_NUMBERS_LOCK = threading.Lock()
+
+
+def _target_number(ident: dict[str, str]) -> int:
+    """A number per distinct connection target, stable for the life of the process."""
+    key = tuple(sorted(ident.items()))
+    with _TARGET_NUMBERS_LOCK:
+        return _TARGET_NUMBERS.setdefault(key, len(_TARGET_NUMBERS) + 1)
 
 
 class _Listener:
@@ -221,14 +262,37 @@ class PostgresConsensus(Consensus):
         self._conns: list[tuple[int, threading.Thread, psycopg.Connection[Any]]] = []
         self._setup_done = False
         self._closed = False
+        self.notify_failures = 0  # notifications that failed after their CAS committed
         self._listener = _Listener(self)
         weakref.finalize(self, self._listener.stop_soon)
+        self._description = self._describe_log()
         self._build_queries()
 
     # -- description / redaction ---------------------------------------------------
 
     def describe(self) -> str:
-        return str(self.url)
+        """The redacted URL and the table: ``postgresql://u:****@h:5432/db (table
+        "consensus")``. It identifies the log (the per-process state cache is keyed by
+        it): instances on one database with other ``table``/``schema`` arguments differ,
+        and when redaction hid more than secrets (a later ``@`` in the URL makes it
+        over-redact the host), a per-process number of the connection target is
+        appended (``[target #2]``; a number, not a hash: a malformed URL can put
+        password fragments into the parsed host), so two databases never share a
+        description."""
+        return self._description
+
+    def _describe_log(self) -> str:
+        shown = str(self.url)
+        ident = _target(self.url.raw)
+        if ident is not None and _target(shown) != ident:
+            shown += f" [target #{_target_number(ident)}]"
+        return f"{shown} (table {self._quoted_table()})"
+
+    def _quoted_table(self) -> str:
+        """``"schema"."table"`` (``"table"``: found on the search path), quoted as SQL
+        identifiers, so every (schema, table) pair reads differently."""
+        names = [self.schema, self.table] if self.schema else [self.table]
+        return ".".join('"' + n.replace('"', '""') + '"' for n in names)
 
     def __repr__(self) -> str:
         return f"PostgresConsensus({self.describe()!r})"
@@ -253,11 +317,7 @@ class PostgresConsensus(Consensus):
             "shard text NOT NULL, seqno bigint NOT NULL, data bytea NOT NULL, "
             "PRIMARY KEY (shard, seqno))"
         ).format(t)
-        tail = (
-            sql.SQL("SELECT pg_notify(%(channel)s, %(payload)s) FROM ins")
-            if self.notify
-            else sql.SQL("SELECT seqno FROM ins")
-        )
+        tail = sql.SQL("SELECT seqno FROM ins")  # no pg_notify here: see the module docstring
         self._q_cas = sql.SQL(
             "WITH expected_row AS ("
             " SELECT seqno FROM {t} WHERE shard = %(shard)s AND seqno = %(expected)s"
@@ -276,6 +336,11 @@ class PostgresConsensus(Consensus):
             " SELECT %(shard)s, %(new)s, %(data)s FROM marker RETURNING seqno"
             ") {tail}"
         ).format(t=t, tail=tail)
+        # Its own (autocommit) transaction, after the CAS committed; asynchronous commit:
+        # the notification needs no fsync, and the notify lock is held until it is over.
+        self._q_notify = sql.SQL(
+            "SELECT pg_notify(%s, %s), set_config('synchronous_commit', 'off', true)"
+        )
         self._q_head = sql.SQL(
             "SELECT seqno, data FROM {} WHERE shard = %s AND seqno >= 0 ORDER BY seqno DESC LIMIT 1"
         ).format(t)
@@ -465,14 +530,11 @@ class PostgresConsensus(Consensus):
         _check_cas_args(key, expected, new)
         if expected is not None and expected < 0:
             return CaSResult.EXPECTATION_MISMATCH  # a head is never negative
-        payload = key if len(key.encode("utf-8")) <= _MAX_PAYLOAD else ""
         params: dict[str, Any] = {
             "shard": key,
             "expected": expected,
             "new": new.seqno,
             "data": bytes(new.data),
-            "channel": NOTIFY_CHANNEL,
-            "payload": payload,
             "marker": _MARKER,
         }
         query = self._q_cas_first if expected is None else self._q_cas
@@ -484,7 +546,35 @@ class PostgresConsensus(Consensus):
                 return CaSResult.EXPECTATION_MISMATCH
             return CaSResult.COMMITTED if len(rows) == 1 else CaSResult.EXPECTATION_MISMATCH
 
-        return self._run("compare_and_set", key, True, run)
+        result = self._run("compare_and_set", key, True, run)
+        if result is CaSResult.COMMITTED and self.notify:
+            self._notify_committed(key)
+        return result
+
+    def _notify_committed(self, key: str) -> None:
+        """Wakes listeners of ``key`` after its CAS committed. Best effort: never raises
+        (a failure is logged and counted; listeners then notice at their next re-check)."""
+        payload = key if len(key.encode("utf-8")) <= _MAX_PAYLOAD else ""
+        conn: psycopg.Connection[Any] | None = None
+        try:
+            conn = self._conn()
+            conn.execute(self._q_notify, (NOTIFY_CHANNEL, payload))
+        except Exception as e:  # noqa: BLE001 - the CAS committed: nothing may fail it now
+            if conn is not None and (conn.broken or conn.closed):
+                self._drop_conn()
+            with self._lock:
+                self.notify_failures += 1
+                first = self.notify_failures == 1
+            log.log(
+                logging.WARNING if first else logging.DEBUG,
+                "%s",
+                self._redact(
+                    f"postgres consensus {self.describe()}: the CAS of key {key!r} committed "
+                    f"but its notification failed: {type(e).__name__}: {e}; listeners will "
+                    "notice the change at their next re-check (at most about 1 s later)"
+                    + ("; further failures are logged at debug level" if first else "")
+                ),
+            )
 
     def scan(self, key: str, from_seqno: int, limit: int) -> list[VersionedData]:
         if limit <= 0:

@@ -19,14 +19,26 @@ Why it looks the way it does (research/reliability.md section 5):
 - One connection per thread (created lazily, re-created after ``fork``), all closed
   by ``close()``. "database is locked" after the busy timeout is ``Determinate``
   (the single statement did not run); an I/O error while writing is ``Indeterminate``.
+- **Opening** runs ``PRAGMA journal_mode=WAL``, ``PRAGMA synchronous`` and ``CREATE
+  TABLE IF NOT EXISTS`` on each new connection. On a brand-new file, switching to WAL
+  upgrades a read transaction to a write one, and SQLite answers SQLITE_BUSY at once
+  (it does not call the busy handler there, which could deadlock) when another
+  connection holds the write lock, e.g. a rival doing the same switch: concurrent
+  first opens failed within a millisecond. So the whole initialisation is retried on
+  SQLITE_BUSY/SQLITE_LOCKED, on a new connection, with jittered exponential backoff
+  (1 ms doubling to 50 ms) until ``busy_timeout_ms`` has passed since the first
+  attempt (a retry's statements wait at most what is left); the error then says how
+  long and how many attempts it tried.
 - Never put the file on a network filesystem (WAL needs shared memory).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -119,26 +131,7 @@ class SqliteConsensus(Consensus):
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is not None and getattr(self._local, "pid", None) == os.getpid():
             return conn
-        err: Exception | None = None
-        try:
-            conn = sqlite3.connect(
-                self.path,
-                timeout=self.busy_timeout_ms / 1000.0,
-                isolation_level=None,
-                check_same_thread=False,
-            )
-            try:
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute(_SYNCHRONOUS[self.synchronous])
-                conn.execute(_CREATE)
-            except BaseException:
-                conn.close()
-                raise
-        except sqlite3.Error as e:
-            err = self._error("open", None, e, write=False)
-        if err is not None:
-            raise err
-        assert conn is not None
+        conn = self._open_connection()
         self._local.conn = conn
         self._local.pid = os.getpid()
         pid = os.getpid()
@@ -158,6 +151,65 @@ class SqliteConsensus(Consensus):
                 pass
         return conn
 
+    def _open_connection(self) -> sqlite3.Connection:
+        """A new, initialised connection; the initialisation is retried while the file
+        is busy, for up to ``busy_timeout_ms`` in all (see the module docstring)."""
+        start = time.monotonic()
+        budget_s = self.busy_timeout_ms / 1000.0
+        timeout_s = budget_s  # the busy wait of each statement of this attempt
+        backoff_s = 0.001
+        attempts = 0
+        err: Exception | None = None
+        while err is None:
+            attempts += 1
+            conn: sqlite3.Connection | None = None
+            try:
+                conn = self._connect(timeout_s)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute(_SYNCHRONOUS[self.synchronous])
+                conn.execute(_CREATE)
+                if timeout_s < budget_s:
+                    # A retry waited at most what was left: reconnect with the full busy
+                    # timeout for the life of the connection (WAL mode and the table are in
+                    # the file now; `synchronous` is per connection).
+                    conn.close()
+                    conn = self._connect(budget_s)
+                    conn.execute(_SYNCHRONOUS[self.synchronous])
+                return conn
+            except sqlite3.Error as e:
+                if conn is not None:
+                    conn.close()
+                elapsed_s = time.monotonic() - start
+                left_s = budget_s - elapsed_s
+                if not _is_busy(e) or left_s <= 0:
+                    err = self._open_error(e, attempts, elapsed_s)
+                    continue
+            except BaseException:
+                if conn is not None:
+                    conn.close()
+                raise
+            pause_s = min(left_s, backoff_s * (0.5 + 0.5 * random.random()))
+            time.sleep(pause_s)
+            backoff_s = min(backoff_s * 2, 0.05)
+            timeout_s = max(0.0, left_s - pause_s)
+        raise err
+
+    def _connect(self, timeout_s: float) -> sqlite3.Connection:
+        return sqlite3.connect(
+            self.path, timeout=timeout_s, isolation_level=None, check_same_thread=False
+        )
+
+    def _open_error(self, e: sqlite3.Error, attempts: int, elapsed_s: float) -> Exception:
+        if not _is_busy(e):
+            return self._error("open", None, e, write=False)
+        name = getattr(e, "sqlite_errorname", type(e).__name__)
+        return Determinate(
+            f"sqlite consensus {self.path!r}: open failed: {e} ({name}): the file was still "
+            f"busy after {attempts} attempt(s) over {elapsed_s * 1000:.0f} ms (busy timeout "
+            f"{self.busy_timeout_ms} ms); it was not opened; retry (another connection "
+            "holds the write lock)"
+        )
+
     def close(self) -> None:
         with self._lock:
             conns, self._conns = self._conns, []
@@ -170,15 +222,26 @@ class SqliteConsensus(Consensus):
             except sqlite3.Error:
                 pass
 
-    def _error(self, op: str, key: str | None, e: sqlite3.Error, *, write: bool) -> Exception:
+    def _error(
+        self,
+        op: str,
+        key: str | None,
+        e: sqlite3.Error,
+        *,
+        write: bool,
+        elapsed_s: float | None = None,
+    ) -> Exception:
         code = getattr(e, "sqlite_errorcode", None)
         primary = code & 0xFF if isinstance(code, int) else None
         name = getattr(e, "sqlite_errorname", type(e).__name__)
         where = f"sqlite consensus {self.path!r}: {op}" + (f" of key {key!r}" if key else "")
-        if primary in (_SQLITE_BUSY, _SQLITE_LOCKED) or "locked" in str(e):
+        if _is_busy(e):
+            # SQLite does not always wait (e.g. a lock upgrade that could deadlock), so
+            # say how long this call took rather than claim the busy timeout ran out.
+            took = "" if elapsed_s is None else f" after {elapsed_s * 1000:.0f} ms"
             return Determinate(
-                f"{where} failed: {e} ({name}) after the {self.busy_timeout_ms} ms busy "
-                "timeout; it did not happen; retry (another process holds the write lock)"
+                f"{where} failed: {e} ({name}){took} (busy timeout {self.busy_timeout_ms} "
+                "ms); it did not happen; retry (another connection holds the write lock)"
             )
         if primary == _SQLITE_FULL:
             return Determinate(f"{where} failed: {e} ({name}); it did not happen; free disk space")
@@ -195,10 +258,11 @@ class SqliteConsensus(Consensus):
     ) -> T:
         conn = self._conn()
         err: Exception | None = None
+        start = time.monotonic()
         try:
             return fn(conn)
         except sqlite3.Error as e:
-            err = self._error(op, key, e, write=write)
+            err = self._error(op, key, e, write=write, elapsed_s=time.monotonic() - start)
         raise err
 
     # -- Consensus -----------------------------------------------------------------
@@ -255,3 +319,10 @@ class SqliteConsensus(Consensus):
             "list_keys", None, False, lambda c: [str(r[0]) for r in c.execute(_LIST_KEYS)]
         )
         yield from keys
+
+
+def _is_busy(e: sqlite3.Error) -> bool:
+    """SQLITE_BUSY/SQLITE_LOCKED (any extended code): another connection holds a lock."""
+    code = getattr(e, "sqlite_errorcode", None)
+    primary = code & 0xFF if isinstance(code, int) else None
+    return primary in (_SQLITE_BUSY, _SQLITE_LOCKED) or "locked" in str(e)
