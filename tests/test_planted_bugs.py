@@ -19,6 +19,7 @@ from persist_lib.testing.controls import (
     STATEFUL_BUGS,
     background_compaction_catches,
     corruption_catches,
+    first_open_catches,
     stateful_catches,
 )
 from persist_lib.testing.runner import HistoryResult, default_config, run_history
@@ -110,3 +111,8 @@ def test_history_catches_delete_on_any_exception(tmp_path: Path) -> None:
 def test_background_compaction_control_catches_immediate_retry() -> None:
     assert background_compaction_catches(None) is None, "the real code hot-loops or never quarantines"
     assert background_compaction_catches("immediate_retry") is not None, "the hot loop went unnoticed"
+
+
+def test_first_open_control_catches_an_open_without_retry() -> None:
+    assert first_open_catches(None) is None, "a first open failed while a rival held the lock"
+    assert first_open_catches("sqlite_first_open_no_retry") is not None, "the failing open went unnoticed"

@@ -34,6 +34,7 @@ from persist_lib.testing.controls import (
     STATEFUL_BUGS,
     background_compaction_catches,
     corruption_catches,
+    first_open_catches,
     stateful_catches,
 )
 from persist_lib.testing.corruption import CorruptionFixture, flip_bit, truncate_to
@@ -170,6 +171,11 @@ def test_planted_bugs_all_caught(tmp_path_factory: pytest.TempPathFactory, pg_se
     FIGURES.add_planted("immediate_retry", "background compaction", be is not None, be or "", time.monotonic() - t0)
     if be is None:
         missed.append("background-compaction control missed immediate_retry")
+    t0 = time.monotonic()
+    fe = first_open_catches("sqlite_first_open_no_retry")
+    FIGURES.add_planted("sqlite_first_open_no_retry", "first open", fe is not None, fe or "", time.monotonic() - t0)
+    if fe is None:
+        missed.append("first-open control missed sqlite_first_open_no_retry")
     assert not missed, "\n".join(missed)
 
 

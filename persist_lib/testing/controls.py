@@ -127,3 +127,43 @@ def background_compaction_catches(name: str | None = "immediate_retry", window_s
     if not quarantined:
         return f"no quarantine after {attempts} deterministic failures"
     return None
+
+
+def first_open_catches(name: str | None = "sqlite_first_open_no_retry", hold_s: float = 0.3) -> str | None:
+    """Concurrent first opens of a fresh embedded location: while a rival opener holds
+    the new file's write lock (as it does while switching it to WAL), another process's
+    open must wait, not fail. Runs with ``name`` planted (None: the real code); returns
+    what went wrong (None: the open succeeded and works)."""
+    import sqlite3
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    from persist_lib.location.base import CaSResult, VersionedData
+    from persist_lib.location.sqlite_consensus import SqliteConsensus
+
+    d = Path(tempfile.mkdtemp(prefix="persist-first-open-"))
+    path = d / "fresh.db"
+    rival = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    rival.execute("BEGIN IMMEDIATE")
+    def let_go() -> None:
+        rival.execute("COMMIT")
+        rival.close()
+
+    release = threading.Timer(hold_s, let_go)
+    release.start()
+    ctx = planted.activate([name]) if name else planted.activate([])
+    try:
+        with ctx:
+            c = SqliteConsensus(path)
+            try:
+                res = c.compare_and_set("k", None, VersionedData(1, b"x"))
+                if res is not CaSResult.COMMITTED:
+                    return f"the first CAS on a freshly opened location answered {res}"
+            finally:
+                c.close()
+    except Exception as e:  # noqa: BLE001 - the failure is the finding
+        return f"{type(e).__name__}: {e}"
+    finally:
+        release.join()
+    return None

@@ -40,6 +40,8 @@ heartbeat_thread_dies       the heartbeat loop catches only location and      hi
                             restarted
 immediate_retry             a failed background merge is resubmitted at once,  background-compaction control
                             never backs off, never quarantined                 (a corrupt input part)
+sqlite_first_open_no_retry  SQLite initialisation (WAL pragma, table) tried    first-open control (a rival
+                            once: a fresh file's busy answer fails the open    holds the write lock)
 ==========================  =================================================  ===============================
 """
 
@@ -72,6 +74,7 @@ PLANTED_BUGS: tuple[str, ...] = (
     "sweeper_no_inflight_guard",
     "heartbeat_thread_dies",
     "immediate_retry",
+    "sqlite_first_open_no_retry",
 )
 
 # Which check catches each bug in the default run (the figures report it).
@@ -89,6 +92,7 @@ CAUGHT_BY: dict[str, str] = {
     "sweeper_no_inflight_guard": "history (skewed sweeps vs long writes)",
     "heartbeat_thread_dies": "history (heartbeat faults)",
     "immediate_retry": "background-compaction control",
+    "sqlite_first_open_no_retry": "first-open control",
 }
 
 # Bugs that live in the consensus backend (the runner opens consensus through
@@ -275,6 +279,23 @@ def _immediate_retry() -> contextlib.AbstractContextManager[Any]:
     return _patched(maintenance.BackgroundCompactor, "_record_failure", record)
 
 
+def _sqlite_first_open_no_retry() -> contextlib.AbstractContextManager[Any]:
+    from persist_lib.location import sqlite_consensus as sc
+
+    def once(self: Any) -> sqlite3.Connection:
+        conn = self._connect(self.busy_timeout_ms / 1000.0)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")  # SQLITE_BUSY at once on a fresh, locked file
+            conn.execute(sc._SYNCHRONOUS[self.synchronous])
+            conn.execute(sc._CREATE)
+        except sqlite3.Error as e:
+            conn.close()
+            raise self._open_error(e, 1, 0.0) from None
+        return conn
+
+    return _patched(sc.SqliteConsensus, "_open_connection", once)
+
+
 _PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
     "gc_ignores_holds": _gc_ignores_holds,
     "caa_no_idempotency_token": _caa_no_token,
@@ -286,6 +307,7 @@ _PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
     "sweeper_no_inflight_guard": _sweeper_no_inflight_guard,
     "heartbeat_thread_dies": _heartbeat_thread_dies,
     "immediate_retry": _immediate_retry,
+    "sqlite_first_open_no_retry": _sqlite_first_open_no_retry,
 }
 
 
