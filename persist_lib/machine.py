@@ -321,7 +321,10 @@ class Machine:
                     self._after_commit(new)
                     return result, installed if installed.seqno == new.seqno else new
                 self.metrics.cas_mismatches += 1
+                before = cur.seqno
                 cur = self._fetch_with_retry(deadline)
+                if cur.seqno <= before:
+                    self._check_head_not_behind(cur)
         except ExternalError as e:
             if maybe_applied and not isinstance(e, Indeterminate):
                 raise Indeterminate(
@@ -329,6 +332,19 @@ class Machine:
                     f"re-reading the state failed ({e}); the operation may or may not have happened"
                 ) from None
             raise
+
+    def _check_head_not_behind(self, cur: st.ShardState) -> None:
+        """A CAS lost but no newer entry exists: the log must not be *behind* our cache
+        (a log replaced under a live process, or two logs sharing a cache key), or the
+        loop would spin forever."""
+        head = self.consensus.head(self.shard_id)
+        if head is None or head.seqno < cur.seqno:
+            raise CorruptionError(
+                f"shard {self.shard_id}: the consensus head is at "
+                f"{head.seqno if head else 'nothing'} but this process has seen seqno "
+                f"{cur.seqno}: the log was replaced or truncated past its head under a live "
+                "process; stop and investigate the consensus location"
+            )
 
     def _fetch_with_retry(self, deadline: float) -> st.ShardState:
         backoff = 0.005

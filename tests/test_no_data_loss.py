@@ -557,3 +557,35 @@ def test_threads_share_one_machine_under_eviction() -> None:
         th.join()
     assert not errors
     assert contents(r.snapshot(19)) == {(0, f"x{t}"): 1 for t in range(20)}
+
+
+def test_a_log_replaced_under_a_live_process_is_an_error_not_a_livelock(tmp_path: Any) -> None:
+    """The machine used to spin forever when its cached state was ahead of the log (a
+    consensus file replaced under a live process, or two logs sharing a cache key)."""
+    import os
+
+    path = tmp_path / "c.db"
+    c1 = PersistClient.open(f"file://{tmp_path}/blob", f"sqlite:///{path}", PersistConfig.for_tests())
+    shard = ShardId.new()
+    w, _ = c1.open(shard, KEY, VAL)
+    for t in range(3):
+        w.compare_and_append(updates(t, n=1), t, t + 1)
+    c1.consensus.close()
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(f"{path}{suffix}"):
+            os.remove(f"{path}{suffix}")
+    c2 = PersistClient.open(f"file://{tmp_path}/blob", f"sqlite:///{path}", PersistConfig.for_tests())
+    out: list[BaseException | None] = []
+
+    def attempt() -> None:
+        try:
+            c2.open(shard, KEY, VAL)
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001
+            out.append(e)
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(30)
+    assert out and isinstance(out[0], CorruptionError), out
+    assert "replaced" in str(out[0])
