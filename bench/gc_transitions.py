@@ -47,10 +47,10 @@ def run(sizes: list[int], old_limit: int) -> list[dict[str, Any]]:
         rollups = {i: st.RollupRef(f"s/rollup/{i}-x") for i in range(n)}
         r = st.ShardState("s", seqno=n + 1, rollups=rollups)
         seqnos = tuple(range(0, n, 2))
-        new_g = _time(lambda: mt.gc_remove_garbage(s, 0, keys=half, gc_seqno=n))
-        new_r = _time(lambda: mt.gc_remove_rollups(r, 0, seqnos=seqnos))
-        old_g = _time(lambda: _old_remove_garbage(s, half, n)) if n <= old_limit else None
-        old_r = _time(lambda: _old_remove_rollups(r, seqnos)) if n <= old_limit else None
+        new_g = _time(lambda s=s, half=half, n=n: mt.gc_remove_garbage(s, 0, keys=half, gc_seqno=n))
+        new_r = _time(lambda r=r, seqnos=seqnos: mt.gc_remove_rollups(r, 0, seqnos=seqnos))
+        old_g = _time(lambda s=s, half=half, n=n: _old_remove_garbage(s, half, n)) if n <= old_limit else None
+        old_r = _time(lambda r=r, seqnos=seqnos: _old_remove_rollups(r, seqnos)) if n <= old_limit else None
         rows.append({"entries": n, "garbage_s": new_g, "garbage_old_s": old_g,
                      "rollups_s": new_r, "rollups_old_s": old_r})
     return rows
