@@ -3,8 +3,9 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 SEEDS ?= 200
+N ?= 20
 
-.PHONY: setup demo test test-long lint typecheck bench bench-full clean
+.PHONY: setup demo test test-long test-races lint typecheck bench bench-full clean
 
 setup:
 	@bash scripts/setup.sh
@@ -17,6 +18,9 @@ test: setup
 
 test-long: setup
 	SEEDS=$(SEEDS) $(PY) -m pytest -m slow -q $(PYTEST_ARGS)
+
+test-races: setup
+	N=$(N) bash scripts/loop_race_tests.sh
 
 lint: setup
 	.venv/bin/ruff check persist_lib dagster_project jobs sensors bench tests
