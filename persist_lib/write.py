@@ -49,6 +49,9 @@ class WriteHandle:
         self._lock = threading.Lock()  # one outstanding state change at a time
         self._expired = False
         self.last_heartbeat_monotonic = 0.0
+        # The seqno of the state version the last write call committed (None: it
+        # committed nothing, or a retry found it already committed): for audits/tests.
+        self.last_commit_seqno: int | None = None
 
     # ----- frontiers ----------------------------------------------------------------
 
@@ -85,6 +88,7 @@ class WriteHandle:
         new = as_frontier(new_upper, "new_upper")
         with self._lock:
             self._check_open()
+            self.last_commit_seqno = None
             self._check_frontiers(expected, new)
             table = normalize_updates(updates, self.schemas, shard=self.shard_id)
             self._check_times(table, expected, new)
@@ -103,6 +107,7 @@ class WriteHandle:
         hi = as_frontier(upper, "upper")
         with self._lock:
             self._check_open()
+            self.last_commit_seqno = None
             self._check_frontiers(lo, hi)
             table = normalize_updates(updates, self.schemas, shard=self.shard_id)
             self._check_times(table, lo, hi)
@@ -166,6 +171,7 @@ class WriteHandle:
         new = as_frontier(new_upper, "new_upper")
         with self._lock:
             self._check_open()
+            self.last_commit_seqno = None
             self._check_frontiers(expected, new)
             if batch.lower != expected or batch.upper != new:
                 raise InvalidUsage(
@@ -305,9 +311,12 @@ class WriteHandle:
                     inline_max_total=cfg.inline_max_total, release_writer=release,
                 )
 
-            res, _ = self._machine.apply("compare_and_append", caa, progress)
+            res, state = self._machine.apply("compare_and_append", caa, progress)
             self.last_heartbeat_monotonic = time.monotonic()
-            if res.outcome in (tr.CaaOutcome.APPLIED, tr.CaaOutcome.ALREADY_COMMITTED):
+            if res.outcome is tr.CaaOutcome.APPLIED:
+                self.last_commit_seqno = state.seqno
+                return
+            if res.outcome is tr.CaaOutcome.ALREADY_COMMITTED:
                 return
             if res.outcome is tr.CaaOutcome.UPPER_MISMATCH:
                 raise UpperMismatch(self.shard_id, expected, res.current_upper)

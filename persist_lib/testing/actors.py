@@ -493,9 +493,11 @@ class Writer(Actor):
             "stale": stale,
             "updates": [[u[0][0][0], u[0][1][0], u[1], u[2]] for u in ups],
         }
-        outcome, _, e = self.run_op(
-            "caa", args, lambda: w.compare_and_append(ups, expected, new), op_id=oid
-        )
+        def do_caa() -> dict[str, Any]:
+            w.compare_and_append(ups, expected, new)
+            return {"seqno": w.last_commit_seqno}
+
+        outcome, _, e = self.run_op("caa", args, do_caa, op_id=oid)
         if outcome == OK:
             self.acked += [(u[0][0][0], u[0][1][0]) for u in ups if u[2] > 0]
         elif outcome == FAIL and retracted is not None:
@@ -527,7 +529,7 @@ class Writer(Actor):
             "updates": [[u[0][0][0], u[0][1][0], u[1], u[2]] for u in ups],
         }
 
-        def do() -> None:
+        def do() -> dict[str, Any]:
             pw = None
             if spark_style:
                 pw = PartWriter.register(
@@ -554,6 +556,7 @@ class Writer(Actor):
             )
             if pw is not None:
                 pw.release()
+            return {"seqno": w.last_commit_seqno}
 
         outcome, _, e = self.run_op("caa", args, do, op_id=oid)
         if outcome == OK:
@@ -570,7 +573,11 @@ class Writer(Actor):
         hi = max(lo + 1, upper_t) + self.rng.randint(0, 3)
         ups = definite_updates(self.cfg.seed, lo, hi)
         args = {"writer_id": w.writer_id, "lower": lo, "upper": hi, "n": len(ups)}
-        _, _, e = self.run_op("append", args, lambda: w.append(ups, lo, hi))
+        def do_append() -> dict[str, Any]:
+            w.append(ups, lo, hi)
+            return {"seqno": w.last_commit_seqno}
+
+        _, _, e = self.run_op("append", args, do_append)
         self.after(e)
 
     def after(self, e: BaseException | None) -> None:

@@ -339,13 +339,29 @@ def _op_rows(op: Op) -> Counter[tuple[str, int, int]]:
 
 def attribute(commits: list[Commit], hist: History, seed: int, report: CheckReport) -> None:
     by_writer: dict[str, list[Op]] = defaultdict(list)
+    # An acknowledged write reports the seqno it committed (``WriteHandle.last_commit_seqno``):
+    # that pins it to its commit exactly, whatever the actors' clocks say.
+    pinned: dict[int, Op] = {}
     for o in hist.ops_of(*WRITE_OPS):
         wid = o.args.get("writer_id")
         if wid:
             by_writer[wid].append(o)
+        if o.outcome == OK and isinstance(o.result, dict) and o.result.get("seqno") is not None:
+            pinned[int(o.result["seqno"])] = o
+    pinned_ids = {o.id for o in pinned.values()}
     for c in commits:
+        p = pinned.get(c.seqno)
+        if p is not None and p.args.get("writer_id") == c.writer_id:
+            got_p = model.consolidate(c.rows) if c.rows is not None else None
+            want_p = _op_rows(p) if p.op == "caa" else model.consolidate(definite_updates_rows(seed, c.lower, c.upper))
+            if got_p is not None and got_p != want_p:
+                report.add("commit_data_mismatch", f"seqno {c.seqno} ({p.op} {p.id}): {model.counter_diff(got_p, want_p)}")
+            c.op = p
+            continue
         cands = []
         for o in by_writer.get(c.writer_id, []):
+            if o.id in pinned_ids:
+                continue  # pinned to its own commit
             if o.op == "caa" and o.args["expected"] == c.lower and o.args["new"] == c.upper:
                 cands.append(o)
             elif o.op == "append" and o.args["upper"] == c.upper and o.args["lower"] <= c.lower:
@@ -372,10 +388,11 @@ def attribute(commits: list[Commit], hist: History, seed: int, report: CheckRepo
             if (got is None or got == want_of(o)) and distance(o) == 0.0:
                 match = o
                 break
-        if match is None and got is not None:
-            # Skewed actor clocks shift commit walltimes: an op with exactly this data
-            # (inserted keys carry the op id) is the one.
-            same = [o for o in cands if o.op == "caa" and got == want_of(o)]
+        if match is None and got:
+            # Skewed actor clocks shift commit walltimes: a caa op with exactly this
+            # (non-empty) data is the one: inserted keys carry the op id. Empty data
+            # identifies nothing (progress-only writes, stale ops).
+            same = [o for o in cands if o.op == "caa" and got == want_of(o) and _op_rows(o)]
             if same:
                 match = same[0]
         if match is None and cands:
