@@ -796,18 +796,21 @@ class Compactor(Actor):
 
 class Gc(Actor):
     """GC runs, leak reports, and (``sweep_rate``) sweeps that delete, with the clock
-    ``sweeper_clock_ahead_ms`` ahead: only the in-flight guard protects writes then."""
-
-    def clock_skew_ms(self) -> int:
-        return self.cfg.sweeper_clock_ahead_ms
+    ``sweeper_clock_ahead_ms`` ahead: only the in-flight guard protects writes then.
+    (Only the sweeps run ahead: a GC state change would carry the skewed walltime into
+    every later state version.)"""
 
     def step(self) -> None:
         if self.rng.random() < self.cfg.sweep_rate:
-            self.run_op(
-                "sweep",
-                {"clock_ahead_ms": self.skew_ms},
-                lambda: len(self.client.unreferenced_blobs(self.shard, 60_000, delete=True)),
-            )
+            from persist_lib.testing.hooks import clock_skew
+
+            ahead = self.cfg.sweeper_clock_ahead_ms
+
+            def sweep() -> int:
+                with clock_skew(self.client.config, ahead):
+                    return len(self.client.unreferenced_blobs(self.shard, 60_000, delete=True))
+
+            self.run_op("sweep", {"clock_ahead_ms": ahead}, sweep)
         elif self.rng.random() < 0.15:
             self.run_op(
                 "leak_report",

@@ -338,9 +338,20 @@ def _op_rows(op: Op) -> Counter[tuple[str, int, int]]:
 
 
 def attribute(commits: list[Commit], hist: History, seed: int, report: CheckReport) -> None:
+    """Matches every committed write to the logged op that made it.
+
+    1. An acknowledged write reports the seqno it committed (``WriteHandle.last_commit_seqno``):
+       that pins it to its commit exactly.
+    2. A writer runs one op at a time and its commits are in seqno order, so an unpinned
+       commit lies between the pinned ops of that writer around it (by seqno): only the
+       ops invoked between them are candidates.
+    3. Among those with the commit's bounds, one whose data equals the commit's is
+       preferred (inserted keys carry the op id), an op that did not definitely fail is
+       preferred, and the commit's walltime inside the op's [invoke, complete] window
+       breaks remaining ties. Walltimes alone mislead: a clock that ran ahead (the skewed
+       actors of the fault model) pushes every later walltime ahead too.
+    """
     by_writer: dict[str, list[Op]] = defaultdict(list)
-    # An acknowledged write reports the seqno it committed (``WriteHandle.last_commit_seqno``):
-    # that pins it to its commit exactly, whatever the actors' clocks say.
     pinned: dict[int, Op] = {}
     for o in hist.ops_of(*WRITE_OPS):
         wid = o.args.get("writer_id")
@@ -348,18 +359,37 @@ def attribute(commits: list[Commit], hist: History, seed: int, report: CheckRepo
             by_writer[wid].append(o)
         if o.outcome == OK and isinstance(o.result, dict) and o.result.get("seqno") is not None:
             pinned[int(o.result["seqno"])] = o
+    for ops in by_writer.values():
+        ops.sort(key=lambda o: o.invoke_mono)
     pinned_ids = {o.id for o in pinned.values()}
+    pin_seqno = {o.id: sq for sq, o in pinned.items()}
+
+    def want_of(o: Op, c: Commit) -> Counter[tuple[str, int, int]]:
+        if o.op == "caa":
+            return _op_rows(o)
+        return model.consolidate(definite_updates_rows(seed, c.lower, c.upper))
+
     for c in commits:
         p = pinned.get(c.seqno)
         if p is not None and p.args.get("writer_id") == c.writer_id:
             got_p = model.consolidate(c.rows) if c.rows is not None else None
-            want_p = _op_rows(p) if p.op == "caa" else model.consolidate(definite_updates_rows(seed, c.lower, c.upper))
+            want_p = want_of(p, c)
             if got_p is not None and got_p != want_p:
                 report.add("commit_data_mismatch", f"seqno {c.seqno} ({p.op} {p.id}): {model.counter_diff(got_p, want_p)}")
             c.op = p
             continue
+        ops = by_writer.get(c.writer_id, [])
+        lo_i, hi_i = -1, len(ops)
+        for i, o in enumerate(ops):
+            sq = pin_seqno.get(o.id)
+            if sq is None:
+                continue
+            if sq < c.seqno:
+                lo_i = max(lo_i, i)
+            elif sq > c.seqno:
+                hi_i = min(hi_i, i)
         cands = []
-        for o in by_writer.get(c.writer_id, []):
+        for o in ops[lo_i + 1 : hi_i]:
             if o.id in pinned_ids:
                 continue  # pinned to its own commit
             if o.op == "caa" and o.args["expected"] == c.lower and o.args["new"] == c.upper:
@@ -368,47 +398,29 @@ def attribute(commits: list[Commit], hist: History, seed: int, report: CheckRepo
                 cands.append(o)
         got = model.consolidate(c.rows) if c.rows is not None else None
 
-        def want_of(o: Op, c: Commit = c) -> Counter[tuple[str, int, int]]:
-            if o.op == "caa":
-                return _op_rows(o)
-            return model.consolidate(definite_updates_rows(seed, c.lower, c.upper))
-
-        # A writer runs one op at a time, so the op whose [invoke, complete] window holds
-        # the commit's walltime (set by the committing attempt) is the one (a writer may
-        # repeat the same bounds after a failure, so bounds alone are ambiguous).
         def distance(o: Op, c: Commit = c) -> float:
             end = o.complete_wall_ms if o.completed and o.complete_wall_ms is not None else float("inf")
             if o.invoke_wall_ms - WALL_SLACK_MS <= c.walltime_ms <= end + WALL_SLACK_MS:
                 return 0.0
             return min(abs(c.walltime_ms - o.invoke_wall_ms), abs(c.walltime_ms - end))
 
-        cands.sort(key=distance)
-        match = None
-        for o in cands:
-            if (got is None or got == want_of(o)) and distance(o) == 0.0:
-                match = o
-                break
-        if match is None and got:
-            # Skewed actor clocks shift commit walltimes: a caa op with exactly this
-            # (non-empty) data is the one: inserted keys carry the op id. Empty data
-            # identifies nothing (progress-only writes, stale ops).
-            same = [o for o in cands if o.op == "caa" and got == want_of(o) and _op_rows(o)]
-            if same:
-                match = same[0]
-        if match is None and cands:
-            o = cands[0]
-            if got is not None and got != want_of(o):
-                report.add(
-                    "commit_data_mismatch",
-                    f"seqno {c.seqno} ({o.op} {o.id}): {model.counter_diff(got, want_of(o))}",
-                )
-            match = o
-        if match is None:
+        def rank(o: Op, c: Commit = c, got: Any = got) -> tuple[int, int, float]:
+            same = got is None or got == want_of(o, c)
+            return (0 if same else 1, 1 if o.outcome == FAIL else 0, distance(o))
+
+        cands.sort(key=rank)
+        if not cands:
             report.add(
                 "unattributed_commit",
                 f"seqno {c.seqno}: writer {c.writer_id} committed [{c.lower}, {c.upper}) that no logged op wrote",
             )
             continue
+        match = cands[0]
+        if got is not None and got != want_of(match, c):
+            report.add(
+                "commit_data_mismatch",
+                f"seqno {c.seqno} ({match.op} {match.id}): {model.counter_diff(got, want_of(match, c))}",
+            )
         c.op = match
 
 
