@@ -123,7 +123,12 @@ def _run(client: PersistClient, ns: argparse.Namespace, source: Any, envelope: s
             signal.signal(signal.SIGINT, prev)
 
 
-@command("ingest", "ingest sources (file landing zones, Postgres CDC) with reclocking", _args)
+@command(
+    "ingest",
+    "ingest sources (file landing zones, Postgres CDC) with reclocking",
+    _args,
+    creates_location=lambda ns: ns.ingest_cmd != "status",
+)
 def _ingest(client: PersistClient, ns: argparse.Namespace) -> Any:
     if ns.ingest_cmd == "files":
         from persist_lib.ingest.landing_zone import LandingZoneSource
