@@ -168,7 +168,7 @@ def backfill_rendition(
     old = ctl.describe(name)["active_rendition"]
     if old == rendition:
         return {"rendition": rendition, "status": "already active", "handover_at": None}
-    n = num_shards or spec.num_shards
+    n = num_shards or spec.default_rendition_shards
     created = ensure_renditions(spec, ctl, rendition, n)
     say(f"{name}: rendition {rendition} ({n} shards) ready; created in {created or 'none'}")
     built = build_rendition(spec, ctl, rendition, spark=spark)
