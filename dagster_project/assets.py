@@ -300,7 +300,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         persist: PersistResource,
         landing: LandingZoneResource,
         spark: SparkResource,
-    ) -> dg.MaterializeResult:
+    ) -> Iterator[dg.MaterializeResult]:
         ctl = persist.controller()
         r = context.partition_key
         refused = rendition_refusal(spec, ctl.describe(n), r)
@@ -325,34 +325,11 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 )
             ) from None
         client = persist.client()
-        sync_source_partitions(context, client, ctl, n, rendition_parts, materializing=r)
         desc = ctl.describe(n)
-        meta = collection_metadata(client, desc, rendition=r)
-        handed = res.get("handovers") or {}
-        handover_meta: dict[str, Any] = {
-            "handover_at": int(res["handover_at"]) if res.get("handover_at") else 0,
-            "previous_rendition": str(res.get("previous") or "-"),
-            "event": dg.MetadataValue.text(f"handed over to {r}"),
-        }
-        # The collections handed over now read through ``r``: record it on their assets
-        # too, so their latest metadata shows the active rendition, not the retired one.
-        for key, cname in ((data_key, n), (errors_key, f"{n}.errors")):
-            if cname in handed:
-                context.log_event(
-                    dg.AssetMaterialization(
-                        asset_key=key,
-                        description=f"{cname}: handed over from {res.get('previous')} to {r}",
-                        metadata={
-                            **collection_metadata(client, desc if cname == n else ctl.describe(cname)),
-                            **handover_meta,
-                            "handover_at": int(handed[cname]),
-                        },
-                    )
-                )
         built = res.get("built") or {}
-        return dg.MaterializeResult(
+        yield dg.MaterializeResult(
             metadata={
-                **meta,
+                **collection_metadata(client, desc, rendition=r),
                 "status": "active" if desc["active_rendition"] == r else desc["renditions"][r]["status"],
                 "previous_rendition": str(res.get("previous") or "-"),
                 "handover_at": int(res["handover_at"]) if res.get("handover_at") else 0,
@@ -362,6 +339,23 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 "collected": dg.MetadataValue.json(res.get("collected") or {}),
             }
         )
+        # The collections handed over now read through ``r``: record that on their assets
+        # too, so their latest metadata shows the active rendition, not the retired one.
+        handed = res.get("handovers") or {}
+        for key, cname in ((data_key, n), (errors_key, f"{n}.errors")):
+            if cname in handed:
+                context.log_event(
+                    dg.AssetMaterialization(
+                        asset_key=key,
+                        description=f"{cname}: handed over from {res.get('previous')} to {r}",
+                        metadata={
+                            **collection_metadata(client, ctl.describe(cname)),
+                            "previous_rendition": str(res.get("previous") or "-"),
+                            "handover_at": int(handed[cname]),
+                        },
+                    )
+                )
+        sync_source_partitions(context, client, ctl, n, rendition_parts, materializing=r)
 
     @dg.asset(
         name=f"{n}_summary",
