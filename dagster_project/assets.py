@@ -12,6 +12,7 @@ and records its state. Every materialization records what the UI should show: fr
 spine as a markdown table.
 """
 
+import datetime as dt
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -391,9 +392,13 @@ def rendition_refusal(spec: SourceSpec, desc: Mapping[str, Any], rendition: str)
         "dropping": "being dropped",
         "dropped": "dropped: its shards are finalized and its data deleted",
     }.get(info["status"], info["status"])
+    at = info.get("retired_at")
+    when = f"time {at}"
+    if isinstance(at, int) and at > 10**12:  # ingested times are ms since the epoch
+        when += f" ({dt.datetime.fromtimestamp(at / 1000, dt.UTC):%Y-%m-%d %H:%M:%S} UTC)"
     return (
         f"Rendition {rendition!r} of collection {name!r} can't be built: it was handed over "
-        f"away from at time {info.get('retired_at')}"
+        f"away from at {when}"
         + (f" (to {to!r}, the active rendition is {desc['active_rendition']!r})" if to else "")
         + f" and is {state}. A rendition is built once; it is never rebuilt or reactivated "
         f"under its old name. To rebuild {name!r} (e.g. after a decoding fix), backfill a "
