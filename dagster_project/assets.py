@@ -12,11 +12,14 @@ and records its state. Every materialization records what the UI should show: fr
 spine as a markdown table.
 """
 
-from collections.abc import Iterator
+import datetime as dt
+import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
+import pydantic
 
 from dagster_project.checks import build_collection_check, build_errors_check, read_latest
 from dagster_project.ingestion import ThrottledProgress, ingest_source
@@ -27,10 +30,12 @@ from dagster_project.metadata import (
     shard_metadata,
 )
 from dagster_project.operations import compact_shard
+from dagster_project.partition_sync import catalog_directory, role_of, sync_source_partitions
 from dagster_project.partitions import rendition_partitions, shard_partitions
 from dagster_project.renditions import backfill_rendition
 from dagster_project.resources import LandingZoneResource, PersistResource, SparkResource
 from dagster_project.sources import SOURCES, SourceSpec
+from persist_lib.errors import InvalidUsage
 
 MiB = 1 << 20
 
@@ -48,9 +53,12 @@ class CompactionConfig(dg.Config):
     group_name="maintenance",
     kinds={"persist"},
     description=(
-        "One persist shard (partition = shard id). Materializing it runs the shard's pending "
-        "compaction (in-process, or Spark for big shards) and records its state: frontiers, "
-        "batches, bytes, compaction debt and the spine."
+        "One persist shard (partition = shard id). Each partition's metadata says what the "
+        "shard is (`shard_of`: collection / rendition / shard i of n, a metadata shard, the "
+        "catalog, a source's remap shard); it is recorded when the shard is registered. "
+        "Materializing it runs the shard's pending compaction (in-process, or Spark for big "
+        "shards) and records its state: frontiers, batches, bytes, compaction debt and the "
+        "spine. Finalized shards (of dropped renditions) are removed from the partitions."
     ),
 )
 def persist_shard(
@@ -76,7 +84,10 @@ def persist_shard(
         res.get("compaction_debt_after"),
     )
     after = client.inspect(shard)
+    with persist.read_only_controller() as ro:
+        role = role_of(catalog_directory(ro, [s.name for s in SOURCES]), shard)
     metadata = {
+        **role.metadata(),
         **shard_metadata(after),
         "compaction_engine": res["engine"],
         "compaction_debt_before": int(res.get("compaction_debt_before") or 0),
@@ -106,6 +117,29 @@ class RenditionConfig(dg.Config):
     """A rendition backfill: ``num_shards`` of the new rendition (0 = the source's default)."""
 
     num_shards: int = 0
+
+
+def rendition_config(spec: SourceSpec) -> type[RenditionConfig]:
+    """The run config of ``<src>_rendition``, with the source's rendition shard count as
+    the visible default: *Materialize* in the UI (the implicit ``__ASSET_JOB``, empty
+    config) builds what the source is configured for, and the launchpad shows it."""
+    default = spec.default_rendition_shards
+    return pydantic.create_model(  # type: ignore[no-any-return, call-overload]
+        f"{''.join(p.title() for p in re.split(r'[^A-Za-z0-9]+', spec.name))}RenditionConfig",
+        __base__=RenditionConfig,
+        num_shards=(
+            int,
+            pydantic.Field(
+                default=default,
+                ge=0,
+                le=1024,
+                description=(
+                    f"Shards of the new rendition (default {default}: the source's "
+                    "rendition_shards; 0 also means that default)."
+                ),
+            ),
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -153,6 +187,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
     remap_key, raw_key = dg.AssetKey(f"{n}_remap"), dg.AssetKey(f"{n}_raw")
     data_key, errors_key = dg.AssetKey(n), dg.AssetKey(f"{n}_errors")
     rendition_parts = rendition_partitions(n)
+    config_cls = rendition_config(spec)
     landing = dg.AssetSpec(
         landing_key,
         group_name=group,
@@ -222,8 +257,8 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
             summary["upper"],
             summary["engine"],
         )
-        _register_partitions(context.instance, ctl, n, rendition_parts)
         client = persist.client()
+        sync_source_partitions(context, client, ctl, n, rendition_parts)
         run_meta = _summary_metadata(summary)
         remap = inspect_shards(client, [summary["remap_shard"]]).get(summary["remap_shard"])
         yield dg.MaterializeResult(
@@ -255,34 +290,48 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         kinds={"persist"},
         description=(
             f"Renditions of {n!r} (partition = rendition name). Materializing a new partition "
-            f"is a backfill: build it from {n}.raw, catch up, hand over, collect the old one."
+            f"is a backfill: build it from {n}.raw with {spec.default_rendition_shards} shards "
+            "(config num_shards), catch up, hand over, collect the old one. Partitions are the "
+            "live renditions: retired and dropped ones are removed."
         ),
     )
     def rendition(
         context: dg.AssetExecutionContext,
-        config: RenditionConfig,
+        config: config_cls,  # type: ignore[valid-type]
         persist: PersistResource,
         landing: LandingZoneResource,
         spark: SparkResource,
-    ) -> dg.MaterializeResult:
+    ) -> Iterator[dg.MaterializeResult]:
         ctl = persist.controller()
         r = context.partition_key
-        res = backfill_rendition(
-            spec,
-            ctl,
-            landing.source_uri(n),
-            r,
-            num_shards=config.num_shards or None,
-            spark=(lambda: spark.spark_session) if spark.enabled else None,
-            progress=context.log.info,
-        )
-        _register_partitions(context.instance, ctl, n, rendition_parts)
-        meta = collection_metadata(persist.client(), ctl.describe(n), rendition=r)
+        refused = rendition_refusal(spec, ctl.describe(n), r)
+        if refused:
+            raise dg.Failure(description=refused)
+        try:
+            res = backfill_rendition(
+                spec,
+                ctl,
+                landing.source_uri(n),
+                r,
+                num_shards=config.num_shards or None,  # type: ignore[attr-defined]
+                spark=(lambda: spark.spark_session) if spark.enabled else None,
+                progress=context.log.info,
+            )
+        except InvalidUsage as e:
+            raise dg.Failure(
+                description=(
+                    f"The backfill of rendition {r!r} of {n!r} was refused: {e}. Nothing was "
+                    "handed over; fix the cause and launch it again (it resumes), or backfill "
+                    "a new rendition name."
+                )
+            ) from None
+        client = persist.client()
+        desc = ctl.describe(n)
         built = res.get("built") or {}
-        return dg.MaterializeResult(
+        yield dg.MaterializeResult(
             metadata={
-                **meta,
-                "status": res.get("status", "handed over"),
+                **collection_metadata(client, desc, rendition=r),
+                "status": "active" if desc["active_rendition"] == r else desc["renditions"][r]["status"],
                 "previous_rendition": str(res.get("previous") or "-"),
                 "handover_at": int(res["handover_at"]) if res.get("handover_at") else 0,
                 "raw_records_replayed": int(built.get("records") or 0),
@@ -291,6 +340,23 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 "collected": dg.MetadataValue.json(res.get("collected") or {}),
             }
         )
+        # The collections handed over now read through ``r``: record that on their assets
+        # too, so their latest metadata shows the active rendition, not the retired one.
+        handed = res.get("handovers") or {}
+        for key, cname in ((data_key, n), (errors_key, f"{n}.errors")):
+            if cname in handed:
+                context.log_event(
+                    dg.AssetMaterialization(
+                        asset_key=key,
+                        description=f"{cname}: handed over from {res.get('previous')} to {r}",
+                        metadata={
+                            **collection_metadata(client, ctl.describe(cname)),
+                            "previous_rendition": str(res.get("previous") or "-"),
+                            "handover_at": int(handed[cname]),
+                        },
+                    )
+                )
+        sync_source_partitions(context, client, ctl, n, rendition_parts, materializing=r)
 
     @dg.asset(
         name=f"{n}_summary",
@@ -310,25 +376,36 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
     return SourceAssets(spec, landing, ingest, rendition, summary, checks, rendition_parts)
 
 
-def _register_partitions(
-    instance: dg.DagsterInstance,
-    ctl: Any,
-    name: str,
-    renditions_def: dg.DynamicPartitionsDefinition,
-) -> None:
-    """Makes the collection's renditions and shards partitions (for the UI and sensors)."""
-    desc = ctl.describe(name)
-    have = set(instance.get_dynamic_partitions(renditions_def.name or ""))
-    missing = [r for r in sorted(desc["renditions"]) if r not in have]
-    if missing:
-        instance.add_dynamic_partitions(renditions_def.name or "", missing)
-    shards = {desc["metadata_shard"]} | {
-        s for r in desc["renditions"].values() if r["status"] == "ready" for s in r["shards"]
-    }
-    known = set(instance.get_dynamic_partitions(shard_partitions.name or ""))
-    new = sorted(shards - known)
-    if new:
-        instance.add_dynamic_partitions(shard_partitions.name or "", new)
+def rendition_refusal(spec: SourceSpec, desc: Mapping[str, Any], rendition: str) -> str | None:
+    """Why a backfill of ``rendition`` can't run (one paragraph for a ``dg.Failure``), or
+    None. A rendition is built once: a retired or dropped one can't be rebuilt."""
+    info = desc["renditions"].get(rendition)
+    if info is None or info["status"] in ("ready", "creating"):
+        return None
+    name = desc["name"]
+    to = next((h["to"] for h in desc["timeline"] if h["from"] == rendition), None)
+    numbers = [int(r[1:]) for r in desc["renditions"] if re.fullmatch(r"r\d+", r)]
+    suggest = f"r{max(numbers, default=0) + 1}"
+    state = {
+        "retired": "retired: it is waiting for the readers still before the handover, then "
+        "the GC job drops it",
+        "dropping": "being dropped",
+        "dropped": "dropped: its shards are finalized and its data deleted",
+    }.get(info["status"], info["status"])
+    at = info.get("retired_at")
+    when = f"time {at}"
+    if isinstance(at, int) and at > 10**12:  # ingested times are ms since the epoch
+        when += f" ({dt.datetime.fromtimestamp(at / 1000, dt.UTC):%Y-%m-%d %H:%M:%S} UTC)"
+    return (
+        f"Rendition {rendition!r} of collection {name!r} can't be built: it was handed over "
+        f"away from at {when}"
+        + (f" (to {to!r}, the active rendition is {desc['active_rendition']!r})" if to else "")
+        + f" and is {state}. A rendition is built once; it is never rebuilt or reactivated "
+        f"under its old name. To rebuild {name!r} (e.g. after a decoding fix), backfill a "
+        f"new rendition name: in the UI, Materialize {name}_rendition and add a partition "
+        f"such as {suggest!r}; or run `dagster job launch -w workspace.yaml -j "
+        f"{spec.name}_rendition_job --tags '{{\"dagster/partition\": \"{suggest}\"}}'`."
+    )
 
 
 def contents_summary(df: Any, as_of: int | None, spec: SourceSpec) -> dict[str, Any]:

@@ -47,6 +47,9 @@ def build_defs(**resources: object) -> dg.Definitions:
         assets += sa.assets()
         checks += sa.checks
     return dg.Definitions(
+        # One process per run for every job, the implicit ``__ASSET_JOB`` of the UI's
+        # Materialize included (one Spark session, no process per step).
+        executor=dg.in_process_executor,
         assets=assets,  # type: ignore[arg-type]
         asset_checks=checks,
         jobs=JOBS,

@@ -113,10 +113,10 @@ def ensure_renditions(
         if info is None:
             ctl.create_rendition(name, rendition, num_shards)
             created.append(name)
-        elif info["status"] != "ready" or info.get("retired_at") is not None:
+        elif info["status"] != "ready":  # retired, dropped, ...: never rebuilt
             raise InvalidUsage(
-                f"collection {name!r}: rendition {rendition!r} exists but is {info['status']}"
-                f"{' (retired)' if info.get('retired_at') is not None else ''}; pick a new name"
+                f"collection {name!r}: rendition {rendition!r} exists but is {info['status']}; "
+                "pick a new name"
             )
     return created
 
@@ -168,7 +168,7 @@ def backfill_rendition(
     old = ctl.describe(name)["active_rendition"]
     if old == rendition:
         return {"rendition": rendition, "status": "already active", "handover_at": None}
-    n = num_shards or spec.num_shards
+    n = num_shards or spec.default_rendition_shards
     created = ensure_renditions(spec, ctl, rendition, n)
     say(f"{name}: rendition {rendition} ({n} shards) ready; created in {created or 'none'}")
     built = build_rendition(spec, ctl, rendition, spark=spark)

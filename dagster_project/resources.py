@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from persist_lib.client import PersistClient, default_home, default_uris
 from persist_lib.config import PersistConfig
 from persist_lib.ingest.landing_zone import format_of
 from persist_lib.location.redaction import redacted_value
+from persist_lib.location_check import missing_parts, require_existing_location
 from persist_lib.storage import StorageController
 
 
@@ -97,6 +99,28 @@ class PersistResource(dg.ConfigurableResource):
         if self._controller is None:
             self._controller = StorageController(self.client())
         return self._controller
+
+    def location_exists(self) -> bool:
+        """Whether the location exists (checked without creating it; remote locations
+        always count as existing)."""
+        return not missing_parts(*self.uris())
+
+    def existing_client(self) -> PersistClient:
+        """The client, for code that only reads (sensors): a local location that does
+        not exist is a ``LocationNotFound`` instead of being created."""
+        if self._client is None:
+            require_existing_location(*self.uris())
+        return self.client()
+
+    @contextmanager
+    def read_only_controller(self) -> Iterator[StorageController]:
+        """A read-only STORAGE controller (no recovery, nothing registered that it
+        keeps), for sensors and metadata: ``with persist.read_only_controller() as ctl``."""
+        ctl = StorageController(self.existing_client(), read_only=True)
+        try:
+            yield ctl
+        finally:
+            ctl.close()
 
     def close(self) -> None:
         """Releases the controller's read holds and closes the client."""

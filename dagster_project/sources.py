@@ -7,7 +7,8 @@ reclocking -> raw -> collection -> downstream, with the GE checks on the collect
 
 The default source, ``orders``, is a file landing zone (JSON lines) under
 ``PERSIST_LANDING_URI`` (else ``$PERSIST_HOME/landing``), sub-directory ``orders/``,
-upserted by ``order_id`` into a 4-shard collection. It needs no setup.
+upserted by ``order_id`` into a 4-shard collection; the rendition backfill rebuilds it
+with 8 shards unless told otherwise. It needs no setup.
 
 ``customers`` is a Postgres CDC source (logical replication, ``pgoutput``) of table
 ``public.customers``; it is configured only when ``PERSIST_CDC_DSN`` is set (a
@@ -44,12 +45,19 @@ class SourceSpec:
     table: str = ""  # postgres_cdc: TABLE or SCHEMA.TABLE
     dsn_env: str = "PERSIST_CDC_DSN"  # postgres_cdc: the variable holding the source DSN
     num_shards: int = 4
+    #: Shards of a rendition rebuilt by the rendition backfill when its run config does
+    #: not say (0 = ``num_shards``): what materializing ``<name>_rendition`` builds.
+    rendition_shards: int = 0
     delete_field: str | None = None
     rules: CollectionRules = field(default_factory=lambda: CollectionRules(()))
     description: str = ""
     #: A row-wise fix-up of decoded rows (same schema). Changing it changes what the
     #: pipeline writes: build a new rendition (the rendition backfill) and hand over.
     transform: Callable[[pa.Table], pa.Table] | None = None
+
+    @property
+    def default_rendition_shards(self) -> int:
+        return self.rendition_shards or self.num_shards
 
     @property
     def key_columns(self) -> tuple[str, ...]:
@@ -72,6 +80,7 @@ ORDERS = SourceSpec(
     ),
     envelope="upsert",
     num_shards=4,
+    rendition_shards=8,
     rules=CollectionRules(
         key_columns=("order_id",),
         not_null=("customer", "status"),

@@ -4,7 +4,8 @@
   shard's pending merges run in-process, or on Spark for big shards when Spark is
   configured. Launched by the compaction-debt sensor (``sensors.compaction``).
 - ``gc_job``: ``client.gc`` on every shard, the leaked-blob sweep with a grace period
-  (``unreferenced_blobs(delete=True)``) and the collection of retired renditions.
+  (``unreferenced_blobs(delete=True)``) and the collection of retired renditions; the
+  partitions of dropped renditions and of their finalized shards are then removed.
 - ``lease_expiry_job``: ``client.expire_leases()`` on every shard.
 
 GC runs hourly and lease expiry every five minutes; both are idempotent, cheap when
@@ -13,8 +14,9 @@ there is nothing to do, and safe to run concurrently with writers and readers.
 
 import dagster as dg
 
-from dagster_project.assets import persist_shard
+from dagster_project.assets import SOURCE_ASSETS, persist_shard
 from dagster_project.operations import collect_garbage, expire_leases
+from dagster_project.partition_sync import sync_source_partitions
 from dagster_project.resources import PersistResource
 
 compaction_job = dg.define_asset_job(
@@ -37,12 +39,17 @@ class GcConfig(dg.Config):
 def collect_garbage_op(
     context: dg.OpExecutionContext, config: GcConfig, persist: PersistResource
 ) -> dict:
+    ctl = persist.controller()
     out = collect_garbage(
         persist.client(),
-        persist.controller(),
+        ctl,
         grace_period_ms=config.grace_period_ms,
         delete_leaked=config.delete_leaked,
     )
+    existing = set(ctl.list_collections())
+    for name, sa in SOURCE_ASSETS.items():
+        if name in existing:
+            sync_source_partitions(context, persist.client(), ctl, name, sa.renditions_partitions)
     context.add_output_metadata(
         {
             "shards": out["shards"],

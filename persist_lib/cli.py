@@ -3,7 +3,9 @@
 Location options default to ``$PERSIST_BLOB_URI`` / ``$PERSIST_CONSENSUS_URI``, else the
 embedded default under ``$PERSIST_HOME`` (``./.persist``). Output is JSON, so it can
 be piped into ``jq``. Errors print one line to stderr and exit with status 2 (usage)
-or 1 (anything else).
+or 1 (anything else). Commands never create a location (run from the wrong directory
+they fail with ``LocationNotFound`` instead of reading an empty ``./.persist``), except
+those registered with ``creates_location`` (``persist ingest files|postgres``).
 """
 
 from __future__ import annotations
@@ -16,20 +18,33 @@ from typing import Any
 
 from persist_lib.client import PersistClient, default_uris
 from persist_lib.config import PersistConfig
-from persist_lib.errors import InvalidUsage, PersistError
+from persist_lib.errors import InvalidUsage, LocationNotFound, PersistError
 from persist_lib.location.uri import redact
+from persist_lib.location_check import require_existing_location
 
 Command = Callable[[PersistClient, argparse.Namespace], Any]
 _COMMANDS: dict[str, tuple[Command, str, Callable[[argparse.ArgumentParser], None]]] = {}
+#: Commands that may create the location they are pointed at (given the parsed arguments).
+_CREATES_LOCATION: dict[str, Callable[[argparse.Namespace], bool]] = {}
 
 
 def command(
-    name: str, help_: str, args: Callable[[argparse.ArgumentParser], None] = lambda p: None
+    name: str,
+    help_: str,
+    args: Callable[[argparse.ArgumentParser], None] = lambda p: None,
+    *,
+    creates_location: bool | Callable[[argparse.Namespace], bool] = False,
 ) -> Callable[[Command], Command]:
-    """Registers a subcommand; other modules (maintenance, storage) add theirs this way."""
+    """Registers a subcommand; other modules (maintenance, storage) add theirs this way.
+
+    A command runs only against an existing location unless ``creates_location`` (a bool,
+    or a function of the parsed arguments) says it may create one.
+    """
 
     def deco(fn: Command) -> Command:
         _COMMANDS[name] = (fn, help_, args)
+        flag = creates_location
+        _CREATES_LOCATION[name] = flag if callable(flag) else (lambda ns: bool(flag))
         return fn
 
     return deco
@@ -90,8 +105,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     fn = _COMMANDS[ns.command][0]
     try:
         config = PersistConfig(retry_deadline_s=ns.timeout, background_heartbeats=False)
+        if not _CREATES_LOCATION.get(ns.command, lambda ns: False)(ns):
+            require_existing_location(ns.blob, ns.consensus, command=ns.command)
         with PersistClient.open(ns.blob, ns.consensus, config) as client:
             out = fn(client, ns)
+    except LocationNotFound as e:
+        print(f"persist {ns.command}: {type(e).__name__}: {redact(str(e))}", file=sys.stderr)
+        return 2
     except InvalidUsage as e:
         print(f"persist {ns.command}: error: {redact(str(e))}", file=sys.stderr)
         return 2

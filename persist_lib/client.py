@@ -109,6 +109,17 @@ class PersistClient:
         )
 
     @classmethod
+    def open_existing(
+        cls, blob_uri: str, consensus_uri: str, config: PersistConfig | None = None
+    ) -> PersistClient:
+        """Like ``open``, for tools that only read: a local location that does not exist
+        is a ``LocationNotFound`` (nothing is created); see ``persist_lib.location_check``."""
+        from persist_lib.location_check import require_existing_location
+
+        require_existing_location(blob_uri, consensus_uri)
+        return cls._open_location(blob_uri, consensus_uri, config)
+
+    @classmethod
     def default(
         cls, home: str | os.PathLike[str] | None = None, config: PersistConfig | None = None
     ) -> PersistClient:

@@ -46,6 +46,11 @@ class InvalidBlobKey(InvalidUsage):
     """A blob key does not follow the key grammar (or would escape the blob root)."""
 
 
+class LocationNotFound(InvalidUsage):
+    """A command that only reads was pointed at a location that does not exist (it never
+    creates one): point it at the right one (``PERSIST_HOME``, ``--blob``/``--consensus``)."""
+
+
 class StateFormatTooNew(InvalidUsage):
     """Shard state written by a newer major state format: upgrade persist_lib."""
 

@@ -16,8 +16,15 @@ Persist data lives under ``$PERSIST_HOME`` (default ``./.persist``).
 4. the compaction-debt sensor requests compaction of shards in debt (big ones on Spark);
 5. a rendition backfill builds ``orders`` again from ``orders.raw`` with 8 shards
    (Spark), catches up and hands over; the old rendition is collected;
-6. GC and lease expiry (what the schedules launch);
+6. GC and lease expiry (what the schedules launch), and one tick of the compaction-debt
+   sensor as the daemon would run it;
 7. a short report: contents, frontiers, batches, bytes, runs.
+
+Sensor cursors: every evaluation of a sensor of the code location leaves its cursor in
+the instance, stored the way the daemon stores it (``dagster_project.sensor_state``), and
+the runs it requested carry the daemon's ``dagster/sensor_name`` and ``dagster/run_key``
+tags: the first ``dagster dev`` afterwards carries on from there instead of launching
+again what the demo already did. A second run of the demo starts from those cursors.
 """
 
 from __future__ import annotations
@@ -84,6 +91,8 @@ class Pipeline:
         }
         self.defs = build_defs(**self.resources)
         self.runs: list[tuple[str, str, float]] = []
+        #: cursors the code location's sensors were left at by our evaluations
+        self.cursors: dict[str, str | None] = {}
 
     # ----- helpers -------------------------------------------------------------------
 
@@ -116,22 +125,56 @@ class Pipeline:
             raise SystemExit(f"run of {name} failed")
         return res
 
-    def sensor(self, name: str, cursor: str | None) -> Any:
+    def sensor(self, name: str, cursor: str | None = None) -> Any:
+        """Evaluates a sensor as the daemon would: from the cursor the instance holds
+        for it (unless ``cursor`` is given), applying its partition requests and asset
+        events; a sensor of the code location has its new cursor remembered."""
+        from dagster_project.sensor_state import stored_sensor_cursor
+
         dg = self.dg
         sensor = self.defs.resolve_sensor_def(name) if isinstance(name, str) else name
+        if isinstance(name, str) and cursor is None:
+            cursor = self.cursors.get(name, stored_sensor_cursor(self.instance, name))
         with dg.build_sensor_context(
             instance=self.instance, cursor=cursor, resources=self.resources, definitions=self.defs
         ) as ctx:
             result = sensor(ctx)
         for req in getattr(result, "dynamic_partitions_requests", None) or []:
-            keys = [
-                k
-                for k in req.partition_keys
-                if not self.instance.has_dynamic_partition(req.partitions_def_name, k)
-            ]
+            have = set(self.instance.get_dynamic_partitions(req.partitions_def_name))
+            if isinstance(req, dg.DeleteDynamicPartitionsRequest):
+                for k in req.partition_keys:
+                    if k in have:
+                        self.instance.delete_dynamic_partition(req.partitions_def_name, k)
+                continue
+            keys = [k for k in req.partition_keys if k not in have]
             if keys:
                 self.instance.add_dynamic_partitions(req.partitions_def_name, keys)
+        for ev in getattr(result, "asset_events", None) or []:
+            self.instance.report_runless_asset_event(ev)
+        if isinstance(name, str):
+            self.cursors[name] = result.cursor
         return result
+
+    def materialization(self, res: Any, asset: str) -> Any:
+        """The metadata of ``asset``'s materialization in run ``res``."""
+        key = self.dg.AssetKey(asset)
+        (mat,) = [e for e in res.get_asset_materialization_events() if e.asset_key == key]
+        return mat.materialization.metadata
+
+    def sensor_tags(self, sensor: str, req: Any) -> dict[str, str]:
+        """The tags the daemon puts on a run it launches for ``req`` (plus the request's)."""
+        tags = dict(req.tags or {})
+        tags["dagster/sensor_name"] = sensor
+        if req.run_key:
+            tags["dagster/run_key"] = req.run_key
+        return tags
+
+    def save_sensor_cursors(self) -> None:
+        """Leaves every evaluated sensor's cursor in the instance (as the daemon would)."""
+        from dagster_project.sensor_state import store_sensor_cursors
+
+        stored = store_sensor_cursors(self.instance, self.cursors, ROOT / "workspace.yaml")
+        print("   sensor cursors saved: " + ", ".join(f"{k}={v!r}" for k, v in sorted(stored.items())))
 
     def last_ingested_file(self) -> str | None:
         runs = self.instance.get_runs(
@@ -161,21 +204,43 @@ class Pipeline:
         )
 
     def ingest_on_arrival(self) -> None:
-        cursor = self.last_ingested_file()
-        result = self.sensor("orders_arrival_sensor", cursor)
+        from dagster_project.sensor_state import stored_sensor_cursor
+
+        name = "orders_arrival_sensor"
+        cursor = self.cursors.get(name) or stored_sensor_cursor(self.instance, name)
+        cursor = cursor or self.last_ingested_file()
+        result = self.sensor(name, cursor)
         print(
             f"   orders_arrival_sensor(cursor={cursor!r}) -> {len(result.run_requests)} run request(s), cursor {result.cursor!r}"
         )
-        again = self.sensor("orders_arrival_sensor", result.cursor)
+        again = self.sensor(name, result.cursor)
         print(f"   re-evaluated with the new cursor -> {len(again.run_requests)} run request(s)")
         for req in result.run_requests:
             print(f"   run_key {req.run_key}")
-            self.run_job("ingest_orders_job", tags=req.tags, run_config=req.run_config)
+            self.run_job(
+                "ingest_orders_job", tags=self.sensor_tags(name, req), run_config=req.run_config
+            )
 
     def downstream(self) -> None:
-        result = self.sensor("orders_summary_sensor", None)
+        name = "orders_summary_sensor"
+        result = self.sensor(name)
         for req in result.run_requests:
-            self.run_job("orders_summary_job", tags=req.tags)
+            self.run_job("orders_summary_job", tags=self.sensor_tags(name, req))
+        if not result.run_requests:
+            print(f"   {name}: {result.skip_reason}")
+
+    def compaction_tick(self) -> None:
+        """One tick of the code location's compaction-debt sensor (its own threshold)."""
+        name = "compaction_debt_sensor"
+        result = self.sensor(name)
+        print(f"   {name} -> {len(result.run_requests)} run request(s)")
+        for req in result.run_requests:
+            self.run_job(
+                "compaction_job",
+                partition_key=req.partition_key,
+                run_config=req.run_config,
+                tags=self.sensor_tags(name, req),
+            )
 
     def compact(self) -> None:
         from sensors.compaction import build_compaction_debt_sensor
@@ -193,7 +258,7 @@ class Pipeline:
             res = self.run_job(
                 "compaction_job", partition_key=req.partition_key, run_config=cfg, tags=req.tags
             )
-            meta = res.get_asset_materialization_events()[0].materialization.metadata
+            meta = self.materialization(res, "persist_shard")
             print(
                 f"     {req.partition_key}: {meta['compaction_engine'].value}, debt "
                 f"{meta['compaction_debt_before'].value} -> {meta['compaction_debt'].value}, "
@@ -203,9 +268,8 @@ class Pipeline:
     def backfill(self, num_shards: int) -> str:
         from dagster_project.resources import PersistResource
 
-        probe = PersistResource()
-        have = probe.controller().describe("orders")["renditions"]
-        probe.close()  # a live controller holds the metadata shard: release it before the run
+        with PersistResource().read_only_controller() as ctl:  # leaves no hold behind
+            have = ctl.describe("orders")["renditions"]
         rendition = f"r{max(int(r[1:]) for r in have if r[1:].isdigit()) + 1}"
         self.instance.add_dynamic_partitions("orders_renditions", [rendition])
         res = self.run_job(
@@ -213,7 +277,7 @@ class Pipeline:
             partition_key=rendition,
             run_config={"ops": {"orders_rendition": {"config": {"num_shards": num_shards}}}},
         )
-        meta = res.get_asset_materialization_events()[0].materialization.metadata
+        meta = self.materialization(res, "orders_rendition")
         print(
             f"   {meta['previous_rendition'].value} -> {rendition} ({num_shards} shards, built "
             f"({meta['build_engine'].value}) from {meta['raw_records_replayed'].value} raw records), "
@@ -315,9 +379,13 @@ def main(argv: list[str] | None = None) -> int:
         pipe.compact()
         pipe.step("5. Rendition backfill from orders.raw (8 shards) and hand-over")
         pipe.backfill(num_shards=8)
+        pipe.step("   the hand-over re-materialized orders -> asset sensor -> orders_summary")
+        pipe.downstream()
         pipe.step("6. Maintenance: GC and lease expiry (what the schedules launch)")
         pipe.maintenance()
+        pipe.compaction_tick()
         pipe.report()
+        pipe.save_sensor_cursors()
     finally:
         if pipe.spark_session is not None:
             pipe.spark_session.stop()

@@ -2,7 +2,11 @@
 
 Each tick inspects every live shard (``operations.shard_debts``) and requests one run of
 ``compaction_job`` (partition = shard id) per shard whose ``compaction_debt`` is above the
-threshold. New shards become partitions in the same tick (``dynamic_partitions_requests``).
+threshold. New shards become partitions in the same tick (``dynamic_partitions_requests``),
+each with a materialization saying what it is (collection / rendition / shard i of n:
+``partition_sync``); finalized shards stop being partitions. The sensor only reads: a
+read-only STORAGE controller (nothing left registered), and a location that does not
+exist yet is a skip, not a reason to create one.
 
 No run storms:
 - the run key is ``compact-<shard>-<seqno>``: the same shard state never launches twice,
@@ -20,9 +24,12 @@ import os
 import dagster as dg
 
 from dagster_project.operations import shard_debts
+from dagster_project.partition_sync import PartitionSync, catalog_directory, plan_shard_partitions
 from dagster_project.partitions import shard_partitions
 from dagster_project.resources import PersistResource
+from dagster_project.sources import SOURCES
 from jobs.maintenance import compaction_job
+from persist_lib.location.redaction import SensitiveUrl
 
 DEFAULT_DEBT_THRESHOLD = int(os.environ.get("PERSIST_COMPACTION_DEBT_THRESHOLD", "4096"))
 IN_FLIGHT = [
@@ -64,9 +71,21 @@ def build_compaction_debt_sensor(
     )
     def _sensor(context: dg.SensorEvaluationContext, persist: PersistResource) -> dg.SensorResult:
         previous: dict[str, int] = json.loads(context.cursor) if context.cursor else {}
-        debts = shard_debts(persist.client())
+        if not persist.location_exists():
+            return dg.SensorResult(
+                skip_reason=f"no persist location at {SensitiveUrl(persist.uris()[1])} yet",
+                cursor=context.cursor,
+            )
+        client = persist.existing_client()
+        debts = shard_debts(client)
         known = set(context.instance.get_dynamic_partitions(shard_partitions.name or ""))
-        new_keys = sorted(d.shard for d in debts if d.shard not in known)
+        live = {d.shard for d in debts}
+        finalized = set(client.list_shards()) - live
+        sync = PartitionSync()
+        if live - known or finalized & known:
+            with persist.read_only_controller() as ro:
+                directory = catalog_directory(ro, [s.name for s in SOURCES])
+            plan_shard_partitions(sync, known, directory, live, finalized)
         # A shard whose only pending merges are quarantined has nothing to run.
         over = sorted(
             (d for d in debts if d.debt > threshold and d.pending_merges > 0), key=lambda d: -d.debt
@@ -87,7 +106,6 @@ def build_compaction_debt_sensor(
                     tags={"persist/compaction_debt": str(d.debt)},
                 )
             )
-        live = {d.shard for d in debts}
         cursor = {s: q for s, q in previous.items() if s in live}
         for r in requests:
             assert r.partition_key is not None
@@ -100,9 +118,8 @@ def build_compaction_debt_sensor(
             f"({len(debts)} shards, max debt {max((d.debt for d in debts), default=0)}, "
             f"{sum(d.quarantined for d in debts)} quarantined merge(s))",
             cursor=json.dumps(cursor, sort_keys=True),
-            dynamic_partitions_requests=[shard_partitions.build_add_request(new_keys)]
-            if new_keys
-            else [],
+            dynamic_partitions_requests=sync.sensor_requests(),
+            asset_events=sync.events,
         )
 
     return _sensor

@@ -273,14 +273,16 @@ def test_rendition_backfill_hands_over_under_a_reader(
     )
     assert reader.active_rendition(at - 1) == "r0" and reader.active_rendition(at) == "r1"
     assert listen.read_until(up2).num_rows == 0
-    # The reader holds r0 (it may still read before the hand-over): not collected yet.
-    assert desc["renditions"]["r0"]["status"] == "ready"
+    # The reader holds r0 (it may still read before the hand-over): not collected yet,
+    # and not claimed ready either.
+    assert desc["renditions"]["r0"]["status"] == "retired"
     reader.expire()
     mine.close()  # a controller keeps a hold on the metadata shard until released
     ctl = mine.controller()
     collected = ctl.collect_renditions("orders")
     assert "r0" in collected.get("orders", {})
-    assert instance.get_dynamic_partitions("orders_renditions") == ["r0", "r1"]
+    # retired renditions are no longer partitions (neither "Missing" nor green)
+    assert instance.get_dynamic_partitions("orders_renditions") == ["r1"]
 
     # New data after the hand-over goes to r1 and passes the checks.
     write_orders_file(landing_dir, 3, 50, id_space=200)

@@ -219,3 +219,105 @@ def test_cli_collections_and_describe(tmp_path) -> None:  # type: ignore[no-unty
     assert d["renditions"]["r0"]["num_shards"] == 2 and d["renditions"]["r0"]["upper"] == [1]
     out = subprocess.run([sys.executable, "-m", "persist_lib.cli", "describe", "nope"], env=env, capture_output=True, text=True)
     assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def _registrations(client: PersistClient) -> dict[str, tuple[list[str], list[str], list[str]]]:
+    """Every reader and writer registered on every shard of the location."""
+    out = {}
+    for s in client.list_shards():
+        st = client.inspect(s)
+        out[s] = (
+            sorted(st.get("leased_readers", {})),
+            sorted(st.get("writers", {})),
+            sorted(st.get("critical_readers", {})),
+        )
+    return out
+
+
+def _handed_over(client: PersistClient) -> StorageController:
+    """Collection ``c``: r0 (2 shards) handed over to r1 (3 shards) at 5, decided to 8."""
+    ctl = StorageController(client)
+    ctl.create_collection("c", K, V, num_shards=2)
+    w0 = ctl.open_writer("c")
+    for t in range(5):
+        w0.append([(((i,), (f"{t}",)), t, 1) for i in range(10)], t, t + 1)
+    ctl.create_rendition("c", "r1", 3)
+    w1 = ctl.open_writer("c", "r1")
+    w1.append([(((i,), ("4",)), 0, 1) for i in range(10)], 0, 6)
+    ctl.handover("c", to="r1", at=5)
+    w1.append([], 6, 9)
+    w0.expire()
+    w1.expire()
+    return ctl
+
+
+def test_inspection_leaves_no_holds_so_retired_renditions_are_collected_right_after(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue defect 1: ``persist collections`` / ``persist describe`` (and every other
+    read-only path) registered readers and writers they never released; a reader on the
+    metadata shard kept the retired rendition from being collected for a whole lease."""
+    import os
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    client = PersistClient.default(home, PersistConfig.for_tests())
+    ctl = _handed_over(client)
+    before = _registrations(client)
+    env = {**os.environ, "PERSIST_HOME": str(home)}
+    meta = ctl.describe("c")["metadata_shard"]
+    for args in (["collections"], ["describe", "c"], ["inspect", meta], ["shards"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "persist_lib.cli", *args], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+    other = StorageController(client)  # a read-write controller: describe leaves nothing
+    other.describe("c")
+    other.list_collections()
+    other.close()  # ... and close releases the catalog writer/reader it registered
+    assert _registrations(client) == before
+    # a read-only controller (sensors, metadata helpers) registers nothing it keeps
+    ro = StorageController(client, read_only=True)
+    assert ro.list_collections() == ["c"] and ro.describe("c")["active_rendition"] == "r1"
+    assert _registrations(client) == before
+    with pytest.raises(InvalidUsage, match="read-only"):
+        ro.handover("c", to="r0", at=9)
+    # a GC pass right after: the retired rendition goes
+    ctl.allow_compaction("c", 6)
+    out = ctl.collect_renditions("c")
+    assert out["c"]["r0"]["shards_finalized"] == 2, out
+    ctl.close()
+
+
+def test_describe_reports_retired_renditions_and_the_real_handover_after_compaction() -> None:
+    """Issue defect 3 (describe): a retired rendition was reported ``status: ready``, and
+    once the metadata shard's history was compacted the timeline lost the handover
+    (``{"at": <since>, "from": null, "to": "r1"}``)."""
+    n = uuid.uuid4().hex
+    client = PersistClient.open(f"mem://{n}", f"mem://{n}", PersistConfig.for_tests())
+    ctl = _handed_over(client)
+    expected = [{"at": 0, "from": None, "to": "r0"}, {"at": 5, "from": "r0", "to": "r1"}]
+    d = ctl.describe("c")
+    assert d["timeline"] == expected and d["active_rendition"] == "r1"
+    assert d["renditions"]["r0"]["status"] == "retired" and d["renditions"]["r0"]["retired_at"] == 5
+    assert d["renditions"]["r1"]["status"] == "ready"
+    assert d["renditions"]["r1"]["active"] and not d["renditions"]["r0"]["active"]
+    ctl.allow_compaction("c", 6)
+    ctl.collect_renditions("c")
+    for c in (ctl, StorageController(client, read_only=True)):
+        d = c.describe("c")
+        assert d["metadata_since"] == [6]  # the handover at 5 is compacted away there
+        assert d["timeline"] == expected, d["timeline"]
+        assert d["renditions"]["r0"]["status"] == "dropped" and d["active_rendition"] == "r1"
+    # a second handover, after the compacted part, keeps the whole chain
+    ctl.create_rendition("c", "r2", 1)
+    w2 = ctl.open_writer("c", "r2")
+    w2.append([(((i,), ("4",)), 0, 1) for i in range(10)], 0, 10)
+    ctl.handover("c", to="r2", at=9)
+    assert ctl.describe("c")["timeline"] == [*expected, {"at": 9, "from": "r1", "to": "r2"}]
+    ctl.allow_compaction("c", 10)
+    w2.append([], 10, 12)
+    ctl.allow_compaction("c", 11)
+    ctl.collect_renditions("c")
+    d = StorageController(client, read_only=True).describe("c")
+    assert d["metadata_since"][0] > 9
+    assert d["timeline"] == [*expected, {"at": 9, "from": "r1", "to": "r2"}], d["timeline"]

@@ -103,27 +103,38 @@ def _run(client: PersistClient, ns: argparse.Namespace, source: Any, envelope: s
     key = parse_fields(ns.key, "key")
     val = parse_fields(ns.value, "value")
     outputs = None
+    ctl = None
     if ns.storage:
         from persist_lib.storage import StorageController
 
-        outputs = StorageOutputs(StorageController(client), ns.name, num_shards=ns.shards)
+        ctl = StorageController(client)
+        outputs = StorageOutputs(ctl, ns.name, num_shards=ns.shards)
     show = ns.progress if ns.progress is not None else sys.stderr.isatty()
     cfg = IngestConfig(max_records_per_binding=ns.records_per_binding, keep_raw=ns.keep_raw, poll_interval_s=ns.poll)
-    with Ingestion(
-        client, ns.name, source, key, val, envelope=envelope, delete_field=delete_field,
-        outputs=outputs, config=cfg, progress=ProgressBar() if show else None,
-    ) as ing:
-        if not ns.follow:
-            return ing.run_once()
-        stop = threading.Event()
-        prev = signal.signal(signal.SIGINT, lambda *_: stop.set())
-        try:
-            return ing.run(stop=stop, max_duration_s=ns.duration)
-        finally:
-            signal.signal(signal.SIGINT, prev)
+    try:
+        with Ingestion(
+            client, ns.name, source, key, val, envelope=envelope, delete_field=delete_field,
+            outputs=outputs, config=cfg, progress=ProgressBar() if show else None,
+        ) as ing:
+            if not ns.follow:
+                return ing.run_once()
+            stop = threading.Event()
+            prev = signal.signal(signal.SIGINT, lambda *_: stop.set())
+            try:
+                return ing.run(stop=stop, max_duration_s=ns.duration)
+            finally:
+                signal.signal(signal.SIGINT, prev)
+    finally:
+        if ctl is not None:  # its metadata readers would hold back retired renditions
+            ctl.close()
 
 
-@command("ingest", "ingest sources (file landing zones, Postgres CDC) with reclocking", _args)
+@command(
+    "ingest",
+    "ingest sources (file landing zones, Postgres CDC) with reclocking",
+    _args,
+    creates_location=lambda ns: ns.ingest_cmd != "status",
+)
 def _ingest(client: PersistClient, ns: argparse.Namespace) -> Any:
     if ns.ingest_cmd == "files":
         from persist_lib.ingest.landing_zone import LandingZoneSource

@@ -16,9 +16,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from persist_lib.errors import InvalidUsage, UpperMismatch
+from persist_lib.errors import InvalidUsage, PersistError, UpperMismatch
 from persist_lib.frontier import Antichain
 from persist_lib.ids import ShardId
+from persist_lib.read import ReadHandle
+from persist_lib.write import WriteHandle
 
 CATALOG_KEY = pa.schema([pa.field("name", pa.string(), nullable=False)])
 CATALOG_VAL = pa.schema([pa.field("spec", pa.string(), nullable=False)])
@@ -35,21 +37,70 @@ Catalog = dict[str, Spec]
 
 
 class CatalogStore:
-    """Reads and atomically updates the catalog shard."""
+    """Reads and atomically updates the catalog shard.
 
-    def __init__(self, client: Any, shard: ShardId) -> None:
+    Its writer and leased reader are registered on first use and released by
+    ``close()``. A ``transient`` store (a read-only controller's) never keeps them: each
+    ``load`` registers a reader, reads and expires it, so nothing is left behind to hold
+    the catalog's since or seqno (and GC) back; a catalog that does not exist yet reads
+    as empty and is not created.
+    """
+
+    def __init__(self, client: Any, shard: ShardId, *, transient: bool = False) -> None:
+        self.client = client
         self.shard = shard
-        self.write, self.read = client.open(shard, CATALOG_KEY, CATALOG_VAL, purpose="storage-catalog")
+        self.transient = transient
+        self._handles: tuple[WriteHandle, ReadHandle] | None = None
+
+    def _open(self) -> tuple[WriteHandle, ReadHandle]:
+        if self.transient:
+            raise InvalidUsage(f"catalog shard {self.shard}: this controller is read-only")
+        if self._handles is None:
+            self._handles = self.client.open(
+                self.shard, CATALOG_KEY, CATALOG_VAL, purpose="storage-catalog"
+            )
+        return self._handles
+
+    @property
+    def write(self) -> WriteHandle:
+        return self._open()[0]
+
+    @property
+    def read(self) -> ReadHandle:
+        return self._open()[1]
+
+    def close(self) -> None:
+        """Expires this store's writer and reader (if it registered them)."""
+        handles, self._handles = self._handles, None
+        for h in handles or ():
+            try:
+                h.expire()
+            except PersistError:  # e.g. already expired: its lease lapsed
+                pass
 
     def load(self) -> tuple[Catalog, Antichain]:
         """The current catalog and the catalog upper it was read at."""
-        upper = self.write.fetch_recent_upper()
+        if self._handles is not None or not self.transient:
+            w, r = self._open()
+            return self._load(w.fetch_recent_upper(), r)
+        machine = self.client.machine(self.shard)
+        if not machine.fetch_latest().exists:
+            return {}, Antichain([0])
+        r = self.client.open_leased_reader(
+            self.shard, CATALOG_KEY, CATALOG_VAL, purpose="storage-catalog (read-only)"
+        )
+        try:
+            return self._load(machine.fetch_latest().upper, r)
+        finally:
+            r.expire()
+
+    def _load(self, upper: Antichain, reader: ReadHandle) -> tuple[Catalog, Antichain]:
         t = upper.time
         if t is None:
             raise InvalidUsage(f"catalog shard {self.shard} is closed")
         if t == 0:
             return {}, upper
-        snap = self.read.snapshot(t - 1)
+        snap = reader.snapshot(t - 1)
         out: Catalog = {}
         for row in snap.to_pylist():
             if row["diff"] != 1 or row["name"] in out:

@@ -1,4 +1,9 @@
-"""``persist collections`` and ``persist describe NAME``."""
+"""``persist collections`` and ``persist describe NAME``.
+
+Both only read: they use a read-only controller, which registers nothing it keeps (a
+reader left behind on a metadata shard would hold back the collection of retired
+renditions until its lease lapsed).
+"""
 
 from __future__ import annotations
 
@@ -12,17 +17,17 @@ from persist_lib.client import PersistClient
 def _ctl(client: PersistClient) -> Any:
     from persist_lib.storage import StorageController
 
-    return StorageController(client, recover=False)
+    return StorageController(client, read_only=True)
 
 
 @command("collections", "list the STORAGE collections")
 def _collections(client: PersistClient, ns: argparse.Namespace) -> Any:
-    ctl = _ctl(client)
-    return [
-        {"name": n, "active_rendition": d["active_rendition"], "renditions": sorted(d["renditions"])}
-        for n in ctl.list_collections()
-        for d in [ctl.describe(n)]
-    ]
+    with _ctl(client) as ctl:
+        return [
+            {"name": n, "active_rendition": d["active_rendition"], "renditions": sorted(d["renditions"])}
+            for n in ctl.list_collections()
+            for d in [ctl.describe(n)]
+        ]
 
 
 def _name_arg(p: argparse.ArgumentParser) -> None:
@@ -31,4 +36,5 @@ def _name_arg(p: argparse.ArgumentParser) -> None:
 
 @command("describe", "describe a STORAGE collection: renditions, shards, frontiers, handovers", _name_arg)
 def _describe(client: PersistClient, ns: argparse.Namespace) -> Any:
-    return _ctl(client).describe(ns.name)
+    with _ctl(client) as ctl:
+        return ctl.describe(ns.name)

@@ -19,6 +19,14 @@ The controller holds a critical since handle on every shard of a collection (opa
 ``allow_compaction(name, t)``; rendition shards are never allowed past the metadata
 shard's since, so a reader registered on the metadata shard can always read the
 renditions it needs.
+
+Holds: a controller registers a writer and a leased reader on the catalog shard and a
+leased reader per metadata shard it writes through (``handover``, ``allow_compaction``,
+``collect_renditions``), and releases them in ``close()`` (use it as a context
+manager). Inspection (``describe``, ``list_collections``) leaves nothing behind: without
+such a reader it reads the metadata through a reader it expires at once. A
+``read_only`` controller (the ``persist`` CLI, sensors, metadata helpers) never keeps a
+registration at all, never recovers, never creates the catalog and refuses commands.
 """
 
 from __future__ import annotations
@@ -76,16 +84,31 @@ class StorageController:
     """Creates, hands over, reads and deletes collections; its catalog lives in persist."""
 
     def __init__(
-        self, client: PersistClient, *, catalog_shard: ShardId | str | None = None, recover: bool = True
+        self,
+        client: PersistClient,
+        *,
+        catalog_shard: ShardId | str | None = None,
+        recover: bool = True,
+        read_only: bool = False,
     ) -> None:
         self.client = client
+        self.read_only = read_only
         self.catalog = CatalogStore(
-            client, ShardId.parse(catalog_shard) if catalog_shard else default_catalog_shard()
+            client,
+            ShardId.parse(catalog_shard) if catalog_shard else default_catalog_shard(),
+            transient=read_only,
         )
         self._meta_readers: dict[str, ReadHandle] = {}
         self._active_cache: dict[str, tuple[Antichain, str]] = {}
-        if recover:
+        if recover and not read_only:
             self.recover()
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise InvalidUsage(
+                f"{what}: this StorageController is read-only (opened for inspection); open "
+                "one with StorageController(client) to change collections"
+            )
 
     # ----- catalog helpers ----------------------------------------------------------
 
@@ -119,6 +142,7 @@ class StorageController:
         rendition: str = "r0",
     ) -> dict[str, Any]:
         """Creates a collection with a first rendition of ``num_shards`` shards, active from 0."""
+        self._check_writable("create_collection")
         _check_name("collection", name)
         _check_name("rendition", rendition)
         self._check_num_shards(num_shards)
@@ -173,6 +197,7 @@ class StorageController:
 
     def create_rendition(self, name: str, rendition: str, num_shards: int) -> dict[str, Any]:
         """Adds a rendition (empty shards) that a backfill can fill before a handover."""
+        self._check_writable("create_rendition")
         _check_name("rendition", rendition)
         self._check_num_shards(num_shards)
         shards = [str(ShardId.new()) for _ in range(num_shards)]
@@ -203,6 +228,7 @@ class StorageController:
 
     def open_writer(self, name: str, rendition: str | None = None) -> CollectionWriter:
         """A writer for ``rendition`` (default: the rendition active at the metadata upper)."""
+        self._check_writable("open_writer")
         spec = self._spec(name)
         r = rendition if rendition is not None else self._active_rendition_at_upper(name)
         info = spec["renditions"].get(r)
@@ -229,6 +255,7 @@ class StorageController:
         ``to`` is not readable at ``at`` (its upper must be beyond ``at``), or when the
         active rendition is not complete before ``at`` (its upper must reach ``at``).
         """
+        self._check_writable("handover")
         at = check_time(at, "at")
         spec = self._spec(name)
         info = spec["renditions"].get(to)
@@ -292,6 +319,7 @@ class StorageController:
         Rendition shards never go past the metadata shard's since (what every reader
         of the collection still holds).
         """
+        self._check_writable("allow_compaction")
         target = as_frontier(since, "since")
         spec = self._spec(name)
         schemas = self._schemas(spec)
@@ -308,6 +336,7 @@ class StorageController:
 
     def delete_collection(self, name: str) -> dict[str, Any]:
         """Deletes a collection: readers and writers get a clear error; every blob is removed."""
+        self._check_writable("delete_collection")
 
         def intent(cat: Catalog) -> dict[str, Spec | None]:
             spec = cat.get(name)
@@ -324,6 +353,7 @@ class StorageController:
         A rendition retired at ``h`` is collected when every hold on the metadata shard
         (readers and the controller's) has a since beyond ``h``.
         """
+        self._check_writable("collect_renditions")
         names = [name] if name else self.list_collections()
         out: dict[str, Any] = {}
         for n in names:
@@ -351,16 +381,25 @@ class StorageController:
         return sorted(k for k, v in cat.items() if v["status"] == "ready")
 
     def describe(self, name: str) -> dict[str, Any]:
+        """The collection: schemas, metadata frontiers, active rendition, every handover
+        (``timeline``: ``at``, ``from``, ``to``) and each rendition's status, shards,
+        frontiers and sizes. A rendition's ``status`` is ``ready`` (active, or built and
+        not handed over to yet), ``retired`` (handed over away from at ``retired_at``,
+        awaiting collection), ``dropped`` (collected: its shards are finalized),
+        ``creating`` or ``dropping``; ``active`` says which one is active now."""
         spec = self._spec(name)
         meta = spec["metadata_shard"]
         ms = self.client.machine(meta).fetch_latest()
-        timeline = self._timeline(name)
+        timeline = self._history(spec, *self._meta_timeline(spec))
+        active = timeline[-1].new if timeline else None
         renditions = {}
         for r, info in sorted(spec["renditions"].items()):
             states = [self.client.machine(s).fetch_latest() for s in info["shards"]]
             live = [s for s in states if s.exists and not s.tombstone]
+            retired = info["status"] == "ready" and info.get("retired_at") is not None
             renditions[r] = {
-                "status": info["status"],
+                "status": "retired" if retired else info["status"],
+                "active": r == active,
                 "num_shards": len(info["shards"]),
                 "shards": info["shards"],
                 "since": max(s.since for s in live).elements if live else None,
@@ -376,7 +415,7 @@ class StorageController:
             "metadata_shard": meta,
             "metadata_since": ms.since.elements,
             "metadata_upper": ms.upper.elements,
-            "active_rendition": timeline[-1].new if timeline else None,
+            "active_rendition": active,
             "timeline": [{"at": h.at, "from": h.old, "to": h.new} for h in timeline],
             "renditions": renditions,
         }
@@ -385,6 +424,7 @@ class StorageController:
 
     def recover(self) -> dict[str, Any]:
         """Finishes or rolls back commands a crashed controller left half done."""
+        self._check_writable("recover")
         cat, _ = self.catalog.load()
         report: dict[str, Any] = {"rolled_back": [], "deleted": [], "renditions_rolled_back": []}
         for name, spec in sorted(cat.items()):
@@ -440,7 +480,8 @@ class StorageController:
             own.downgrade_since(target)
 
     def close(self) -> None:
-        """Releases the controller's own metadata readers (its critical holds stay)."""
+        """Releases the controller's own metadata readers and its catalog writer and
+        reader (its critical holds stay: they are the collections' own)."""
         for r in self._meta_readers.values():
             try:
                 r.expire()
@@ -448,6 +489,7 @@ class StorageController:
                 pass
         self._meta_readers.clear()
         self._active_cache.clear()
+        self.catalog.close()
 
     def __enter__(self) -> StorageController:
         return self
@@ -463,19 +505,55 @@ class StorageController:
         return r
 
     def _timeline(self, name: str) -> list[Handover]:
-        spec = self._spec(name)
+        """The handovers the metadata shard still shows (see ``_meta_timeline``)."""
+        return self._meta_timeline(self._spec(name))[0]
+
+    def _meta_timeline(self, spec: Spec) -> tuple[list[Handover], int]:
+        """The handovers in the metadata shard's history and the time ``lo`` it starts at.
+
+        History before the metadata since is compacted: the first entry is then the
+        rendition active at ``lo`` with no ``old`` (``_history`` puts back what the
+        catalog remembers). Reads through the controller's own metadata reader if it
+        has one, else through a reader expired right after (nothing is left behind).
+        """
         meta = spec["metadata_shard"]
-        r = self._meta_reader(name, meta)
-        upper = r._machine.fetch_latest().upper
-        if upper.time is None or upper.time == 0:
-            return []
-        lo = min(r.since.time or 0, upper.time - 1)
-        rows: list[dict] = []
-        if lo > 0:
-            rows = [dict(x, ts=lo) for x in r.snapshot(lo).to_pylist()]
-            rows = [x for x in rows if x["diff"]]
-        rows += r.updates_between(lo + (1 if lo > 0 else 0), upper.time).to_pylist()
-        return timeline_from_updates(rows)
+        own = self._meta_readers.get(meta)
+        r = own or self.client.open_leased_reader(
+            meta, METADATA_KEY, METADATA_VAL, purpose="storage-inspect"
+        )
+        try:
+            upper = r._machine.fetch_latest().upper
+            if upper.time is None or upper.time == 0:
+                return [], 0
+            lo = min(r.since.time or 0, upper.time - 1)
+            rows: list[dict] = []
+            if lo > 0:
+                rows = [dict(x, ts=lo) for x in r.snapshot(lo).to_pylist()]
+                rows = [x for x in rows if x["diff"]]
+            rows += r.updates_between(lo + (1 if lo > 0 else 0), upper.time).to_pylist()
+            return timeline_from_updates(rows), lo
+        finally:
+            if own is None:
+                r.expire()
+
+    @staticmethod
+    def _history(spec: Spec, timeline: list[Handover], lo: int) -> list[Handover]:
+        """Every handover of the collection: the metadata shard's ``timeline`` from
+        ``lo`` on, and before it (compacted away there) what the catalog records: each
+        rendition retired at ``t <= lo`` was active until ``t`` and handed over to the
+        next one retired, the last one to the rendition active at ``lo``."""
+        if lo == 0 or not timeline or timeline[0].old is not None or timeline[0].at != lo:
+            return timeline
+        active_at_lo = timeline[0].new
+        retired = sorted(
+            (info["retired_at"], r)
+            for r, info in spec["renditions"].items()
+            if info.get("retired_at") is not None and info["retired_at"] <= lo
+        )
+        chain = [r for _, r in retired] + [active_at_lo]
+        out = [Handover(0, None, chain[0])]
+        out += [Handover(at, chain[i], chain[i + 1]) for i, (at, _) in enumerate(retired)]
+        return out + timeline[1:]
 
     def _active_rendition_at_upper(self, name: str) -> str:
         """The rendition active at the latest decided time (metadata upper - 1)."""

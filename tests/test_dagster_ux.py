@@ -1,0 +1,254 @@
+"""What the Dagster UI shows must be true (issue: defects 2, 3, 5, 6 and the Dagster side
+of 1).
+
+- after a handover the collection asset's latest metadata names the active rendition;
+- a backfill of a retired rendition is a short ``dg.Failure`` saying so and what to do;
+  retired/dropped renditions are not partitions (neither "Missing" nor green), the
+  first rendition (made by ingestion) is not "Missing", ``status`` is never "ready" for
+  a retired rendition and the timeline shows the real ``from`` (as ``persist describe``);
+- Materialize on the rendition asset (the implicit ``__ASSET_JOB``, empty config) builds
+  a rendition with the source's configured shard count;
+- every shard partition says what it is (collection, rendition, shard index);
+  finalized shards are not partitions;
+- sensors and metadata helpers leave no reader or writer registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+from dagster_aws.s3 import S3Resource
+
+from dagster_project.assets import SOURCE_ASSETS, persist_shard
+from dagster_project.definitions import build_defs, build_resources
+from dagster_project.resources import LandingZoneResource, PersistResource, SparkResource
+from dagster_project.sample import write_orders_file
+from dagster_project.sources import ORDERS
+from sensors.compaction import build_compaction_debt_sensor
+
+pytestmark = pytest.mark.dagster
+
+ORDERS_ASSETS = SOURCE_ASSETS["orders"]
+RENDITION = dg.AssetKey("orders_rendition")
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for var in ("PERSIST_BLOB_URI", "PERSIST_CONSENSUS_URI", "PERSIST_LANDING_URI"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("SPARK_MASTER_URL", raising=False)
+    h = tmp_path / "persist"
+    monkeypatch.setenv("PERSIST_HOME", str(h))
+    return h
+
+
+@pytest.fixture
+def resources(home: Path) -> dict[str, object]:
+    return build_resources(
+        persist=PersistResource(home=str(home)),
+        landing=LandingZoneResource(uri=str(home / "landing"), s3=S3Resource()),
+        spark=SparkResource(),
+    )
+
+
+@pytest.fixture
+def instance(tmp_path: Path) -> Iterator[dg.DagsterInstance]:
+    (tmp_path / "dagster").mkdir()
+    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster")) as inst:
+        yield inst
+
+
+def ingest(resources: dict[str, object], instance: dg.DagsterInstance) -> None:
+    res = dg.materialize(
+        [ORDERS_ASSETS.ingest, *ORDERS_ASSETS.checks], resources=resources, instance=instance
+    )
+    assert res.success
+
+
+def backfill(
+    resources: dict[str, object], instance: dg.DagsterInstance, rendition: str, num_shards: int = 2
+) -> dg.ExecuteInProcessResult:
+    if not instance.has_dynamic_partition("orders_renditions", rendition):
+        instance.add_dynamic_partitions("orders_renditions", [rendition])  # "Add partition"
+    return dg.materialize(
+        [ORDERS_ASSETS.rendition],
+        resources=resources,
+        instance=instance,
+        partition_key=rendition,
+        run_config={"ops": {"orders_rendition": {"config": {"num_shards": num_shards}}}},
+        raise_on_error=False,
+    )
+
+
+def latest(instance: dg.DagsterInstance, key: str | dg.AssetKey, partition: str | None = None) -> dict[str, Any]:
+    key = dg.AssetKey(key) if isinstance(key, str) else key
+    recs = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition] if partition else None),
+        limit=1,
+        ascending=False,
+    ).records
+    assert recs, f"no materialization of {key.to_user_string()} {partition or ''}"
+    mat = recs[0].asset_materialization
+    assert mat is not None
+    return {k: v.value for k, v in mat.metadata.items()}
+
+
+def describe(home: Path, name: str) -> dict[str, Any]:
+    persist = PersistResource(home=str(home))
+    try:
+        return persist.controller().describe(name)
+    finally:
+        persist.close()
+
+
+def md_rows(md: object) -> list[list[str]]:
+    lines = str(md).splitlines()[2:]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+
+
+def registrations(persist: PersistResource) -> dict[str, tuple[list[str], list[str]]]:
+    client = persist.client()
+    out = {}
+    for s in client.list_shards():
+        st = client.inspect(s)
+        out[s] = (sorted(st.get("leased_readers", {})), sorted(st.get("writers", {})))
+    return out
+
+
+def test_collection_asset_shows_the_active_rendition_after_a_handover(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    """Defect 2: after a handover the ``orders`` asset kept showing the old rendition."""
+    write_orders_file(home / "landing" / "orders", 0, 120)
+    ingest(resources, instance)
+    assert latest(instance, "orders")["rendition"] == "r0"
+    assert backfill(resources, instance, "r1").success
+    for key in ("orders", "orders_errors"):
+        meta = latest(instance, key)
+        assert meta["rendition"] == "r1" and meta["active_rendition"] == "r1", (key, meta)
+        assert meta["num_shards"] == 2 and meta["previous_rendition"] == "r0"
+
+
+def test_retired_rendition_backfill_is_a_clear_failure_and_partitions_tell_the_truth(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    """Defect 3."""
+    write_orders_file(home / "landing" / "orders", 0, 120)
+    ingest(resources, instance)
+    # the first rendition, made by ingestion, exists: not "Missing"
+    assert instance.get_dynamic_partitions("orders_renditions") == ["r0"]
+    assert instance.get_materialized_partitions(RENDITION) == {"r0"}
+    assert latest(instance, RENDITION, "r0")["status"] == "active"
+
+    res = backfill(resources, instance, "r1")
+    assert res.success
+    # r0 is retired and collected: no longer a partition; r1 is, and materialized
+    assert instance.get_dynamic_partitions("orders_renditions") == ["r1"]
+    meta = latest(instance, RENDITION, "r1")
+    assert meta["status"] == "active" and meta["previous_rendition"] == "r0"
+    renditions = {row[0]: row for row in md_rows(meta["renditions"])}
+    assert renditions["r0"][1] == "dropped" and renditions["r1"][1] == "ready"
+    desc = describe(home, "orders")
+    timeline = [[str(h["at"]), h["from"] or "-", h["to"]] for h in desc["timeline"]]
+    assert md_rows(meta["timeline"]) == timeline  # the UI agrees with `persist describe`
+    assert timeline[-1][1:] == ["r0", "r1"] and int(timeline[-1][0]) == meta["handover_at"]
+
+    # `dagster job launch -j orders_rendition_job --tags '{"dagster/partition": "r0"}'`
+    job = build_defs(**resources).resolve_job_def("orders_rendition_job")
+    res = job.execute_in_process(
+        instance=instance, tags={"dagster/partition": "r0"}, raise_on_error=False
+    )
+    assert not res.success
+    (failure,) = res.get_step_failure_events()
+    data = failure.step_failure_data
+    assert data.user_failure_data is not None, data.error  # a dg.Failure, not a crash
+    text = data.user_failure_data.description or ""
+    assert "'r0'" in text and "dropped" in text and "handed over" in text
+    assert "r2" in text and "orders_rendition_job" in text  # what to do instead
+    assert "\n" not in text and len(text) < 1000
+    assert instance.get_dynamic_partitions("orders_renditions") == ["r1"]
+
+
+def test_materialize_rendition_from_the_ui_uses_the_sources_shard_count(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    """Defect 5: Materialize in the UI runs ``__ASSET_JOB`` with an empty config."""
+    assert ORDERS.num_shards == 4  # ingestion's; renditions are rebuilt with 8 (rendition_shards)
+    write_orders_file(home / "landing" / "orders", 0, 120)
+    ingest(resources, instance)
+    defs = build_defs(**resources)
+    job = defs.resolve_implicit_global_asset_job_def()
+    schema = job.run_config_schema.config_type.fields["ops"].config_type.fields  # type: ignore[attr-defined]
+    field = schema["orders_rendition"].config_type.fields["config"].config_type.fields["num_shards"]
+    assert field.default_value == 8  # the launchpad shows what will be built
+    instance.add_dynamic_partitions("orders_renditions", ["r1"])
+    res = job.execute_in_process(
+        instance=instance, partition_key="r1", asset_selection=[RENDITION]
+    )
+    assert res.success
+    d = describe(home, "orders")
+    assert d["active_rendition"] == "r1" and d["renditions"]["r1"]["num_shards"] == 8
+    assert latest(instance, RENDITION, "r1")["num_shards"] == 8
+    assert job.executor_def.name == "in_process"  # one process (one Spark session) per run
+
+
+def test_shard_partitions_say_what_each_shard_is(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    """Defect 6 (and the Dagster side of defect 1)."""
+    write_orders_file(home / "landing" / "orders", 0, 120)
+    ingest(resources, instance)
+    persist = resources["persist"]
+    assert isinstance(persist, PersistResource)
+    d0 = describe(home, "orders")
+    r0 = d0["renditions"]["r0"]["shards"]
+    assert set(instance.get_dynamic_partitions("persist_shards")) == {*r0, d0["metadata_shard"]}
+    for i, s in enumerate(r0):
+        meta = latest(instance, "persist_shard", s)  # registered: not "Missing"
+        assert meta["shard_of"] == f"orders / r0 / shard {i} of 4", meta
+        assert meta["collection"] == "orders" and meta["rendition"] == "r0"
+        assert meta["shard_index"] == i
+    assert latest(instance, "persist_shard", d0["metadata_shard"])["shard_of"] == (
+        "orders / rendition metadata shard"
+    )
+
+    assert backfill(resources, instance, "r1").success
+    d1 = describe(home, "orders")
+    r1 = d1["renditions"]["r1"]["shards"]
+    parts = set(instance.get_dynamic_partitions("persist_shards"))
+    assert not parts & set(r0), "finalized shards of the dropped rendition are not partitions"
+    assert set(r1) <= parts
+    assert latest(instance, "persist_shard", r1[1])["shard_of"] == "orders / r1 / shard 1 of 2"
+
+    # The compaction sensor registers every other live shard, each with what it is, and
+    # (like every read-only path) leaves no reader or writer behind.
+    before = registrations(persist)
+    sensor = build_compaction_debt_sensor(threshold=1 << 40, name="quiet")
+    with dg.build_sensor_context(instance=instance, resources=resources) as ctx:
+        result = sensor(ctx)
+    assert isinstance(result, dg.SensorResult) and not result.run_requests
+    assert registrations(persist) == before
+    (add,) = result.dynamic_partitions_requests or []
+    assert isinstance(add, dg.AddDynamicPartitionsRequest)
+    labels = {
+        ev.partition: ev.metadata["shard_of"].value for ev in result.asset_events or []
+    }
+    assert set(labels) == set(add.partition_keys)
+    assert "STORAGE catalog" in labels.values()
+    assert "orders / ingestion remap shard" in labels.values()
+    assert "orders.raw / r0 / shard 0 of 4" in labels.values()
+    assert "orders.state / r1 / shard 1 of 2" in labels.values()
+
+    # A compaction run records what its shard is too.
+    res = dg.materialize(
+        [persist_shard],
+        resources=resources,
+        instance=instance,
+        partition_key=r1[0],
+    )
+    assert res.success
+    assert latest(instance, "persist_shard", r1[0])["shard_of"] == "orders / r1 / shard 0 of 2"
