@@ -10,6 +10,13 @@ batch. Each part is sorted and consolidated on its own: a batch is a set of sort
 runs, not one globally sorted run. A single large chunk is cut into at least
 ``max_inflight_uploads`` parts so that they are sorted and encoded in parallel.
 
+**Unsorted parts.** With ``unsorted_min_bytes`` set, a part of at least that many Arrow
+bytes is encoded as it came — not sorted, not consolidated (``PartMeta.sorted`` false):
+a bulk write then costs an encode, like a plain Parquet write, and the sort moves off
+the writer's path to the compactor, which sorts such a part when it loads it. Reads
+consolidate across parts either way. Small parts stay sorted (their sort is cheap and
+keeps them cheap to merge).
+
 Every blob key the builder might have written is remembered until the batch is
 handed over, so any failure (an upload error, out-of-range times, a lost
 compare-and-append via ``abort``) deletes what was written: no partial state is left
@@ -59,6 +66,7 @@ class BatchBuilder:
         inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
         executor: Executor | None = None,
         consolidated: bool = False,
+        unsorted_min_bytes: int | None = None,
     ) -> None:
         """``consolidated``: the caller promises that everything it adds, across all
         ``add`` calls, comes sorted by ``(k, v, t)`` with no duplicate ``(k, v, t)`` and
@@ -81,6 +89,7 @@ class BatchBuilder:
         self.max_inflight_uploads = max_inflight_uploads
         self.inline_threshold = inline_threshold
         self.consolidated = consolidated
+        self.unsorted_min_bytes = unsorted_min_bytes
         self._own_executor = executor is None
         self._executor: Executor = executor or ThreadPoolExecutor(
             max_workers=max_inflight_uploads, thread_name_prefix=f"persist-part-{shard}"
@@ -265,15 +274,23 @@ class BatchBuilder:
         self._futures.append(self._executor.submit(self._write_part, table, key))
 
     def _write_part(self, table: pa.Table, key: str) -> PartMeta | None:
-        """Runs in the pool: consolidate, encode, then upload or keep inline."""
-        part = table.combine_chunks() if self.consolidated else consolidate(table)
+        """Runs in the pool: consolidate (unless unsorted), encode, then upload or keep inline."""
+        unsorted = (
+            not self.consolidated
+            and self.unsorted_min_bytes is not None
+            and table.nbytes >= self.unsorted_min_bytes
+        )
+        if unsorted:
+            part = table
+        else:
+            part = table.combine_chunks() if self.consolidated else consolidate(table)
         if part.num_rows == 0:
             return None
         data = encode_part(part, self.schemas)
         if len(data) <= self.inline_threshold:
-            return part_meta_for(data, part, None, inline=True)
+            return part_meta_for(data, part, None, inline=True, sorted=not unsorted)
         self.blob.set(key, data)
-        return part_meta_for(data, part, key, inline=False)
+        return part_meta_for(data, part, key, inline=False, sorted=not unsorted)
 
     def _shutdown(self) -> None:
         if self._own_executor:

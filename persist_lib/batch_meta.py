@@ -1,7 +1,10 @@
 """Metadata of batches and parts as recorded in shard state ("hollow" batches).
 
 A *part* is one immutable Parquet blob (or, when tiny, bytes inlined in state) of
-updates sorted by ``(k, v, t)``. A *batch* is a list of parts plus a description
+updates, normally sorted by ``(k, v, t)`` and consolidated. A bulk write may store a
+part *unsorted* (``PartMeta.sorted`` false: rows as they came, not consolidated), so
+that the writer's path is an encode, not a sort; readers consolidate across parts
+anyway, and the compactor sorts such a part when it loads it (``compactor._Run``). A *batch* is a list of parts plus a description
 ``[lower, upper)`` (every update time ``t`` satisfies ``lower <= t < upper``) and a
 ``since`` (times below it may have been forwarded to it by compaction).
 """
@@ -26,6 +29,7 @@ class PartMeta:
     tmin: int  # smallest update time in the part
     tmax: int  # largest update time in the part
     inline: bytes | None = None  # the encoded bytes, for tiny parts kept in state
+    sorted: bool = True  # False: rows in arrival order, not consolidated (a bulk write)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -39,6 +43,8 @@ class PartMeta:
             d["key"] = self.key
         if self.inline is not None:
             d["inline"] = base64.b64encode(self.inline).decode("ascii")
+        if not self.sorted:
+            d["unsorted"] = True
         return d
 
     @classmethod
@@ -52,6 +58,7 @@ class PartMeta:
             tmin=int(d["tmin"]),
             tmax=int(d["tmax"]),
             inline=base64.b64decode(inline) if inline is not None else None,
+            sorted=not d.get("unsorted", False),
         )
 
     @property

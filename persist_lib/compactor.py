@@ -64,7 +64,7 @@ from persist_lib.batch_builder import BatchBuilder
 from persist_lib.batch_meta import HollowBatch, PartMeta
 from persist_lib.codec import D_COL, T_COL, Schemas, internal_schema
 from persist_lib.config import PersistConfig
-from persist_lib.consolidate import advance_to_since, row_keys, time_range
+from persist_lib.consolidate import advance_to_since, consolidate, row_keys, time_range
 from persist_lib.errors import BlobNotFound, CorruptionError, ExternalError, InvalidUsage
 from persist_lib.frontier import Antichain
 from persist_lib.location.base import Blob
@@ -324,6 +324,7 @@ class MergeStats:
     output_reserve_bytes: int = 0  # what the output builder may hold (~8 output parts)
     steps: int = 0
     restarted_per_part: bool = False
+    unsorted_parts_sorted: int = 0  # parts a bulk write stored unsorted, sorted on load
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -543,6 +544,11 @@ class _Run:
         m.observe_row_width(table)
         m.account_transient(len(data) + 2 * table.nbytes)
         del data
+        if not p.sorted:
+            # A bulk write stored it in arrival order: sort and consolidate it now (the
+            # sort moved here from the writer's path).
+            table = consolidate(table)
+            m.stats.unsorted_parts_sorted += 1
         _release_unused()
         self.part, self.offset, self.part_bytes = table, 0, table.nbytes
         m.stats.rows_read += table.num_rows
@@ -786,7 +792,8 @@ def forward_time(since: Antichain, upper: Antichain) -> int | None:
 
 
 def batch_runs(b: HollowBatch) -> list[list[PartMeta]]:
-    """The sorted runs of a batch: one run if a compactor wrote it, else one per part."""
+    """The sorted runs of a batch: one run if a compactor wrote it, else one per part
+    (an unsorted part is a run once ``_Run`` has sorted it)."""
     if len(b.parts) > 1:
         writers = {_writer_of(p.key) for p in b.parts if p.key is not None}
         if len(writers) == 1 and next(iter(writers)).startswith(COMPACTOR_WRITER_PREFIX):

@@ -23,6 +23,9 @@ class PersistConfig:
     max_inflight_uploads: int = 2
     inline_threshold: int = 4096  # parts this small live inline in state
     inline_max_total: int = 1 * MiB  # bound on inline bytes per shard
+    # Parts of at least this many Arrow bytes are written unsorted (the compactor sorts
+    # them); None: every part is sorted on write (batch_builder.py).
+    unsorted_min_bytes: int | None = 8 * MiB
     # State.
     rollup_interval: int = 128  # write a rollup every ~this many seqnos
     rollup_in_background: bool = True  # off the committing writer's path (tests: inline)

@@ -203,7 +203,9 @@ def _decode_verified(data: bytes, schemas: Schemas, shard: str, key: str) -> pa.
     return result
 
 
-def part_meta_for(data: bytes, table: pa.Table, key: str | None, inline: bool) -> PartMeta:
+def part_meta_for(
+    data: bytes, table: pa.Table, key: str | None, inline: bool, *, sorted: bool = True
+) -> PartMeta:
     """The state's record of an encoded part: size, update count, SHA-256, time bounds."""
     if table.num_rows == 0:
         raise InvalidUsage("part_meta_for: a part must hold at least one update")
@@ -221,6 +223,7 @@ def part_meta_for(data: bytes, table: pa.Table, key: str | None, inline: bool) -
         tmin=int(mm["min"].as_py()),
         tmax=int(mm["max"].as_py()),
         inline=bytes(data) if inline else None,
+        sorted=sorted,
     )
 
 

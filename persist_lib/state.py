@@ -33,8 +33,10 @@ from persist_lib.batch_meta import HollowBatch
 from persist_lib.errors import CorruptionError, StateFormatTooNew
 from persist_lib.frontier import Antichain
 
-FORMAT_MAJOR = 1
-FORMAT_MINOR = 1  # 1.1: quarantined_merges
+# 1.1: quarantined_merges. 2.0: parts may be unsorted (``PartMeta.sorted``): code that
+# assumes every part sorted must not read such a state, hence a major version.
+FORMAT_MAJOR = 2
+FORMAT_MINOR = 0
 CODE_VERSION = "0.1.0"
 
 

@@ -148,6 +148,7 @@ class WriteHandle:
             max_inflight_uploads=cfg.max_inflight_uploads,
             inline_threshold=cfg.inline_threshold,
             executor=self._client.upload_executor(),
+            unsorted_min_bytes=cfg.unsorted_min_bytes,
         )
 
     def normalize(self, updates: Any) -> pa.Table:
@@ -265,6 +266,7 @@ class WriteHandle:
             max_inflight_uploads=cfg.max_inflight_uploads,
             inline_threshold=cfg.inline_threshold,
             executor=self._client.upload_executor(),
+            unsorted_min_bytes=cfg.unsorted_min_bytes,
         )
 
     def _commit_or_delete(

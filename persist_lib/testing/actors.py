@@ -115,6 +115,8 @@ class HistoryConfig:
     long_write_pause_s: tuple[float, float] = (0.05, 0.5)
     heartbeat_fault_rate: float = 0.0
     fresh_start: bool = False
+    # Parts of at least this many Arrow bytes are written unsorted (None: all sorted).
+    unsorted_min_bytes: int | None = None
 
     @property
     def lease_slack_ms(self) -> float:
@@ -219,6 +221,7 @@ def build_location(
         inline_threshold=cfg.inline_threshold,
         inline_max_total=cfg.inline_max_total,
         rollup_interval=cfg.rollup_interval,
+        unsorted_min_bytes=cfg.unsorted_min_bytes,
         compaction_enabled=cfg.background_compaction,
         listen_poll_max_s=0.2,
         rng=random.Random(seed),

@@ -88,6 +88,8 @@ def default_config(seed: int, root: str, consensus_uri: str, **overrides: Any) -
         long_write_rate=rng.choice([0.05, 0.15]),
         heartbeat_fault_rate=rng.choice([0.0, 0.1, 0.3]),
         fresh_start=rng.random() < 0.3,
+        # Issue 14: parts written unsorted (0: every part) in half the seeds.
+        unsorted_min_bytes=rng.choice([None, 0]),
     )
     for k, v in overrides.items():
         if not hasattr(cfg, k):

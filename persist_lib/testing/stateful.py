@@ -74,11 +74,13 @@ class ShardStateMachine(RuleBasedStateMachine):
         self.max_head = 0
         self.ops = 0
         self.inline = 0
+        self.unsorted_min_bytes: int | None = None
         self.client: Any = None  # a PersistClient once initialized
 
-    @initialize(inline=st.sampled_from([0, 0, 4096]))
-    def init(self, inline: int) -> None:
+    @initialize(inline=st.sampled_from([0, 0, 4096]), unsorted=st.booleans())
+    def init(self, inline: int, unsorted: bool) -> None:
         self.inline = self.inline_threshold if self.inline_threshold is not None else inline
+        self.unsorted_min_bytes = 0 if unsorted else None
         self.client = self._new_client()
         self.open_writer()
         self.open_reader()
@@ -88,6 +90,7 @@ class ShardStateMachine(RuleBasedStateMachine):
             now_ms=lambda: self.clock[0],
             rollup_interval=4,
             inline_threshold=self.inline,
+            unsorted_min_bytes=self.unsorted_min_bytes,
             reader_lease_ms=LEASE_MS,
             writer_lease_ms=LEASE_MS,
             retry_deadline_s=2.0,
