@@ -116,6 +116,8 @@ def render(doc: Any) -> str:
             return table(header, [[d.get(k) for k in header] for d in doc])
         return "\n".join(cell("", d) for d in doc) if doc else "(none)"
     if isinstance(doc, dict):
+        if not doc:
+            return "(none)"
         flat = [(k, v) for k, v in doc.items() if not _is_nested(v)]
         nested = [(k, v) for k, v in doc.items() if _is_nested(v)]
         parts = [kv(flat)] if flat else []

@@ -138,7 +138,19 @@ def _cmd_gc(client: PersistClient, ns: argparse.Namespace) -> Any:
     return out
 
 
-@command("expire-leases", "expire readers and writers whose lease lapsed", _optional_shard)
+def _human_expire(client: PersistClient, ns: argparse.Namespace, doc: Any) -> str:
+    if not doc:
+        return "no lease had lapsed: nothing expired"
+    rows = [[sid, ", ".join(e["readers"]) or "-", ", ".join(e["writers"]) or "-"] for sid, e in doc.items()]
+    return table(["shard", "readers expired", "writers expired"], rows)
+
+
+@command(
+    "expire-leases",
+    "expire readers and writers whose lease lapsed",
+    _optional_shard,
+    human=_human_expire,
+)
 def _cmd_expire_leases(client: PersistClient, ns: argparse.Namespace) -> Any:
     return client.expire_leases(ns.shard)
 

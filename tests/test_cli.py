@@ -63,6 +63,10 @@ READ_ONLY_COMMANDS = [
     ["inspect", "s00000000-0000-4000-8000-000000000000"],
     ["leaked-blobs"],
     ["ingest", "status", "orders"],
+    ["snapshot", "orders"],
+    ["snapshot", "s00000000-0000-4000-8000-000000000000", "--as-of", "2026-01-01T00:00:00Z"],
+    ["tail", "orders"],
+    ["shards", "--json"],
 ]
 
 
