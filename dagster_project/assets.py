@@ -28,6 +28,7 @@ from dagster_project.metadata import (
     inspect_shards,
     md_table,
     shard_metadata,
+    time_metadata,
 )
 from dagster_project.operations import compact_shard
 from dagster_project.partition_sync import catalog_directory, role_of, sync_source_partitions
@@ -334,6 +335,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 "status": "active" if desc["active_rendition"] == r else desc["renditions"][r]["status"],
                 "previous_rendition": str(res.get("previous") or "-"),
                 "handover_at": int(res["handover_at"]) if res.get("handover_at") else 0,
+                **time_metadata("handover_at", res.get("handover_at")),
                 "raw_records_replayed": int(built.get("records") or 0),
                 "raw_times_replayed": int(built.get("times") or 0),
                 "build_engine": str(built.get("engine", "-")),
@@ -353,6 +355,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                             **collection_metadata(client, ctl.describe(cname)),
                             "previous_rendition": str(res.get("previous") or "-"),
                             "handover_at": int(handed[cname]),
+                            **time_metadata("handover_at", handed[cname]),
                         },
                     )
                 )
@@ -412,7 +415,11 @@ def contents_summary(df: Any, as_of: int | None, spec: SourceSpec) -> dict[str, 
     """Metadata summarising a collection snapshot: rows, per-status counts and amounts."""
     if as_of is None or df is None or len(df) == 0:
         return {"rows": 0, "as_of": dg.MetadataValue.text("-")}
-    meta: dict[str, Any] = {"rows": int(df["diff"].sum()), "as_of": int(as_of)}
+    meta: dict[str, Any] = {
+        "rows": int(df["diff"].sum()),
+        "as_of": int(as_of),
+        **time_metadata("as_of", as_of),
+    }
     numeric = [c for c in spec.val_schema.names if str(df[c].dtype).startswith(("float", "int"))]
     text = [c for c in spec.val_schema.names if df[c].dtype == object]
     for c in numeric:
