@@ -18,13 +18,19 @@ from persist_lib.errors import InvalidUsage
 
 def shard_roles(client: PersistClient) -> dict[str, str]:
     """What each shard of the STORAGE catalog is, by shard id: ``orders / r1 / shard 3
-    of 8``, ``orders / rendition metadata shard``, ``STORAGE catalog``."""
+    of 8``, ``orders / rendition metadata shard``, ``STORAGE catalog``, and the
+    deterministic shards of an ingestion named like a collection (``orders / ingestion
+    remap shard``)."""
+    from persist_lib.ingest.outputs import ROLES, shard_id_for
     from persist_lib.storage import StorageController
     from persist_lib.storage.catalog import default_catalog_shard
 
     out = {str(default_catalog_shard()): "STORAGE catalog"}
     with StorageController(client, read_only=True) as ctl:
         cat, _ = ctl.catalog.load()
+    for name in sorted({n.split(".")[0] for n in cat}):
+        for role in (*ROLES, "cdc-snapshot"):
+            out[str(shard_id_for(name, role))] = f"{name} / ingestion {role} shard"
     for name, spec in sorted(cat.items()):
         out[spec["metadata_shard"]] = f"{name} / rendition metadata shard"
         for r, info in sorted(spec["renditions"].items()):
@@ -52,7 +58,7 @@ def shards_table(client: PersistClient, shards: Sequence[str]) -> str:
             continue
         what = roles.get(sid, "-")
         if st.get("tombstone"):
-            what = f"{what} (finalized)" if what != "-" else "(finalized)"
+            what = f"{what[:-1]}, finalized)" if what.endswith(")") else f"{what} (finalized)"
         rows.append(
             [sid, st["upper"], st["since"], st["num_batches"], st["num_updates"], st["bytes"], what]
         )
