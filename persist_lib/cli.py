@@ -172,8 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _json_everywhere(p: argparse.ArgumentParser) -> None:
-    """``--json`` on ``p`` and on its own subcommands (``persist ingest files ... --json``)."""
-    if not any("--json" in a.option_strings for a in p._actions):
+    """``--json`` on ``p`` and on its own subcommands (``persist ingest files ... --json``).
+    A command that declares its own ``--json`` keeps it; its default is suppressed so
+    that ``persist --json COMMAND`` still applies."""
+    own = [a for a in p._actions if "--json" in a.option_strings]
+    for a in own:
+        a.default = argparse.SUPPRESS
+    if not own:
         _json_arg(p, top=False)
     for a in p._actions:
         if isinstance(a, argparse._SubParsersAction):
