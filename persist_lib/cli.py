@@ -68,7 +68,13 @@ def _load_plugins() -> None:
     # Subcommands defined next to the features they drive.
     import importlib
 
-    for mod in ("persist_lib.maintenance_cli", "persist_lib.storage.cli", "persist_lib.ingest.cli"):
+    for mod in (
+        "persist_lib.maintenance_cli",
+        "persist_lib.storage.cli",
+        "persist_lib.ingest.cli",
+        "persist_lib.sql_cli",
+        "persist_lib.metrics_cli",
+    ):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -623,7 +623,7 @@ _CLAUSE_END = {
 _NOT_ALIAS = _CLAUSE_END | {
     "JOIN", "INNER", "LEFT", "RIGHT", "FULL", "OUTER", "CROSS", "NATURAL", "POSITIONAL",
     "ASOF", "ANTI", "SEMI", "ON", "USING", "SAMPLE", "TABLESAMPLE", "PIVOT", "UNPIVOT",
-    "LATERAL", "FOR", "AT", "INTO", "WITH", "FROM", "USING",
+    "LATERAL", "FOR", "AT", "INTO", "WITH", "FROM",
 }
 # Functions whose arguments use the keyword FROM (not a table).
 _FROM_FUNCTIONS = {"EXTRACT", "TRIM", "SUBSTRING", "SUBSTR", "OVERLAY", "POSITION"}
@@ -646,7 +646,7 @@ def _time_literal(toks: list[_Tok], i: int, what: str) -> tuple[int, int]:
         t = toks[i]
         if t.kind == "number" and t.text.isdigit():
             return parse_time(int(t.text), what), i + 1
-        if t.kind == "string" and not t.text[0] in "eE":
+        if t.kind == "string" and t.text[0] not in "eE":
             return parse_time(t.text[1:-1].replace("''", "'"), what), i + 1
     got = toks[i].text if i < len(toks) else "the end of the query"
     raise InvalidUsage(
