@@ -364,10 +364,11 @@ def state_samples() -> list[Sample]:
     from persist_lib.spine import compaction_debt
 
     out: list[Sample] = []
-    for s in sorted(cached_states(), key=lambda s: s.shard_id):
-        if not s.exists:
-            continue
-        sid = s.shard_id
+    latest: dict[str, Any] = {}  # one state per shard (several locations may cache one)
+    for s in cached_states():
+        if s.exists and (s.shard_id not in latest or s.seqno > latest[s.shard_id].seqno):
+            latest[s.shard_id] = s
+    for sid, s in sorted(latest.items()):
         trace = s.trace_batches()
         values = {
             "persist_compaction_debt": compaction_debt(s),
