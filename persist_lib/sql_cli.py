@@ -214,7 +214,11 @@ def print_table(cols: list[str], rows: Sequence[Sequence[Any]], total: int | Non
     footer when known."""
     cells = [[_cell(v) for v in r] for r in rows]
     numeric = [
-        all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) for r in rows if r[i] is not None)
+        all(
+            isinstance(r[i], (int, float, decimal.Decimal)) and not isinstance(r[i], bool)
+            for r in rows
+            if r[i] is not None
+        )
         for i in range(len(cols))
     ]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
