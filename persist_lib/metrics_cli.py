@@ -99,6 +99,13 @@ def _roles(client: PersistClient) -> dict[str, str]:
     _args,
 )
 def _cmd_metrics(client: PersistClient, ns: argparse.Namespace) -> Any:
+    try:
+        if ns.url or ns.prometheus:
+            import prometheus_client  # noqa: F401
+    except ModuleNotFoundError:
+        raise InvalidUsage(
+            "--url / --prometheus need prometheus-client: pip install 'persist-platform[metrics]'"
+        ) from None
     if ns.url:
         url = _url(ns.url)
         text = _scrape(url, ns.timeout)

@@ -89,6 +89,12 @@ def _args(p: argparse.ArgumentParser) -> None:
 def _cmd_sql(client: PersistClient, ns: argparse.Namespace) -> Any:
     from persist_lib.sql import SqlSession
 
+    try:
+        import duckdb  # noqa: F401
+    except ModuleNotFoundError:
+        raise InvalidUsage(
+            "persist sql needs DuckDB: pip install 'persist-platform[sql]' (duckdb, polars)"
+        ) from None
     if ns.max_rows < 0:
         raise InvalidUsage(f"--max-rows must be >= 0, got {ns.max_rows}")
     if ns.wait < 0:
