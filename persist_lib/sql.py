@@ -35,7 +35,8 @@ added to the message. Without a time, a table is read at its latest readable tim
 
 * ``FROM orders`` - the latest readable time (or the session default ``as_of``);
 * ``FROM orders AS OF 1714564800000`` / ``AS OF '2024-05-01 12:00:00'`` /
-  ``AS OF TIMESTAMP '2024-05-01T12:00:00Z'`` - that time;
+  ``AS OF TIMESTAMP '2024-05-01T12:00:00Z'`` - that time (before or after an alias:
+  ``orders AS OF t o`` or ``orders o AS OF t``);
 * ``FROM changes(orders, T1, T2)`` - every update after ``T1`` up to and including
   ``T2`` (``T1 < ts <= T2``), so that ``orders AS OF T1`` plus these changes is
   ``orders AS OF T2``; both must be readable times (``since <= T1 <= T2 < upper``).
@@ -784,12 +785,24 @@ def _table_ref(
         return None
     as_of = None
     k = j
-    if k + 1 < len(toks) and toks[k].upper == "AS" and toks[k + 1].upper == "OF":
+    late: tuple[int, int] | None = None  # an AS OF written after the alias: removed
+    if _is_as_of(toks, k):
         as_of, k = _time_literal(toks, k + 2, f"{name} AS OF")
+    elif alias_ok and _has_alias(toks, k):
+        a = k + 2 if toks[k].upper == "AS" else k + 1  # after `[AS] alias`
+        if _is_as_of(toks, a):
+            as_of, end = _time_literal(toks, a + 2, f"{name} AS OF")
+            late = (toks[a].start, toks[end - 1].end)
     text = query[toks[i].start : toks[k - 1].end]
     view = view_for(TableRef("snapshot", name, text, as_of=as_of))
     if view is None:
         return None
     alias = "" if not alias_ok or _has_alias(toks, k) else " AS " + _quote_ident(name.split(".")[-1])
     edits.append((toks[i].start, toks[k - 1].end, _quote_ident(view) + alias))
+    if late is not None:
+        edits.append((late[0], late[1], ""))
     return k
+
+
+def _is_as_of(toks: list[_Tok], k: int) -> bool:
+    return k + 1 < len(toks) and toks[k].upper == "AS" and toks[k + 1].upper == "OF"

@@ -273,6 +273,11 @@ def test_rewrite_finds_table_references_only() -> None:
     assert ("changes", "orders", None, 1, 2) in kinds
     assert ("snapshot", "orders", 5, None, None) in kinds
     assert all(r.name != "x" for r in seen)  # a CTE shadows, and is never looked up
+    # AS OF after the alias too
+    assert rewrite_sql("SELECT * FROM orders o AS OF 5 JOIN orders AS p AS OF 6 ON true", view) == (
+        'SELECT * FROM "V_orders" o  JOIN "V_orders" AS p  ON true'
+    )
+    assert [r.as_of for r in seen[-2:]] == [5, 6]
     with pytest.raises(InvalidUsage, match="expected a time"):
         rewrite_sql("SELECT * FROM orders AS OF x", view)
     with pytest.raises(InvalidUsage, match=r"expected changes\(NAME, T1, T2\)"):
