@@ -436,10 +436,11 @@ class SqlSession:
         relation (``None`` for a statement without a result). ``as_of`` overrides the
         session's default time for table references without ``AS OF``."""
         default = self.as_of if as_of is None else parse_time(as_of, "as_of")
-        text = rewrite_sql(query, lambda ref: self._view_for(ref, default))
+        latest: dict[str, int] = {}  # one "latest" time per table within a query
+        text = rewrite_sql(query, lambda ref: self._view_for(ref, default, latest))
         return self.connection.sql(text)
 
-    def _view_for(self, ref: TableRef, default: int | None) -> str | None:
+    def _view_for(self, ref: TableRef, default: int | None, latest: dict[str, int]) -> str | None:
         key = self.resolve(ref.name)
         if key is None:
             if ref.kind == "changes" or ref.as_of is not None:
@@ -452,7 +453,12 @@ class SqlSession:
             assert ref.t1 is not None and ref.t2 is not None
             src = self.changes(key, ref.t1, ref.t2)
         else:
-            src = self.snapshot(key, ref.as_of if ref.as_of is not None else default)
+            at = ref.as_of if ref.as_of is not None else default
+            if at is None:
+                at = latest.get(key)
+                if at is None:
+                    at = latest[key] = self.table(key).latest()
+            src = self.snapshot(key, at)
         k = (src.table.label, src.scan)
         view = self._views.get(k)
         if view is None:

@@ -245,3 +245,11 @@ def test_dagster_metadata_has_the_runs_blob_requests_and_cost(tmp_path: Path, mo
         gmeta = {k: v.value for k, v in outs[0].items()}
         assert gmeta["blob_list_requests"] >= 1  # the leaked-blob sweep lists the shard
         assert "blob_request_cost_usd" in gmeta
+
+
+def test_persist_metrics_never_creates_a_location(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSIST_")}
+    env.update(PYTHONPATH=str(REPO), PERSIST_HOME=str(tmp_path / "nowhere"))
+    out = run_cli(["metrics"], env)
+    assert out.returncode == 2 and "LocationNotFound" in out.stderr
+    assert not (tmp_path / "nowhere").exists()
