@@ -24,9 +24,11 @@ import pydantic
 from dagster_project.checks import build_collection_check, build_errors_check, read_latest
 from dagster_project.ingestion import ThrottledProgress, ingest_source
 from dagster_project.metadata import (
+    blob_requests,
     collection_metadata,
     inspect_shards,
     md_table,
+    request_metadata,
     shard_metadata,
     time_metadata,
 )
@@ -70,6 +72,7 @@ def persist_shard(
 ) -> dg.MaterializeResult:
     shard = context.partition_key
     client = persist.client()
+    start = blob_requests(client)
     res = compact_shard(
         client,
         shard,
@@ -94,6 +97,7 @@ def persist_shard(
         "compaction_debt_before": int(res.get("compaction_debt_before") or 0),
         "merges_applied": int(res.get("merges_applied") or 0),
         "bytes_written": int(res.get("bytes_written") or 0),
+        **request_metadata(client, start),
     }
     failed = res.get("failed") or []
     if failed:
@@ -241,6 +245,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         landing: LandingZoneResource,
         spark: SparkResource,
     ) -> Iterator[dg.MaterializeResult]:
+        start = blob_requests(persist.client())
         ctl = persist.controller()
         progress = ThrottledProgress(context.log.info)
         summary = ingest_source(
@@ -261,6 +266,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         client = persist.client()
         sync_source_partitions(context, client, ctl, n, rendition_parts)
         run_meta = _summary_metadata(summary)
+        requests = request_metadata(client, start)  # this step's blob requests and cost
         remap = inspect_shards(client, [summary["remap_shard"]]).get(summary["remap_shard"])
         yield dg.MaterializeResult(
             asset_key=remap_key,
@@ -271,6 +277,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 "lag_ms": run_meta["lag_ms"],
                 "bindings_minted": int(summary.get("bindings_minted") or 0),
                 "bindings_applied": run_meta["bindings_applied"],
+                **requests,
             },
         )
         for key, cname in ((raw_key, f"{n}.raw"), (data_key, n), (errors_key, f"{n}.errors")):
@@ -281,7 +288,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 extra = {"records_appended": run_meta["records_appended"]}
             else:
                 extra = run_meta
-            yield dg.MaterializeResult(asset_key=key, metadata={**meta, **extra})
+            yield dg.MaterializeResult(asset_key=key, metadata={**meta, **extra, **requests})
 
     @dg.asset(
         name=f"{n}_rendition",
@@ -303,6 +310,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         landing: LandingZoneResource,
         spark: SparkResource,
     ) -> Iterator[dg.MaterializeResult]:
+        start = blob_requests(persist.client())
         ctl = persist.controller()
         r = context.partition_key
         refused = rendition_refusal(spec, ctl.describe(n), r)
@@ -340,6 +348,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 "raw_times_replayed": int(built.get("times") or 0),
                 "build_engine": str(built.get("engine", "-")),
                 "collected": dg.MetadataValue.json(res.get("collected") or {}),
+                **request_metadata(client, start),
             }
         )
         # The collections handed over now read through ``r``: record that on their assets
@@ -369,8 +378,10 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         description=f"Downstream work on {n!r}: contents summary at the latest time.",
     )
     def summary(persist: PersistResource) -> dg.MaterializeResult:
+        start = blob_requests(persist.client())
         df, as_of = read_latest(persist, n)
-        return dg.MaterializeResult(metadata=contents_summary(df, as_of, spec))
+        meta = {**contents_summary(df, as_of, spec), **request_metadata(persist.client(), start)}
+        return dg.MaterializeResult(metadata=meta)
 
     checks = (
         build_collection_check(data_key, n, spec.rules),

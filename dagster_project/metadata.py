@@ -219,3 +219,27 @@ def collection_metadata(
         "renditions": dg.MetadataValue.md(renditions),
         "timeline": dg.MetadataValue.md(timeline),
     }
+
+
+def blob_requests(client: PersistClient) -> dict[str, float]:
+    """The client's request counters so far (``persist_lib.metrics``: blob requests by
+    operation, their S3 cost, bytes moved, commits); empty when metrics are off. Take
+    one at the start of a step and pass it to ``request_metadata`` at the end."""
+    m = client.metrics
+    return m.totals() if m is not None else {}
+
+
+def request_metadata(client: PersistClient, start: Mapping[str, float]) -> dict[str, dg.MetadataValue]:
+    """What the step cost since ``start`` (``blob_requests``): blob requests by operation
+    (counted as S3 bills them), their cost at AWS S3 Standard list prices, bytes moved
+    and commits. Requests of Spark executors (other processes) are not included."""
+    now = blob_requests(client)
+    if not now:
+        return {}
+    d = {k: v - start.get(k, 0.0) for k, v in now.items()}
+    out = {f"blob_{op}_requests": dg.MetadataValue.int(int(d[op])) for op in ("put", "get", "list", "delete")}
+    out["blob_request_cost_usd"] = dg.MetadataValue.float(round(d["cost_usd"], 9))
+    out["blob_bytes_written"] = dg.MetadataValue.int(int(d["bytes_written"]))
+    out["blob_bytes_read"] = dg.MetadataValue.int(int(d["bytes_read"]))
+    out["persist_commits"] = dg.MetadataValue.int(int(d["commits"]))
+    return out

@@ -134,6 +134,8 @@ def _load_plugins() -> None:
         "persist_lib.storage.cli",
         "persist_lib.ingest.cli",
         "persist_lib.read_cli",
+        "persist_lib.sql_cli",
+        "persist_lib.metrics_cli",
     ):
         try:
             importlib.import_module(mod)

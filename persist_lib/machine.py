@@ -71,6 +71,7 @@ class MachineMetrics:
     rollups_written: int = 0
     state_fetches: int = 0
     rollup_loads: int = 0
+    committed_by: dict[str, int] = field(default_factory=dict)  # commits by transition name
 
 
 class SharedShardState:
@@ -113,6 +114,13 @@ def shared_state_for(location_id: str, shard_id: str) -> SharedShardState:
         if s is None:
             s = _CACHE[(location_id, shard_id)] = SharedShardState(shard_id)
         return s
+
+
+def cached_states() -> list[st.ShardState]:
+    """The state of every shard cached in this process (for metrics)."""
+    with _CACHE_LOCK:
+        shared = list(_CACHE.values())
+    return [s.current() for s in shared]
 
 
 def clear_state_cache() -> None:
@@ -317,6 +325,8 @@ class Machine:
                     continue
                 if res is CaSResult.COMMITTED:
                     self.metrics.cas_committed += 1
+                    by = self.metrics.committed_by
+                    by[name] = by.get(name, 0) + 1
                     installed = self.shared.offer(new)
                     self._after_commit(new)
                     return result, installed if installed.seqno == new.seqno else new
