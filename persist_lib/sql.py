@@ -324,6 +324,10 @@ class SqlSession:
         if self._owns_client:
             self.client.close()
 
+    def __repr__(self) -> str:
+        # The client's repr redacts its location's credentials.
+        return f"SqlSession(client={self.client!r}, as_of={self.as_of!r}, closed={self._closed})"
+
     def __enter__(self) -> SqlSession:
         return self
 
