@@ -5,13 +5,17 @@ PYTEST_ARGS ?=
 SEEDS ?= 200
 N ?= 20
 
-.PHONY: setup demo test test-long test-races lint typecheck bench bench-full clean
+.PHONY: setup demo screenshots test test-long test-races lint typecheck bench bench-full clean
 
 setup:
 	@bash scripts/setup.sh
 
 demo: setup
 	$(PY) scripts/run_pipeline.py
+
+# After `make demo` (needs Chromium: apt-get install -y chromium); see docs/dagster.md.
+screenshots: setup
+	$(PY) scripts/screenshots.py
 
 test: setup
 	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)

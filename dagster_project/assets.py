@@ -24,10 +24,13 @@ import pydantic
 from dagster_project.checks import build_collection_check, build_errors_check, read_latest
 from dagster_project.ingestion import ThrottledProgress, ingest_source
 from dagster_project.metadata import (
+    blob_requests,
     collection_metadata,
     inspect_shards,
     md_table,
+    request_metadata,
     shard_metadata,
+    time_metadata,
 )
 from dagster_project.operations import compact_shard
 from dagster_project.partition_sync import catalog_directory, role_of, sync_source_partitions
@@ -69,6 +72,7 @@ def persist_shard(
 ) -> dg.MaterializeResult:
     shard = context.partition_key
     client = persist.client()
+    start = blob_requests(client)
     res = compact_shard(
         client,
         shard,
@@ -93,6 +97,7 @@ def persist_shard(
         "compaction_debt_before": int(res.get("compaction_debt_before") or 0),
         "merges_applied": int(res.get("merges_applied") or 0),
         "bytes_written": int(res.get("bytes_written") or 0),
+        **request_metadata(client, start),
     }
     failed = res.get("failed") or []
     if failed:
@@ -240,6 +245,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         landing: LandingZoneResource,
         spark: SparkResource,
     ) -> Iterator[dg.MaterializeResult]:
+        start = blob_requests(persist.client())
         ctl = persist.controller()
         progress = ThrottledProgress(context.log.info)
         summary = ingest_source(
@@ -260,6 +266,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         client = persist.client()
         sync_source_partitions(context, client, ctl, n, rendition_parts)
         run_meta = _summary_metadata(summary)
+        requests = request_metadata(client, start)  # this step's blob requests and cost
         remap = inspect_shards(client, [summary["remap_shard"]]).get(summary["remap_shard"])
         yield dg.MaterializeResult(
             asset_key=remap_key,
@@ -270,6 +277,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 "lag_ms": run_meta["lag_ms"],
                 "bindings_minted": int(summary.get("bindings_minted") or 0),
                 "bindings_applied": run_meta["bindings_applied"],
+                **requests,
             },
         )
         for key, cname in ((raw_key, f"{n}.raw"), (data_key, n), (errors_key, f"{n}.errors")):
@@ -280,7 +288,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 extra = {"records_appended": run_meta["records_appended"]}
             else:
                 extra = run_meta
-            yield dg.MaterializeResult(asset_key=key, metadata={**meta, **extra})
+            yield dg.MaterializeResult(asset_key=key, metadata={**meta, **extra, **requests})
 
     @dg.asset(
         name=f"{n}_rendition",
@@ -302,6 +310,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         landing: LandingZoneResource,
         spark: SparkResource,
     ) -> Iterator[dg.MaterializeResult]:
+        start = blob_requests(persist.client())
         ctl = persist.controller()
         r = context.partition_key
         refused = rendition_refusal(spec, ctl.describe(n), r)
@@ -334,10 +343,12 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 "status": "active" if desc["active_rendition"] == r else desc["renditions"][r]["status"],
                 "previous_rendition": str(res.get("previous") or "-"),
                 "handover_at": int(res["handover_at"]) if res.get("handover_at") else 0,
+                **time_metadata("handover_at", res.get("handover_at")),
                 "raw_records_replayed": int(built.get("records") or 0),
                 "raw_times_replayed": int(built.get("times") or 0),
                 "build_engine": str(built.get("engine", "-")),
                 "collected": dg.MetadataValue.json(res.get("collected") or {}),
+                **request_metadata(client, start),
             }
         )
         # The collections handed over now read through ``r``: record that on their assets
@@ -353,6 +364,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                             **collection_metadata(client, ctl.describe(cname)),
                             "previous_rendition": str(res.get("previous") or "-"),
                             "handover_at": int(handed[cname]),
+                            **time_metadata("handover_at", handed[cname]),
                         },
                     )
                 )
@@ -366,8 +378,10 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         description=f"Downstream work on {n!r}: contents summary at the latest time.",
     )
     def summary(persist: PersistResource) -> dg.MaterializeResult:
+        start = blob_requests(persist.client())
         df, as_of = read_latest(persist, n)
-        return dg.MaterializeResult(metadata=contents_summary(df, as_of, spec))
+        meta = {**contents_summary(df, as_of, spec), **request_metadata(persist.client(), start)}
+        return dg.MaterializeResult(metadata=meta)
 
     checks = (
         build_collection_check(data_key, n, spec.rules),
@@ -412,7 +426,11 @@ def contents_summary(df: Any, as_of: int | None, spec: SourceSpec) -> dict[str, 
     """Metadata summarising a collection snapshot: rows, per-status counts and amounts."""
     if as_of is None or df is None or len(df) == 0:
         return {"rows": 0, "as_of": dg.MetadataValue.text("-")}
-    meta: dict[str, Any] = {"rows": int(df["diff"].sum()), "as_of": int(as_of)}
+    meta: dict[str, Any] = {
+        "rows": int(df["diff"].sum()),
+        "as_of": int(as_of),
+        **time_metadata("as_of", as_of),
+    }
     numeric = [c for c in spec.val_schema.names if str(df[c].dtype).startswith(("float", "int"))]
     text = [c for c in spec.val_schema.names if df[c].dtype == object]
     for c in numeric:

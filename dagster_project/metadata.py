@@ -2,6 +2,14 @@
 
 Everything the UI shows about a shard, a rendition or a collection: frontiers, batches,
 updates, bytes, compaction debt, and the spine as a markdown table.
+
+Frontiers are integers (``upper``, ``since``: the UI plots int metadata over the
+materializations). When a frontier is a time in ms since the epoch (ingested
+collections; the rule is ``persist_lib.timefmt.is_epoch_ms``, the same as the
+``persist`` CLI's) it is also recorded as Dagster timestamp metadata (``upper_time``,
+``since_time``: ``MetadataValue.timestamp``, seconds), which the UI shows as a date in
+its own time zone; small logical times (tests, hand-made shards) get no timestamp. The
+handover times of the ``timeline`` table carry their UTC timestamp too.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import dagster as dg
 
 from persist_lib.client import PersistClient
 from persist_lib.errors import InvalidUsage
+from persist_lib.timefmt import epoch_seconds, is_epoch_ms, iso_utc
 
 
 def frontier_text(elements: Sequence[int] | None) -> str:
@@ -30,6 +39,28 @@ def frontier_value(elements: Sequence[int] | None) -> dg.MetadataValue:
     if elements is not None and len(elements) == 1:
         return dg.MetadataValue.int(int(elements[0]))
     return dg.MetadataValue.text(frontier_text(elements))
+
+
+def frontier_metadata(name: str, elements: Sequence[int] | None) -> dict[str, dg.MetadataValue]:
+    """``{name: int}`` (``frontier_value``), plus ``{name}_time``: the same frontier as
+    Dagster timestamp metadata (UNIX seconds) when it is one time in ms since the epoch."""
+    out = {name: frontier_value(elements)}
+    secs = epoch_seconds(None if elements is None else list(elements))
+    if secs is not None:
+        out[f"{name}_time"] = dg.MetadataValue.timestamp(secs)
+    return out
+
+
+def time_metadata(name: str, t: int | None) -> dict[str, dg.MetadataValue]:
+    """``{name}_time`` for a time in ms since the epoch (e.g. ``handover_at``), else ``{}``."""
+    if t is not None and is_epoch_ms(int(t)):
+        return {f"{name}_time": dg.MetadataValue.timestamp(int(t) / 1000.0)}
+    return {}
+
+
+def utc_text(t: int | None) -> str:
+    """A table cell: the ISO-8601 UTC timestamp of an epoch-ms time, else ``-``."""
+    return iso_utc(int(t)) if t is not None and is_epoch_ms(int(t)) else "-"
 
 
 def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -74,8 +105,8 @@ def shard_metadata(state: Mapping[str, Any]) -> dict[str, dg.MetadataValue]:
     """Metadata of one shard from its ``inspect`` JSON."""
     return {
         "shard": dg.MetadataValue.text(state["shard"]),
-        "upper": frontier_value(state["upper"]),
-        "since": frontier_value(state["since"]),
+        **frontier_metadata("upper", state["upper"]),
+        **frontier_metadata("since", state["since"]),
         "seqno": dg.MetadataValue.int(int(state["seqno"])),
         "batches": dg.MetadataValue.int(int(state["num_batches"])),
         "updates": dg.MetadataValue.int(int(state["num_updates"])),
@@ -147,7 +178,8 @@ def collection_metadata(
         for i, (sid, st) in enumerate(states.items())
     ]
     timeline = md_table(
-        ["at", "from", "to"], [(h["at"], h["from"] or "-", h["to"]) for h in desc["timeline"]]
+        ["at", "from", "to", "at (UTC)"],
+        [(h["at"], h["from"] or "-", h["to"], utc_text(h["at"])) for h in desc["timeline"]],
     )
     renditions = md_table(
         ["rendition", "status", "shards", "upper", "since", "batches", "bytes", "retired at"],
@@ -170,8 +202,8 @@ def collection_metadata(
         "rendition": dg.MetadataValue.text(r or "-"),
         "active_rendition": dg.MetadataValue.text(desc.get("active_rendition") or "-"),
         "num_shards": dg.MetadataValue.int(int(info.get("num_shards", 0))),
-        "upper": frontier_value(info.get("upper")),
-        "since": frontier_value(info.get("since")),
+        **frontier_metadata("upper", info.get("upper")),
+        **frontier_metadata("since", info.get("since")),
         "batches": dg.MetadataValue.int(int(info.get("batches", 0))),
         "updates": dg.MetadataValue.int(int(info.get("updates", 0))),
         "bytes": dg.MetadataValue.int(int(info.get("bytes", 0))),
@@ -187,3 +219,27 @@ def collection_metadata(
         "renditions": dg.MetadataValue.md(renditions),
         "timeline": dg.MetadataValue.md(timeline),
     }
+
+
+def blob_requests(client: PersistClient) -> dict[str, float]:
+    """The client's request counters so far (``persist_lib.metrics``: blob requests by
+    operation, their S3 cost, bytes moved, commits); empty when metrics are off. Take
+    one at the start of a step and pass it to ``request_metadata`` at the end."""
+    m = client.metrics
+    return m.totals() if m is not None else {}
+
+
+def request_metadata(client: PersistClient, start: Mapping[str, float]) -> dict[str, dg.MetadataValue]:
+    """What the step cost since ``start`` (``blob_requests``): blob requests by operation
+    (counted as S3 bills them), their cost at AWS S3 Standard list prices, bytes moved
+    and commits. Requests of Spark executors (other processes) are not included."""
+    now = blob_requests(client)
+    if not now:
+        return {}
+    d = {k: v - start.get(k, 0.0) for k, v in now.items()}
+    out = {f"blob_{op}_requests": dg.MetadataValue.int(int(d[op])) for op in ("put", "get", "list", "delete")}
+    out["blob_request_cost_usd"] = dg.MetadataValue.float(round(d["cost_usd"], 9))
+    out["blob_bytes_written"] = dg.MetadataValue.int(int(d["bytes_written"]))
+    out["blob_bytes_read"] = dg.MetadataValue.int(int(d["bytes_read"]))
+    out["persist_commits"] = dg.MetadataValue.int(int(d["commits"]))
+    return out

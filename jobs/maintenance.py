@@ -15,6 +15,7 @@ there is nothing to do, and safe to run concurrently with writers and readers.
 import dagster as dg
 
 from dagster_project.assets import SOURCE_ASSETS, persist_shard
+from dagster_project.metadata import blob_requests, request_metadata
 from dagster_project.operations import collect_garbage, expire_leases
 from dagster_project.partition_sync import sync_source_partitions
 from dagster_project.resources import PersistResource
@@ -39,6 +40,7 @@ class GcConfig(dg.Config):
 def collect_garbage_op(
     context: dg.OpExecutionContext, config: GcConfig, persist: PersistResource
 ) -> dict:
+    start = blob_requests(persist.client())
     ctl = persist.controller()
     out = collect_garbage(
         persist.client(),
@@ -58,6 +60,7 @@ def collect_garbage_op(
             "leaked_blobs_deleted": out["leaked_blobs_deleted"],
             "renditions_collected": dg.MetadataValue.json(out["renditions_collected"]),
             "errors": out["errors"],
+            **request_metadata(persist.client(), start),
         }
     )
     return out
@@ -65,6 +68,7 @@ def collect_garbage_op(
 
 @dg.op(description="Expire lapsed reader and writer leases on every shard.")
 def expire_leases_op(context: dg.OpExecutionContext, persist: PersistResource) -> dict:
+    start = blob_requests(persist.client())
     out = expire_leases(persist.client())
     context.add_output_metadata(
         {
@@ -72,6 +76,7 @@ def expire_leases_op(context: dg.OpExecutionContext, persist: PersistResource) -
             "readers_expired": out["readers_expired"],
             "writers_expired": out["writers_expired"],
             "expired": dg.MetadataValue.json(out["expired"]),
+            **request_metadata(persist.client(), start),
         }
     )
     return out

@@ -31,7 +31,8 @@ from persist_lib.ids import CriticalReaderId, ReaderId, ShardId, WriterId
 from persist_lib.location.base import Blob, Consensus
 from persist_lib.location.retry import RetryingBlob, RetryingConsensus, RetryPolicy
 from persist_lib.location.uri import SensitiveUrl, open_blob, open_consensus
-from persist_lib.machine import Machine, describe_state
+from persist_lib.machine import Machine, MachineMetrics, describe_state
+from persist_lib.metrics import PersistMetrics, serve_if_configured
 from persist_lib.read import ReadHandle, SinceHandle
 from persist_lib.write import WriteHandle
 
@@ -79,9 +80,11 @@ class PersistClient:
     ) -> None:
         self.config = config or PersistConfig()
         policy = RetryPolicy(deadline_s=self.config.retry_deadline_s)
+        # Per-shard counters (persist_lib.metrics); None: metrics off, nothing counted.
+        self.metrics: PersistMetrics | None = PersistMetrics() if self.config.metrics else None
         self.raw_blob = blob
         self.raw_consensus = consensus
-        self.blob: Blob = RetryingBlob(blob, policy)
+        self.blob: Blob = RetryingBlob(blob, policy, self.metrics)
         self.consensus: Consensus = RetryingConsensus(consensus, policy)
         self.blob_uri = blob_uri
         self.consensus_uri = consensus_uri
@@ -92,6 +95,8 @@ class PersistClient:
         self._machines: OrderedDict[str, Machine] = OrderedDict()
         self.heartbeat_failures = 0  # heartbeats that raised (each logged)
         self._uploads: ThreadPoolExecutor | None = None
+        if self.metrics is not None:
+            serve_if_configured(self.config)  # the HTTP endpoint, if asked for (once)
 
     # ----- construction ---------------------------------------------------------------
 
@@ -153,6 +158,8 @@ class PersistClient:
             m.wait_background()
         self.blob.close()
         self.consensus.close()
+        if self.metrics is not None:
+            self.metrics.close()  # its counts go on in the process's totals
 
     def __enter__(self) -> PersistClient:
         return self
@@ -174,7 +181,8 @@ class PersistClient:
         with self._lock:
             m = self._machines.get(sid)
             if m is None:
-                m = self._machines[sid] = Machine(sid, self.blob, self.consensus, self.config)
+                mm = self.metrics.machine_metrics(sid) if self.metrics else MachineMetrics()
+                m = self._machines[sid] = Machine(sid, self.blob, self.consensus, self.config, mm)
                 attach = self.config.compaction_enabled
                 limit = max(1, self.config.max_cached_shards)
                 while len(self._machines) > limit:
@@ -296,6 +304,8 @@ class PersistClient:
             )
             if res.readers or res.writers:
                 out[sid] = {"readers": list(res.readers), "writers": list(res.writers)}
+                if self.metrics is not None:
+                    self.metrics.leases_expired(sid, len(res.readers), len(res.writers))
         return out
 
     # ----- heartbeats -----------------------------------------------------------------

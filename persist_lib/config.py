@@ -59,6 +59,11 @@ class PersistConfig:
     leak_grace_ms: int = 60 * 60 * 1000
     # Shard machines a client keeps (least recently used dropped first).
     max_cached_shards: int = 256
+    # Metrics (persist_lib.metrics): per-shard counters of commits, blob requests and
+    # their S3 cost; off = no counting at all. ``metrics_port`` (else
+    # $PERSIST_METRICS_PORT) serves them to Prometheus from this process.
+    metrics: bool = True
+    metrics_port: int | None = None
     # Injected clock (ms since the epoch) and RNG, so tests are deterministic.
     now_ms: Callable[[], int] = field(default=system_clock_ms)
     rng: random.Random = field(default_factory=random.Random)

@@ -71,6 +71,7 @@ class MachineMetrics:
     rollups_written: int = 0
     state_fetches: int = 0
     rollup_loads: int = 0
+    committed_by: dict[str, int] = field(default_factory=dict)  # commits by transition name
 
 
 class SharedShardState:
@@ -113,6 +114,13 @@ def shared_state_for(location_id: str, shard_id: str) -> SharedShardState:
         if s is None:
             s = _CACHE[(location_id, shard_id)] = SharedShardState(shard_id)
         return s
+
+
+def cached_states() -> list[st.ShardState]:
+    """The state of every shard cached in this process (for metrics)."""
+    with _CACHE_LOCK:
+        shared = list(_CACHE.values())
+    return [s.current() for s in shared]
 
 
 def clear_state_cache() -> None:
@@ -160,11 +168,16 @@ class Machine:
         self._rollup_thread: threading.Thread | None = None
 
     def wait_background(self, timeout_s: float = 10.0) -> None:
-        """Waits (bounded) for this machine's background rollup: the client calls it
-        before closing its blob and consensus, which the rollup still uses."""
+        """Waits (bounded) for this machine's background rollup, and for any rollup another
+        machine of this process is writing for the shard: the client calls it before
+        closing its blob and consensus, which the rollup still uses, and a quiescent leak
+        sweep before listing (a rollup uploaded but not yet linked looks leaked)."""
+        deadline = time.monotonic() + timeout_s
         t = self._rollup_thread
         if t is not None and t.is_alive():
             t.join(timeout_s)
+        while self.shared.rollup_in_progress and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     # ----- reading state ----------------------------------------------------------------
 
@@ -317,6 +330,8 @@ class Machine:
                     continue
                 if res is CaSResult.COMMITTED:
                     self.metrics.cas_committed += 1
+                    by = self.metrics.committed_by
+                    by[name] = by.get(name, 0) + 1
                     installed = self.shared.offer(new)
                     self._after_commit(new)
                     return result, installed if installed.seqno == new.seqno else new

@@ -24,6 +24,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -112,6 +113,7 @@ def compact(
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     retry_quarantined: bool = False,
     raise_on_failure: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Runs the spine's pending merges now, round after round, until none is left.
 
@@ -120,7 +122,9 @@ def compact(
     writers keep appending. Quarantined merges are skipped unless ``retry_quarantined``.
     A merge that fails deterministically (corrupt or missing input) is quarantined and
     the other merges still run; then the first such error is raised
-    (``raise_on_failure``), or the summary lists it under ``failed``.
+    (``raise_on_failure``), or the summary lists it under ``failed``. ``progress(done,
+    planned)`` is called before the first merge and after each one (``planned`` grows
+    when a later round plans more merges); it must be quick and must not raise.
     """
     m = _machine(client, shard)
     s = _existing(m)
@@ -131,6 +135,7 @@ def compact(
     failed_ids: set[int] = set()
     first_error: Exception | None = None
     rounds = 0
+    planned = 0
     while rounds < max_rounds:
         if s.tombstone:
             break
@@ -139,6 +144,9 @@ def compact(
             break
         rounds += 1
         schemas = _schemas(s)
+        planned += len(reqs)
+        if progress is not None:
+            progress(len(results) + len(failed), planned)
         for req in reqs:
             try:
                 results.append(compact_request(m, schemas, client.config, req, client=client))
@@ -149,6 +157,8 @@ def compact(
                 first_error = first_error or e
                 failed_ids.update(req.batch_ids)
                 failed.append({"batch_ids": list(req.batch_ids), "error": f"{type(e).__name__}: {e}"})
+            if progress is not None:
+                progress(len(results) + len(failed), planned)
         s = m.fetch_latest()
     if first_error is not None and raise_on_failure:
         raise first_error
@@ -217,6 +227,11 @@ def unreferenced_blobs(
     every lease was expired (a test's final sweep)."""
     sid = str(ShardId.parse(shard))
     grace = client.config.leak_grace_ms if older_than_ms is None else older_than_ms
+    if quiescent:
+        # "Nothing runs against the shard" includes this process's own background rollup
+        # (started by the last commit, e.g. a GC's): uploaded but not yet linked, it
+        # would look leaked to a sweep without the in-flight guard.
+        _machine(client, sid).wait_background()
     return gcmod.unreferenced_blobs(
         client.blob,
         client.consensus,

@@ -51,6 +51,7 @@ from persist_lib.errors import BlobNotFound, InvalidUsage, LeaseExpired, Timeout
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
 from persist_lib.location.base import Blob
 from persist_lib.machine import Machine
+from persist_lib.metrics import track_listen
 from persist_lib.parts import fetch_part
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -611,7 +612,10 @@ class ReadHandle:
         if not state.exists:
             state = self._machine.fetch_latest()
         self._check_as_of(state, as_of)
-        return Listen(self, as_of, budget)
+        listen = Listen(self, as_of, budget)
+        if self._client.metrics is not None:
+            track_listen(listen, self)  # its lag, for metrics
+        return listen
 
     # ----- since -----------------------------------------------------------------------
 

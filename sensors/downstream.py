@@ -7,7 +7,11 @@ GE checks on ``<src>`` are blocking, and they run after the materialization is r
 can't wait for a run that is still checking; this sensor reads the materializations
 itself (``instance.fetch_materializations``) and keeps its cursor (a storage id) before
 the first one whose run has not finished. Materializations of failed runs (a blocking
-check failed) are skipped.
+check failed) are skipped, and so are those of ingestions that appended nothing to the
+collection (metadata ``updates_appended`` = 0: a 0-record ingestion, or one whose
+records all failed to decode): its contents did not change, so a summary would be the
+same. Materializations without that entry (a handover recorded by a rendition backfill,
+whose rebuilt rendition may decode differently) do launch it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,18 @@ import dagster as dg
 
 from dagster_project.assets import SOURCE_ASSETS
 from jobs.ingestion import SUMMARY_JOBS
+
+
+def changed_contents(rec: dg.EventLogRecord) -> bool:
+    """Whether a materialization of a collection may have changed its contents: not an
+    ingestion that appended no update (``updates_appended`` = 0)."""
+    mat = rec.asset_materialization
+    if mat is None:
+        return True
+    appended = mat.metadata.get("updates_appended")
+    if appended is None or not isinstance(appended.value, int | float):
+        return True
+    return int(appended.value) != 0
 
 
 def build_downstream_sensor(
@@ -45,16 +61,18 @@ def build_downstream_sensor(
         ).records
         cursor = after
         latest_good = None
-        skipped = 0
+        skipped = unchanged = 0
         for rec in records:
             run = context.instance.get_run_by_id(rec.run_id)
             if run is not None and not run.is_finished:
                 break  # wait: its blocking checks may still fail
             cursor = rec.storage_id
-            if run is None or run.is_success:
-                latest_good = rec
-            else:
+            if run is not None and not run.is_success:
                 skipped += 1
+            elif not changed_contents(rec):
+                unchanged += 1  # nothing appended: the summary would be the same
+            else:
+                latest_good = rec
         requests = []
         if latest_good is not None:  # one run covers every good materialization before it
             requests.append(
@@ -67,8 +85,10 @@ def build_downstream_sensor(
             run_requests=requests,
             skip_reason=None
             if requests
-            else f"no new successful materialization of {upstream.to_user_string()}"
-            + (f" ({skipped} from failed runs skipped)" if skipped else ""),
+            else f"no new successful materialization of {upstream.to_user_string()} that "
+            "changed it"
+            + (f"; {skipped} from failed runs skipped" if skipped else "")
+            + (f"; {unchanged} that appended nothing skipped" if unchanged else ""),
             cursor=str(cursor) if cursor is not None else None,
         )
 

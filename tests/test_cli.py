@@ -27,17 +27,17 @@ def test_shards_and_inspect(tmp_path: Path) -> None:
     w, r = client.open(shard, pa.schema([("k", pa.int64())]), pa.schema([]))
     w.compare_and_append([(((1,), ()), 0, 1)], 0, 3)
     env = {"PERSIST_HOME": str(home)}
-    out = run(["shards"], env)
+    out = run(["shards", "--json"], env)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [str(shard)]
-    out = run(["inspect", str(shard)], env)
+    out = run(["--json", "inspect", str(shard)], env)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["upper"] == [3] and doc["since"] == [0] and doc["num_batches"] == 1
     assert set(doc) >= {"seqno", "batches", "leased_readers", "writers", "rollups"}
     assert doc["batches"][0]["len"] == 1 and doc["batches"][0]["parts"]
     # flags override the environment
-    out = run(["--blob", f"file://{home / 'blob'}", "--consensus", f"sqlite:///{home / 'consensus.db'}", "shards"], {})
+    out = run(["--blob", f"file://{home / 'blob'}", "--consensus", f"sqlite:///{home / 'consensus.db'}", "shards", "--json"], {})
     assert json.loads(out.stdout) == [str(shard)]
 
 
@@ -63,6 +63,10 @@ READ_ONLY_COMMANDS = [
     ["inspect", "s00000000-0000-4000-8000-000000000000"],
     ["leaked-blobs"],
     ["ingest", "status", "orders"],
+    ["snapshot", "orders"],
+    ["snapshot", "s00000000-0000-4000-8000-000000000000", "--as-of", "2026-01-01T00:00:00Z"],
+    ["tail", "orders"],
+    ["shards", "--json"],
 ]
 
 

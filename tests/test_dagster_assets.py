@@ -124,12 +124,18 @@ def test_ingestion_materializes_with_metadata(
     assert data["num_shards"] == 4 and data["rendition"] == "r0"
     assert isinstance(data["upper"], int) and data["upper"] > 0
     assert isinstance(data["since"], int)
+    # the upper is a time in ms since the epoch: also a Dagster timestamp (seconds)
+    (mat,) = [m.materialization for m in res.get_asset_materialization_events() if m.asset_key == dg.AssetKey("orders")]
+    assert isinstance(mat.metadata["upper_time"], dg.TimestampMetadataValue)
+    assert data["upper_time"] == data["upper"] / 1000
+    assert ("since_time" in data) == (data["since"] >= 10**11)
     assert data["batches"] >= 4 and data["bytes"] > 0 and data["updates"] > 0
     assert "orders-000001.jsonl" in str(data["source_frontier"])
     assert data["lag_bytes"] == 0 and isinstance(data["lag_ms"], int)
     assert str(data["spine"]).startswith("| # | shard |") and str(data["spine"]).count("\n") == 5
     remap = metadata_of(res, "orders_remap")
     assert remap["bindings_applied"] >= 1 and remap["upper"] == data["upper"]
+    assert remap["upper_time"] == data["upper_time"]
     assert "| batch | level |" in str(remap["spine"])
     raw = metadata_of(res, "orders_raw")
     assert raw["updates"] == 602 and raw["records_appended"] == 602

@@ -232,3 +232,51 @@ def test_downstream_sensor_waits_for_checks(
     assert not res.success
     r2 = evaluate(sensor, instance, {}, r1.cursor)
     assert not r2.run_requests and r2.cursor != r1.cursor
+
+
+def test_no_summary_run_after_an_ingestion_that_appended_nothing(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    """Issue 17 (In the UI): an ingestion with nothing new (0 records) still records a
+    materialization of ``orders`` (frontiers, lag), but the summary sensor requests no
+    ``orders_summary`` run for it: the collection did not change."""
+    sensor = DOWNSTREAM_SENSORS["orders"]
+    sa = SOURCE_ASSETS["orders"]
+    landing = home / "landing" / "orders"
+    write_orders_file(landing, 0, 20)
+    assert dg.materialize([sa.ingest, *sa.checks], resources=resources, instance=instance).success
+    r1 = evaluate(sensor, instance, {}, None)
+    assert len(r1.run_requests) == 1 and r1.cursor
+
+    # nothing landed since: a 0-record ingestion
+    res = dg.materialize([sa.ingest, *sa.checks], resources=resources, instance=instance)
+    assert res.success
+    (mat,) = [
+        m.materialization
+        for m in res.get_asset_materialization_events()
+        if m.asset_key == dg.AssetKey("orders")
+    ]
+    assert mat.metadata["records_appended"].value == 0
+    assert mat.metadata["updates_appended"].value == 0
+    r2 = evaluate(sensor, instance, {}, r1.cursor)
+    assert not r2.run_requests
+    assert r2.cursor is not None and int(r2.cursor) > int(r1.cursor)  # moved past it
+    assert r2.skip_reason is not None and "appended nothing" in (r2.skip_reason.skip_message or "")
+    assert not evaluate(sensor, instance, {}, r2.cursor).run_requests
+
+    # new records: a summary run again (one, for the latest good materialization)
+    write_orders_file(landing, 1, 5)
+    assert dg.materialize([sa.ingest, *sa.checks], resources=resources, instance=instance).success
+    assert dg.materialize([sa.ingest, *sa.checks], resources=resources, instance=instance).success
+    r3 = evaluate(sensor, instance, {}, r2.cursor)
+    assert len(r3.run_requests) == 1
+    key = r3.run_requests[0].run_key or ""
+    recs = instance.fetch_materializations(dg.AssetKey("orders"), limit=10).records
+    appended = {
+        rec.storage_id: rec.asset_materialization.metadata["updates_appended"].value
+        for rec in recs
+        if rec.asset_materialization is not None
+    }
+    newest_good = max(sid for sid, n in appended.items() if n)
+    assert appended[max(appended)] == 0  # the newest one appended nothing ...
+    assert key == f"orders:{newest_good}"  # ... the run is for the one that did

@@ -28,6 +28,7 @@ from dagster_project.definitions import build_defs, build_resources
 from dagster_project.resources import LandingZoneResource, PersistResource, SparkResource
 from dagster_project.sample import write_orders_file
 from dagster_project.sources import ORDERS
+from persist_lib.timefmt import iso_utc
 from sensors.compaction import build_compaction_debt_sensor
 
 pytestmark = pytest.mark.dagster
@@ -154,8 +155,12 @@ def test_retired_rendition_backfill_is_a_clear_failure_and_partitions_tell_the_t
     assert renditions["r0"][1] == "dropped" and renditions["r1"][1] == "ready"
     desc = describe(home, "orders")
     timeline = [[str(h["at"]), h["from"] or "-", h["to"]] for h in desc["timeline"]]
-    assert md_rows(meta["timeline"]) == timeline  # the UI agrees with `persist describe`
+    rows = md_rows(meta["timeline"])
+    assert [r[:3] for r in rows] == timeline  # the UI agrees with `persist describe`
     assert timeline[-1][1:] == ["r0", "r1"] and int(timeline[-1][0]) == meta["handover_at"]
+    # handover times are epoch ms: with their UTC timestamp in the table and as metadata
+    assert rows[-1][3] == iso_utc(meta["handover_at"])
+    assert meta["handover_at_time"] == meta["handover_at"] / 1000
 
     # `dagster job launch -j orders_rendition_job --tags '{"dagster/partition": "r0"}'`
     job = build_defs(**resources).resolve_job_def("orders_rendition_job")
@@ -252,3 +257,23 @@ def test_shard_partitions_say_what_each_shard_is(
     )
     assert res.success
     assert latest(instance, "persist_shard", r1[0])["shard_of"] == "orders / r1 / shard 0 of 2"
+
+
+def test_frontiers_are_timestamps_only_when_they_are_epoch_ms() -> None:
+    """Issue 17 (In the UI): upper/since stay ints (the UI plots them) and, when they
+    are times in ms since the epoch, are also Dagster timestamp metadata (seconds);
+    logical times (small integers) get no timestamp."""
+    from dagster_project.metadata import frontier_metadata, shard_metadata
+
+    t = 1767225600123
+    m = frontier_metadata("upper", [t])
+    assert m["upper"] == dg.MetadataValue.int(t)
+    assert m["upper_time"] == dg.MetadataValue.timestamp(t / 1000)
+    assert frontier_metadata("since", [5]) == {"since": dg.MetadataValue.int(5)}
+    assert set(frontier_metadata("upper", [])) == {"upper"}  # closed: text, no time
+    state = {
+        "shard": "s1", "upper": [t], "since": [3], "seqno": 4, "num_batches": 0,
+        "num_updates": 0, "bytes": 0, "batches": [], "spine": [],
+    }
+    meta = shard_metadata(state)
+    assert isinstance(meta["upper_time"], dg.TimestampMetadataValue) and "since_time" not in meta

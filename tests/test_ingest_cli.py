@@ -29,7 +29,7 @@ def test_ingest_files_status_and_errors(tmp_path: Path) -> None:
     (z / "a.jsonl").write_text('{"id": 1, "name": "a"}\n{"id": 2, "name": "b"}\nnot json\n')
     (z / "b.csv").write_text("id,name\n3,c\n")
     home = tmp_path / "home"
-    args = ["ingest", "files", "orders", str(z), "--key", "id:int64", "--value", "name:string", "--progress"]
+    args = ["ingest", "files", "orders", str(z), "--key", "id:int64", "--value", "name:string", "--json", "--progress"]
     out = run(args, home)
     assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout)
@@ -37,7 +37,7 @@ def test_ingest_files_status_and_errors(tmp_path: Path) -> None:
     assert "rec/s" in out.stderr  # the progress bar
     again = json.loads(run(args[:-1] + ["--no-progress"], home).stdout)
     assert again["records"] == 0 and again["resumed_at"] > 0
-    st = run(["ingest", "status", "orders"], home)
+    st = run(["ingest", "status", "orders", "--json"], home)
     assert st.returncode == 0, st.stderr
     status = json.loads(st.stdout)
     assert status["frontier"] == {"files": ["b.csv", 1]}
@@ -58,13 +58,13 @@ def test_ingest_files_into_storage_collections_with_follow(tmp_path: Path) -> No
     home = tmp_path / "home"
     out = run(
         ["ingest", "files", "people", str(z), "--key", "id:int64", "--value", "name:string", "--envelope", "upsert",
-         "--delete-field", "_deleted", "--storage", "--shards", "2", "--follow", "--duration", "1.5", "--poll", "0.2"],
+         "--delete-field", "_deleted", "--storage", "--shards", "2", "--follow", "--duration", "1.5", "--poll", "0.2", "--json"],
         home,
     )
     assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout)
     assert s["mode"] == "continuous" and s["updates"] == 1  # id 1: +1 then -1 in one time nets out
-    cols = json.loads(run(["collections"], home).stdout)
+    cols = json.loads(run(["collections", "--json"], home).stdout)
     assert {c["name"] for c in cols} >= {"people", "people.errors", "people.state"}
 
 

@@ -27,7 +27,7 @@ def run(args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
 
 
 def ok(args: list[str], home: Path) -> object:
-    out = run(args, home)
+    out = run([*args, "--json"], home)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -58,7 +58,7 @@ def test_maintenance_commands(tmp_path: Path) -> None:
     assert isinstance(res, dict) and res["blobs_deleted"] == 0 and res["garbage_pending"] > 0
 
     # Its lease lapses (the lease is judged by the clock of whoever expires it).
-    out = run(["expire-leases", str(shard)], home)
+    out = run(["expire-leases", str(shard), "--json"], home)
     assert out.returncode == 0 and json.loads(out.stdout) == {}  # not lapsed yet (15 min)
     later = client.config.now_ms() + 16 * 60 * 1000
     assert client.expire_leases(shard, now=later)[str(shard)] == {"readers": [r.reader_id], "writers": []}
@@ -80,7 +80,7 @@ def test_maintenance_commands(tmp_path: Path) -> None:
     r2.downgrade_since(Antichain.empty())
     res = ok(["finalize", str(shard)], home)
     assert isinstance(res, dict) and res["tombstone"] is True
-    out = run(["inspect", str(shard)], home)
+    out = run(["--json", "inspect", str(shard)], home)
     assert out.returncode == 0 and json.loads(out.stdout)["tombstone"] is True
     client.close()
 

@@ -398,6 +398,12 @@ def _invalid_uris(x: _World) -> list[Any]:
     return errors
 
 
+def _sql_session(x: _World) -> list[Any]:
+    from persist_lib.sql import SqlSession
+
+    return [SqlSession(x.client, as_of=0)]
+
+
 def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
     """How to build each credential-holding class on a hostile world."""
     from persist_lib.batch_builder import BatchBuilder
@@ -450,6 +456,7 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
         "dagster_project.sources.SourceSpec": _dagster_source_spec,
         # clients, handles, machines, splits
         "persist_lib.client.PersistClient": lambda x: [x.client],
+        "persist_lib.sql.SqlSession": _sql_session,
         "persist_lib.write.WriteHandle": lambda x: [x.w],
         "persist_lib.read.ReadHandle": lambda x: [x.r],
         "persist_lib.machine.Machine": lambda x: [x.client.machine(x.shard)],

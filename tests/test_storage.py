@@ -211,10 +211,10 @@ def test_cli_collections_and_describe(tmp_path) -> None:  # type: ignore[no-unty
     ctl.create_collection("events", K, V, num_shards=2)
     ctl.open_writer("events").append([(((1,), ("a",)), 0, 1)], 0, 1)
     env = {**os.environ, "PERSIST_HOME": str(home)}
-    out = subprocess.run([sys.executable, "-m", "persist_lib.cli", "collections"], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "persist_lib.cli", "collections", "--json"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [{"name": "events", "active_rendition": "r0", "renditions": ["r0"]}]
-    out = subprocess.run([sys.executable, "-m", "persist_lib.cli", "describe", "events"], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "persist_lib.cli", "describe", "events", "--json"], env=env, capture_output=True, text=True)
     d = json.loads(out.stdout)
     assert d["renditions"]["r0"]["num_shards"] == 2 and d["renditions"]["r0"]["upper"] == [1]
     out = subprocess.run([sys.executable, "-m", "persist_lib.cli", "describe", "nope"], env=env, capture_output=True, text=True)
@@ -265,7 +265,9 @@ def test_inspection_leaves_no_holds_so_retired_renditions_are_collected_right_af
     before = _registrations(client)
     env = {**os.environ, "PERSIST_HOME": str(home)}
     meta = ctl.describe("c")["metadata_shard"]
-    for args in (["collections"], ["describe", "c"], ["inspect", meta], ["shards"]):
+    reads = [["collections"], ["describe", "c"], ["inspect", meta], ["shards"], ["snapshot", "c"]]
+    reads += [["snapshot", "c", "--as-of", "5"], ["tail", "c", "--from", "4", "--until", "7"]]
+    for args in reads + [[*a, "--json"] for a in reads]:  # tables (extra reads) and JSON
         out = subprocess.run(
             [sys.executable, "-m", "persist_lib.cli", *args], env=env, capture_output=True, text=True
         )

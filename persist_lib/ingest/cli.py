@@ -4,9 +4,9 @@
 - ``persist ingest postgres NAME DSN TABLE --key id:int64 --value ...``
 - ``persist ingest status NAME``
 
-A run prints its summary as JSON (progress goes to stderr as a bar with
-``--progress``, the default on a terminal). ``--follow`` keeps ingesting until
-interrupted (or ``--duration`` seconds).
+A run prints its summary (a text view; ``--json`` for the JSON document; progress goes
+to stderr as a bar with ``--progress``, the default on a terminal). ``--follow`` keeps
+ingesting until interrupted (or ``--duration`` seconds).
 """
 
 from __future__ import annotations
@@ -129,11 +129,18 @@ def _run(client: PersistClient, ns: argparse.Namespace, source: Any, envelope: s
             ctl.close()
 
 
+def _human(client: PersistClient, ns: argparse.Namespace, doc: Any) -> str:
+    from persist_lib.cli_human import ingest_run_text, ingest_status_text
+
+    return ingest_status_text(doc) if ns.ingest_cmd == "status" else ingest_run_text(doc)
+
+
 @command(
     "ingest",
     "ingest sources (file landing zones, Postgres CDC) with reclocking",
     _args,
     creates_location=lambda ns: ns.ingest_cmd != "status",
+    human=_human,
 )
 def _ingest(client: PersistClient, ns: argparse.Namespace) -> Any:
     if ns.ingest_cmd == "files":

@@ -23,7 +23,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from persist_lib.errors import Determinate, ExternalError, Indeterminate, InvalidUsage
 from persist_lib.location.base import (
@@ -132,32 +132,67 @@ def _exhausted(e: ExternalError, what: str, attempts: int, elapsed: float) -> Ex
 
 
 class RetryingBlob(Blob):
-    """A Blob whose operations are retried (both error kinds: blob ops are idempotent)."""
+    """A Blob whose operations are retried (both error kinds: blob ops are idempotent).
 
-    def __init__(self, inner: Blob, policy: RetryPolicy | None = None) -> None:
+    With ``metrics`` (a ``persist_lib.metrics.PersistMetrics``) every attempt is counted
+    as a request of the shard its key starts with, and the bytes moved once it succeeded."""
+
+    def __init__(self, inner: Blob, policy: RetryPolicy | None = None, metrics: Any = None) -> None:
         self.inner = inner
         self.policy = policy or RetryPolicy()
+        self.metrics = metrics
 
     def _r(self, fn: Callable[[], T], what: str) -> T:
         return retry_external(fn, what, self.policy, retry_indeterminate=True)
 
     def get(self, key: str) -> bytes | None:
-        return self._r(lambda: self.inner.get(key), f"blob get {key!r} from {self.describe()}")
+        m = self.metrics
+        if m is None:
+            return self._r(lambda: self.inner.get(key), f"blob get {key!r} from {self.describe()}")
+
+        def attempt() -> bytes | None:
+            m.on_get(key)
+            return self.inner.get(key)
+
+        data = self._r(attempt, f"blob get {key!r} from {self.describe()}")
+        if data is not None:
+            m.blob_read(key, len(data))
+        return data
 
     def set(self, key: str, value: bytes) -> None:
-        self._r(lambda: self.inner.set(key, value), f"blob set {key!r} in {self.describe()}")
+        m = self.metrics
+        if m is None:
+            self._r(lambda: self.inner.set(key, value), f"blob set {key!r} in {self.describe()}")
+            return
+
+        def attempt() -> None:
+            m.on_put(key, len(value))
+            self.inner.set(key, value)
+
+        self._r(attempt, f"blob set {key!r} in {self.describe()}")
+        m.blob_written(key, len(value))
 
     def delete(self, key: str) -> int | None:
-        return self._r(
-            lambda: self.inner.delete(key), f"blob delete {key!r} from {self.describe()}"
-        )
+        m = self.metrics
+
+        def attempt() -> int | None:
+            if m is not None:
+                m.on_delete(key)
+            return self.inner.delete(key)
+
+        return self._r(attempt, f"blob delete {key!r} from {self.describe()}")
 
     def list_keys_and_metadata(self, prefix: str) -> Iterator[BlobMetadata]:
+        m = self.metrics
+
+        def attempt() -> list[BlobMetadata]:
+            got = list(self.inner.list_keys_and_metadata(prefix))
+            if m is not None:
+                m.on_list(prefix, len(got))
+            return got
+
         # Materialized so a failure half-way is retried as a whole, not mid-iteration.
-        items = self._r(
-            lambda: list(self.inner.list_keys_and_metadata(prefix)),
-            f"blob list {prefix!r} in {self.describe()}",
-        )
+        items = self._r(attempt, f"blob list {prefix!r} in {self.describe()}")
         yield from items
 
     def close(self) -> None:

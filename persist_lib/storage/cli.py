@@ -20,7 +20,21 @@ def _ctl(client: PersistClient) -> Any:
     return StorageController(client, read_only=True)
 
 
-@command("collections", "list the STORAGE collections")
+def _human_collections(client: PersistClient, ns: argparse.Namespace, doc: Any) -> str:
+    from persist_lib.cli_human import collections_table
+
+    with _ctl(client) as ctl:
+        descs = {c["name"]: ctl.describe(c["name"]) for c in doc}
+    return collections_table(doc, descs)
+
+
+def _human_describe(client: PersistClient, ns: argparse.Namespace, doc: Any) -> str:
+    from persist_lib.cli_human import describe_text
+
+    return describe_text(doc)
+
+
+@command("collections", "list the STORAGE collections", human=_human_collections)
 def _collections(client: PersistClient, ns: argparse.Namespace) -> Any:
     with _ctl(client) as ctl:
         return [
@@ -34,7 +48,12 @@ def _name_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="collection name")
 
 
-@command("describe", "describe a STORAGE collection: renditions, shards, frontiers, handovers", _name_arg)
+@command(
+    "describe",
+    "describe a STORAGE collection: renditions, shards, frontiers, handovers",
+    _name_arg,
+    human=_human_describe,
+)
 def _describe(client: PersistClient, ns: argparse.Namespace) -> Any:
     with _ctl(client) as ctl:
         return ctl.describe(ns.name)

@@ -144,6 +144,105 @@ class CollectionReader:
         stream: BatchStream = self._guard(go)
         return stream
 
+    @property
+    def upper(self) -> Antichain:
+        """The collection's upper: every time before it is readable (the metadata is
+        decided there, and the rendition active at each such time has its data there).
+        Read from consensus now (not cached)."""
+
+        def go() -> Antichain:
+            hi = self._meta._machine.fetch_latest().upper
+            while hi.time is not None and hi.time > 0:
+                t = hi.time - 1
+                if not self._meta.since.less_equal(t):
+                    return hi  # nothing readable below the since anyway
+                ru = self._rendition_upper(self._active_at(t, 0.0))
+                if ru > Antichain([t]):
+                    # readable at t: so at every time before it too (a handover needs
+                    # the old rendition complete before it and the new one readable at it)
+                    return hi
+                hi = ru
+            return hi
+
+        return self._guard(go)
+
+    def updates_between_batches(
+        self, lower: int, upper: int, *, memory_budget: int | None = None, timeout_s: float | None = None
+    ) -> BatchStream:
+        """Every update of the collection at times in ``[lower, upper)`` (times not
+        forwarded), as a stream of record batches: what a listen from ``lower - 1`` emits
+        up to ``upper``. Between handovers, the active rendition's updates, streamed shard
+        by shard (``ReadHandle.updates_between_batches``: each record batch sorted by
+        time, not the stream as a whole); at a handover at ``h`` in the range, the change
+        from the old rendition to the new one (``-old@(h-1) + new@h``, consolidated, at
+        time ``h``), which is built in memory (it is as large as the collection).
+
+        ``lower`` must be beyond this reader's since (or both 0), as for a shard.
+        Arguments are checked and the uppers waited for before this returns; the stream
+        holds seqno holds on the shards it reads until it is exhausted, closed or
+        collected."""
+        lower = check_time(lower, "lower")
+        upper = check_time(upper, "upper")
+        if upper < lower:
+            raise InvalidUsage(f"collection {self.name}: range [{lower}, {upper}) is backwards")
+        schema = user_schema(self.schemas)
+
+        def go() -> BatchStream:
+            if upper == lower:
+                return BatchStream(iter(()), schema, lambda: None)
+            meta = self._meta.updates_between(lower, upper, timeout_s).to_pylist()
+            start = self._active_at(lower - 1 if lower > 0 else 0, timeout_s)
+            base = [{"rendition": start, "ts": max(lower - 1, 0), "diff": 1}]
+            handovers = [h for h in timeline_from_updates(base + meta) if lower <= h.at < upper]
+            # (rendition, lo, hi) segments read from shards; handovers between them.
+            segments: list[tuple[str, int, int]] = []
+            cur, t = start, lower
+            for h in handovers:
+                segments.append((cur, t, h.at))
+                cur, t = h.new, h.at + 1
+            segments.append((cur, t, upper))
+            streams: list[list[BatchStream]] = []
+            try:
+                for rendition, lo, hi in segments:
+                    streams.append(
+                        [
+                            r.updates_between_batches(lo, hi, memory_budget=memory_budget, timeout_s=timeout_s)
+                            for r in self._readers_for(rendition)
+                        ]
+                        if hi > lo
+                        else []
+                    )
+            except BaseException:
+                for ss in streams:
+                    for st in ss:
+                        st.close()
+                raise
+
+            def chain() -> Iterator[pa.RecordBatch]:
+                for i, ss in enumerate(streams):
+                    for st in ss:
+                        with st:
+                            yield from st
+                    if i < len(handovers):
+                        h = handovers[i]
+                        old = (
+                            self._rendition_snapshot(segments[i][0], h.at - 1, timeout_s)
+                            if h.at > 0
+                            else to_user_table(empty_updates(self.schemas), self.schemas)
+                        )
+                        new = self._rendition_snapshot(h.new, h.at, timeout_s)
+                        yield from _combine(old, new, h.at, self.schemas).to_batches()
+
+            def release() -> None:
+                for ss in streams:
+                    for st in ss:
+                        st.close()
+
+            return BatchStream(self._guard_iter(chain()), schema, release)
+
+        stream: BatchStream = self._guard(go)
+        return stream
+
     def active_rendition(self, as_of: int, timeout_s: float | None = None) -> str:
         return self._guard(lambda: self._active_at(check_time(as_of, "as_of"), timeout_s))
 

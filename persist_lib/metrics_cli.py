@@ -1,0 +1,161 @@
+"""``persist metrics``: persist's metrics per shard (``persist_lib.metrics``).
+
+Without ``--url`` it reads every shard's state from the location and prints the state
+gauges (frontiers, batches, bytes, compaction debt, readers, writers); counters
+(commits, CAS retries, blob requests and their cost, bytes and parts moved, lease
+expiries) belong to the process that did the work, so ``--url`` reads them from a
+process serving its metrics (``PERSIST_METRICS_PORT``). Read-only: it registers nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.request
+from typing import Any
+
+from persist_lib import metrics
+from persist_lib.cli import command
+from persist_lib.client import PersistClient
+from persist_lib.errors import InvalidUsage
+
+EPILOG = """\
+Counters are per process: a process serves its own at http://127.0.0.1:PORT/metrics
+when PERSIST_METRICS_PORT=PORT is set (PERSIST_METRICS_ADDR picks the address; a
+Dagster run worker, an ingestion, a notebook). Blob requests are counted as S3 bills
+them and priced at AWS S3 Standard list prices: PUT/LIST $0.005 per 1,000 requests,
+GET $0.0004 per 1,000, DELETE free.
+
+Examples:
+  persist metrics                                   shard states of the location
+  persist metrics --url 127.0.0.1:9464              a running process's metrics, per shard
+  persist metrics --url 127.0.0.1:9464 --prometheus the raw Prometheus text
+"""
+
+STATE = ["upper", "since", "batches", "bytes", "debt", "readers", "writers"]
+ACTIVITY = [
+    "commits", "cas_retries", "put", "get", "list", "delete", "cost_usd",
+    "bytes_written", "bytes_read", "parts_written", "parts_read", "lease_expiries", "listen_lag",
+]
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG
+    p.add_argument(
+        "--url",
+        default=None,
+        help="read the metrics a process serves (HOST:PORT or a URL; default: the shard "
+        "states of the location, no counters)",
+    )
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json", action="store_true", help="print {shard: {metric: value}} as JSON")
+    g.add_argument("--prometheus", action="store_true", help="print the Prometheus text format")
+
+
+def _url(u: str) -> str:
+    if "://" not in u:
+        u = "http://" + u
+    scheme, _, rest = u.partition("://")
+    if "/" not in rest:
+        u += "/metrics"
+    if scheme not in ("http", "https"):
+        raise InvalidUsage(f"--url {u!r}: only http(s) URLs can be scraped")
+    return u
+
+
+def _scrape(url: str, timeout_s: float) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - http(s) only
+            return bytes(resp.read()).decode("utf-8")
+    except OSError as e:
+        raise InvalidUsage(
+            f"could not read metrics from {url}: {e} (is a process serving them there? set "
+            "PERSIST_METRICS_PORT in it)"
+        ) from None
+
+
+def _roles(client: PersistClient) -> dict[str, str]:
+    """What each shard is: ``orders/r1 [2/8]``, ``orders (metadata)``."""
+    from persist_lib.storage import StorageController
+
+    out: dict[str, str] = {}
+    with StorageController(client, read_only=True) as ctl:
+        out[str(ctl.catalog.shard)] = "(catalog)"
+        for name in ctl.list_collections():
+            d = ctl.describe(name)
+            out[d["metadata_shard"]] = f"{name} (metadata)"
+            for r, info in d["renditions"].items():
+                n = len(info["shards"])
+                for i, s in enumerate(info["shards"]):
+                    out[s] = f"{name}/{r} [{i + 1}/{n}]"
+    return out
+
+
+@command(
+    "metrics",
+    "print persist's metrics per shard: state gauges, or a process's counters (--url)",
+    _args,
+)
+def _cmd_metrics(client: PersistClient, ns: argparse.Namespace) -> Any:
+    try:
+        if ns.url or ns.prometheus:
+            import prometheus_client  # noqa: F401
+    except ModuleNotFoundError:
+        raise InvalidUsage(
+            "--url / --prometheus need prometheus-client: pip install 'persist-platform[metrics]'"
+        ) from None
+    if ns.url:
+        url = _url(ns.url)
+        text = _scrape(url, ns.timeout)
+        if ns.prometheus:
+            sys.stdout.write(text)
+            return None
+        values = metrics.parse_exposition(text)
+        columns = STATE + ACTIVITY
+    else:
+        machines = [client.machine(s) for s in client.list_shards()]  # kept: the cache is weak
+        for m in machines:
+            m.fetch_latest()
+        if ns.prometheus:
+            sys.stdout.write(metrics.exposition())
+            return None
+        values = metrics.state_samples()
+        columns = STATE
+    rows = metrics.by_shard(values)
+    roles = _roles(client)
+    if ns.json:
+        doc = {
+            sid: {"role": roles.get(sid, ""), **{c: _num(row.get(c, 0.0), c) for c in columns}}
+            for sid, row in sorted(rows.items())
+        }
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return None
+    from persist_lib.sql_cli import print_table
+
+    order = sorted(rows, key=lambda s: (roles.get(s, "~"), s))
+    state = [(s, roles.get(s, ""), *(_num(rows[s].get(c, 0.0), c) for c in STATE)) for s in order]
+    print_table(["shard", "role", *STATE], state, len(state))
+    if ns.url:
+        active = [s for s in order if any(rows[s].get(c) for c in ACTIVITY)]
+        act = [(s, roles.get(s, ""), *(_fmt(rows[s].get(c, 0.0), c) for c in ACTIVITY)) for s in active]
+        tot = {c: sum(rows[s].get(c, 0.0) for s in active) for c in ACTIVITY if c != "listen_lag"}
+        act.append(("total", "", *(_fmt(tot.get(c, 0.0), c) if c in tot else "" for c in ACTIVITY)))
+        print()
+        print_table(["shard", "role", *ACTIVITY], act, None)
+    else:
+        print(
+            "(counters - commits, blob requests and their cost - are per process: "
+            "`persist metrics --url HOST:PORT` reads a process serving them, see --help)"
+        )
+    return None
+
+
+def _num(v: float, col: str) -> float | int:
+    return v if col == "cost_usd" else int(v)
+
+
+def _fmt(v: float, col: str) -> str | int:
+    return f"${v:.6f}" if col == "cost_usd" else int(v)
