@@ -54,17 +54,26 @@ def _rows(client: Any, schemas: Schemas, shard: str, batch: Any) -> pa.Table:
     return pa.concat_tables([fetch_part(client.blob, p, schemas, shard) for p in batch.parts])
 
 
-def test_spark_merge_equals_in_process_merge_row_for_row(spark: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("unsorted_min_bytes", [None, 0], ids=["sorted-parts", "unsorted-parts"])
+def test_spark_merge_equals_in_process_merge_row_for_row(
+    spark: Any, tmp_path: Path, unsorted_min_bytes: int | None
+) -> None:
+    """Also over parts a bulk write stored unsorted (issue 14): each task groups such a
+    part's rows by bucket, and the result is still the in-process merge, row for row."""
     from persist_lib.spark import apply_merge, spark_merge
     from persist_lib.spark.compact import SparkMergeOutput
 
-    client = open_client(file_location(tmp_path), blob_target_size=64 << 10)
+    client = open_client(
+        file_location(tmp_path), blob_target_size=64 << 10, unsorted_min_bytes=unsorted_min_bytes
+    )
     shard = "s00000000-0000-4000-8000-0000000000c1"
     w, r = client.open(shard, KEY, VAL)
     _fill(w, 8, 6000, seed=1)
     r.downgrade_since(10)  # times below 10 are forwarded by the merge
     m = client.machine(shard)
     s = m.fetch_latest()
+    stored_sorted = {p.sorted for b in s.batches.values() for p in b.parts}
+    assert stored_sorted == ({True} if unsorted_min_bytes is None else {False})
     schemas = Schemas.from_json(s.schemas)
     req = _whole_merge(s)
     before = {t: table_counter(r.snapshot(t)) for t in (10, 15)}

@@ -197,7 +197,12 @@ def _shuffle_task(
         if t.num_rows == 0:
             continue
         b = _bucket_of(t, splitters, cols)
-        # The part is sorted and so is the bucket function: buckets are contiguous runs.
+        # A sorted part and a monotone bucket function: buckets are contiguous runs. A part
+        # a bulk write stored unsorted is grouped by bucket first (a stable sort of small
+        # integers), else every change of bucket between rows would be its own slice.
+        if pj.get("unsorted", False) and len(b) > 1 and bool((b[1:] < b[:-1]).any()):
+            order = np.argsort(b, kind="stable")
+            t, b = t.take(pa.array(order)), b[order]
         edges = np.flatnonzero(np.diff(b)) + 1
         starts = np.concatenate(([0], edges))
         ends = np.concatenate((edges, [t.num_rows]))
