@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Ctx, tmp_root
+from bench.repeat import combine, unstable
 from bench.report import render
 
 # (name, module) in run order; ``--only`` takes names or module names.
@@ -32,6 +33,8 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("compaction", "bench.compaction_vs_delta"),
     ("open", "bench.open_vs_delta"),
     ("time_travel", "bench.time_travel"),
+    ("snapshot_read", "bench.snapshot_read"),
+    ("write_amplification", "bench.write_amplification"),
     ("consensus_cas", "bench.consensus_cas"),
     ("s3_pg_latency", "bench.s3_pg_latency"),
     ("listen_latency", "bench.listen_latency"),
@@ -86,6 +89,15 @@ def _loadavg() -> str:
         return "?"
 
 
+def _run_one(modname: str, ctx: Ctx) -> dict[str, Any]:
+    try:
+        res: dict[str, Any] = importlib.import_module(modname).run(ctx)
+    except Exception as e:  # noqa: BLE001 - one failing benchmark must not sink the run
+        traceback.print_exc()
+        res = {"error": f"{type(e).__name__}: {e}", "rows": []}
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     g = ap.add_mutually_exclusive_group()
@@ -102,6 +114,21 @@ def main(argv: list[str] | None = None) -> int:
         help="pyinstrument the persist side of each benchmark into DIR",
     )
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    ap.add_argument(
+        "--runs", type=int, default=2, help="runs of each benchmark at least (default 2)"
+    )
+    ap.add_argument(
+        "--max-runs",
+        type=int,
+        default=4,
+        help="runs at most, while an anchor varies by more than --tolerance (default 4)",
+    )
+    ap.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.2,
+        help="an anchor spread (max/min - 1) above this repeats the benchmark (default 0.2)",
+    )
     a = ap.parse_args(argv)
     mode = a.mode or "quick"
     selected = _select(a.only)
@@ -110,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Ctx(mode=mode, root=root, profile_dir=a.profile)
     meta: dict[str, Any] = {
         "mode": mode,
+        "runs": f"{a.runs}..{a.max_runs} (repeated while an anchor varies by more than {a.tolerance:.0%})",
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -123,13 +151,19 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     try:
         for name, modname in selected:
-            print(f"[bench] {name} ...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            try:
-                res = importlib.import_module(modname).run(ctx)
-            except Exception as e:  # noqa: BLE001 - one failing benchmark must not sink the run
-                traceback.print_exc()
-                res = {"error": f"{type(e).__name__}: {e}", "rows": []}
+            runs: list[dict[str, Any]] = []
+            while True:
+                print(f"[bench] {name} run {len(runs) + 1} ...", file=sys.stderr, flush=True)
+                runs.append(_run_one(modname, ctx))
+                if "error" in runs[-1] or len(runs) >= a.max_runs:
+                    break
+                if len(runs) >= a.runs:
+                    noisy = unstable(runs, a.tolerance)
+                    if not noisy:
+                        break
+                    print(f"[bench] {name}: anchors varied: {'; '.join(noisy)}", file=sys.stderr)
+            res = combine(runs, a.tolerance)
             res["seconds"] = round(time.perf_counter() - t0, 1)
             results["benchmarks"][name] = res
             print(f"[bench] {name} done in {res['seconds']} s", file=sys.stderr, flush=True)

@@ -121,7 +121,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "MB/s",
             "delta-rs write_deltalake",
             dl["arrow_MB_per_s"],
-            goal_ratio=(">=", 1.0),
+            goal_ratio=(">=", 1.2),
         ),
         row(
             NAME,
@@ -130,7 +130,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "MB/s",
             "raw pq.write_table zstd",
             raw["arrow_MB_per_s"],
-            goal_ratio=(">=", 0.8),
+            goal_ratio=(">=", 0.9),
         ),
         row(
             NAME,

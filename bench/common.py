@@ -174,7 +174,17 @@ def row(
         op, th = goal_value
         goal = f"{op} {th:g} {unit}"
         met = None if persist is None else _cmp(persist, op, th)
-    return Row(bench, metric, persist, unit, anchor_name, anchor, r, goal, met, note).to_json()
+    out = Row(bench, metric, persist, unit, anchor_name, anchor, r, goal, met, note).to_json()
+    out["load"] = load_1min()
+    return out
+
+
+def load_1min() -> float | None:
+    """The machine's 1-minute load average now (printed beside each figure)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _cmp(x: float, op: str, th: float) -> bool:

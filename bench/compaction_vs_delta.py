@@ -106,7 +106,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "rows/s",
             "delta-rs optimize.compact()",
             dl["rows_per_s"],
-            goal_ratio=(">=", 1.0),
+            goal_ratio=(">=", 1.2),
         ),
     ]
     return {"rows": rows, "detail": det}

@@ -38,10 +38,30 @@ def _met(m: bool | None) -> str:
     return "met" if m else "**NOT met**"
 
 
+def _runs(r: dict[str, Any]) -> str:
+    n = r.get("runs")
+    if n is None:
+        return ""
+    sp = r.get("anchor_spread")
+    if sp is None:
+        return str(n)
+    flag = "" if r.get("anchor_stable", True) else ", **unstable**"
+    return f"{n} ({100 * sp:.0f}%{flag})"
+
+
+def _load(x: Any) -> str:
+    if x is None:
+        return ""
+    if isinstance(x, list):
+        return " / ".join(f"{v:.1f}" for v in x)
+    return f"{x:.1f}"
+
+
 def render_rows(rows: list[dict[str, Any]]) -> str:
     out = [
-        "| benchmark | metric | persist | anchor | anchor value | ratio persist/anchor | goal | met? |",
-        "|---|---|---|---|---|---|---|---|",
+        "| benchmark | metric | persist | anchor | anchor value | ratio persist/anchor | goal | met? "
+        "| runs (anchor spread) | load avg 1 min |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         unit = r.get("unit", "")
@@ -51,7 +71,7 @@ def render_rows(rows: list[dict[str, Any]]) -> str:
         metric = r["metric"] + (f" ({r['note']})" if r.get("note") else "")
         out.append(
             f"| {r['bench']} | {metric} | {pv} | {r.get('anchor_name') or '—'} | {av} | {rr} | "
-            f"{r.get('goal') or ''} | {_met(r.get('met'))} |"
+            f"{r.get('goal') or ''} | {_met(r.get('met'))} | {_runs(r)} | {_load(r.get('load'))} |"
         )
     return "\n".join(out)
 
@@ -66,13 +86,16 @@ def render(results: dict[str, Any]) -> str:
         rows.extend(res.get("rows", []))
     goals = [r for r in rows if r.get("met") is not None]
     met = sum(1 for r in goals if r["met"])
+    shaky = sum(1 for r in goals if r["met"] and not r.get("anchor_stable", True))
     head = (
         f"Mode **{meta.get('mode', '?')}**, {meta.get('cpus', '?')} CPUs, load average "
         f"{meta.get('loadavg_start', '?')} at start / {meta.get('loadavg_end', '?')} at end, "
         f"{meta.get('seconds', '?')} s in total; deltalake {meta.get('deltalake', '?')}, pyiceberg "
         f"{meta.get('pyiceberg', '?')}, pyarrow {meta.get('pyarrow', '?')}, Python "
         f"{meta.get('python', '?')}; code at `{meta.get('git', '?')}`. "
-        f"Goals met: **{met} / {len(goals)}**."
+        f"Goals met: **{met} / {len(goals)}**"
+        + (f" ({shaky} of them with an anchor that stayed unstable over the runs)" if shaky else "")
+        + "."
     )
     parts = [head, "", render_rows(rows)]
     if errors:

@@ -191,7 +191,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "commits/s",
             "delta-rs reused handle",
             dh["ops_per_s"],
-            goal_ratio=(">=", 2.0),
+            goal_ratio=(">=", 3.0),
         ),
         row(
             NAME,
@@ -200,7 +200,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "ms",
             "delta-rs reused handle",
             dh["p95_ms"],
-            goal_ratio=("<=", 0.5),
+            goal_ratio=("<=", 0.4),
         ),
         row(NAME, "p50 commit latency", p["p50_ms"], "ms", "delta-rs reused handle", dh["p50_ms"]),
         row(
@@ -236,6 +236,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "commits/s",
             "raw durable floor",
             fl["ops_per_s"],
+            goal_ratio=(">=", 0.3),
         ),
     ]
     if "ops_per_s" in ice:

@@ -118,6 +118,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "ms",
             f"delta-rs version={AS_OF + 1} ({delta_rows:,} rows)",
             det["delta"]["ms"],
+            goal_ratio=("<=", 1.0),
             note=note,
         ),
         row(
