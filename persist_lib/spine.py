@@ -51,8 +51,9 @@ class CompactionRequest:
     ``inputs`` are the batches as the planner saw them: the result is applied only if
     the state still holds exactly these (ids and descriptions). ``since`` is the shard
     since to forward times to. ``kind`` is ``"merge"`` (level rule), ``"logical"`` (a
-    rewrite to fold history below the since) or ``"empty"`` (absorb empty batches:
-    no data rewritten).
+    rewrite to fold history below the since), ``"sort"`` (a batch holding unsorted
+    parts, rewritten as one sorted run) or ``"empty"`` (absorb empty batches: no data
+    rewritten).
     """
 
     batch_ids: tuple[int, ...]
@@ -198,6 +199,12 @@ def compaction_requests(
     for i, (_, b) in enumerate(trace):
         if i not in used and _needs_logical(b, since):
             out.append(_request(trace, i, i, since, "logical"))
+            used.add(i)
+    # 4. Batches holding parts a bulk write stored unsorted: sort them (one sorted run),
+    # off the writer's path, so that reads don't sort them again and again.
+    for i, (_, b) in enumerate(trace):
+        if i not in used and any(not p.sorted for p in b.parts):
+            out.append(_request(trace, i, i, since, "sort"))
             used.add(i)
     out.sort(key=lambda r: r.lower.time or 0)
     return out

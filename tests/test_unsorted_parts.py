@@ -88,3 +88,26 @@ def test_small_parts_stay_sorted_and_the_flag_round_trips() -> None:
     p = PartMeta(key="s/w/p1", size=1, count=1, sha256="x", tmin=0, tmax=0, sorted=False)
     assert PartMeta.from_json(p.to_json()) == p
     assert "unsorted" not in PartMeta.from_json({**p.to_json(), "unsorted": False}).to_json()
+
+
+def test_a_lone_bulk_batch_is_sorted_by_compaction_so_reads_stop_sorting_it() -> None:
+    """One bulk write and nothing after it: no level rule would ever merge the batch, so
+    the spine asks for a "sort" rewrite of it; afterwards every part is sorted and the
+    contents are unchanged (consolidated at once)."""
+    from persist_lib.spine import compaction_requests
+
+    rng = random.Random(11)
+    c = client()
+    shard = ShardId.new()
+    w, r = c.open(shard, KEY, VAL)
+    ups = rows(rng, 0, 3, 6000)
+    w.compare_and_append(ups, 0, 3)
+    s = c.machine(shard).fetch_latest()
+    assert len(s.batches) == 1 and any(not p.sorted for b in s.batches.values() for p in b.parts)
+    assert [q.kind for q in compaction_requests(s)] == ["sort"]
+    res = c.compact(shard)
+    assert res["merges_applied"] == 1
+    s = c.machine(shard).fetch_latest()
+    assert all(p.sorted for b in s.batches.values() for p in b.parts)
+    assert compaction_requests(s) == []
+    assert contents(r.snapshot(2)) == model(ups, 2)
