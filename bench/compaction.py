@@ -266,6 +266,10 @@ CHILD = textwrap.dedent(
     """
     import json, sys, time, threading
     import psutil
+    import os
+    if os.environ.get("PERSIST_BENCH_ENTRY_POINT"):  # what the persist CLI and Dagster do
+        from persist_lib.allocator import configure_bounded_allocator
+        assert configure_bounded_allocator()
     import pyarrow as pa
     from persist_lib import PersistClient, PersistConfig, ShardId
     from persist_lib import maintenance as mn
@@ -356,6 +360,8 @@ ALLOCATORS = {
     # Arrow on malloc and at most 2 glibc arenas: freed memory goes back to the OS
     # sooner (mimalloc/jemalloc and per-thread arenas keep freed pages in RSS).
     "system_malloc_2_arenas": {"ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_ARENA_MAX": "2"},
+    # What persist's own processes do at start (persist_lib/allocator.py).
+    "persist_entry_point": {"PERSIST_BENCH_ENTRY_POINT": "1"},
 }
 
 

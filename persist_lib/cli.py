@@ -24,11 +24,16 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from persist_lib.client import PersistClient, default_uris
-from persist_lib.config import PersistConfig
-from persist_lib.errors import InvalidUsage, LocationNotFound, PersistError
-from persist_lib.location.uri import redact
-from persist_lib.location_check import require_existing_location
+from persist_lib.allocator import configure_bounded_allocator
+
+# Before anything imports pyarrow: memory budgets hold in RSS too (persist_lib/allocator.py).
+configure_bounded_allocator()
+
+from persist_lib.client import PersistClient, default_uris  # noqa: E402
+from persist_lib.config import PersistConfig  # noqa: E402
+from persist_lib.errors import InvalidUsage, LocationNotFound, PersistError  # noqa: E402
+from persist_lib.location.uri import redact  # noqa: E402
+from persist_lib.location_check import require_existing_location  # noqa: E402
 
 Command = Callable[[PersistClient, argparse.Namespace], Any]
 #: Renders a command's JSON document for people: ``(client, ns, doc) -> text``.
