@@ -507,6 +507,11 @@ class BackgroundCompactor:
             if summary.errors:
                 log.warning("shard %s: background GC had errors: %s", m.shard_id, summary.errors[:5])
         except Exception as e:
+            if isinstance(e, RuntimeError) and (self._closed or "shutdown" in str(e) or "interpreter" in str(e)):
+                # The interpreter is exiting (its thread pools refuse work): GC is
+                # abandoned, nothing was half done that a later GC won't finish.
+                log.info("shard %s: background GC abandoned: %s", m.shard_id, e)
+                return
             with self._lock:
                 self.gc_failed += 1
                 f = self._gc_failures.setdefault(m.shard_id, _Failure())
