@@ -210,6 +210,9 @@ class Ingestion:
         attach = getattr(self.source, "attach", None)
         if callable(attach):
             attach(self.client, self.name, self.spec)
+        bind_envelope = getattr(self.source, "bind_envelope", None)
+        if callable(bind_envelope):  # a source whose decoding depends on it (Kafka tombstones)
+            bind_envelope(self.envelope.kind)
         self.source.check()
         self.source.prepare()
         for role in self.roles():

@@ -1,0 +1,869 @@
+"""Kafka source: one source partition per Kafka partition, address = ``(offset,)``.
+
+Why it is definite: a Kafka partition is an ordered, replayable log, so the messages in
+``[F(b-1), F(b))`` of every partition are the same for every instance that replays a
+binding (as long as the broker still serves them; if not, a typed
+``KafkaOffsetOutOfRange`` names topic, partition and offset instead of skipping).
+Partitions that appear while running are assigned at offset 0 and bound like the rest.
+
+The consumer uses manual assignment (no group rebalancing: every instance reads every
+partition) and never commits on its own. ``release`` -- called by the driver only
+after every output is durable up to a binding -- commits exactly that binding's
+frontier as the consumer group's offsets, so the group offsets (what monitoring and
+retention tooling look at) never run ahead of what is durable.
+
+Decoding (row-wise, so any chunking decodes identically): key and value are ``json``
+(an object's fields; a scalar JSON key fills a single key field), ``text`` (UTF-8) or
+``bytes`` into one field; ``include`` adds message metadata (partition, offset,
+timestamp, headers, topic) as columns. With the upsert envelope a null value (a
+tombstone) deletes its key.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist_lib.ingest.decode import (
+    DecodeSpec,
+    Decoded,
+    ErrorRecord,
+    cast_rowwise,
+    decode_json_lines,
+    merge_good_and_bad,
+    raw_table,
+)
+from persist_lib.ingest.errors import (
+    IngestConfigError,
+    KafkaOffsetOutOfRange,
+    KafkaTopicGone,
+    SourceTimeout,
+    SourceUnavailable,
+)
+from persist_lib.ingest.source import Address, Chunk, Frontier, Lag, Note
+from persist_lib.location.redaction import SensitiveUrl, redacted_dataclass_repr
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.client import PersistClient
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("json", "text", "bytes", "none")
+METADATA = ("partition", "offset", "timestamp", "headers", "topic")
+_TOMBSTONE = "__kafka_tombstone"
+
+
+def _parse_include(include: Mapping[str, str] | Sequence[str] | str | None) -> dict[str, str]:
+    """``include`` -> {column name: metadata kind}."""
+    if include is None:
+        return {}
+    if isinstance(include, str):
+        items: list[tuple[str, str]] = []
+        for part in [p.strip() for p in include.split(",") if p.strip()]:
+            kind, _, col = part.partition("=")
+            items.append((kind.strip(), col.strip() or f"kafka_{kind.strip()}"))
+    elif isinstance(include, Mapping):
+        items = [(str(k), str(v)) for k, v in include.items()]
+    else:
+        items = [(str(k), f"kafka_{k}") for k in include]
+    out: dict[str, str] = {}
+    for kind, col in items:
+        if kind not in METADATA:
+            raise IngestConfigError(
+                f"unknown Kafka metadata {kind!r} in include: use any of {', '.join(METADATA)} "
+                "(optionally KIND=COLUMN, e.g. 'timestamp=ts')"
+            )
+        out[col] = kind
+    return out
+
+
+def _bootstrap_of(url: str) -> tuple[str, dict[str, str]]:
+    """``kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT]?security_protocol=...`` or a
+    plain ``HOST:PORT,...`` list -> (bootstrap.servers, extra librdkafka settings)."""
+    if "://" not in url:
+        return url, {}
+    parts = urlsplit(url)
+    if parts.scheme != "kafka":
+        raise IngestConfigError(
+            f"Kafka bootstrap URL {SensitiveUrl(url)}: use kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT]"
+            "[?security_protocol=SASL_SSL&sasl_mechanism=PLAIN] or a plain HOST:PORT list"
+        )
+    netloc = parts.netloc
+    conf: dict[str, str] = {}
+    if "@" in netloc:
+        userinfo, _, netloc = netloc.rpartition("@")
+        user, _, pw = userinfo.partition(":")
+        conf["sasl.username"] = unquote(user)
+        conf["sasl.password"] = unquote(pw)
+        conf.setdefault("security.protocol", "SASL_SSL")
+        conf.setdefault("sasl.mechanism", "PLAIN")
+    for k, v in parse_qsl(parts.query, keep_blank_values=True):
+        conf[k.replace("_", ".")] = v
+    if not netloc:
+        raise IngestConfigError(f"Kafka bootstrap URL {SensitiveUrl(url)} names no HOST:PORT")
+    return netloc, conf
+
+
+class _Msgs:
+    """Messages of one partition as parallel lists (cheap to build from the consumer)."""
+
+    __slots__ = ("offs", "keys", "vals", "ts", "hdrs")
+
+    def __init__(self) -> None:
+        self.offs: list[int] = []
+        self.keys: list[bytes | None] = []
+        self.vals: list[bytes | None] = []
+        self.ts: list[int | None] = []
+        self.hdrs: list[Any] = []
+
+    def __len__(self) -> int:
+        return len(self.offs)
+
+    def slice(self, i: int, j: int) -> _Msgs:
+        m = _Msgs()
+        m.offs = self.offs[i:j]
+        m.keys = self.keys[i:j]
+        m.vals = self.vals[i:j]
+        m.ts = self.ts[i:j]
+        m.hdrs = self.hdrs[i:j]
+        return m
+
+
+class KafkaChunk(Chunk):
+    """Messages of one Kafka partition with offsets in ``[start, end)``."""
+
+    def __init__(self, src: KafkaSource, partition: str, start: int, end: int, msgs: _Msgs) -> None:
+        self.src = src
+        self.partition = partition
+        self.start = (start,)
+        self.end = (end,)
+        self.msgs = msgs
+        self.num_records = len(msgs)
+        self.nbytes = sum(len(v) for v in msgs.vals if v is not None) + sum(len(k) for k in msgs.keys if k is not None)
+        self.notes: tuple[Note, ...] = ()
+
+    def split(self, at: Address) -> tuple[Chunk | None, Chunk | None]:
+        a = int(at[0])
+        s, e = int(self.start[0]), int(self.end[0])
+        if a >= e:
+            return self, None
+        if a <= s:
+            return None, self
+        i = bisect.bisect_left(self.msgs.offs, a)
+        p = self.partition
+        return (
+            KafkaChunk(self.src, p, s, a, self.msgs.slice(0, i)),
+            KafkaChunk(self.src, p, a, e, self.msgs.slice(i, len(self.msgs))),
+        )
+
+    def take(self, n: int) -> tuple[Chunk, Chunk | None]:
+        if n >= self.num_records:
+            return self, None
+        cut = self.msgs.offs[max(n, 1) - 1] + 1
+        head, tail = self.split((cut,))
+        assert head is not None
+        return head, tail
+
+    def decode(self, spec: DecodeSpec) -> Decoded:
+        return self.src.decode_messages(self.partition, self.msgs, spec)
+
+    def __repr__(self) -> str:
+        return f"KafkaChunk({self.src.topic!r}/{self.partition}, [{self.start[0]}, {self.end[0]}), {self.num_records} msgs)"
+
+
+@dataclass
+class KafkaSource:
+    """A Kafka topic (see the module docstring).
+
+    ``bootstrap``: ``HOST:PORT[,HOST:PORT]`` or ``kafka://USER:PASSWORD@HOST:PORT?...``
+    (SASL; query parameters are librdkafka settings with ``_`` for ``.``, e.g.
+    ``security_protocol=SASL_SSL&sasl_mechanism=SCRAM-SHA-512``; never shown in reprs,
+    logs or errors). ``key_format``/``value_format``: ``json``, ``text``, ``bytes`` or
+    ``none`` (key only). ``key_field``/``value_field``: the field a text/bytes key or
+    value goes to (default: the only candidate). ``include``: metadata columns, e.g.
+    ``"partition,offset,timestamp=ts,headers"`` (default column ``kafka_KIND``).
+    ``group_id`` (default ``persist_NAME``): the consumer group whose offsets are
+    committed at the durable frontier. ``timeout_s``: how long an unreachable broker is
+    retried (with backoff) before ``SourceTimeout``.
+    """
+
+    bootstrap: str
+    topic: str
+    key_format: str = "none"
+    value_format: str = "json"
+    key_field: str | None = None
+    value_field: str | None = None
+    include: Mapping[str, str] | Sequence[str] | str | None = None
+    group_id: str | None = None
+    commit_offsets: bool = True
+    timeout_s: float = 30.0
+    poll_s: float = 0.2
+    metadata_interval_s: float = 5.0
+    config: Mapping[str, str] | None = None
+    kind: str = "kafka"
+    _servers: str = field(default="", init=False, repr=False)
+    _conf: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    _meta: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    _spec: DecodeSpec | None = field(default=None, init=False, repr=False)
+    _envelope: str = field(default="append_only", init=False, repr=False)
+    _committer: Any = field(default=None, init=False, repr=False)
+    _committed: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _name: str = field(default="", init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.topic, str) or not self.topic:
+            raise IngestConfigError("KafkaSource needs a topic name")
+        for what, v in (("key_format", self.key_format), ("value_format", self.value_format)):
+            if v not in FORMATS or (what == "value_format" and v == "none"):
+                allowed = FORMATS if what == "key_format" else FORMATS[:3]
+                raise IngestConfigError(f"Kafka {what} {v!r} is not supported: use one of {', '.join(allowed)}")
+        url = SensitiveUrl(self.bootstrap)
+        if "://" in self.bootstrap and url.problem:
+            raise IngestConfigError(f"the Kafka bootstrap URL {url} is ambiguous: {url.problem}")
+        self._servers, self._conf = _bootstrap_of(self.bootstrap)
+        self._meta = _parse_include(self.include)
+
+    def __repr__(self) -> str:  # the bootstrap URL may hold a SASL password
+        return redacted_dataclass_repr(self)
+
+    # ----- identity and configuration -----------------------------------------------
+
+    def attach(self, client: PersistClient, name: str, spec: DecodeSpec | None = None) -> None:
+        self._name = name
+        self._spec = spec
+        if self.group_id is None:
+            self.group_id = f"persist_{name}"
+
+    def bind_envelope(self, kind: str) -> None:
+        self._envelope = kind
+        if kind == "upsert" and self.key_format == "none":
+            raise IngestConfigError(
+                f"Kafka topic {self.topic!r}: the upsert envelope needs the message key "
+                "(a tombstone carries only the key): pass key_format='json', 'text' or 'bytes'"
+            )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "bootstrap": SensitiveUrl(self.bootstrap).redacted if "://" in self.bootstrap else self.bootstrap,
+            "topic": self.topic,
+            "key_format": self.key_format,
+            "value_format": self.value_format,
+            "include": dict(self._meta),
+            "group_id": self.group_id,
+        }
+
+    def _where(self) -> str:
+        return f"Kafka topic {self.topic!r} at {self.describe()['bootstrap']}"
+
+    def partitions(self) -> tuple[str, ...]:
+        return tuple(str(p) for p in range(self.partition_count()))
+
+    def initial_frontier(self) -> Frontier:
+        return {}  # every partition starts at offset 0, including ones added later
+
+    def _consumer_conf(self, **extra: Any) -> dict[str, Any]:
+        conf: dict[str, Any] = {
+            "bootstrap.servers": self._servers,
+            "group.id": self.group_id or "persist",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "error",
+            "enable.partition.eof": True,
+            "isolation.level": "read_committed",
+            "fetch.wait.max.ms": 100,
+            "queued.min.messages": 200_000,
+            "socket.connection.setup.timeout.ms": max(1000, int(self.timeout_s * 1000)),
+            "reconnect.backoff.max.ms": 2000,
+            "logger": log,
+        }
+        conf.update(self._conf)
+        conf.update(dict(self.config or {}))
+        conf.update(extra)
+        return conf
+
+    def new_consumer(self) -> Any:
+        from confluent_kafka import Consumer
+
+        try:
+            return Consumer(self._consumer_conf())
+        except Exception as e:  # noqa: BLE001 - librdkafka's configuration errors
+            raise IngestConfigError(
+                f"{self._where()}: invalid consumer configuration: {self._scrub(str(e))}; fix the "
+                "bootstrap URL parameters or config"
+            ) from None
+
+    def _scrub(self, text: str) -> str:
+        pw = self._conf.get("sasl.password")
+        if pw:
+            text = text.replace(pw, "****")
+        return SensitiveUrl(self.bootstrap).scrub(text) if "://" in self.bootstrap else text
+
+    def topic_partitions(self, consumer: Any) -> int | None:
+        """The topic's partition count (None: the topic does not exist), retrying an
+        unreachable broker with backoff for ``timeout_s`` before ``SourceTimeout``."""
+        from confluent_kafka import KafkaError, KafkaException
+
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.1
+        last = ""
+        while True:
+            try:
+                md = consumer.list_topics(self.topic, timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+                t = md.topics.get(self.topic)
+                if t is None:
+                    return None
+                if t.error is not None:
+                    if t.error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+                        return None
+                    if not t.error.retriable():
+                        raise SourceUnavailable(f"{self._where()}: metadata error {t.error.str()}")
+                    last = t.error.str()
+                else:
+                    return len(t.partitions)
+            except KafkaException as e:
+                last = self._scrub(str(e.args[0].str() if e.args else e))
+            if time.monotonic() >= deadline:
+                raise SourceTimeout(
+                    f"{self._where()}: no answer from the broker(s) within {self.timeout_s:g}s "
+                    f"(retried with backoff; last error: {last}); check that the broker is up and the "
+                    "bootstrap address/port and security settings are right; retrying later is safe "
+                    "(nothing was decided)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def partition_count(self) -> int:
+        c = self.new_consumer()
+        try:
+            n = self.topic_partitions(c)
+        finally:
+            c.close()
+        if n is None:
+            raise IngestConfigError(
+                f"{self._where()} does not exist: create it (e.g. kafka-topics.sh --create --topic "
+                f"{self.topic}) or fix the topic name"
+            )
+        return n
+
+    def check(self) -> None:
+        spec = self._spec
+        if spec is None:
+            return
+        self._plan(spec)
+        self.partition_count()
+
+    def prepare(self) -> None:
+        return None
+
+    # ----- reading --------------------------------------------------------------------
+
+    def open_reader(self, frontier: Frontier, notes: list[Note]) -> KafkaReader:
+        return KafkaReader(self, {int(p): int(a[0]) for p, a in frontier.items()})
+
+    def release(self, frontier: Frontier) -> None:
+        """Commits the durable frontier as the consumer group's offsets (never beyond it)."""
+        if not self.commit_offsets:
+            return
+        from confluent_kafka import KafkaException, TopicPartition
+
+        want = {int(p): int(a[0]) for p, a in frontier.items()}
+        todo = [TopicPartition(self.topic, p, o) for p, o in sorted(want.items()) if self._committed.get(p) != o]
+        if not todo:
+            return
+        try:
+            if self._committer is None:
+                self._committer = self.new_consumer()
+            self._committer.commit(offsets=todo, asynchronous=False)
+        except KafkaException as e:
+            raise SourceUnavailable(f"{self._where()}: committing group offsets failed: {self._scrub(str(e))}") from None
+        for tp in todo:
+            self._committed[tp.partition] = tp.offset
+
+    def committed(self) -> dict[int, int]:
+        """The consumer group's committed offsets (for tests and status)."""
+        from confluent_kafka import TopicPartition
+
+        c = self.new_consumer()
+        try:
+            n = self.topic_partitions(c) or 0
+            got = c.committed([TopicPartition(self.topic, p) for p in range(n)], timeout=self.timeout_s)
+            return {tp.partition: tp.offset for tp in got if tp.offset >= 0}
+        finally:
+            c.close()
+
+    def close(self) -> None:
+        if self._committer is not None:
+            try:
+                self._committer.close()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+            self._committer = None
+
+    # ----- decoding -------------------------------------------------------------------
+
+    def _plan(self, spec: DecodeSpec) -> tuple[list[pa.Field], list[pa.Field], str | None, str | None]:
+        """(fields from a JSON key, fields from a JSON value, text/bytes key field, value field)."""
+        names = set(spec.key_names) | set(spec.val_names)
+        for col in self._meta:
+            if col not in names:
+                raise IngestConfigError(
+                    f"{self._where()}: include names column {col!r} ({self._meta[col]}) but the schema has "
+                    f"no such field; add it (e.g. --value {col}:int64) or drop it from include"
+                )
+        key_fields = [pa.field(f.name, f.type, True) for f in spec.key_schema if f.name not in self._meta]
+        val_fields = [pa.field(f.name, f.type, True) for f in spec.val_schema if f.name not in self._meta]
+        kfield: str | None = None
+        vfield: str | None = None
+        from_key: list[pa.Field] = []
+        if self.key_format == "json":
+            from_key = key_fields
+        elif self.key_format in ("text", "bytes"):
+            kfield = self.key_field or (key_fields[0].name if len(key_fields) == 1 else None)
+            if kfield is None or kfield not in names:
+                raise IngestConfigError(
+                    f"{self._where()}: key_format={self.key_format!r} needs key_field naming the field the "
+                    f"key goes to (key fields: {[f.name for f in key_fields]})"
+                )
+            from_key = []
+        if self.key_format in ("json", "text", "bytes"):
+            from_val = val_fields if self.key_format == "json" else [f for f in key_fields + val_fields if f.name != kfield]
+        else:
+            from_val = key_fields + val_fields
+        if self.value_format in ("text", "bytes"):
+            cands = [f.name for f in from_val]
+            vfield = self.value_field or (cands[0] if len(cands) == 1 else None)
+            if vfield is None or vfield not in names:
+                raise IngestConfigError(
+                    f"{self._where()}: value_format={self.value_format!r} fills one field: pass value_field "
+                    f"(candidates: {cands})"
+                )
+            missing = [n for n in cands if n != vfield]
+            if missing:
+                raise IngestConfigError(
+                    f"{self._where()}: with value_format={self.value_format!r} fields {missing} get no data; "
+                    "drop them, include them as metadata, or use value_format='json'"
+                )
+            from_val = []
+        return from_key, from_val, kfield, vfield
+
+    def decode_messages(self, partition: str, m: _Msgs, spec: DecodeSpec) -> Decoded:
+        n = len(m)
+        inp = spec.input_schema()
+        from_key, from_val, kfield, vfield = self._plan(spec)
+        bad: dict[int, tuple[str, str]] = {}
+        cols: dict[str, pa.Array] = {}
+        tomb = np.fromiter((v is None for v in m.vals), dtype=bool, count=n)
+        upsert = self._envelope == "upsert"
+        if from_val or vfield is not None:
+            idx = np.flatnonzero(~tomb)
+            vals = [m.vals[i] for i in idx]
+            self._fill(spec, "value", self.value_format, vals, idx, n, from_val, vfield, cols, bad)
+        if self.key_format != "none":
+            kidx = np.array([i for i, k in enumerate(m.keys) if k is not None], dtype=np.int64)
+            keys = [m.keys[i] for i in kidx]
+            self._fill(spec, "key", self.key_format, keys, kidx, n, from_key, kfield, cols, bad)
+        for col, kind in self._meta.items():
+            cols[col] = self._metadata(kind, partition, m, inp.field(col).type)
+        arrays = [cols.get(f.name, pa.nulls(n, f.type)) for f in inp]
+        table = pa.Table.from_arrays(arrays, schema=inp)
+        dspec = spec
+        if upsert:
+            table = table.append_column(_TOMBSTONE, pa.array(tomb, pa.bool_()))
+            dspec = dataclasses.replace(spec, delete_field=_TOMBSTONE)
+        badl = [(i, k, r) for i, (k, r) in sorted(bad.items())]
+        if badl:
+            mask = np.ones(n, dtype=bool)
+            mask[[i for i, _, _ in badl]] = False
+            table = table.filter(pa.array(mask))
+        rows, allbad = merge_good_and_bad(dspec, n, table, badl)
+        offs = m.offs
+        errors = [ErrorRecord(partition, (offs[i],), kind, reason, self._raw(m, i)) for i, kind, reason in allbad]
+        raw = None
+        if spec.keep_raw:
+            raw = raw_table(partition, [(o,) for o in offs], "kafka", [self._raw(m, i) for i in range(n)])
+        return Decoded(rows, errors, raw)
+
+    def _fill(
+        self, spec: DecodeSpec, what: str, fmt: str, data: list[bytes], idx: Any, n: int,
+        fields: list[pa.Field], single: str | None, cols: dict[str, pa.Array], bad: dict[int, tuple[str, str]],
+    ) -> None:
+        """Decodes keys or values (present at positions ``idx`` of ``n``) into ``cols``."""
+        pos = np.full(n, -1, dtype=np.int64)  # position -> row of the decoded table (-1: null)
+        if fmt == "json":
+            if not fields:
+                return
+            lines: list[bytes] = []
+            pre_bad: dict[int, tuple[str, str]] = {}
+            for j, b in enumerate(data):
+                if what == "key" and len(fields) == 1 and not b.lstrip().startswith(b"{"):
+                    b = b'{"' + fields[0].name.encode() + b'":' + b + b"}"  # a scalar JSON key
+                if b"\n" in b or b"\r" in b:
+                    try:
+                        b = json.dumps(json.loads(b), separators=(",", ":")).encode()
+                    except ValueError as e:
+                        pre_bad[j] = ("invalid_json", f"the message {what} is not valid JSON: {e}")
+                        b = b"\x00"
+                lines.append(b)
+            table, jbad = decode_json_lines(spec, lines, schema=pa.schema(fields))
+            badj = {i: (k, r) for i, k, r in jbad}
+            badj.update(pre_bad)
+            good = [j for j in range(len(lines)) if j not in badj]
+            for j, (k, r) in badj.items():
+                bad.setdefault(int(idx[j]), (k, f"message {what}: {r}"))
+            pos[np.asarray(idx, dtype=np.int64)[good]] = np.arange(len(good))
+            sel = pa.array(pos, pa.int64(), mask=pos < 0)
+            for f in fields:
+                cols[f.name] = table.column(f.name).combine_chunks().take(sel) if table.num_rows else pa.nulls(n, f.type)
+            return
+        assert single is not None
+        target = spec.input_schema().field(single).type
+        arr = pa.array(data, pa.binary())
+        if fmt == "text":
+            arr, errs = cast_rowwise(arr, pa.string())
+            for j, msg in errs.items():
+                bad.setdefault(int(idx[j]), ("invalid_utf8", f"message {what} is not valid UTF-8 text: {msg}"))
+        if not arr.type.equals(target):
+            arr, errs = cast_rowwise(arr, target)
+            for j, msg in errs.items():
+                bad.setdefault(int(idx[j]), ("type_mismatch", f"message {what}: field {single!r}: cannot convert to {target}: {msg}"))
+        pos[np.asarray(idx, dtype=np.int64)] = np.arange(len(data))
+        cols[single] = arr.take(pa.array(pos, pa.int64(), mask=pos < 0)) if len(data) else pa.nulls(n, target)
+
+    def _metadata(self, kind: str, partition: str, m: _Msgs, t: pa.DataType) -> pa.Array:
+        n = len(m)
+        if kind == "partition":
+            arr: pa.Array = pa.array(np.full(n, int(partition), dtype=np.int64))
+        elif kind == "offset":
+            arr = pa.array(m.offs, pa.int64())
+        elif kind == "topic":
+            arr = pa.array([self.topic] * n, pa.string())
+        elif kind == "timestamp":
+            arr = pa.array(m.ts, pa.int64())
+            if pa.types.is_timestamp(t):
+                arr = arr.cast(pa.timestamp("ms", tz="UTC")).cast(t)
+        else:  # headers: JSON [[key, value], ...] with UTF-8 text values (else base64: "b64:...")
+            arr = pa.array([_headers_json(h) for h in m.hdrs], pa.string())
+        return arr if arr.type.equals(t) else pc.cast(arr, t)
+
+    def _raw(self, m: _Msgs, i: int) -> bytes:
+        k, v = m.keys[i], m.vals[i]
+        return json.dumps(
+            {
+                "key": None if k is None else base64.b64encode(k).decode(),
+                "value": None if v is None else base64.b64encode(v).decode(),
+                "timestamp": m.ts[i],
+                "headers": _headers_json(m.hdrs[i]) if m.hdrs else None,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+
+def _headers_json(h: Any) -> str | None:
+    if not h:
+        return None if h is None else "[]"
+    out = []
+    for k, v in h:
+        if v is None:
+            out.append([k, None])
+            continue
+        try:
+            out.append([k, v.decode("utf-8")])
+        except UnicodeDecodeError:
+            out.append([k, "b64:" + base64.b64encode(v).decode()])
+    return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+
+
+class KafkaReader:
+    """Reads a topic from per-partition offsets with one manually assigned consumer."""
+
+    def __init__(self, src: KafkaSource, offsets: dict[int, int]) -> None:
+        self.src = src
+        self._pos: dict[int, int] = dict(offsets)  # next offset to return, per partition
+        self._buf: dict[int, _Msgs] = {}
+        self._assigned: set[int] = set()
+        self._fetched: set[int] = set()  # partitions that answered (a message or EOF) since assignment
+        self._consumer = src.new_consumer()
+        self._next_meta = 0.0
+        spec = src._spec
+        self._want_keys = src.key_format != "none" or (spec is not None and spec.keep_raw)
+        self._want_ts = "timestamp" in src._meta.values() or (spec is not None and spec.keep_raw)
+        self._want_hdrs = "headers" in src._meta.values() or (spec is not None and spec.keep_raw)
+        self._refresh(force=True)
+
+    @property
+    def position(self) -> Frontier:
+        return {str(p): (o,) for p, o in self._pos.items()}
+
+    def add_notes(self, notes: Iterable[Note]) -> None:
+        return None
+
+    def observe(self) -> list[Note]:
+        return []
+
+    # ----- partitions -----------------------------------------------------------------
+
+    def _refresh(self, force: bool = False) -> None:
+        """Re-reads the partition count: assigns new partitions (at offset 0, or where the
+        frontier puts them), fails if the topic is gone or shrank below a known partition."""
+        now = time.monotonic()
+        if not force and now < self._next_meta:
+            return
+        self._next_meta = now + self.src.metadata_interval_s
+        n = self.src.topic_partitions(self._consumer)
+        known = set(self._pos) | self._assigned
+        if n is None:
+            raise KafkaTopicGone(
+                f"{self.src._where()} no longer exists (deleted?) but the ingestion has read "
+                f"partitions {sorted(known)} of it; messages not yet durable are lost and new ones "
+                "would start again at offset 0: rebuild the collection in a new rendition (a new "
+                "ingestion name) from the recreated topic",
+                topic=self.src.topic, partition=None, offset=None,
+            ) if known else IngestConfigError(
+                f"{self.src._where()} does not exist: create it or fix the topic name"
+            )
+        gone = sorted(p for p in known if p >= n)
+        if gone:
+            p = gone[0]
+            raise KafkaTopicGone(
+                f"{self.src._where()} has {n} partitions now, but the ingestion has read partition(s) "
+                f"{gone} (partition {p} up to offset {self._pos.get(p, 0)}): partitions were removed "
+                "(the topic was recreated with fewer?); Kafka never reduces partitions in place: "
+                "rebuild the collection in a new rendition from the topic as it is now",
+                topic=self.src.topic, partition=p, offset=self._pos.get(p, 0),
+            )
+        new = [p for p in range(n) if p not in self._assigned]
+        if new:
+            self._assign(new)
+
+    def _assign(self, parts: list[int]) -> None:
+        from confluent_kafka import TopicPartition
+
+        for p in parts:
+            self._pos.setdefault(p, 0)
+            self._check_range(p)
+        self._consumer.incremental_assign([TopicPartition(self.src.topic, p, self._pos[p]) for p in parts])
+        self._assigned.update(parts)
+        if self._assigned != set(parts):
+            log.info("%s: partitions %s appeared; assigned at offsets %s", self.src._where(), parts, [self._pos[p] for p in parts])
+
+    def _watermarks(self, p: int) -> tuple[int, int]:
+        from confluent_kafka import KafkaException, TopicPartition
+
+        deadline = time.monotonic() + self.src.timeout_s
+        delay = 0.1
+        while True:
+            try:
+                lo, hi = self._consumer.get_watermark_offsets(TopicPartition(self.src.topic, p), timeout=5.0, cached=False)
+                return int(lo), int(hi)
+            except KafkaException as e:
+                if time.monotonic() >= deadline:
+                    raise SourceTimeout(
+                        f"{self.src._where()} partition {p}: no offsets from the broker within "
+                        f"{self.src.timeout_s:g}s ({self.src._scrub(str(e))}); check the broker; retrying is safe"
+                    ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def _check_range(self, p: int) -> None:
+        """The offset this reader starts at must still be served (see ``KafkaOffsetOutOfRange``)."""
+        o = self._pos.get(p, 0)
+        if o == 0:
+            lo, hi = self._watermarks(p)
+            if lo > 0:
+                self._out_of_range(p, o, lo, hi, "the messages before the low watermark were deleted (retention)")
+            return
+        lo, hi = self._watermarks(p)
+        if o < lo:
+            self._out_of_range(p, o, lo, hi, f"offsets below {lo} were deleted (retention or delete_records)")
+        if o > hi and not self._last_exists(p, o - 1):
+            # (checked by reading: some brokers under-report the high watermark)
+            self._out_of_range(p, o, lo, hi, "the log ends before it (the topic was recreated or truncated)")
+
+    def _last_exists(self, p: int, off: int) -> bool:
+        from confluent_kafka import Consumer, TopicPartition
+
+        c = Consumer(self.src._consumer_conf(**{"group.id": f"{self.src.group_id}-probe"}))
+        try:
+            c.assign([TopicPartition(self.src.topic, p, off)])
+            deadline = time.monotonic() + min(self.src.timeout_s, 5.0)
+            while time.monotonic() < deadline:
+                m = c.poll(0.2)
+                if m is None:
+                    continue
+                if m.error() is None:
+                    return bool(m.offset() == off)
+                if m.error().code() != -191:  # not _PARTITION_EOF
+                    return False
+                return False  # EOF before the offset: the log ends earlier
+            return False
+        finally:
+            c.close()
+
+    def _out_of_range(self, p: int, o: int, lo: int | None, hi: int | None, why: str) -> None:
+        raise KafkaOffsetOutOfRange(self.src.topic, p, o, lo, hi, why)
+
+    # ----- fetching ---------------------------------------------------------------------
+
+    def _poll(self, timeout: float, max_n: int) -> int:
+        """Moves fetched messages into the per-partition buffers; returns how many."""
+        from confluent_kafka import KafkaError
+
+        msgs = self._consumer.consume(max(1, min(max_n, 100_000)), timeout)
+        got = 0
+        want_k, want_ts, want_h = self._want_keys, self._want_ts, self._want_hdrs
+        buf = self._buf
+        cur_p = -1
+        b: _Msgs | None = None
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                code = err.code()
+                p = m.partition()
+                if code == KafkaError._PARTITION_EOF:
+                    if p is not None:
+                        self._fetched.add(p)
+                    continue
+                if code in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
+                    pp = p if p is not None and p >= 0 else -1
+                    self._out_of_range(pp, self._pos.get(pp, m.offset() or 0), None, None, f"the broker said: {err.str()}")
+                if code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION):
+                    self._refresh(force=True)  # raises KafkaTopicGone if it is gone
+                    continue
+                if err.fatal():
+                    raise SourceUnavailable(f"{self.src._where()}: fatal consumer error {self.src._scrub(err.str())}")
+                log.debug("%s: %s", self.src._where(), err.str())
+                continue
+            p = m.partition()
+            if p != cur_p:
+                b = buf.get(p)
+                if b is None:
+                    b = buf[p] = _Msgs()
+                cur_p = p
+                self._fetched.add(p)
+            assert b is not None
+            o = m.offset()
+            if b.offs and o <= b.offs[-1]:
+                continue  # (a re-fetch after a reconnect: already buffered)
+            b.offs.append(o)
+            b.vals.append(m.value())
+            b.keys.append(m.key() if want_k else None)
+            if want_ts:
+                tt, ts = m.timestamp()
+                b.ts.append(ts if tt != 0 else None)
+            else:
+                b.ts.append(None)
+            b.hdrs.append(m.headers() if want_h else None)
+            got += 1
+        return got
+
+    def _buffered(self) -> int:
+        return sum(len(b) for b in self._buf.values())
+
+    def _cut(self, p: int, bound: int | None, max_n: int | None) -> KafkaChunk | None:
+        """The buffered messages of ``p`` below ``bound`` (at most ``max_n``) as a chunk."""
+        b = self._buf.get(p)
+        start = self._pos.get(p, 0)
+        if b is None or not b.offs:
+            return None
+        i = len(b.offs) if bound is None else bisect.bisect_left(b.offs, bound)
+        if max_n is not None:
+            i = min(i, max_n)
+        if i == 0:
+            if bound is not None and b.offs[0] >= bound and start < bound:
+                self._pos[p] = bound  # an offset gap (transaction markers, compaction) up to the bound
+            return None
+        head = b.slice(0, i)
+        rest = b.slice(i, len(b.offs))
+        self._buf[p] = rest
+        end = head.offs[-1] + 1
+        if bound is not None and rest.offs and rest.offs[0] >= bound:
+            end = bound
+        self._pos[p] = end
+        return KafkaChunk(self.src, str(p), start, end, head)
+
+    def read(self, upto: Frontier | None, max_records: int) -> list[Chunk]:
+        if upto is not None:
+            return self._replay({int(p): int(a[0]) for p, a in upto.items()}, max_records)
+        self._refresh()
+        deadline = time.monotonic() + self.src.timeout_s
+        while self._buffered() < max_records:
+            first = not self._assigned <= self._fetched
+            got = self._poll(0.5 if first else self.src.poll_s, max_records - self._buffered())
+            if got:
+                continue
+            if not (self._assigned <= self._fetched):
+                if time.monotonic() > deadline:
+                    missing = sorted(self._assigned - self._fetched)
+                    raise SourceTimeout(
+                        f"{self.src._where()}: partitions {missing} gave no answer (no message, no end of "
+                        f"partition) within {self.src.timeout_s:g}s; check that the broker is reachable; "
+                        "retrying is safe (nothing was decided)"
+                    )
+                continue
+            break
+        out: list[Chunk] = []
+        left = max_records
+        for p in sorted(self._buf):
+            if left <= 0:
+                break
+            c = self._cut(p, None, left)
+            if c is not None:
+                out.append(c)
+                left -= c.num_records
+        return out
+
+    def _replay(self, bounds: dict[int, int], max_records: int) -> list[Chunk]:
+        for p in bounds:
+            if p not in self._assigned:
+                self._refresh(force=True)
+                if p not in self._assigned:
+                    raise KafkaTopicGone(
+                        f"{self.src._where()}: partition {p} is bound in the remap shard but the topic "
+                        "does not have it any more; rebuild in a new rendition",
+                        topic=self.src.topic, partition=p, offset=self._pos.get(p, 0),
+                    )
+        out: list[Chunk] = []
+        for _ in range(2):
+            for p, bound in sorted(bounds.items()):
+                if self._pos.get(p, 0) >= bound:
+                    continue
+                c = self._cut(p, bound, max_records)
+                if c is not None:
+                    out.append(c)
+            if out:
+                return out
+            if all(self._pos.get(p, 0) >= bound for p, bound in bounds.items()):
+                return out
+            self._poll(self.src.poll_s, max_records)
+        return out
+
+    def lag(self) -> Lag:
+        from confluent_kafka import TopicPartition
+
+        try:
+            behind = 0
+            for p in sorted(self._assigned):
+                _, hi = self._consumer.get_watermark_offsets(TopicPartition(self.src.topic, p), timeout=1.0, cached=False)
+                behind += max(0, int(hi) - self._pos.get(p, 0))
+            return Lag(records_behind=behind)
+        except Exception:  # noqa: BLE001 - lag is informational
+            return Lag()
+
+    def close(self) -> None:
+        try:
+            self._consumer.close()
+        except Exception:  # noqa: BLE001 - best effort
+            pass
