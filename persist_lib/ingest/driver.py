@@ -349,6 +349,9 @@ class Ingestion:
 
     def _apply(self, b: Binding, chunks: list[Chunk], acc: _Acc) -> None:
         spec = self.spec
+        # Partition order, then address order: how an instance happened to read the
+        # partitions of a multi-partition source (Kafka) must not change the result.
+        chunks = sorted(chunks, key=lambda c: (c.partition, tuple(c.start)))
         decs = [c.decode(spec) for c in chunks]
         tables = [d.rows for d in decs if d.num_rows]
         rows = pa.concat_tables(tables) if tables else spec.rows_schema().empty_table()

@@ -359,11 +359,16 @@ class KafkaSource:
         return n
 
     def check(self) -> None:
-        spec = self._spec
-        if spec is None:
-            return
-        self._plan(spec)
-        self.partition_count()
+        """The schema fits the formats, and the broker answers (``SourceTimeout`` if not).
+        A missing topic is judged by the reader: a configuration error for a new
+        ingestion, ``KafkaTopicGone`` for one that already read from it."""
+        if self._spec is not None:
+            self._plan(self._spec)
+        c = self.new_consumer()
+        try:
+            self.topic_partitions(c)
+        finally:
+            c.close()
 
     def prepare(self) -> None:
         return None

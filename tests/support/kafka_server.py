@@ -118,11 +118,19 @@ class KafkaBroker:
     def create_topic(self, name: str, partitions: int = 1) -> None:
         from confluent_kafka.admin import NewTopic
 
+        self._new_producer()
         for f in self.admin().create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)]).values():
             f.result(10)
         self._wait_partitions(name, partitions)
 
+    def _new_producer(self) -> None:
+        """Drops the producer: its metadata cache would keep a recreated topic's old layout."""
+        if self._producer is not None:
+            self._producer.flush(10)
+            self._producer = None
+
     def delete_topic(self, name: str) -> None:
+        self._new_producer()
         for f in self.admin().delete_topics([name]).values():
             f.result(10)
         deadline = time.monotonic() + 10
