@@ -490,7 +490,7 @@ def test_kill9_mid_run_nothing_lost_or_duplicated(kafka_broker: KafkaBroker, tmp
             while sent < messages:
                 kafka_broker.produce(topic, _append_batch(prng, 3, 60, sent))
                 sent += 60
-                time.sleep(prng.uniform(0.0, 0.05))
+                time.sleep(prng.uniform(0.05, 0.25))  # spread over the kills
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
         finally:
@@ -525,7 +525,9 @@ def test_kill9_mid_run_nothing_lost_or_duplicated(kafka_broker: KafkaBroker, tmp
         truth = kafka_broker.consume_all(topic, 3)
         assert sum(len(v) for v in truth.values()) == messages
         assert final["frontier"] == {str(p): [len(v)] for p, v in truth.items()}
-        assert _check_exactly_once(client, "killme", truth, "append_only") >= 10
+        checked = _check_exactly_once(client, "killme", truth, "append_only")
+        print(f"kill -9: {hits} kills hit a running ingestion, {checks} offset checks, {checked} bound times checked")
+        assert checked >= 10
         assert _durable_frontier(client, "killme", ["data", "errors"]) == {p: len(v) for p, v in truth.items()}
         assert kafka_broker.group_offsets("persist_killme", topic, 3) == {p: len(v) for p, v in truth.items()}
     finally:
