@@ -178,7 +178,7 @@ def _check_exactly_once(client: PersistClient, name: str, truth: dict[int, list[
                 (x["kafka_partition"], x["kafka_offset"], x["id"], x["name"], x["qty"])
                 for x in _snap(client, name, "data", AKEY, AVAL, t)
             )
-            assert got_rows == want_rows, f"data at {t} (frontier {f}): missing {list((want_rows - got_rows))[:3]}, extra {list((got_rows - want_rows))[:3]}"
+            assert got_rows == want_rows, f"data at {t} (frontier {f}): missing {list(want_rows - got_rows)[:3]}, extra {list(got_rows - want_rows)[:3]}"
         assert errs == bad, f"errors at {t} (frontier {f})"
         checked += 1
     return checked

@@ -37,8 +37,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist_lib.ingest.decode import (
-    DecodeSpec,
     Decoded,
+    DecodeSpec,
     ErrorRecord,
     cast_rowwise,
     decode_json_lines,
@@ -53,7 +53,7 @@ from persist_lib.ingest.errors import (
     SourceUnavailable,
 )
 from persist_lib.ingest.source import Address, Chunk, Frontier, Lag, Note
-from persist_lib.location.redaction import SensitiveUrl, redacted_dataclass_repr
+from persist_lib.location.redaction import SensitiveUrl, is_secret_name, redacted_dataclass_repr
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.client import PersistClient
@@ -187,7 +187,7 @@ class KafkaChunk(Chunk):
 class KafkaSource:
     """A Kafka topic (see the module docstring).
 
-    ``bootstrap``: ``HOST:PORT[,HOST:PORT]`` or ``kafka://USER:PASSWORD@HOST:PORT?...``
+    ``bootstrap_url``: ``HOST:PORT[,HOST:PORT]`` or ``kafka://USER:PASSWORD@HOST:PORT?...``
     (SASL; query parameters are librdkafka settings with ``_`` for ``.``, e.g.
     ``security_protocol=SASL_SSL&sasl_mechanism=SCRAM-SHA-512``; never shown in reprs,
     logs or errors). ``key_format``/``value_format``: ``json``, ``text``, ``bytes`` or
@@ -199,7 +199,7 @@ class KafkaSource:
     retried (with backoff) before ``SourceTimeout``.
     """
 
-    bootstrap: str
+    bootstrap_url: str
     topic: str
     key_format: str = "none"
     value_format: str = "json"
@@ -211,7 +211,7 @@ class KafkaSource:
     timeout_s: float = 30.0
     poll_s: float = 0.2
     metadata_interval_s: float = 5.0
-    config: Mapping[str, str] | None = None
+    config: Mapping[str, str] | None = field(default=None, repr=False)  # extra librdkafka settings
     kind: str = "kafka"
     _servers: str = field(default="", init=False, repr=False)
     _conf: dict[str, str] = field(default_factory=dict, init=False, repr=False)
@@ -229,10 +229,10 @@ class KafkaSource:
             if v not in FORMATS or (what == "value_format" and v == "none"):
                 allowed = FORMATS if what == "key_format" else FORMATS[:3]
                 raise IngestConfigError(f"Kafka {what} {v!r} is not supported: use one of {', '.join(allowed)}")
-        url = SensitiveUrl(self.bootstrap)
-        if "://" in self.bootstrap and url.problem:
+        url = SensitiveUrl(self.bootstrap_url)
+        if "://" in self.bootstrap_url and url.problem:
             raise IngestConfigError(f"the Kafka bootstrap URL {url} is ambiguous: {url.problem}")
-        self._servers, self._conf = _bootstrap_of(self.bootstrap)
+        self._servers, self._conf = _bootstrap_of(self.bootstrap_url)
         self._meta = _parse_include(self.include)
 
     def __repr__(self) -> str:  # the bootstrap URL may hold a SASL password
@@ -257,7 +257,7 @@ class KafkaSource:
     def describe(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
-            "bootstrap": SensitiveUrl(self.bootstrap).redacted if "://" in self.bootstrap else self.bootstrap,
+            "bootstrap": SensitiveUrl(self.bootstrap_url).redacted if "://" in self.bootstrap_url else self.bootstrap_url,
             "topic": self.topic,
             "key_format": self.key_format,
             "value_format": self.value_format,
@@ -306,10 +306,11 @@ class KafkaSource:
             ) from None
 
     def _scrub(self, text: str) -> str:
-        pw = self._conf.get("sasl.password")
-        if pw:
-            text = text.replace(pw, "****")
-        return SensitiveUrl(self.bootstrap).scrub(text) if "://" in self.bootstrap else text
+        conf = {**self._conf, **dict(self.config or {})}
+        for k, v in conf.items():
+            if v and is_secret_name(k):
+                text = text.replace(str(v), "****")
+        return SensitiveUrl(self.bootstrap_url).scrub(text) if "://" in self.bootstrap_url else text
 
     def topic_partitions(self, consumer: Any) -> int | None:
         """The topic's partition count (None: the topic does not exist), retrying an
@@ -474,11 +475,11 @@ class KafkaSource:
         upsert = self._envelope == "upsert"
         if from_val or vfield is not None:
             idx = np.flatnonzero(~tomb)
-            vals = [m.vals[i] for i in idx]
+            vals = [v for v in m.vals if v is not None]  # (in the order of idx)
             self._fill(spec, "value", self.value_format, vals, idx, n, from_val, vfield, cols, bad)
         if self.key_format != "none":
             kidx = np.array([i for i, k in enumerate(m.keys) if k is not None], dtype=np.int64)
-            keys = [m.keys[i] for i in kidx]
+            keys = [k for k in m.keys if k is not None]
             self._fill(spec, "key", self.key_format, keys, kidx, n, from_key, kfield, cols, bad)
         for col, kind in self._meta.items():
             cols[col] = self._metadata(kind, partition, m, inp.field(col).type)
@@ -708,11 +709,8 @@ class KafkaReader:
                 m = c.poll(0.2)
                 if m is None:
                     continue
-                if m.error() is None:
-                    return bool(m.offset() == off)
-                if m.error().code() != -191:  # not _PARTITION_EOF
-                    return False
-                return False  # EOF before the offset: the log ends earlier
+                # a message at the offset: it exists; an error (EOF: the log ends earlier): not
+                return m.error() is None and bool(m.offset() == off)
             return False
         finally:
             c.close()
