@@ -533,3 +533,24 @@ def test_kill9_mid_run_nothing_lost_or_duplicated(kafka_broker: KafkaBroker, tmp
     finally:
         client.close()
     assert hits >= kills and checks >= 2, (hits, checks)
+
+
+def test_cli_ingest_kafka(kafka_broker: KafkaBroker, tmp_path: Path) -> None:
+    topic = _topic(kafka_broker, 2)
+    kafka_broker.produce(topic, _upsert_batch(random.Random(6), 2, 200))
+    env = {**os.environ, "PERSIST_HOME": str(tmp_path / "home"), "PYTHONPATH": worker_env()["PYTHONPATH"]}
+    env.pop("PERSIST_BLOB_URI", None)
+    env.pop("PERSIST_CONSENSUS_URI", None)
+    args = [sys.executable, "-m", "persist_lib.cli", "ingest", "kafka", "orders", kafka_broker.bootstrap, topic,
+            "--key", "id:int64", "--value", "name:string,qty:float64", "--key-format", "json",
+            "--envelope", "upsert", "--records-per-binding", "50"]
+    out = subprocess.run([*args, "--json"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = json.loads(out.stdout)
+    truth = kafka_broker.consume_all(topic, 2)
+    assert s["records"] == 200 and s["source"]["kind"] == "kafka" and s["source"]["topic"] == topic
+    assert s["frontier"] == {str(p): [len(v)] for p, v in truth.items()}
+    human = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert human.returncode == 0 and "orders" in human.stdout, human.stderr[-3000:]
+    bad = subprocess.run([*args[:-6], "--envelope", "upsert"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "upsert envelope needs the message key" in bad.stderr
