@@ -319,11 +319,11 @@ def test_topic_deleted_or_partitions_reduced(kafka_broker: KafkaBroker) -> None:
     client = _client()
     with _ingestion(client, "gone", _source(kafka_broker, topic, "append_only"), "append_only", 50) as ing:
         ing.run_once()
-        truth = kafka_broker.consume_all(topic, 3)
-        # partitions reduced: recreated with 1 partition holding the same partition 0
-        kafka_broker.delete_topic(topic)
-        kafka_broker.create_topic(topic, 1)
-        kafka_broker.produce(topic, [(0, k, v, ts, h) for _, k, v, ts, h in truth[0]])
+    truth = kafka_broker.consume_all(topic, 3)
+    # partitions reduced: recreated with 1 partition holding the same partition 0
+    kafka_broker.delete_topic(topic)
+    kafka_broker.create_topic(topic, 1)
+    kafka_broker.produce(topic, [(0, k, v, ts, h) for _, k, v, ts, h in truth[0]])
     with pytest.raises(KafkaTopicGone, match=r"has 1 partitions now.*partition\(s\) \[1, 2\]") as ei:
         with _ingestion(client, "gone", _source(kafka_broker, topic, "append_only"), "append_only", 50) as ing:
             ing.run_once()

@@ -117,27 +117,63 @@ def _bootstrap_of(url: str) -> tuple[str, dict[str, str]]:
 
 
 class _Msgs:
-    """Messages of one partition as parallel lists (cheap to build from the consumer)."""
+    """Messages of one partition (confluent-kafka ``Message`` objects, offsets
+    ascending); keys, values, timestamps and headers are pulled out lazily, by list
+    comprehension, which is cheaper than a Python loop doing it per message."""
 
-    __slots__ = ("offs", "keys", "vals", "ts", "hdrs")
+    __slots__ = ("msgs", "offs", "_vals", "_keys", "_ts", "_hdrs")
 
-    def __init__(self) -> None:
-        self.offs: list[int] = []
-        self.keys: list[bytes | None] = []
-        self.vals: list[bytes | None] = []
-        self.ts: list[int | None] = []
-        self.hdrs: list[Any] = []
+    def __init__(self, msgs: list[Any] | None = None, offs: list[int] | None = None) -> None:
+        self.msgs: list[Any] = msgs if msgs is not None else []
+        self.offs: list[int] = offs if offs is not None else [m.offset() for m in self.msgs]
+        self._vals: list[bytes | None] | None = None
+        self._keys: list[bytes | None] | None = None
+        self._ts: list[int | None] | None = None
+        self._hdrs: list[Any] | None = None
 
     def __len__(self) -> int:
         return len(self.offs)
 
+    def extend(self, msgs: list[Any]) -> int:
+        offs = [m.offset() for m in msgs]
+        if self.offs and offs and offs[0] <= self.offs[-1]:  # a re-fetch after a reconnect
+            last = self.offs[-1]
+            keep = [i for i, o in enumerate(offs) if o > last]
+            msgs = [msgs[i] for i in keep]
+            offs = [offs[i] for i in keep]
+        self.msgs.extend(msgs)
+        self.offs.extend(offs)
+        self._vals = self._keys = self._ts = self._hdrs = None
+        return len(msgs)
+
+    @property
+    def vals(self) -> list[bytes | None]:
+        if self._vals is None:
+            self._vals = [m.value() for m in self.msgs]
+        return self._vals
+
+    @property
+    def keys(self) -> list[bytes | None]:
+        if self._keys is None:
+            self._keys = [m.key() for m in self.msgs]
+        return self._keys
+
+    @property
+    def ts(self) -> list[int | None]:
+        if self._ts is None:
+            self._ts = [t[1] if t[0] else None for t in (m.timestamp() for m in self.msgs)]
+        return self._ts
+
+    @property
+    def hdrs(self) -> list[Any]:
+        if self._hdrs is None:
+            self._hdrs = [m.headers() for m in self.msgs]
+        return self._hdrs
+
     def slice(self, i: int, j: int) -> _Msgs:
-        m = _Msgs()
-        m.offs = self.offs[i:j]
-        m.keys = self.keys[i:j]
-        m.vals = self.vals[i:j]
-        m.ts = self.ts[i:j]
-        m.hdrs = self.hdrs[i:j]
+        m = _Msgs(self.msgs[i:j], self.offs[i:j])
+        m._vals = None if self._vals is None else self._vals[i:j]
+        m._keys = None if self._keys is None else self._keys[i:j]
         return m
 
 
@@ -151,7 +187,7 @@ class KafkaChunk(Chunk):
         self.end = (end,)
         self.msgs = msgs
         self.num_records = len(msgs)
-        self.nbytes = sum(len(v) for v in msgs.vals if v is not None) + sum(len(k) for k in msgs.keys if k is not None)
+        self.nbytes = sum(map(len, filter(None, msgs.vals)))  # (values: what the bytes figures count)
         self.notes: tuple[Note, ...] = ()
 
     def split(self, at: Address) -> tuple[Chunk | None, Chunk | None]:
@@ -511,18 +547,22 @@ class KafkaSource:
         if fmt == "json":
             if not fields:
                 return
-            lines: list[bytes] = []
+            lines: list[bytes] = data
             pre_bad: dict[int, tuple[str, str]] = {}
-            for j, b in enumerate(data):
-                if what == "key" and len(fields) == 1 and not b.lstrip().startswith(b"{"):
-                    b = b'{"' + fields[0].name.encode() + b'":' + b + b"}"  # a scalar JSON key
-                if b"\n" in b or b"\r" in b:
-                    try:
-                        b = json.dumps(json.loads(b), separators=(",", ":")).encode()
-                    except ValueError as e:
-                        pre_bad[j] = ("invalid_json", f"the message {what} is not valid JSON: {e}")
-                        b = b"\x00"
-                lines.append(b)
+            joined = b"\n".join(data)
+            scalar_key = what == "key" and len(fields) == 1
+            if scalar_key or b"\r" in joined or joined.count(b"\n") != len(data) - 1:
+                lines = []  # the slow path: a record spans lines, or scalar keys to wrap
+                for j, b in enumerate(data):
+                    if scalar_key and not b.lstrip().startswith(b"{"):
+                        b = b'{"' + fields[0].name.encode() + b'":' + b + b"}"  # a scalar JSON key
+                    if b"\n" in b or b"\r" in b:
+                        try:
+                            b = json.dumps(json.loads(b), separators=(",", ":")).encode()
+                        except ValueError as e:
+                            pre_bad[j] = ("invalid_json", f"the message {what} is not valid JSON: {e}")
+                            b = b"\x00"
+                    lines.append(b)
             table, jbad = decode_json_lines(spec, lines, schema=pa.schema(fields))
             badj = {i: (k, r) for i, k, r in jbad}
             badj.update(pre_bad)
@@ -601,12 +641,9 @@ class KafkaReader:
         self._buf: dict[int, _Msgs] = {}
         self._assigned: set[int] = set()
         self._fetched: set[int] = set()  # partitions that answered (a message or EOF) since assignment
+        self._eof: set[int] = set()  # partitions whose last answer was "end of partition"
         self._consumer = src.new_consumer()
         self._next_meta = 0.0
-        spec = src._spec
-        self._want_keys = src.key_format != "none" or (spec is not None and spec.keep_raw)
-        self._want_ts = "timestamp" in src._meta.values() or (spec is not None and spec.keep_raw)
-        self._want_hdrs = "headers" in src._meta.values() or (spec is not None and spec.keep_raw)
         self._refresh(force=True)
 
     @property
@@ -687,10 +724,7 @@ class KafkaReader:
         """The offset this reader starts at must still be served (see ``KafkaOffsetOutOfRange``)."""
         o = self._pos.get(p, 0)
         if o == 0:
-            lo, hi = self._watermarks(p)
-            if lo > 0:
-                self._out_of_range(p, o, lo, hi, "the messages before the low watermark were deleted (retention)")
-            return
+            return  # (offset 0 below the low watermark: Kafka's fetch says OFFSET_OUT_OF_RANGE)
         lo, hi = self._watermarks(p)
         if o < lo:
             self._out_of_range(p, o, lo, hi, f"offsets below {lo} were deleted (retention or delete_records)")
@@ -724,53 +758,49 @@ class KafkaReader:
         """Moves fetched messages into the per-partition buffers; returns how many."""
         from confluent_kafka import KafkaError
 
-        msgs = self._consumer.consume(max(1, min(max_n, 100_000)), timeout)
-        got = 0
-        want_k, want_ts, want_h = self._want_keys, self._want_ts, self._want_hdrs
-        buf = self._buf
+        # consume() waits for the whole batch or the timeout: modest batches, so a
+        # partial one (the prefetch queue ran dry) costs at most ``timeout``
+        msgs = self._consumer.consume(max(1, min(max_n, 20_000)), timeout)
+        by_p: dict[int, list[Any]] = {}
         cur_p = -1
-        b: _Msgs | None = None
+        run: list[Any] = []
         for m in msgs:
             err = m.error()
             if err is not None:
-                code = err.code()
-                p = m.partition()
-                if code == KafkaError._PARTITION_EOF:
-                    if p is not None:
-                        self._fetched.add(p)
-                    continue
-                if code in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
-                    pp = p if p is not None and p >= 0 else -1
-                    self._out_of_range(pp, self._pos.get(pp, m.offset() or 0), None, None, f"the broker said: {err.str()}")
-                if code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION):
-                    self._refresh(force=True)  # raises KafkaTopicGone if it is gone
-                    continue
-                if err.fatal():
-                    raise SourceUnavailable(f"{self.src._where()}: fatal consumer error {self.src._scrub(err.str())}")
-                log.debug("%s: %s", self.src._where(), err.str())
+                self._on_error(err, m, KafkaError)
                 continue
             p = m.partition()
             if p != cur_p:
-                b = buf.get(p)
-                if b is None:
-                    b = buf[p] = _Msgs()
+                run = by_p.setdefault(p, [])
                 cur_p = p
-                self._fetched.add(p)
-            assert b is not None
-            o = m.offset()
-            if b.offs and o <= b.offs[-1]:
-                continue  # (a re-fetch after a reconnect: already buffered)
-            b.offs.append(o)
-            b.vals.append(m.value())
-            b.keys.append(m.key() if want_k else None)
-            if want_ts:
-                tt, ts = m.timestamp()
-                b.ts.append(ts if tt != 0 else None)
-            else:
-                b.ts.append(None)
-            b.hdrs.append(m.headers() if want_h else None)
-            got += 1
+            run.append(m)
+        got = 0
+        for p, ms in by_p.items():
+            b = self._buf.get(p)
+            if b is None:
+                b = self._buf[p] = _Msgs()
+            got += b.extend(ms)
+            self._fetched.add(p)
+            self._eof.discard(p)
         return got
+
+    def _on_error(self, err: Any, m: Any, KafkaError: Any) -> None:  # noqa: N803 - the class
+        code = err.code()
+        p = m.partition()
+        if code == KafkaError._PARTITION_EOF:
+            if p is not None:
+                self._fetched.add(p)
+                self._eof.add(p)
+            return
+        if code in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
+            pp = p if p is not None and p >= 0 else -1
+            self._out_of_range(pp, self._pos.get(pp, m.offset() or 0), None, None, f"the broker said: {err.str()}")
+        if code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION):
+            self._refresh(force=True)  # raises KafkaTopicGone if it is gone
+            return
+        if err.fatal():
+            raise SourceUnavailable(f"{self.src._where()}: fatal consumer error {self.src._scrub(err.str())}")
+        log.debug("%s: %s", self.src._where(), err.str())
 
     def _buffered(self) -> int:
         return sum(len(b) for b in self._buf.values())
@@ -802,10 +832,15 @@ class KafkaReader:
             return self._replay({int(p): int(a[0]) for p, a in upto.items()}, max_records)
         self._refresh()
         deadline = time.monotonic() + self.src.timeout_s
+        got = 1
+        self._eof.clear()  # only an "end of partition" seen during this read counts
         while self._buffered() < max_records:
             first = not self._assigned <= self._fetched
-            got = self._poll(0.5 if first else self.src.poll_s, max_records - self._buffered())
-            if got:
+            at_end = not first and self._assigned <= self._eof  # every partition said "end": don't wait
+            # while messages flow, short waits; after an empty poll, ``poll_s`` to call it idle
+            wait = 0.0 if at_end else 0.5 if first else 0.02 if got else self.src.poll_s
+            got = self._poll(wait, max_records - self._buffered())
+            if got or wait < self.src.poll_s and not at_end:
                 continue
             if not (self._assigned <= self._fetched):
                 if time.monotonic() > deadline:
@@ -859,8 +894,10 @@ class KafkaReader:
         try:
             behind = 0
             for p in sorted(self._assigned):
-                _, hi = self._consumer.get_watermark_offsets(TopicPartition(self.src.topic, p), timeout=1.0, cached=False)
-                behind += max(0, int(hi) - self._pos.get(p, 0))
+                # cached: the high watermark of the last fetch response (no broker round trip)
+                _, hi = self._consumer.get_watermark_offsets(TopicPartition(self.src.topic, p), cached=True)
+                if hi is not None and hi >= 0:
+                    behind += max(0, int(hi) - self._pos.get(p, 0))
             return Lag(records_behind=behind)
         except Exception:  # noqa: BLE001 - lag is informational
             return Lag()

@@ -7,7 +7,9 @@ docs/ingestion.md): no CreatePartitions (the request is not advertised and drops
 connection), DeleteRecords panics ("not yet implemented" in the memory engine),
 retention is not enforced, the high watermark is the *last batch's base offset + 1*
 (low when the last batch holds several messages), and a fetch beyond the end returns
-no messages instead of OFFSET_OUT_OF_RANGE. Helpers here work around those honestly:
+no messages instead of OFFSET_OUT_OF_RANGE. A librdkafka client that lives across a
+topic delete + recreate segfaults in its metadata cache (rd_kafka_metadata_cache_find),
+so every helper uses fresh clients around such swaps. Helpers here work around those honestly:
 ``add_partitions`` recreates the topic with more partitions and the *same* messages
 (offsets, keys, values, timestamps, headers) in the old ones.
 """
@@ -104,9 +106,9 @@ class KafkaBroker:
     def admin(self) -> Any:
         from confluent_kafka.admin import AdminClient
 
-        if self._admin is None:
-            self._admin = AdminClient({"bootstrap.servers": self.bootstrap})
-        return self._admin
+        # a fresh client per use: a librdkafka client living across a topic delete +
+        # recreate on Tansu can segfault (metadata cache); see the module docstring
+        return AdminClient({"bootstrap.servers": self.bootstrap})
 
     def producer(self) -> Any:
         from confluent_kafka import Producer
@@ -119,7 +121,8 @@ class KafkaBroker:
         from confluent_kafka.admin import NewTopic
 
         self._new_producer()
-        for f in self.admin().create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)]).values():
+        admin = self.admin()  # (kept alive until the futures resolve)
+        for f in admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)]).values():
             f.result(10)
         self._wait_partitions(name, partitions)
 
@@ -131,18 +134,20 @@ class KafkaBroker:
 
     def delete_topic(self, name: str) -> None:
         self._new_producer()
-        for f in self.admin().delete_topics([name]).values():
+        admin = self.admin()
+        for f in admin.delete_topics([name]).values():
             f.result(10)
         deadline = time.monotonic() + 10
-        while name in self.admin().list_topics(timeout=5).topics:
+        while name in admin.list_topics(timeout=5).topics:
             if time.monotonic() > deadline:
                 raise KafkaUnavailable(f"topic {name} still listed after delete")
             time.sleep(0.05)
 
     def _wait_partitions(self, name: str, n: int) -> None:
         deadline = time.monotonic() + 10
+        admin = self.admin()
         while True:
-            t = self.admin().list_topics(name, timeout=5).topics.get(name)
+            t = admin.list_topics(name, timeout=5).topics.get(name)
             if t is not None and t.error is None and len(t.partitions) == n:
                 return
             if time.monotonic() > deadline:
