@@ -246,7 +246,7 @@ def test_decoding_formats_metadata_and_bad_messages(kafka_broker: KafkaBroker) -
     ])
     src = KafkaSource(kafka_broker.bootstrap, topic, key_format="text", value_format="text",
                       include="offset,partition,timestamp=at,headers,topic", poll_s=0.1)
-    with Ingestion(client, "fmt", src, key, val) as ing:
+    with Ingestion(client, "fmt", src, key, val, config=IngestConfig(keep_raw=True)) as ing:
         s = ing.run_once()
     assert s["records"] == 4 and s["errors"] == 2
     rows = sorted(_snap(client, "fmt", "data", key, val, s["upper"] - 1), key=lambda r: r["kafka_offset"])
@@ -258,6 +258,12 @@ def test_decoding_formats_metadata_and_bad_messages(kafka_broker: KafkaBroker) -
     errs = sorted(_snap(client, "fmt", "errors", ERRORS_KEY, ERRORS_VAL, s["upper"] - 1), key=lambda r: r["address"])
     assert [(e["partition"], e["address"], e["kind"]) for e in errs] == [("0", "[2]", "invalid_utf8"), ("0", "[3]", "invalid_utf8")]
     assert "message value" in errs[0]["reason"] and "message key" in errs[1]["reason"]
+    raw = json.loads(errs[0]["raw"])
+    assert raw["key"] == "azM=" and raw["timestamp"] == 1_700_000_000_125  # base64 of b"k3"
+    from persist_lib.ingest.decode import RAW_KEY, RAW_VAL
+
+    raws = _snap(client, "fmt", "raw", RAW_KEY, RAW_VAL, s["upper"] - 1)
+    assert sorted(r["address"] for r in raws) == ["[0]", "[1]", "[2]", "[3]"] and {r["format"] for r in raws} == {"kafka"}
     # bytes: the value as is
     client2 = _client()
     bsrc = KafkaSource(kafka_broker.bootstrap, topic, value_format="bytes", include="offset", poll_s=0.1)
@@ -344,6 +350,26 @@ def test_unreachable_broker_times_out_after_retries() -> None:
             ing.run_once()
     assert 1.5 < time.monotonic() - t0 < 30
     client.close()
+
+
+def test_broker_going_away_mid_run_times_out() -> None:
+    """A private broker is stopped under a running instance: the next run retries with
+    backoff for ``timeout_s`` and raises ``SourceTimeout``; nothing was bound from it."""
+    broker = KafkaBroker().start()
+    client = _client()
+    try:
+        broker.create_topic("t", 1)
+        broker.produce("t", _append_batch(random.Random(3), 1, 30, 0, bad_rate=0))
+        src = _source(broker, "t", "append_only", timeout_s=2.0, metadata_interval_s=0.1)
+        with _ingestion(client, "away", src, "append_only", 10) as ing:
+            assert ing.run_once()["records"] == 30
+            broker.stop()
+            with pytest.raises(SourceTimeout, match="retrying later is safe"):
+                ing.run_once()
+            assert ing.remap.frontier == {"0": (30,)}
+    finally:
+        broker.stop()
+        client.close()
 
 
 def test_partition_added_while_running_is_picked_up(kafka_broker: KafkaBroker) -> None:

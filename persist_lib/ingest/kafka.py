@@ -864,6 +864,7 @@ class KafkaReader:
         return out
 
     def _replay(self, bounds: dict[int, int], max_records: int) -> list[Chunk]:
+        self._refresh()  # (rate-limited: also how an unreachable broker becomes SourceTimeout)
         for p in bounds:
             if p not in self._assigned:
                 self._refresh(force=True)
