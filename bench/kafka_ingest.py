@@ -14,7 +14,9 @@ measures, back to back, in one process:
   location (file blob + SQLite consensus): fetch, reclocking, schema-checked JSON
   decoding, the envelope and verified definite appends, and the group-offset commit.
 
-Prints JSON and a table; ``ratio`` = ingest records/s / raw records/s (goal >= 0.7).
+A third, context-only anchor, **raw+decode**, also parses the values with pyarrow.json
+(what decoding alone costs). Prints JSON and a table; ``ratio`` = ingest records/s / raw
+records/s (goal >= 0.7).
 The machine's load average is printed with it: on a shared machine compare the ratio.
 """
 
@@ -96,7 +98,12 @@ def produce(bootstrap: str, records: int, partitions: int, upsert: bool) -> int:
     return total
 
 
-def raw_consume(bootstrap: str, records: int, partitions: int) -> float:
+def raw_consume(bootstrap: str, records: int, partitions: int, decode: bool = False) -> float:
+    """Seconds to consume every message (``decode``: and parse the values with pyarrow.json,
+    the floor of decoding them)."""
+    import io
+
+    import pyarrow.json as pj
     from confluent_kafka import Consumer, TopicPartition
 
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-raw", "enable.auto.commit": False,
@@ -106,6 +113,7 @@ def raw_consume(bootstrap: str, records: int, partitions: int) -> float:
     n = 0
     nbytes = 0
     while n < records:
+        vals = []
         for m in c.consume(10000, 1.0):
             if m.error() is not None:
                 continue
@@ -113,6 +121,11 @@ def raw_consume(bootstrap: str, records: int, partitions: int) -> float:
             k = m.key()
             nbytes += len(v) + (len(k) if k is not None else 0)
             n += 1
+            if decode:
+                vals.append(v)
+        if decode and vals:
+            schema = pa.schema([("id", pa.int64()), ("name", pa.string()), ("qty", pa.float64()), ("city", pa.string())])
+            pj.read_json(io.BytesIO(b"\n".join(vals)), parse_options=pj.ParseOptions(explicit_schema=schema))
     dt = time.perf_counter() - t0
     c.close()
     return dt
@@ -156,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         raw1 = raw_consume(bootstrap, ns.records, ns.partitions)
         dt, s = ingest(bootstrap, base / "home", ns.envelope, ns.records_per_binding)
         raw2 = raw_consume(bootstrap, ns.records, ns.partitions)
+        raw_decode = raw_consume(bootstrap, ns.records, ns.partitions, decode=True)
         assert s["records"] == ns.records and s["errors"] == 0, s
         raw = min(raw1, raw2)
         load = os.getloadavg()
@@ -172,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             "ingest_records_per_s": round(ns.records / dt),
             "ingest_mb_per_s": round(size / 1e6 / dt, 1),
             "ratio": round(raw / dt, 2),
+            "raw_decode_s": round(raw_decode, 2),
+            "raw_decode_records_per_s": round(ns.records / raw_decode),
+            "ratio_vs_raw_decode": round(raw_decode / dt, 2),
             "bindings": s["bindings_minted"],
             "load_average": [round(x, 2) for x in load],
             "cpus": os.cpu_count(),
@@ -184,11 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(doc, indent=2))
     r = result
     print()
-    print("| records | MB | raw rec/s | raw MB/s | ingest rec/s | ingest MB/s | ratio | load avg (1/5/15 min) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| records | MB | raw rec/s | raw MB/s | ingest rec/s | ingest MB/s | ratio | raw+decode rec/s | ratio vs raw+decode | load avg (1/5/15 min) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print(
         f"| {r['records']:,} | {r['input_mb']} | {r['raw_records_per_s']:,} | {r['raw_mb_per_s']} | "
         f"{r['ingest_records_per_s']:,} | {r['ingest_mb_per_s']} | {r['ratio']} | "
+        f"{r['raw_decode_records_per_s']:,} | {r['ratio_vs_raw_decode']} | "
         f"{' / '.join(str(x) for x in r['load_average'])} |"
     )
     if ns.out:
