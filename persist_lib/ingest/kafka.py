@@ -604,14 +604,24 @@ class KafkaSource:
             arr = pa.array([_headers_json(h) for h in m.hdrs], pa.string())
         return arr if arr.type.equals(t) else pc.cast(arr, t)
 
+    def decoding(self) -> dict[str, Any]:
+        """How messages are decoded (kept with each raw record, for rebuilds)."""
+        return {
+            "topic": self.topic, "key_format": self.key_format, "value_format": self.value_format,
+            "key_field": self.key_field, "value_field": self.value_field, "include": dict(self._meta),
+        }
+
     def _raw(self, m: _Msgs, i: int) -> bytes:
-        k, v = m.keys[i], m.vals[i]
+        """The message as the raw collection keeps it: key, value and header values in
+        base64, the timestamp, and the decoding settings (``decode_kafka_raw``)."""
+        k, v, h = m.keys[i], m.vals[i], m.hdrs[i]
         return json.dumps(
             {
                 "key": None if k is None else base64.b64encode(k).decode(),
                 "value": None if v is None else base64.b64encode(v).decode(),
                 "timestamp": m.ts[i],
-                "headers": _headers_json(m.hdrs[i]) if m.hdrs else None,
+                "headers": None if h is None else [[hk, None if hv is None else base64.b64encode(hv).decode()] for hk, hv in h],
+                "decoding": self.decoding(),
             },
             separators=(",", ":"),
         ).encode()
@@ -908,3 +918,43 @@ class KafkaReader:
             self._consumer.close()
         except Exception:  # noqa: BLE001 - best effort
             pass
+
+
+def decode_kafka_raw(
+    spec: DecodeSpec, envelope: str, partitions: Sequence[str], offsets: Sequence[int], raws: Sequence[bytes]
+) -> tuple[pa.Table, list[tuple[int, str, str]]]:
+    """Decodes raw ``kafka`` records (in partition, offset order) as the source did:
+    rows, and ``(index, kind, reason)`` of the bad ones (``rebuild.decode_raw``)."""
+    docs = [json.loads(r) for r in raws]
+    out: list[pa.Table] = []
+    bad: list[tuple[int, str, str]] = []
+    i = 0
+    while i < len(docs):
+        j = i
+        while j < len(docs) and partitions[j] == partitions[i] and docs[j]["decoding"] == docs[i]["decoding"]:
+            j += 1
+        d = docs[i]["decoding"]
+        src = KafkaSource(
+            "rebuild:0", d["topic"], key_format=d["key_format"], value_format=d["value_format"],
+            key_field=d["key_field"], value_field=d["value_field"], include=d["include"],
+        )
+        src.bind_envelope(envelope)
+        m = _Msgs([], list(offsets[i:j]))
+
+        def b64(x: str | None) -> bytes | None:
+            return None if x is None else base64.b64decode(x)
+
+        m._keys = [b64(x["key"]) for x in docs[i:j]]
+        m._vals = [b64(x["value"]) for x in docs[i:j]]
+        m._ts = [x["timestamp"] for x in docs[i:j]]
+        m._hdrs = [None if x["headers"] is None else [(k, b64(v)) for k, v in x["headers"]] for x in docs[i:j]]
+        dec = src.decode_messages(partitions[i], m, spec)
+        out.append(dec.rows)
+        where = {(e.partition, e.address[0]): e for e in dec.errors}
+        for k in range(i, j):
+            e = where.get((partitions[k], offsets[k]))
+            if e is not None:
+                bad.append((k, e.kind, e.reason))
+        i = j
+    rows = pa.concat_tables(out) if out else spec.rows_schema().empty_table()
+    return rows, bad
