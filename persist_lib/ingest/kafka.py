@@ -446,6 +446,29 @@ class KafkaSource:
         finally:
             c.close()
 
+    def group_lag(self) -> dict[int, tuple[int, int]]:
+        """``{partition: (committed offset, high watermark)}`` of the consumer group: the
+        committed offsets are the durable frontier, so ``high - committed`` is what is
+        not ingested yet (for lag sensors and status; Tansu under-reports the high
+        watermark, see docs/ingestion.md)."""
+        from confluent_kafka import KafkaException, TopicPartition
+
+        c = self.new_consumer()
+        try:
+            n = self.topic_partitions(c)
+            if n is None:
+                raise IngestConfigError(f"{self._where()} does not exist: create it or fix the topic name")
+            tps = [TopicPartition(self.topic, p) for p in range(n)]
+            out: dict[int, tuple[int, int]] = {}
+            for tp in c.committed(tps, timeout=self.timeout_s):
+                _, hi = c.get_watermark_offsets(TopicPartition(self.topic, tp.partition), timeout=5.0, cached=False)
+                out[tp.partition] = (max(int(tp.offset), 0), int(hi))
+            return out
+        except KafkaException as e:
+            raise SourceUnavailable(f"{self._where()}: reading group offsets failed: {self._scrub(str(e))}") from None
+        finally:
+            c.close()
+
     def close(self) -> None:
         if self._committer is not None:
             try:
