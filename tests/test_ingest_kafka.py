@@ -385,6 +385,24 @@ def test_unreachable_broker_times_out_after_retries() -> None:
     client.close()
 
 
+def test_sasl_password_never_shows_in_failures(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import traceback
+
+    caplog.set_level(logging.DEBUG)
+    pw = "S3cr3t-canary-pw"
+    client = _client()
+    src = KafkaSource(f"kafka://alice:{pw}@127.0.0.1:{free_port()}?security_protocol=SASL_PLAINTEXT",
+                      "t", include="partition,offset", timeout_s=1.5)
+    with pytest.raises(SourceTimeout) as ei:
+        with Ingestion(client, "sasl", src, AKEY, AVAL) as ing:
+            ing.run_once()
+    texts = [str(ei.value), repr(ei.value), "".join(traceback.format_exception(ei.value)), caplog.text, repr(src)]
+    assert not [t for t in texts if pw in t]
+    assert "alice:****@" in str(ei.value)
+    client.close()
+
+
 def test_broker_going_away_mid_run_times_out() -> None:
     """A private broker is stopped under a running instance: the next run retries with
     backoff for ``timeout_s`` and raises ``SourceTimeout``; nothing was bound from it."""
