@@ -17,6 +17,7 @@ so every helper uses fresh clients around such swaps. Helpers here work around t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -49,6 +50,8 @@ def free_port() -> int:
     s.close()
     return port
 
+
+_LOG = logging.getLogger("tests.kafka_clients")  # librdkafka's logs, instead of raw stderr lines
 
 Record = tuple[int, bytes | None, bytes | None, int | None, list[tuple[str, bytes]] | None]
 
@@ -108,13 +111,15 @@ class KafkaBroker:
 
         # a fresh client per use: a librdkafka client living across a topic delete +
         # recreate on Tansu can segfault (metadata cache); see the module docstring
-        return AdminClient({"bootstrap.servers": self.bootstrap})
+        return AdminClient({"bootstrap.servers": self.bootstrap, "logger": _LOG})
 
     def producer(self) -> Any:
         from confluent_kafka import Producer
 
         if self._producer is None:
-            self._producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 5, "enable.idempotence": False})
+            self._producer = Producer(
+                {"bootstrap.servers": self.bootstrap, "linger.ms": 5, "enable.idempotence": False, "logger": _LOG}
+            )
         return self._producer
 
     def create_topic(self, name: str, partitions: int = 1) -> None:
@@ -186,7 +191,7 @@ class KafkaBroker:
 
         c = Consumer({
             "bootstrap.servers": self.bootstrap, "group.id": "test-ground-truth", "enable.auto.commit": False,
-            "enable.partition.eof": True, "auto.offset.reset": "earliest",
+            "enable.partition.eof": True, "auto.offset.reset": "earliest", "logger": _LOG,
         })
         out: dict[int, list[Record]] = {p: [] for p in range(partitions)}
         try:
@@ -225,7 +230,7 @@ class KafkaBroker:
     def group_offsets(self, group: str, topic: str, partitions: int) -> dict[int, int]:
         from confluent_kafka import Consumer, TopicPartition
 
-        c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": group, "enable.auto.commit": False})
+        c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": group, "enable.auto.commit": False, "logger": _LOG})
         try:
             got = c.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
             return {tp.partition: tp.offset for tp in got if tp.offset >= 0}
