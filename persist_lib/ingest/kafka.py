@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import numpy as np
@@ -530,15 +530,25 @@ class KafkaSource:
         from_key, from_val, kfield, vfield = self._plan(spec)
         bad: dict[int, tuple[str, str]] = {}
         cols: dict[str, pa.Array] = {}
-        tomb = np.fromiter((v is None for v in m.vals), dtype=bool, count=n)
+        vals_all = m.vals
+        tomb = (
+            np.fromiter((v is None for v in vals_all), dtype=bool, count=n)
+            if None in vals_all  # (a C-level scan: most chunks hold no tombstone)
+            else np.zeros(n, dtype=bool)
+        )
         upsert = self._envelope == "upsert"
         if from_val or vfield is not None:
             idx = np.flatnonzero(~tomb)
-            vals = [v for v in m.vals if v is not None]  # (in the order of idx)
+            # (in idx order; with no tombstone the values are all bytes)
+            vals = [v for v in vals_all if v is not None] if len(idx) < n else cast(list[bytes], vals_all)
             self._fill(spec, "value", self.value_format, vals, idx, n, from_val, vfield, cols, bad)
         if self.key_format != "none":
-            kidx = np.array([i for i, k in enumerate(m.keys) if k is not None], dtype=np.int64)
-            keys = [k for k in m.keys if k is not None]
+            keys_all = m.keys
+            if None in keys_all:
+                kidx = np.array([i for i, k in enumerate(keys_all) if k is not None], dtype=np.int64)
+                keys = [k for k in keys_all if k is not None]
+            else:
+                kidx, keys = np.arange(n, dtype=np.int64), cast(list[bytes], keys_all)
             self._fill(spec, "key", self.key_format, keys, kidx, n, from_key, kfield, cols, bad)
         for col, kind in self._meta.items():
             cols[col] = self._metadata(kind, partition, m, inp.field(col).type)
