@@ -42,6 +42,17 @@ VAL = pa.schema([("name", pa.string()), ("qty", pa.float64()), ("city", pa.strin
 TOPIC = "bench"
 
 
+def _die_with_parent() -> None:
+    """The broker gets SIGTERM if this process dies (Linux PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 def start_broker(log: Path) -> tuple[subprocess.Popen[bytes], str]:
     import importlib.resources
 
@@ -54,6 +65,7 @@ def start_broker(log: Path) -> tuple[subprocess.Popen[bytes], str]:
     proc = subprocess.Popen(
         [binary, "broker", "--listener-url", url, "--advertised-listener-url", url],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115 - closed with the process
+        preexec_fn=_die_with_parent,
     )
     deadline = time.monotonic() + 20
     while True:

@@ -43,6 +43,18 @@ def tansu_binary() -> str:
     return str(res)
 
 
+def die_with_parent() -> None:
+    """(preexec) The broker gets SIGTERM when the test process dies, even by SIGKILL or a
+    segfault, instead of lingering as an orphan (Linux ``PR_SET_PDEATHSIG``)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 def free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -71,7 +83,7 @@ class KafkaBroker:
         url = f"tcp://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url],
-            stdout=self._log, stderr=subprocess.STDOUT,
+            stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + 20
         while True:
