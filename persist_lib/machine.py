@@ -168,11 +168,16 @@ class Machine:
         self._rollup_thread: threading.Thread | None = None
 
     def wait_background(self, timeout_s: float = 10.0) -> None:
-        """Waits (bounded) for this machine's background rollup: the client calls it
-        before closing its blob and consensus, which the rollup still uses."""
+        """Waits (bounded) for this machine's background rollup, and for any rollup another
+        machine of this process is writing for the shard: the client calls it before
+        closing its blob and consensus, which the rollup still uses, and a quiescent leak
+        sweep before listing (a rollup uploaded but not yet linked looks leaked)."""
+        deadline = time.monotonic() + timeout_s
         t = self._rollup_thread
         if t is not None and t.is_alive():
             t.join(timeout_s)
+        while self.shared.rollup_in_progress and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     # ----- reading state ----------------------------------------------------------------
 

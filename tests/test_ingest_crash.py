@@ -40,17 +40,29 @@ def _params(loc: tuple[str, str], zone: Path, n: int) -> dict:
 
 
 def _crash_and_restart(params: dict, kills: int, seed: int, window: float) -> dict:
-    """Starts the worker, kills it with SIGKILL at a random point, ``kills`` times;
-    then runs it to completion. Returns the final summary and the number of kills
-    that hit a running process."""
+    """Starts the worker and kills it with SIGKILL, ``kills`` times; then runs it to
+    completion. Returns the final summary and the number of kills that hit a running
+    process.
+
+    Kill points are chosen by progress, not by wall time alone (time-only delays drawn
+    from the reference run's duration missed whenever the machine's load changed between
+    the runs: a restarted life finished its remaining work before the delay): a quarter
+    of the lives are killed during start-up and rehydration, the others a random moment
+    after their first durable append."""
     rng = random.Random(seed)
     hits = 0
     for _ in range(kills):
-        proc = subprocess.Popen(worker_cmd(params), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=worker_env())
+        p = dict(params, report_progress=True)
+        proc = subprocess.Popen(worker_cmd(p), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=worker_env(), text=True)
         assert proc.stdout is not None
         proc.stdout.readline()  # "started": imports done, the ingestion begins
-        # each life gets ~1/kills of the work on average, so every kill lands mid-run
-        delay = rng.uniform(0.0, 2.0 * window / kills)
+        if rng.random() < 0.25:
+            delay = rng.uniform(0.0, 0.2 * window)  # start-up, rehydration, first reads
+        else:
+            line = proc.stdout.readline()
+            while line and not line.startswith("progress"):
+                line = proc.stdout.readline()
+            delay = rng.uniform(0.0, window / (2 * max(kills, 4)))
         try:
             proc.wait(timeout=delay)
         except subprocess.TimeoutExpired:

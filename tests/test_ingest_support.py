@@ -134,6 +134,8 @@ ing = Ingestion(
     envelope=p.get("envelope", "upsert"), delete_field=p.get("delete_field", "_deleted"),
     config=IngestConfig(max_records_per_binding=p["n"], keep_raw=p.get("keep_raw", False)),
     clock=clock,
+    progress=(lambda pr: None if pr.done else print("progress", pr.bindings, flush=True))
+    if p.get("report_progress") else None,
 )
 print("started", flush=True)
 if p.get("barrier"):

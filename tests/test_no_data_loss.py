@@ -270,6 +270,39 @@ def test_rollup_written_but_not_yet_linked_survives_a_sweep() -> None:
     assert {s["key"] for s in client.unreferenced_blobs(shard, 0, delete=True)} == {stale}
 
 
+def test_quiescent_sweep_waits_for_this_processs_background_rollup() -> None:
+    """Soak seed 1128 (session 4): the final GC's commit started a background rollup; the
+    quiescent sweep (no in-flight guard) listed the uploaded, not yet linked rollup as
+    leaked and deleted it just before it was linked, so the shard's latest rollup was gone."""
+    client = mem_client(rollup_interval=2, rollup_in_background=True)
+    shard = ShardId.new()
+    w, r = client.open(shard, KEY, VAL)
+    m = client.machine(shard)
+    orig_apply = m.apply
+    uploaded = threading.Event()
+
+    def slow_link(name: str, fn: Any, progress: Any = None) -> Any:
+        if name == "add_rollup":  # the rollup blob is uploaded; its CAS is slow
+            uploaded.set()
+            time.sleep(0.5)
+        return orig_apply(name, fn, progress)
+
+    m.apply = slow_link  # type: ignore[method-assign]
+    t = 0
+    while not uploaded.is_set() and t < 20:
+        w.compare_and_append(updates(t), t, t + 1)
+        t += 1
+        uploaded.wait(0.05)
+    assert uploaded.is_set(), "no background rollup started"
+    swept = client.unreferenced_blobs(shard, 0, delete=True, quiescent=True)
+    m.wait_background()
+    m.apply = orig_apply  # type: ignore[method-assign]
+    assert [s["key"] for s in swept if "/rollup/" in s["key"]] == []
+    latest = m.fetch_latest().latest_rollup()
+    assert latest is not None and client.blob.get(latest[1].key) is not None
+    client.close()
+
+
 def test_add_rollup_refuses_a_rollup_outside_the_link_window() -> None:
     from persist_lib import transitions as tr
 
