@@ -188,7 +188,8 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
     n = spec.name
     group = n
     cdc = spec.kind == "postgres_cdc"
-    landing_key = dg.AssetKey(f"{n}_table" if cdc else f"{n}_landing")
+    kafka = spec.kind == "kafka"
+    landing_key = dg.AssetKey(f"{n}_table" if cdc else f"{n}_topic" if kafka else f"{n}_landing")
     remap_key, raw_key = dg.AssetKey(f"{n}_remap"), dg.AssetKey(f"{n}_raw")
     data_key, errors_key = dg.AssetKey(n), dg.AssetKey(f"{n}_errors")
     rendition_parts = rendition_partitions(n)
@@ -196,10 +197,13 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
     landing = dg.AssetSpec(
         landing_key,
         group_name=group,
-        kinds={"postgres"} if cdc else {"s3"},
+        kinds={"postgres"} if cdc else {"kafka"} if kafka else {"s3"},
         description=(
             f"Postgres table {spec.table} read by logical replication (external)."
             if cdc
+            else f"Kafka topic {spec.topic} (external); the consumer group persist_{n} holds the "
+            "durable frontier as its committed offsets."
+            if kafka
             else f"Files of source {n!r} landing under <landing zone>/{n}/ (external)."
         ),
     )

@@ -67,7 +67,17 @@ def make_ingestion(
 
 
 def make_source(spec: SourceSpec, landing_uri: str) -> Any:
-    """The ``persist_lib.ingest`` source of ``spec``: a landing zone or Postgres CDC."""
+    """The ``persist_lib.ingest`` source of ``spec``: a landing zone, Postgres CDC or Kafka."""
+    if spec.kind == "kafka":
+        from persist_lib.ingest.kafka import KafkaSource
+
+        bootstrap = spec.bootstrap()
+        if not bootstrap:
+            raise IngestConfigError(
+                f"source {spec.name!r} reads Kafka topic {spec.topic!r}: set {spec.bootstrap_env} to "
+                "HOST:PORT (or kafka://USER:PASSWORD@HOST:PORT?security_protocol=...)"
+            )
+        return KafkaSource(bootstrap, spec.topic, key_format=spec.key_format)
     if spec.kind == "postgres_cdc":
         from persist_lib.ingest.pg_cdc import PgCdcSource
 
@@ -93,7 +103,7 @@ def ingest_source(
     if spec.kind == "landing_zone":
         _ensure_landing_dir(landing_uri)
     else:
-        spark = None  # a replication stream is read by the driver only
+        spark = None  # a replication stream or a topic is read by the driver only
     t0 = time.monotonic()
     with make_ingestion(spec, ctl, landing_uri, progress=progress, spark=spark) as ing:
         summary = ing.run_once()

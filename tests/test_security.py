@@ -339,6 +339,16 @@ def _pg_cdc(x: _World) -> list[Any]:
     return [src]
 
 
+def _kafka_source(x: _World) -> list[Any]:
+    from persist_lib.ingest.kafka import KafkaSource
+
+    enc = quote(x.pw, safe="")
+    url = f"kafka://alice:{enc}@127.0.0.1:9?security_protocol=SASL_PLAINTEXT&sasl_mechanism=PLAIN"
+    src = KafkaSource(url, "t", config={"sasl.password": x.pw})
+    src.attach(x.client, "nasty")
+    return [src]
+
+
 def _splits(x: _World, kind: str) -> list[Any]:
     out = x.r.snapshot_splits(0, 2) if kind == "snapshot" else x.r.range_splits(0, 1, 2)
     x.r.release_splits()
@@ -528,6 +538,7 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
         # ingestion: sources, stores, outputs, drivers
         "persist_lib.ingest.pg_cdc.PgCdcSource": _pg_cdc,
         "persist_lib.ingest.landing_zone.LandingZoneSource": lambda x: [LandingZoneSource(x.landing_uri)],
+        "persist_lib.ingest.kafka.KafkaSource": _kafka_source,
         "persist_lib.ingest.landing_zone.S3Store": lambda x: [S3Store(x.landing_uri)],
         "persist_lib.ingest.landing_zone._Store": lambda x: [S3Store(x.landing_uri)],
         "persist_lib.ingest.landing_zone.LocalStore": lambda x: [LocalStore(str(x.tmp))],

@@ -1,6 +1,6 @@
 """Source ingestion with reclocking (DESIGN section 11).
 
-Sources (a file landing zone, Postgres CDC) are reclocked through a remap shard and
+Sources (a file landing zone, Postgres CDC, Kafka) are reclocked through a remap shard and
 ingested by the recipe of seed 001 into definite outputs: the data collection, an
 errors collection, optionally the raw collection, and the envelope's state.
 
@@ -14,10 +14,14 @@ from persist_lib.ingest.errors import (
     IngestConfigError,
     IngestError,
     IngestInvariantError,
+    KafkaOffsetOutOfRange,
+    KafkaTopicGone,
     NeedsNewRendition,
     SourceDataGone,
+    SourceTimeout,
     SourceUnavailable,
 )
+from persist_lib.ingest.kafka import KafkaSource
 from persist_lib.ingest.landing_zone import LandingZoneSource
 from persist_lib.ingest.outputs import ShardOutputs, StorageOutputs, shard_id_for
 from persist_lib.ingest.progress import IngestProgress, ProgressBar, ProgressCallback, ProgressLog
@@ -30,6 +34,9 @@ __all__ = [
     "IngestInvariantError",
     "IngestProgress",
     "Ingestion",
+    "KafkaOffsetOutOfRange",
+    "KafkaSource",
+    "KafkaTopicGone",
     "LandingZoneSource",
     "NeedsNewRendition",
     "ProgressBar",
@@ -37,6 +44,7 @@ __all__ = [
     "ProgressLog",
     "ShardOutputs",
     "SourceDataGone",
+    "SourceTimeout",
     "SourceUnavailable",
     "StorageOutputs",
     "run_once",

@@ -2,6 +2,7 @@
 
 - ``persist ingest files NAME URI --key id:int64 --value name:string,qty:float64 ...``
 - ``persist ingest postgres NAME DSN TABLE --key id:int64 --value ...``
+- ``persist ingest kafka NAME BOOTSTRAP TOPIC --key id:int64 --value ... [--key-format json]``
 - ``persist ingest status NAME``
 
 A run prints its summary (a text view; ``--json`` for the JSON document; progress goes
@@ -91,6 +92,22 @@ def _args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slot", default=None, help="replication slot (default persist_NAME)")
     g.add_argument("--publication", default=None, help="publication (default persist_NAME)")
     _common(g)
+    k = sub.add_parser("kafka", help="ingest a Kafka topic (offsets per partition, group offsets committed when durable)")
+    k.add_argument("name", help="ingestion name")
+    k.add_argument("bootstrap", help="HOST:PORT[,HOST:PORT] or kafka://USER:PASSWORD@HOST:PORT?security_protocol=SASL_SSL")
+    k.add_argument("topic", help="the topic")
+    k.add_argument("--key-format", default="none", choices=["json", "text", "bytes", "none"],
+                   help="message key: JSON (object fields, or a scalar for one key field), text, bytes, or none")
+    k.add_argument("--value-format", default="json", choices=["json", "text", "bytes"], help="message value")
+    k.add_argument("--key-field", default=None, help="text/bytes key: the field it goes to")
+    k.add_argument("--value-field", default=None, help="text/bytes value: the field it goes to")
+    k.add_argument("--include", default=None,
+                   help="metadata columns: partition,offset,timestamp,headers,topic (KIND=COLUMN to rename; default kafka_KIND)")
+    k.add_argument("--group", default=None, help="consumer group for the committed offsets (default persist_NAME)")
+    k.add_argument("--envelope", default="append_only", choices=["append_only", "none", "upsert"],
+                   help="upsert: latest value per key, a null value (tombstone) deletes")
+    k.add_argument("--timeout", type=float, default=30.0, help="seconds to retry an unreachable broker")
+    _common(k)
     s = sub.add_parser("status", help="an ingestion's frontier, uppers and remap shard")
     s.add_argument("name", help="ingestion name")
 
@@ -137,7 +154,7 @@ def _human(client: PersistClient, ns: argparse.Namespace, doc: Any) -> str:
 
 @command(
     "ingest",
-    "ingest sources (file landing zones, Postgres CDC) with reclocking",
+    "ingest sources (file landing zones, Postgres CDC, Kafka) with reclocking",
     _args,
     creates_location=lambda ns: ns.ingest_cmd != "status",
     human=_human,
@@ -152,6 +169,15 @@ def _ingest(client: PersistClient, ns: argparse.Namespace) -> Any:
         from persist_lib.ingest.pg_cdc import PgCdcSource
 
         return _run(client, ns, PgCdcSource(ns.dsn, ns.table, slot=ns.slot, publication=ns.publication), "upsert", None)
+    if ns.ingest_cmd == "kafka":
+        from persist_lib.ingest.kafka import KafkaSource
+
+        ksrc = KafkaSource(
+            ns.bootstrap, ns.topic, key_format=ns.key_format, value_format=ns.value_format,
+            key_field=ns.key_field, value_field=ns.value_field, include=ns.include, group_id=ns.group,
+            timeout_s=ns.timeout,
+        )
+        return _run(client, ns, ksrc, ns.envelope, None)
     return status(client, ns.name)
 
 

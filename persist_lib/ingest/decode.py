@@ -367,14 +367,15 @@ def _json_failure(spec: DecodeSpec, line: bytes, err: Exception | None) -> tuple
 
 
 def decode_json_lines(
-    spec: DecodeSpec, lines: Sequence[bytes]
+    spec: DecodeSpec, lines: Sequence[bytes], schema: pa.Schema | None = None
 ) -> tuple[pa.Table, list[tuple[int, str, str]]]:
-    """Decodes JSON-lines records (no blank lines) into ``spec.input_schema()`` rows.
+    """Decodes JSON-lines records (no blank lines) into ``spec.input_schema()`` rows
+    (or ``schema``: a subset of its fields, e.g. the ones a Kafka message value holds).
 
     Returns ``(table, bad)`` where ``table`` has one row per *good* line (in order) and
     ``bad`` lists ``(line index, kind, reason)``.
     """
-    schema = spec.input_schema()
+    schema = spec.input_schema() if schema is None else schema
     opts = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
     ropts = pj.ReadOptions(block_size=1 << 24)
 

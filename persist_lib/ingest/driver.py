@@ -210,6 +210,9 @@ class Ingestion:
         attach = getattr(self.source, "attach", None)
         if callable(attach):
             attach(self.client, self.name, self.spec)
+        bind_envelope = getattr(self.source, "bind_envelope", None)
+        if callable(bind_envelope):  # a source whose decoding depends on it (Kafka tombstones)
+            bind_envelope(self.envelope.kind)
         self.source.check()
         self.source.prepare()
         for role in self.roles():
@@ -346,6 +349,9 @@ class Ingestion:
 
     def _apply(self, b: Binding, chunks: list[Chunk], acc: _Acc) -> None:
         spec = self.spec
+        # Partition order, then address order: how an instance happened to read the
+        # partitions of a multi-partition source (Kafka) must not change the result.
+        chunks = sorted(chunks, key=lambda c: (c.partition, tuple(c.start)))
         decs = [c.decode(spec) for c in chunks]
         tables = [d.rows for d in decs if d.num_rows]
         rows = pa.concat_tables(tables) if tables else spec.rows_schema().empty_table()

@@ -11,7 +11,7 @@ addresses the output still depends on).
 
 from __future__ import annotations
 
-from persist_lib.errors import InvalidUsage, PersistError
+from persist_lib.errors import InvalidUsage, PersistError, Timeout
 
 
 class IngestError(PersistError):
@@ -64,3 +64,43 @@ class NeedsNewRendition(IngestError):
 
 class IngestInvariantError(IngestError):
     """Persist state contradicts the ingestion recipe (e.g. an output ahead of the remap)."""
+
+
+class KafkaDataGone(SourceDataGone):
+    """A Kafka topic/partition/offset the ingestion still needs is no longer served."""
+
+    def __init__(self, message: str, *, topic: str, partition: int | None, offset: int | None) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset
+        super().__init__(message)
+
+
+class KafkaOffsetOutOfRange(KafkaDataGone):
+    """The broker no longer serves an offset the ingestion needs (deleted by retention or
+    ``delete_records``, or the log was truncated/recreated below it)."""
+
+    def __init__(self, topic: str, partition: int, offset: int, low: int | None, high: int | None, why: str) -> None:
+        self.low = low
+        self.high = high
+        rng = f"[{low}, {high})" if low is not None and high is not None else "unknown"
+        super().__init__(
+            f"kafka topic {topic!r} partition {partition}: offset {offset} is out of range (the broker "
+            f"serves offsets {rng}): {why}. The messages from offset {offset} on are bound in the remap "
+            "shard (or follow the ingested frontier) and can't be read again, so the collection can't "
+            "be completed definitely: raise the topic's retention (retention.ms/retention.bytes) so "
+            "it outlives ingestion lag, then rebuild the collection in a new rendition (a new "
+            "ingestion name, or from the raw collection if one is kept)",
+            topic=topic, partition=partition, offset=offset,
+        )
+
+
+class KafkaTopicGone(KafkaDataGone):
+    """The topic was deleted, or has fewer partitions than the ingestion already read."""
+
+
+class SourceTimeout(Timeout, IngestError):
+    """The source did not answer within the configured time (after retries with backoff).
+
+    Nothing was decided from the failed attempts: retrying later is safe.
+    """

@@ -68,8 +68,9 @@ def _full_rows(spec: DecodeSpec, rows: pa.Table) -> pa.Table:
     return rows.select(names)
 
 
-def decode_raw(spec: DecodeSpec, raw: pa.Table) -> tuple[pa.Table, list[ErrorRecord]]:
-    """Decodes the raw records of one time (any order) with ``spec``: rows + errors."""
+def decode_raw(spec: DecodeSpec, raw: pa.Table, envelope: str = "append_only") -> tuple[pa.Table, list[ErrorRecord]]:
+    """Decodes the raw records of one time (any order) with ``spec``: rows + errors
+    (``envelope``: Kafka tombstones are deletes only for ``upsert``)."""
     from persist_lib.ingest.landing_zone import decode_csv_records
     from persist_lib.ingest.pg_cdc import decode_change_records
 
@@ -109,6 +110,10 @@ def decode_raw(spec: DecodeSpec, raw: pa.Table) -> tuple[pa.Table, list[ErrorRec
                 [bool(o["truncate"]) for o in objs],
                 [o.get("unchanged") or None for o in objs],
             )
+        elif fmt == "kafka":
+            from persist_lib.ingest.kafka import decode_kafka_raw
+
+            rows, bad_all = decode_kafka_raw(spec, envelope, [p for p, _ in addrs], [int(a[0]) for _, a in addrs], raws)
         else:
             raise IngestConfigError(f"raw records of unknown format {fmt!r}: this rebuild can't decode them")
         out_rows.append(_full_rows(spec, rows))
@@ -167,7 +172,7 @@ def rebuild_from_raw(
         def write(per_time: dict[int, pa.Table], lower: int, upper: int) -> None:
             acc: dict[str, list[pa.Table]] = {r: [] for r in roles}
             for tt in sorted(per_time):
-                rows, errs = decode_raw(spec, per_time[tt])
+                rows, errs = decode_raw(spec, per_time[tt], env.kind)
                 if transform is not None:
                     base = rows.select(spec.key_names + spec.val_names + [DELETE_COL])
                     rows = _full_rows(spec, transform(base))

@@ -1,0 +1,993 @@
+"""Kafka source: one source partition per Kafka partition, address = ``(offset,)``.
+
+Why it is definite: a Kafka partition is an ordered, replayable log, so the messages in
+``[F(b-1), F(b))`` of every partition are the same for every instance that replays a
+binding (as long as the broker still serves them; if not, a typed
+``KafkaOffsetOutOfRange`` names topic, partition and offset instead of skipping).
+Partitions that appear while running are assigned at offset 0 and bound like the rest.
+
+The consumer uses manual assignment (no group rebalancing: every instance reads every
+partition) and never commits on its own. ``release`` -- called by the driver only
+after every output is durable up to a binding -- commits exactly that binding's
+frontier as the consumer group's offsets, so the group offsets (what monitoring and
+retention tooling look at) never run ahead of what is durable.
+
+Decoding (row-wise, so any chunking decodes identically): key and value are ``json``
+(an object's fields; a scalar JSON key fills a single key field), ``text`` (UTF-8) or
+``bytes`` into one field; ``include`` adds message metadata (partition, offset,
+timestamp, headers, topic) as columns. With the upsert envelope a null value (a
+tombstone) deletes its key.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist_lib.ingest.decode import (
+    Decoded,
+    DecodeSpec,
+    ErrorRecord,
+    cast_rowwise,
+    decode_json_lines,
+    merge_good_and_bad,
+    raw_table,
+)
+from persist_lib.ingest.errors import (
+    IngestConfigError,
+    KafkaOffsetOutOfRange,
+    KafkaTopicGone,
+    SourceTimeout,
+    SourceUnavailable,
+)
+from persist_lib.ingest.source import Address, Chunk, Frontier, Lag, Note
+from persist_lib.location.redaction import SensitiveUrl, is_secret_name, redacted_dataclass_repr
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.client import PersistClient
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("json", "text", "bytes", "none")
+METADATA = ("partition", "offset", "timestamp", "headers", "topic")
+_TOMBSTONE = "__kafka_tombstone"
+
+
+def _parse_include(include: Mapping[str, str] | Sequence[str] | str | None) -> dict[str, str]:
+    """``include`` -> {column name: metadata kind}."""
+    if include is None:
+        return {}
+    if isinstance(include, str):
+        items: list[tuple[str, str]] = []
+        for part in [p.strip() for p in include.split(",") if p.strip()]:
+            kind, _, col = part.partition("=")
+            items.append((kind.strip(), col.strip() or f"kafka_{kind.strip()}"))
+    elif isinstance(include, Mapping):
+        items = [(str(k), str(v)) for k, v in include.items()]
+    else:
+        items = [(str(k), f"kafka_{k}") for k in include]
+    out: dict[str, str] = {}
+    for kind, col in items:
+        if kind not in METADATA:
+            raise IngestConfigError(
+                f"unknown Kafka metadata {kind!r} in include: use any of {', '.join(METADATA)} "
+                "(optionally KIND=COLUMN, e.g. 'timestamp=ts')"
+            )
+        out[col] = kind
+    return out
+
+
+def _bootstrap_of(url: str) -> tuple[str, dict[str, str]]:
+    """``kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT]?security_protocol=...`` or a
+    plain ``HOST:PORT,...`` list -> (bootstrap.servers, extra librdkafka settings)."""
+    if "://" not in url:
+        return url, {}
+    parts = urlsplit(url)
+    if parts.scheme != "kafka":
+        raise IngestConfigError(
+            f"Kafka bootstrap URL {SensitiveUrl(url)}: use kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT]"
+            "[?security_protocol=SASL_SSL&sasl_mechanism=PLAIN] or a plain HOST:PORT list"
+        )
+    netloc = parts.netloc
+    conf: dict[str, str] = {}
+    if "@" in netloc:
+        userinfo, _, netloc = netloc.rpartition("@")
+        user, _, pw = userinfo.partition(":")
+        conf["sasl.username"] = unquote(user)
+        conf["sasl.password"] = unquote(pw)
+        conf.setdefault("security.protocol", "SASL_SSL")
+        conf.setdefault("sasl.mechanism", "PLAIN")
+    for k, v in parse_qsl(parts.query, keep_blank_values=True):
+        conf[k.replace("_", ".")] = v
+    if not netloc:
+        raise IngestConfigError(f"Kafka bootstrap URL {SensitiveUrl(url)} names no HOST:PORT")
+    return netloc, conf
+
+
+class _Msgs:
+    """Messages of one partition (confluent-kafka ``Message`` objects, offsets
+    ascending); keys, values, timestamps and headers are pulled out lazily, by list
+    comprehension, which is cheaper than a Python loop doing it per message."""
+
+    __slots__ = ("msgs", "offs", "_vals", "_keys", "_ts", "_hdrs")
+
+    def __init__(self, msgs: list[Any] | None = None, offs: list[int] | None = None) -> None:
+        self.msgs: list[Any] = msgs if msgs is not None else []
+        self.offs: list[int] = offs if offs is not None else [m.offset() for m in self.msgs]
+        self._vals: list[bytes | None] | None = None
+        self._keys: list[bytes | None] | None = None
+        self._ts: list[int | None] | None = None
+        self._hdrs: list[Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.offs)
+
+    def extend(self, msgs: list[Any]) -> int:
+        offs = [m.offset() for m in msgs]
+        if self.offs and offs and offs[0] <= self.offs[-1]:  # a re-fetch after a reconnect
+            last = self.offs[-1]
+            keep = [i for i, o in enumerate(offs) if o > last]
+            msgs = [msgs[i] for i in keep]
+            offs = [offs[i] for i in keep]
+        self.msgs.extend(msgs)
+        self.offs.extend(offs)
+        self._vals = self._keys = self._ts = self._hdrs = None
+        return len(msgs)
+
+    @property
+    def vals(self) -> list[bytes | None]:
+        if self._vals is None:
+            self._vals = [m.value() for m in self.msgs]
+        return self._vals
+
+    @property
+    def keys(self) -> list[bytes | None]:
+        if self._keys is None:
+            self._keys = [m.key() for m in self.msgs]
+        return self._keys
+
+    @property
+    def ts(self) -> list[int | None]:
+        if self._ts is None:
+            self._ts = [t[1] if t[0] else None for t in (m.timestamp() for m in self.msgs)]
+        return self._ts
+
+    @property
+    def hdrs(self) -> list[Any]:
+        if self._hdrs is None:
+            self._hdrs = [m.headers() for m in self.msgs]
+        return self._hdrs
+
+    def slice(self, i: int, j: int) -> _Msgs:
+        m = _Msgs(self.msgs[i:j], self.offs[i:j])
+        m._vals = None if self._vals is None else self._vals[i:j]
+        m._keys = None if self._keys is None else self._keys[i:j]
+        return m
+
+
+class KafkaChunk(Chunk):
+    """Messages of one Kafka partition with offsets in ``[start, end)``."""
+
+    def __init__(self, src: KafkaSource, partition: str, start: int, end: int, msgs: _Msgs) -> None:
+        self.src = src
+        self.partition = partition
+        self.start = (start,)
+        self.end = (end,)
+        self.msgs = msgs
+        self.num_records = len(msgs)
+        self.nbytes = sum(map(len, filter(None, msgs.vals)))  # (values: what the bytes figures count)
+        self.notes: tuple[Note, ...] = ()
+
+    def split(self, at: Address) -> tuple[Chunk | None, Chunk | None]:
+        a = int(at[0])
+        s, e = int(self.start[0]), int(self.end[0])
+        if a >= e:
+            return self, None
+        if a <= s:
+            return None, self
+        i = bisect.bisect_left(self.msgs.offs, a)
+        p = self.partition
+        return (
+            KafkaChunk(self.src, p, s, a, self.msgs.slice(0, i)),
+            KafkaChunk(self.src, p, a, e, self.msgs.slice(i, len(self.msgs))),
+        )
+
+    def take(self, n: int) -> tuple[Chunk, Chunk | None]:
+        if n >= self.num_records:
+            return self, None
+        cut = self.msgs.offs[max(n, 1) - 1] + 1
+        head, tail = self.split((cut,))
+        assert head is not None
+        return head, tail
+
+    def decode(self, spec: DecodeSpec) -> Decoded:
+        return self.src.decode_messages(self.partition, self.msgs, spec)
+
+    def __repr__(self) -> str:
+        return f"KafkaChunk({self.src.topic!r}/{self.partition}, [{self.start[0]}, {self.end[0]}), {self.num_records} msgs)"
+
+
+@dataclass
+class KafkaSource:
+    """A Kafka topic (see the module docstring).
+
+    ``bootstrap_url``: ``HOST:PORT[,HOST:PORT]`` or ``kafka://USER:PASSWORD@HOST:PORT?...``
+    (SASL; query parameters are librdkafka settings with ``_`` for ``.``, e.g.
+    ``security_protocol=SASL_SSL&sasl_mechanism=SCRAM-SHA-512``; never shown in reprs,
+    logs or errors). ``key_format``/``value_format``: ``json``, ``text``, ``bytes`` or
+    ``none`` (key only). ``key_field``/``value_field``: the field a text/bytes key or
+    value goes to (default: the only candidate). ``include``: metadata columns, e.g.
+    ``"partition,offset,timestamp=ts,headers"`` (default column ``kafka_KIND``).
+    ``group_id`` (default ``persist_NAME``): the consumer group whose offsets are
+    committed at the durable frontier. ``timeout_s``: how long an unreachable broker is
+    retried (with backoff) before ``SourceTimeout``.
+    """
+
+    bootstrap_url: str
+    topic: str
+    key_format: str = "none"
+    value_format: str = "json"
+    key_field: str | None = None
+    value_field: str | None = None
+    include: Mapping[str, str] | Sequence[str] | str | None = None
+    group_id: str | None = None
+    commit_offsets: bool = True
+    timeout_s: float = 30.0
+    poll_s: float = 0.2
+    metadata_interval_s: float = 5.0
+    config: Mapping[str, str] | None = field(default=None, repr=False)  # extra librdkafka settings
+    kind: str = "kafka"
+    _servers: str = field(default="", init=False, repr=False)
+    _conf: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    _meta: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    _spec: DecodeSpec | None = field(default=None, init=False, repr=False)
+    _envelope: str = field(default="append_only", init=False, repr=False)
+    _committer: Any = field(default=None, init=False, repr=False)
+    _committed: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _name: str = field(default="", init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.topic, str) or not self.topic:
+            raise IngestConfigError("KafkaSource needs a topic name")
+        for what, v in (("key_format", self.key_format), ("value_format", self.value_format)):
+            if v not in FORMATS or (what == "value_format" and v == "none"):
+                allowed = FORMATS if what == "key_format" else FORMATS[:3]
+                raise IngestConfigError(f"Kafka {what} {v!r} is not supported: use one of {', '.join(allowed)}")
+        url = SensitiveUrl(self.bootstrap_url)
+        if "://" in self.bootstrap_url and url.problem:
+            raise IngestConfigError(f"the Kafka bootstrap URL {url} is ambiguous: {url.problem}")
+        self._servers, self._conf = _bootstrap_of(self.bootstrap_url)
+        self._meta = _parse_include(self.include)
+
+    def __repr__(self) -> str:  # the bootstrap URL may hold a SASL password
+        return redacted_dataclass_repr(self)
+
+    # ----- identity and configuration -----------------------------------------------
+
+    def attach(self, client: PersistClient, name: str, spec: DecodeSpec | None = None) -> None:
+        self._name = name
+        self._spec = spec
+        if self.group_id is None:
+            self.group_id = f"persist_{name}"
+
+    def bind_envelope(self, kind: str) -> None:
+        self._envelope = kind
+        if kind == "upsert" and self.key_format == "none":
+            raise IngestConfigError(
+                f"Kafka topic {self.topic!r}: the upsert envelope needs the message key "
+                "(a tombstone carries only the key): pass key_format='json', 'text' or 'bytes'"
+            )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "bootstrap": SensitiveUrl(self.bootstrap_url).redacted if "://" in self.bootstrap_url else self.bootstrap_url,
+            "topic": self.topic,
+            "key_format": self.key_format,
+            "value_format": self.value_format,
+            "include": dict(self._meta),
+            "group_id": self.group_id,
+        }
+
+    def _where(self) -> str:
+        return f"Kafka topic {self.topic!r} at {self.describe()['bootstrap']}"
+
+    def partitions(self) -> tuple[str, ...]:
+        return tuple(str(p) for p in range(self.partition_count()))
+
+    def initial_frontier(self) -> Frontier:
+        return {}  # every partition starts at offset 0, including ones added later
+
+    def _consumer_conf(self, **extra: Any) -> dict[str, Any]:
+        conf: dict[str, Any] = {
+            "bootstrap.servers": self._servers,
+            "group.id": self.group_id or "persist",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "error",
+            "enable.partition.eof": True,
+            "isolation.level": "read_committed",
+            "fetch.wait.max.ms": 100,
+            "queued.min.messages": 200_000,
+            "socket.connection.setup.timeout.ms": max(1000, int(self.timeout_s * 1000)),
+            "reconnect.backoff.max.ms": 2000,
+            "logger": log,
+        }
+        conf.update(self._conf)
+        conf.update(dict(self.config or {}))
+        conf.update(extra)
+        return conf
+
+    def new_consumer(self) -> Any:
+        from confluent_kafka import Consumer
+
+        try:
+            return Consumer(self._consumer_conf())
+        except Exception as e:  # noqa: BLE001 - librdkafka's configuration errors
+            raise IngestConfigError(
+                f"{self._where()}: invalid consumer configuration: {self._scrub(str(e))}; fix the "
+                "bootstrap URL parameters or config"
+            ) from None
+
+    def _scrub(self, text: str) -> str:
+        conf = {**self._conf, **dict(self.config or {})}
+        for k, v in conf.items():
+            if v and is_secret_name(k):
+                text = text.replace(str(v), "****")
+        return SensitiveUrl(self.bootstrap_url).scrub(text) if "://" in self.bootstrap_url else text
+
+    def topic_partitions(self, consumer: Any) -> int | None:
+        """The topic's partition count (None: the topic does not exist), retrying an
+        unreachable broker with backoff for ``timeout_s`` before ``SourceTimeout``."""
+        from confluent_kafka import KafkaError, KafkaException
+
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.1
+        last = ""
+        while True:
+            try:
+                md = consumer.list_topics(self.topic, timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+                t = md.topics.get(self.topic)
+                if t is None:
+                    return None
+                if t.error is not None:
+                    if t.error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+                        return None
+                    if not t.error.retriable():
+                        raise SourceUnavailable(f"{self._where()}: metadata error {t.error.str()}")
+                    last = t.error.str()
+                else:
+                    return len(t.partitions)
+            except KafkaException as e:
+                last = self._scrub(str(e.args[0].str() if e.args else e))
+            if time.monotonic() >= deadline:
+                raise SourceTimeout(
+                    f"{self._where()}: no answer from the broker(s) within {self.timeout_s:g}s "
+                    f"(retried with backoff; last error: {last}); check that the broker is up and the "
+                    "bootstrap address/port and security settings are right; retrying later is safe "
+                    "(nothing was decided)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def partition_count(self) -> int:
+        c = self.new_consumer()
+        try:
+            n = self.topic_partitions(c)
+        finally:
+            c.close()
+        if n is None:
+            raise IngestConfigError(
+                f"{self._where()} does not exist: create it (e.g. kafka-topics.sh --create --topic "
+                f"{self.topic}) or fix the topic name"
+            )
+        return n
+
+    def check(self) -> None:
+        """The schema fits the formats, and the broker answers (``SourceTimeout`` if not).
+        A missing topic is judged by the reader: a configuration error for a new
+        ingestion, ``KafkaTopicGone`` for one that already read from it."""
+        if self._spec is not None:
+            self._plan(self._spec)
+        c = self.new_consumer()
+        try:
+            self.topic_partitions(c)
+        finally:
+            c.close()
+
+    def prepare(self) -> None:
+        return None
+
+    # ----- reading --------------------------------------------------------------------
+
+    def open_reader(self, frontier: Frontier, notes: list[Note]) -> KafkaReader:
+        return KafkaReader(self, {int(p): int(a[0]) for p, a in frontier.items()})
+
+    def release(self, frontier: Frontier) -> None:
+        """Commits the durable frontier as the consumer group's offsets (never beyond it)."""
+        if not self.commit_offsets:
+            return
+        from confluent_kafka import KafkaException, TopicPartition
+
+        want = {int(p): int(a[0]) for p, a in frontier.items()}
+        todo = [TopicPartition(self.topic, p, o) for p, o in sorted(want.items()) if self._committed.get(p) != o]
+        if not todo:
+            return
+        try:
+            if self._committer is None:
+                self._committer = self.new_consumer()
+            self._committer.commit(offsets=todo, asynchronous=False)
+        except KafkaException as e:
+            raise SourceUnavailable(f"{self._where()}: committing group offsets failed: {self._scrub(str(e))}") from None
+        for tp in todo:
+            self._committed[tp.partition] = tp.offset
+
+    def committed(self) -> dict[int, int]:
+        """The consumer group's committed offsets (for tests and status)."""
+        from confluent_kafka import TopicPartition
+
+        c = self.new_consumer()
+        try:
+            n = self.topic_partitions(c) or 0
+            got = c.committed([TopicPartition(self.topic, p) for p in range(n)], timeout=self.timeout_s)
+            return {tp.partition: tp.offset for tp in got if tp.offset >= 0}
+        finally:
+            c.close()
+
+    def group_lag(self) -> dict[int, tuple[int, int]]:
+        """``{partition: (committed offset, high watermark)}`` of the consumer group: the
+        committed offsets are the durable frontier, so ``high - committed`` is what is
+        not ingested yet (for lag sensors and status; Tansu under-reports the high
+        watermark, see docs/ingestion.md)."""
+        from confluent_kafka import KafkaException, TopicPartition
+
+        c = self.new_consumer()
+        try:
+            n = self.topic_partitions(c)
+            if n is None:
+                raise IngestConfigError(f"{self._where()} does not exist: create it or fix the topic name")
+            tps = [TopicPartition(self.topic, p) for p in range(n)]
+            out: dict[int, tuple[int, int]] = {}
+            for tp in c.committed(tps, timeout=self.timeout_s):
+                _, hi = c.get_watermark_offsets(TopicPartition(self.topic, tp.partition), timeout=5.0, cached=False)
+                out[tp.partition] = (max(int(tp.offset), 0), int(hi))
+            return out
+        except KafkaException as e:
+            raise SourceUnavailable(f"{self._where()}: reading group offsets failed: {self._scrub(str(e))}") from None
+        finally:
+            c.close()
+
+    def close(self) -> None:
+        if self._committer is not None:
+            try:
+                self._committer.close()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+            self._committer = None
+
+    # ----- decoding -------------------------------------------------------------------
+
+    def _plan(self, spec: DecodeSpec) -> tuple[list[pa.Field], list[pa.Field], str | None, str | None]:
+        """(fields from a JSON key, fields from a JSON value, text/bytes key field, value field)."""
+        names = set(spec.key_names) | set(spec.val_names)
+        for col in self._meta:
+            if col not in names:
+                raise IngestConfigError(
+                    f"{self._where()}: include names column {col!r} ({self._meta[col]}) but the schema has "
+                    f"no such field; add it (e.g. --value {col}:int64) or drop it from include"
+                )
+        key_fields = [pa.field(f.name, f.type, True) for f in spec.key_schema if f.name not in self._meta]
+        val_fields = [pa.field(f.name, f.type, True) for f in spec.val_schema if f.name not in self._meta]
+        kfield: str | None = None
+        vfield: str | None = None
+        from_key: list[pa.Field] = []
+        if self.key_format == "json":
+            from_key = key_fields
+        elif self.key_format in ("text", "bytes"):
+            kfield = self.key_field or (key_fields[0].name if len(key_fields) == 1 else None)
+            if kfield is None or kfield not in names:
+                raise IngestConfigError(
+                    f"{self._where()}: key_format={self.key_format!r} needs key_field naming the field the "
+                    f"key goes to (key fields: {[f.name for f in key_fields]})"
+                )
+            from_key = []
+        if self.key_format in ("json", "text", "bytes"):
+            from_val = val_fields if self.key_format == "json" else [f for f in key_fields + val_fields if f.name != kfield]
+        else:
+            from_val = key_fields + val_fields
+        if self.value_format in ("text", "bytes"):
+            cands = [f.name for f in from_val]
+            vfield = self.value_field or (cands[0] if len(cands) == 1 else None)
+            if vfield is None or vfield not in names:
+                raise IngestConfigError(
+                    f"{self._where()}: value_format={self.value_format!r} fills one field: pass value_field "
+                    f"(candidates: {cands})"
+                )
+            missing = [n for n in cands if n != vfield]
+            if missing:
+                raise IngestConfigError(
+                    f"{self._where()}: with value_format={self.value_format!r} fields {missing} get no data; "
+                    "drop them, include them as metadata, or use value_format='json'"
+                )
+            from_val = []
+        return from_key, from_val, kfield, vfield
+
+    def decode_messages(self, partition: str, m: _Msgs, spec: DecodeSpec) -> Decoded:
+        n = len(m)
+        inp = spec.input_schema()
+        from_key, from_val, kfield, vfield = self._plan(spec)
+        bad: dict[int, tuple[str, str]] = {}
+        cols: dict[str, pa.Array] = {}
+        vals_all = m.vals
+        tomb = (
+            np.fromiter((v is None for v in vals_all), dtype=bool, count=n)
+            if None in vals_all  # (a C-level scan: most chunks hold no tombstone)
+            else np.zeros(n, dtype=bool)
+        )
+        upsert = self._envelope == "upsert"
+        if from_val or vfield is not None:
+            idx = np.flatnonzero(~tomb)
+            # (in idx order; with no tombstone the values are all bytes)
+            vals = [v for v in vals_all if v is not None] if len(idx) < n else cast(list[bytes], vals_all)
+            self._fill(spec, "value", self.value_format, vals, idx, n, from_val, vfield, cols, bad)
+        if self.key_format != "none":
+            keys_all = m.keys
+            if None in keys_all:
+                kidx = np.array([i for i, k in enumerate(keys_all) if k is not None], dtype=np.int64)
+                keys = [k for k in keys_all if k is not None]
+            else:
+                kidx, keys = np.arange(n, dtype=np.int64), cast(list[bytes], keys_all)
+            self._fill(spec, "key", self.key_format, keys, kidx, n, from_key, kfield, cols, bad)
+        for col, kind in self._meta.items():
+            cols[col] = self._metadata(kind, partition, m, inp.field(col).type)
+        arrays = [cols.get(f.name, pa.nulls(n, f.type)) for f in inp]
+        table = pa.Table.from_arrays(arrays, schema=inp)
+        dspec = spec
+        if upsert:
+            table = table.append_column(_TOMBSTONE, pa.array(tomb, pa.bool_()))
+            dspec = dataclasses.replace(spec, delete_field=_TOMBSTONE)
+        badl = [(i, k, r) for i, (k, r) in sorted(bad.items())]
+        if badl:
+            mask = np.ones(n, dtype=bool)
+            mask[[i for i, _, _ in badl]] = False
+            table = table.filter(pa.array(mask))
+        rows, allbad = merge_good_and_bad(dspec, n, table, badl)
+        offs = m.offs
+        errors = [ErrorRecord(partition, (offs[i],), kind, reason, self._raw(m, i)) for i, kind, reason in allbad]
+        raw = None
+        if spec.keep_raw:
+            raw = raw_table(partition, [(o,) for o in offs], "kafka", [self._raw(m, i) for i in range(n)])
+        return Decoded(rows, errors, raw)
+
+    def _fill(
+        self, spec: DecodeSpec, what: str, fmt: str, data: list[bytes], idx: Any, n: int,
+        fields: list[pa.Field], single: str | None, cols: dict[str, pa.Array], bad: dict[int, tuple[str, str]],
+    ) -> None:
+        """Decodes keys or values (present at positions ``idx`` of ``n``) into ``cols``."""
+        pos = np.full(n, -1, dtype=np.int64)  # position -> row of the decoded table (-1: null)
+        if fmt == "json":
+            if not fields:
+                return
+            lines: list[bytes] = data
+            pre_bad: dict[int, tuple[str, str]] = {}
+            joined = b"\n".join(data)
+            scalar_key = what == "key" and len(fields) == 1
+            if scalar_key or b"\r" in joined or joined.count(b"\n") != len(data) - 1:
+                lines = []  # the slow path: a record spans lines, or scalar keys to wrap
+                for j, b in enumerate(data):
+                    if scalar_key and not b.lstrip().startswith(b"{"):
+                        b = b'{"' + fields[0].name.encode() + b'":' + b + b"}"  # a scalar JSON key
+                    if b"\n" in b or b"\r" in b:
+                        try:
+                            b = json.dumps(json.loads(b), separators=(",", ":")).encode()
+                        except ValueError as e:
+                            pre_bad[j] = ("invalid_json", f"the message {what} is not valid JSON: {e}")
+                            b = b"\x00"
+                    lines.append(b)
+            table, jbad = decode_json_lines(spec, lines, schema=pa.schema(fields))
+            badj = {i: (k, r) for i, k, r in jbad}
+            badj.update(pre_bad)
+            good = [j for j in range(len(lines)) if j not in badj]
+            for j, (k, r) in badj.items():
+                bad.setdefault(int(idx[j]), (k, f"message {what}: {r}"))
+            pos[np.asarray(idx, dtype=np.int64)[good]] = np.arange(len(good))
+            sel = pa.array(pos, pa.int64(), mask=pos < 0)
+            for f in fields:
+                cols[f.name] = table.column(f.name).combine_chunks().take(sel) if table.num_rows else pa.nulls(n, f.type)
+            return
+        assert single is not None
+        target = spec.input_schema().field(single).type
+        arr = pa.array(data, pa.binary())
+        if fmt == "text":
+            arr, errs = cast_rowwise(arr, pa.string())
+            for j, msg in errs.items():
+                bad.setdefault(int(idx[j]), ("invalid_utf8", f"message {what} is not valid UTF-8 text: {msg}"))
+        if not arr.type.equals(target):
+            arr, errs = cast_rowwise(arr, target)
+            for j, msg in errs.items():
+                bad.setdefault(int(idx[j]), ("type_mismatch", f"message {what}: field {single!r}: cannot convert to {target}: {msg}"))
+        pos[np.asarray(idx, dtype=np.int64)] = np.arange(len(data))
+        cols[single] = arr.take(pa.array(pos, pa.int64(), mask=pos < 0)) if len(data) else pa.nulls(n, target)
+
+    def _metadata(self, kind: str, partition: str, m: _Msgs, t: pa.DataType) -> pa.Array:
+        n = len(m)
+        if kind == "partition":
+            arr: pa.Array = pa.array(np.full(n, int(partition), dtype=np.int64))
+        elif kind == "offset":
+            arr = pa.array(m.offs, pa.int64())
+        elif kind == "topic":
+            arr = pa.array([self.topic] * n, pa.string())
+        elif kind == "timestamp":
+            arr = pa.array(m.ts, pa.int64())
+            if pa.types.is_timestamp(t):
+                arr = arr.cast(pa.timestamp("ms", tz="UTC")).cast(t)
+        else:  # headers: JSON [[key, value], ...] with UTF-8 text values (else base64: "b64:...")
+            arr = pa.array([_headers_json(h) for h in m.hdrs], pa.string())
+        return arr if arr.type.equals(t) else pc.cast(arr, t)
+
+    def decoding(self) -> dict[str, Any]:
+        """How messages are decoded (kept with each raw record, for rebuilds)."""
+        return {
+            "topic": self.topic, "key_format": self.key_format, "value_format": self.value_format,
+            "key_field": self.key_field, "value_field": self.value_field, "include": dict(self._meta),
+        }
+
+    def _raw(self, m: _Msgs, i: int) -> bytes:
+        """The message as the raw collection keeps it: key, value and header values in
+        base64, the timestamp, and the decoding settings (``decode_kafka_raw``)."""
+        k, v, h = m.keys[i], m.vals[i], m.hdrs[i]
+        return json.dumps(
+            {
+                "key": None if k is None else base64.b64encode(k).decode(),
+                "value": None if v is None else base64.b64encode(v).decode(),
+                "timestamp": m.ts[i],
+                "headers": None if h is None else [[hk, None if hv is None else base64.b64encode(hv).decode()] for hk, hv in h],
+                "decoding": self.decoding(),
+            },
+            separators=(",", ":"),
+        ).encode()
+
+
+def _headers_json(h: Any) -> str | None:
+    if not h:
+        return None if h is None else "[]"
+    out = []
+    for k, v in h:
+        if v is None:
+            out.append([k, None])
+            continue
+        try:
+            out.append([k, v.decode("utf-8")])
+        except UnicodeDecodeError:
+            out.append([k, "b64:" + base64.b64encode(v).decode()])
+    return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+
+
+class KafkaReader:
+    """Reads a topic from per-partition offsets with one manually assigned consumer."""
+
+    def __init__(self, src: KafkaSource, offsets: dict[int, int]) -> None:
+        self.src = src
+        self._pos: dict[int, int] = dict(offsets)  # next offset to return, per partition
+        self._buf: dict[int, _Msgs] = {}
+        self._assigned: set[int] = set()
+        self._fetched: set[int] = set()  # partitions that answered (a message or EOF) since assignment
+        self._eof: set[int] = set()  # partitions whose last answer was "end of partition"
+        self._consumer = src.new_consumer()
+        self._next_meta = 0.0
+        self._refresh(force=True)
+
+    @property
+    def position(self) -> Frontier:
+        return {str(p): (o,) for p, o in self._pos.items()}
+
+    def add_notes(self, notes: Iterable[Note]) -> None:
+        return None
+
+    def observe(self) -> list[Note]:
+        return []
+
+    # ----- partitions -----------------------------------------------------------------
+
+    def _refresh(self, force: bool = False) -> None:
+        """Re-reads the partition count: assigns new partitions (at offset 0, or where the
+        frontier puts them), fails if the topic is gone or shrank below a known partition."""
+        now = time.monotonic()
+        if not force and now < self._next_meta:
+            return
+        self._next_meta = now + self.src.metadata_interval_s
+        n = self.src.topic_partitions(self._consumer)
+        known = set(self._pos) | self._assigned
+        if n is None:
+            raise KafkaTopicGone(
+                f"{self.src._where()} no longer exists (deleted?) but the ingestion has read "
+                f"partitions {sorted(known)} of it; messages not yet durable are lost and new ones "
+                "would start again at offset 0: rebuild the collection in a new rendition (a new "
+                "ingestion name) from the recreated topic",
+                topic=self.src.topic, partition=None, offset=None,
+            ) if known else IngestConfigError(
+                f"{self.src._where()} does not exist: create it or fix the topic name"
+            )
+        gone = sorted(p for p in known if p >= n)
+        if gone:
+            p = gone[0]
+            raise KafkaTopicGone(
+                f"{self.src._where()} has {n} partitions now, but the ingestion has read partition(s) "
+                f"{gone} (partition {p} up to offset {self._pos.get(p, 0)}): partitions were removed "
+                "(the topic was recreated with fewer?); Kafka never reduces partitions in place: "
+                "rebuild the collection in a new rendition from the topic as it is now",
+                topic=self.src.topic, partition=p, offset=self._pos.get(p, 0),
+            )
+        new = [p for p in range(n) if p not in self._assigned]
+        if new:
+            self._assign(new)
+
+    def _assign(self, parts: list[int]) -> None:
+        from confluent_kafka import TopicPartition
+
+        for p in parts:
+            self._pos.setdefault(p, 0)
+            self._check_range(p)
+        self._consumer.incremental_assign([TopicPartition(self.src.topic, p, self._pos[p]) for p in parts])
+        self._assigned.update(parts)
+        if self._assigned != set(parts):
+            log.info("%s: partitions %s appeared; assigned at offsets %s", self.src._where(), parts, [self._pos[p] for p in parts])
+
+    def _watermarks(self, p: int) -> tuple[int, int]:
+        from confluent_kafka import KafkaException, TopicPartition
+
+        deadline = time.monotonic() + self.src.timeout_s
+        delay = 0.1
+        while True:
+            try:
+                lo, hi = self._consumer.get_watermark_offsets(TopicPartition(self.src.topic, p), timeout=5.0, cached=False)
+                return int(lo), int(hi)
+            except KafkaException as e:
+                if time.monotonic() >= deadline:
+                    raise SourceTimeout(
+                        f"{self.src._where()} partition {p}: no offsets from the broker within "
+                        f"{self.src.timeout_s:g}s ({self.src._scrub(str(e))}); check the broker; retrying is safe"
+                    ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def _check_range(self, p: int) -> None:
+        """The offset this reader starts at must still be served (see ``KafkaOffsetOutOfRange``)."""
+        o = self._pos.get(p, 0)
+        if o == 0:
+            return  # (offset 0 below the low watermark: Kafka's fetch says OFFSET_OUT_OF_RANGE)
+        lo, hi = self._watermarks(p)
+        if o < lo:
+            self._out_of_range(p, o, lo, hi, f"offsets below {lo} were deleted (retention or delete_records)")
+        if o > hi and not self._last_exists(p, o - 1):
+            # (checked by reading: some brokers under-report the high watermark)
+            self._out_of_range(p, o, lo, hi, "the log ends before it (the topic was recreated or truncated)")
+
+    def _last_exists(self, p: int, off: int) -> bool:
+        from confluent_kafka import Consumer, TopicPartition
+
+        c = Consumer(self.src._consumer_conf(**{"group.id": f"{self.src.group_id}-probe"}))
+        try:
+            c.assign([TopicPartition(self.src.topic, p, off)])
+            deadline = time.monotonic() + min(self.src.timeout_s, 5.0)
+            while time.monotonic() < deadline:
+                m = c.poll(0.2)
+                if m is None:
+                    continue
+                # a message at the offset: it exists; an error (EOF: the log ends earlier): not
+                return m.error() is None and bool(m.offset() == off)
+            return False
+        finally:
+            c.close()
+
+    def _out_of_range(self, p: int, o: int, lo: int | None, hi: int | None, why: str) -> None:
+        raise KafkaOffsetOutOfRange(self.src.topic, p, o, lo, hi, why)
+
+    # ----- fetching ---------------------------------------------------------------------
+
+    def _poll(self, timeout: float, max_n: int) -> int:
+        """Moves fetched messages into the per-partition buffers; returns how many."""
+        from confluent_kafka import KafkaError
+
+        # consume() waits for the whole batch or the timeout: modest batches, so a
+        # partial one (the prefetch queue ran dry) costs at most ``timeout``
+        msgs = self._consumer.consume(max(1, min(max_n, 20_000)), timeout)
+        by_p: dict[int, list[Any]] = {}
+        cur_p = -1
+        run: list[Any] = []
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                self._on_error(err, m, KafkaError)
+                continue
+            p = m.partition()
+            if p != cur_p:
+                run = by_p.setdefault(p, [])
+                cur_p = p
+            run.append(m)
+        got = 0
+        for p, ms in by_p.items():
+            b = self._buf.get(p)
+            if b is None:
+                b = self._buf[p] = _Msgs()
+            got += b.extend(ms)
+            self._fetched.add(p)
+            self._eof.discard(p)
+        return got
+
+    def _on_error(self, err: Any, m: Any, KafkaError: Any) -> None:  # noqa: N803 - the class
+        code = err.code()
+        p = m.partition()
+        if code == KafkaError._PARTITION_EOF:
+            if p is not None:
+                self._fetched.add(p)
+                self._eof.add(p)
+            return
+        if code in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
+            pp = p if p is not None and p >= 0 else -1
+            self._out_of_range(pp, self._pos.get(pp, m.offset() or 0), None, None, f"the broker said: {err.str()}")
+        if code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION):
+            self._refresh(force=True)  # raises KafkaTopicGone if it is gone
+            return
+        if err.fatal():
+            raise SourceUnavailable(f"{self.src._where()}: fatal consumer error {self.src._scrub(err.str())}")
+        log.debug("%s: %s", self.src._where(), err.str())
+
+    def _buffered(self) -> int:
+        return sum(len(b) for b in self._buf.values())
+
+    def _cut(self, p: int, bound: int | None, max_n: int | None) -> KafkaChunk | None:
+        """The buffered messages of ``p`` below ``bound`` (at most ``max_n``) as a chunk."""
+        b = self._buf.get(p)
+        start = self._pos.get(p, 0)
+        if b is None or not b.offs:
+            return None
+        i = len(b.offs) if bound is None else bisect.bisect_left(b.offs, bound)
+        if max_n is not None:
+            i = min(i, max_n)
+        if i == 0:
+            if bound is not None and b.offs[0] >= bound and start < bound:
+                self._pos[p] = bound  # an offset gap (transaction markers, compaction) up to the bound
+            return None
+        head = b.slice(0, i)
+        rest = b.slice(i, len(b.offs))
+        self._buf[p] = rest
+        end = head.offs[-1] + 1
+        if bound is not None and rest.offs and rest.offs[0] >= bound:
+            end = bound
+        self._pos[p] = end
+        return KafkaChunk(self.src, str(p), start, end, head)
+
+    def read(self, upto: Frontier | None, max_records: int) -> list[Chunk]:
+        if upto is not None:
+            return self._replay({int(p): int(a[0]) for p, a in upto.items()}, max_records)
+        self._refresh()
+        deadline = time.monotonic() + self.src.timeout_s
+        got = 1
+        self._eof.clear()  # only an "end of partition" seen during this read counts
+        while self._buffered() < max_records:
+            first = not self._assigned <= self._fetched
+            at_end = not first and self._assigned <= self._eof  # every partition said "end": don't wait
+            # while messages flow, short waits; after an empty poll, ``poll_s`` to call it idle
+            wait = 0.0 if at_end else 0.5 if first else 0.02 if got else self.src.poll_s
+            got = self._poll(wait, max_records - self._buffered())
+            if got or wait < self.src.poll_s and not at_end:
+                continue
+            if not (self._assigned <= self._fetched):
+                if time.monotonic() > deadline:
+                    missing = sorted(self._assigned - self._fetched)
+                    raise SourceTimeout(
+                        f"{self.src._where()}: partitions {missing} gave no answer (no message, no end of "
+                        f"partition) within {self.src.timeout_s:g}s; check that the broker is reachable; "
+                        "retrying is safe (nothing was decided)"
+                    )
+                continue
+            break
+        out: list[Chunk] = []
+        left = max_records
+        for p in sorted(self._buf):
+            if left <= 0:
+                break
+            c = self._cut(p, None, left)
+            if c is not None:
+                out.append(c)
+                left -= c.num_records
+        return out
+
+    def _replay(self, bounds: dict[int, int], max_records: int) -> list[Chunk]:
+        self._refresh()  # (rate-limited: also how an unreachable broker becomes SourceTimeout)
+        for p in bounds:
+            if p not in self._assigned:
+                self._refresh(force=True)
+                if p not in self._assigned:
+                    raise KafkaTopicGone(
+                        f"{self.src._where()}: partition {p} is bound in the remap shard but the topic "
+                        "does not have it any more; rebuild in a new rendition",
+                        topic=self.src.topic, partition=p, offset=self._pos.get(p, 0),
+                    )
+        out: list[Chunk] = []
+        for _ in range(2):
+            for p, bound in sorted(bounds.items()):
+                if self._pos.get(p, 0) >= bound:
+                    continue
+                c = self._cut(p, bound, max_records)
+                if c is not None:
+                    out.append(c)
+            if out:
+                return out
+            if all(self._pos.get(p, 0) >= bound for p, bound in bounds.items()):
+                return out
+            self._poll(self.src.poll_s, max_records)
+        return out
+
+    def lag(self) -> Lag:
+        from confluent_kafka import TopicPartition
+
+        try:
+            behind = 0
+            for p in sorted(self._assigned):
+                # cached: the high watermark of the last fetch response (no broker round trip)
+                _, hi = self._consumer.get_watermark_offsets(TopicPartition(self.src.topic, p), cached=True)
+                if hi is not None and hi >= 0:
+                    behind += max(0, int(hi) - self._pos.get(p, 0))
+            return Lag(records_behind=behind)
+        except Exception:  # noqa: BLE001 - lag is informational
+            return Lag()
+
+    def close(self) -> None:
+        try:
+            self._consumer.close()
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+
+def decode_kafka_raw(
+    spec: DecodeSpec, envelope: str, partitions: Sequence[str], offsets: Sequence[int], raws: Sequence[bytes]
+) -> tuple[pa.Table, list[tuple[int, str, str]]]:
+    """Decodes raw ``kafka`` records (in partition, offset order) as the source did:
+    rows, and ``(index, kind, reason)`` of the bad ones (``rebuild.decode_raw``)."""
+    docs = [json.loads(r) for r in raws]
+    out: list[pa.Table] = []
+    bad: list[tuple[int, str, str]] = []
+    i = 0
+    while i < len(docs):
+        j = i
+        while j < len(docs) and partitions[j] == partitions[i] and docs[j]["decoding"] == docs[i]["decoding"]:
+            j += 1
+        d = docs[i]["decoding"]
+        src = KafkaSource(
+            "rebuild:0", d["topic"], key_format=d["key_format"], value_format=d["value_format"],
+            key_field=d["key_field"], value_field=d["value_field"], include=d["include"],
+        )
+        src.bind_envelope(envelope)
+        m = _Msgs([], list(offsets[i:j]))
+
+        def b64(x: str | None) -> bytes | None:
+            return None if x is None else base64.b64decode(x)
+
+        m._keys = [b64(x["key"]) for x in docs[i:j]]
+        m._vals = [b64(x["value"]) for x in docs[i:j]]
+        m._ts = [x["timestamp"] for x in docs[i:j]]
+        m._hdrs = [None if x["headers"] is None else [(k, b64(v)) for k, v in x["headers"]] for x in docs[i:j]]
+        dec = src.decode_messages(partitions[i], m, spec)
+        out.append(dec.rows)
+        where = {(e.partition, e.address[0]): e for e in dec.errors}
+        for k in range(i, j):
+            e = where.get((partitions[k], offsets[k]))
+            if e is not None:
+                bad.append((k, e.kind, e.reason))
+        i = j
+    rows = pa.concat_tables(out) if out else spec.rows_schema().empty_table()
+    return rows, bad
