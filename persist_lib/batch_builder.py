@@ -159,7 +159,9 @@ class BatchBuilder:
             sn = self.lower if since is None else as_frontier(since, "since")
             self._check_bounds(up)
             if self._buffer:
-                self._flush()
+                # A batch of one part (every small commit) is written on this thread: a
+                # hand-off to the pool and back would only add latency.
+                self._flush(inline=not self._futures)
             parts: list[PartMeta] = []
             for fut in self._futures:
                 meta = fut.result()  # raises the task's error, if any
@@ -262,7 +264,7 @@ class BatchBuilder:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             self._raise_failures(done)
 
-    def _flush(self) -> None:
+    def _flush(self, *, inline: bool = False) -> None:
         buffered = self._buffer
         self._buffer = []
         self._buffered_bytes = 0
@@ -271,7 +273,17 @@ class BatchBuilder:
         key = part_blob_key(self.shard, self.writer)
         with self._keys_lock:
             self._keys.append(key)
-        self._futures.append(self._executor.submit(self._write_part, table, key))
+        if not inline:
+            self._futures.append(self._executor.submit(self._write_part, table, key))
+            return
+        fut: Future[PartMeta | None] = Future()
+        self._futures.append(fut)
+        try:
+            fut.set_result(self._write_part(table, key))
+        except BaseException as e:
+            fut.set_exception(e)  # raised by finish, like a pool task's error
+            if not isinstance(e, Exception):
+                raise  # an interrupt: finish aborts the builder on its way out
 
     def _write_part(self, table: pa.Table, key: str) -> PartMeta | None:
         """Runs in the pool: consolidate (unless unsorted), encode, then upload or keep inline."""
