@@ -52,6 +52,9 @@ class WriteHandle:
         # The seqno of the state version the last write call committed (None: it
         # committed nothing, or a retry found it already committed): for audits/tests.
         self.last_commit_seqno: int | None = None
+        # Whether the last ``append`` wrote nothing because the shard already held its
+        # times (written before, by another instance or an earlier call): for audits/tests.
+        self.last_append_skipped = False
 
     # ----- frontiers ----------------------------------------------------------------
 
@@ -108,12 +111,14 @@ class WriteHandle:
         with self._lock:
             self._check_open()
             self.last_commit_seqno = None
+            self.last_append_skipped = False
             self._check_frontiers(lo, hi)
             table = normalize_updates(updates, self.schemas, shard=self.shard_id)
             self._check_times(table, lo, hi)
             cur = self._machine.cached().upper
             while True:
                 if cur >= hi:
+                    self.last_append_skipped = True
                     return
                 if cur < lo:
                     cur = self._machine.fetch_latest().upper

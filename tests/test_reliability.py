@@ -277,3 +277,40 @@ def test_leak_sweep_retries_when_rollups_vanish_under_it() -> None:
     assert cons.inner.scan(w.shard_id, 0, 1)[0].seqno > 1
     got = gcmod.unreferenced_blobs(blob, client.consensus, w.shard_id, now_ms=0, older_than_ms=-1)
     assert isinstance(got, list)
+
+
+def test_a_skipped_append_is_never_credited_with_a_commit_its_caa_made() -> None:
+    """Soak seed 1171 (SQLite): a caa [57, 59) hit an applied-then-timeout CAS, found its
+    own commit on retry (so it reports no seqno) and returned ok; the same writer's next
+    op, a definite append of [57, 59), found the shard already there and wrote nothing.
+    With the writer's clock 250 ms ahead, the commit's walltime lay nearer the append's
+    window, the append was credited, and the caa reported as acked_write_lost. An append
+    now says it skipped (``WriteHandle.last_append_skipped``) and is never a candidate."""
+    from persist_lib.testing.checker import CheckReport, Commit, attribute, check_write_outcomes
+    from persist_lib.testing.history import OK, History, Op
+
+    wid = "w-skew"
+    caa = Op("w2.1.22", "caa", "w2", 1, {"writer_id": wid, "expected": 57, "new": 59, "updates": []},
+             invoke_mono=1.0, invoke_wall_ms=1000.0, outcome=OK, result={"seqno": None},
+             complete_mono=1.01, complete_wall_ms=1009.0, completed=True)
+    app = Op("w2.1.23", "append", "w2", 1, {"writer_id": wid, "lower": 57, "upper": 59, "n": 0},
+             invoke_mono=1.03, invoke_wall_ms=1030.0, outcome=OK, result={"seqno": None, "skipped": True},
+             complete_mono=1.031, complete_wall_ms=1030.4, completed=True)
+    commit = Commit(88, wid, 57, 59, [], walltime_ms=1162)  # nearer the append's window
+    report = CheckReport()
+    attribute([commit], History([caa, app], []), seed=1171, report=report)
+    check_write_outcomes([commit], History([caa, app], []), report)
+    assert commit.op is caa and report.violations == []
+
+
+def test_append_reports_whether_it_skipped() -> None:
+    name = uuid.uuid4().hex
+    c = PersistClient.open(f"mem://{name}", f"mem://{name}", PersistConfig.for_tests())
+    w, _ = c.open(ShardId.new(), pa.schema([("k", pa.int64())]), pa.schema([("v", pa.int64())]))
+    w.append([(((1,), (1,)), 0, 1)], 0, 2)
+    assert not w.last_append_skipped and w.last_commit_seqno is not None
+    w.append([(((1,), (1,)), 0, 1)], 0, 2)  # already there: nothing written
+    assert w.last_append_skipped and w.last_commit_seqno is None
+    w.append([(((2,), (2,)), 2, 1)], 1, 3)  # only times >= the upper (2) are added
+    assert not w.last_append_skipped
+    c.close()

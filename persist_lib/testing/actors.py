@@ -578,7 +578,7 @@ class Writer(Actor):
         args = {"writer_id": w.writer_id, "lower": lo, "upper": hi, "n": len(ups)}
         def do_append() -> dict[str, Any]:
             w.append(ups, lo, hi)
-            return {"seqno": w.last_commit_seqno}
+            return {"seqno": w.last_commit_seqno, "skipped": w.last_append_skipped}
 
         _, _, e = self.run_op("append", args, do_append)
         self.after(e)

@@ -345,6 +345,9 @@ def attribute(commits: list[Commit], hist: History, seed: int, report: CheckRepo
     2. A writer runs one op at a time and its commits are in seqno order, so an unpinned
        commit lies between the pinned ops of that writer around it (by seqno): only the
        ops invoked between them are candidates.
+    An append that reports it was skipped (``WriteHandle.last_append_skipped``: the
+    shard already held its times) committed nothing and is never a candidate: with
+    skewed clocks it could otherwise look closer to a commit than the op that made it.
     3. Among those with the commit's bounds, one whose data equals the commit's is
        preferred (inserted keys carry the op id), an op that did not definitely fail is
        preferred, and the commit's walltime inside the op's [invoke, complete] window
@@ -392,6 +395,8 @@ def attribute(commits: list[Commit], hist: History, seed: int, report: CheckRepo
         for o in ops[lo_i + 1 : hi_i]:
             if o.id in pinned_ids:
                 continue  # pinned to its own commit
+            if o.outcome == OK and isinstance(o.result, dict) and o.result.get("skipped"):
+                continue  # wrote nothing: the shard already held its times
             if o.op == "caa" and o.args["expected"] == c.lower and o.args["new"] == c.upper:
                 cands.append(o)
             elif o.op == "append" and o.args["upper"] == c.upper and o.args["lower"] <= c.lower:
