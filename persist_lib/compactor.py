@@ -526,7 +526,30 @@ class _Run:
         self._first_of_part = True
         return True
 
-    def _load_next_part(self) -> bool:
+    def next_part_is_unsorted(self) -> bool:
+        return (
+            self.spill is None
+            and self.part is None
+            and self.next_part < len(self.parts)
+            and not self.parts[self.next_part].sorted
+        )
+
+    def prepare_next_part(self) -> tuple[pa.Table, int]:
+        """Fetches, verifies, decodes (and sorts, if unsorted) the next part without
+        touching shared state: safe to run for several runs at once."""
+        m = self.m
+        p = self.parts[self.next_part]
+        data = m.fetch_bytes(p)
+        n = len(data)
+        table = decode_whole(data, p, m.schemas, m.shard)
+        del data
+        if not p.sorted:
+            # A bulk write stored it in arrival order: sort and consolidate it now (the
+            # sort moved here from the writer's path).
+            table = consolidate(table)
+        return table, n
+
+    def _load_next_part(self, prepared: tuple[pa.Table, int] | None = None) -> bool:
         m = self.m
         self.part, self.part_bytes = None, 0
         if self.spill is not None:
@@ -534,20 +557,15 @@ class _Run:
         if self.next_part >= len(self.parts):
             return False
         p = self.parts[self.next_part]
-        self.next_part += 1
         self._filter = (m.lower is not None and p.tmin < m.lower) or (m.upper is not None and p.tmax >= m.upper)
         self._may_collide = p.tmin != p.tmax
-        data = m.fetch_bytes(p)
-        m.stats.bytes_read += len(data)
         self.part = None  # let the previous part go before decoding the next
-        table = decode_whole(data, p, m.schemas, m.shard)
+        table, nbytes = prepared if prepared is not None else self.prepare_next_part()
+        self.next_part += 1
+        m.stats.bytes_read += nbytes
         m.observe_row_width(table)
-        m.account_transient(len(data) + 2 * table.nbytes)
-        del data
+        m.account_transient(nbytes + 2 * table.nbytes)
         if not p.sorted:
-            # A bulk write stored it in arrival order: sort and consolidate it now (the
-            # sort moved here from the writer's path).
-            table = consolidate(table)
             m.stats.unsorted_parts_sorted += 1
         _release_unused()
         self.part, self.offset, self.part_bytes = table, 0, table.nbytes
@@ -672,6 +690,7 @@ class _Merger:
         self.runs = runs
         self.total_rows = sum(r.total_rows for r in runs)
         try:
+            self._load_unsorted_in_parallel(runs)
             for r in runs:
                 r.refill()
             while True:
@@ -693,6 +712,21 @@ class _Merger:
             for r in runs:
                 r.close()
             self.runs = []
+
+    def _load_unsorted_in_parallel(self, runs: list[_Run]) -> None:
+        """Runs that start with an unsorted part (a bulk write's) get it decoded and
+        sorted on two threads at once: the sort moved off the writer's path, where a
+        bulk write's parts were sorted in parallel, and must not become serial here.
+        Every run holds its first part after the first refill anyway, so this holds no
+        more than the sequential way (Arrow and numpy release the GIL while sorting)."""
+        todo = [r for r in runs if r.next_part_is_unsorted()]
+        if len(todo) < 2:
+            return
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="persist-sort") as pool:
+            prepared = list(pool.map(lambda r: r.prepare_next_part(), todo))
+        for r, prep in zip(todo, prepared, strict=True):
+            r._load_next_part(prep)
+            r._first_of_part = True
 
     def _step(self, runs: list[_Run], active: list[_Run]) -> pa.Table | None:
         # Rank the first and last buffered row of every active run together.
