@@ -311,6 +311,9 @@ def spark_merge(
     effort) and the error raised.
     """
     t0 = time.monotonic()
+    from persist_lib.spark.executors import prepare_executors
+
+    prepare_executors(spark, blob_uri=blob_uri_of(client, f"shard {shard_id}"))  # before any state change
     cfg = client.config
     parts = [p for b in req.inputs for p in b.parts]
     writer = new_compactor_writer_id()

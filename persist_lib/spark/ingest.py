@@ -250,6 +250,9 @@ class SparkIngestion(Ingestion):
                 out[i] = c.decode(self.spec)
                 self.spark_stats["chunks_on_driver"] += 1
         if todo:
+            from persist_lib.spark.executors import prepare_executors
+
+            prepare_executors(self.spark, blob_uri=self._zone.uri)
             par = max(1, int(self.spark.sparkContext.defaultParallelism)) * 2
             total = sum(c.num_records for _, c in todo)
             piece = max(self.min_piece_records, -(-total // par))

@@ -70,6 +70,9 @@ def splits_dataframe(spark: Any, splits: list[Split], schemas: Schemas, *, conso
     """
     from pyspark.sql import functions as F
 
+    from persist_lib.spark.executors import prepare_executors
+
+    prepare_executors(spark, blob_uri=next((s.blob_uri for s in splits), None))
     sschema = spark_schema(schemas)
     target = spark_arrow_schema(sschema)
     n = max(1, len(splits))
