@@ -416,10 +416,76 @@ def test_workers_without_the_dependencies_fail_early_with_what_is_missing(
     spark = sessions.get(bare_pythons["empty"])
     client = open_client(file_location(tmp_path))
     w, _ = client.open(SHARD, KEY, VAL)
+    seqno = client.inspect(SHARD)["seqno"]
     with pytest.raises(ExecutorEnvironmentError, match="module '(pyspark|pyarrow)' is missing") as ei:
         write_batch(_input(spark, 100), w, 0, 3)
     assert "PYSPARK_PYTHON" in str(ei.value)
-    # Nothing happened to the shard: no batch, no writer left registered.
+    # Nothing happened to the shard: no batch, no part writer was even registered.
     state = client.inspect(SHARD)
-    assert state["num_batches"] == 0 and not state["writers"]
+    assert state["num_batches"] == 0 and state["seqno"] == seqno
+    assert all(v["purpose"] != "spark-write" for v in state["writers"].values())
     client.close()
+
+
+# -- Dagster: a run with SPARK_MASTER_URL=spark://... --------------------------------------
+
+
+@pytest.mark.dagster
+def test_a_dagster_run_ingests_and_compacts_on_the_cluster(
+    sessions: Sessions, cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The code location's own resources, built from the environment the way docker/
+    sets it (``SPARK_MASTER_URL``, ``PYSPARK_PYTHON`` of the shared image)."""
+    dg = pytest.importorskip("dagster")
+    from dagster_project.assets import SOURCE_ASSETS, persist_shard
+    from dagster_project.definitions import build_resources
+    from dagster_project.resources import PersistResource, SparkResource, spark_config_from_env
+    from dagster_project.sample import write_orders_file
+
+    sessions.stop()  # the run's SparkResource builds (and stops) its own session
+    home = tmp_path / "persist"
+    for var in ("PERSIST_BLOB_URI", "PERSIST_CONSENSUS_URI", "PERSIST_LANDING_URI"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PERSIST_HOME", str(home))
+    monkeypatch.setenv("SPARK_MASTER_URL", cluster.url)
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
+    conf = spark_config_from_env()
+    assert conf["spark.master"] == cluster.url
+    # One Spark application for the three runs (each would start its own otherwise).
+    resources = build_resources(spark=SparkResource(spark_config=conf, stop_session=False))
+    orders = SOURCE_ASSETS["orders"]
+    landing = home / "landing" / "orders"
+    for b in range(3):
+        write_orders_file(landing, b, 150, id_space=200)
+    (tmp_path / "dagster").mkdir()
+    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster")) as instance:
+        res = dg.materialize([orders.ingest], resources=resources, instance=instance)
+        assert res.success
+        mats = {m.asset_key.to_user_string(): m for m in res.get_asset_materialization_events()}
+        meta = mats["orders"].materialization.metadata
+        assert meta["engine"].value == "spark" and meta["records_appended"].value == 450
+        write_orders_file(landing, 3, 50, id_space=200)
+        assert dg.materialize([orders.ingest], resources=resources, instance=instance).success
+        desc = PersistResource(home=str(home)).controller().describe("orders")
+        shard_id = desc["renditions"][desc["active_rendition"]]["shards"][0]
+        instance.add_dynamic_partitions("persist_shards", [shard_id])
+        res = dg.materialize(
+            [persist_shard],
+            resources=resources,
+            instance=instance,
+            partition_key=shard_id,
+            run_config={
+                "ops": {"persist_shard": {"config": {"debt_threshold": -1, "spark_min_bytes": 0}}}
+            },
+        )
+        assert res.success
+        meta = res.get_asset_materialization_events()[0].materialization.metadata
+        assert meta["compaction_engine"].value == "spark"
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    assert active is not None and active.sparkContext.master == cluster.url
+    active.stop()
+    # The work ran on the cluster: the master saw the runs' applications.
+    apps = cluster.status().get("completedapps", []) + cluster.status().get("activeapps", [])
+    assert any(a.get("name") == "persist-platform" for a in apps), apps
