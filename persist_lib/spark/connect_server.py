@@ -6,8 +6,8 @@ process holds no JVM and no ``SparkContext``, only a gRPC channel. To test
 runs ``org.apache.spark.sql.connect.service.SparkConnectServer`` (the jar ships inside
 the pyspark wheel) with ``spark-submit`` on a local master, bound to 127.0.0.1 on a free
 port, with a private temp dir for its log and ``spark.local.dir``. Its Python workers
-run ``python`` (default: this interpreter) and inherit this process's environment
-(``PYTHONPATH`` included), so they import the same ``persist_lib``.
+run ``python`` (default: this interpreter) with this process's environment and the
+directory of this ``persist_lib`` first on ``PYTHONPATH``, so they import the same code.
 
 Usage::
 
@@ -183,6 +183,10 @@ class SparkConnectServer:
         env["PYSPARK_PYTHON"] = self.python
         env["PYSPARK_DRIVER_PYTHON"] = self.python
         env["SPARK_LOCAL_IP"] = "127.0.0.1"
+        # The workers import the persist_lib this process imported (a checkout, say).
+        here = str(Path(__file__).resolve().parents[2])
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join([here, *[p for p in paths if p != here]])
         env.update(self.extra_env)
         return env
 
