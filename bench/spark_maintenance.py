@@ -14,7 +14,10 @@ one that also runs through Spark Connect, on the same machine back to back:
   files of ``--file-rows`` records each into a fresh location (upsert envelope).
 
 Each is measured after one warm-up run in the same session; the median of ``--repeat``
-is reported. ``--remote`` runs the Spark side through a Spark Connect server
+is reported, in wall seconds and in *CPU seconds of the whole process tree* (this
+process, the JVM and its Python workers, or the Connect server and its workers: utime +
+stime + reaped children's, from ``/proc``), which a busy machine disturbs far less than
+wall time. ``--remote`` runs the Spark side through a Spark Connect server
 (``persist_lib.spark.connect_server``) on the same master. The machine is shared:
 compare runs made back to back, not absolute figures.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -37,6 +41,25 @@ import pyarrow as pa
 KEY = pa.schema([("id", pa.int64())])
 VAL = pa.schema([("name", pa.string()), ("qty", pa.float64())])
 MiB = 1 << 20
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def tree_cpu() -> float:
+    """CPU seconds of this process and every process below it (Linux ``/proc``)."""
+    total, todo, seen = 0.0, [os.getpid()], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += sum(int(x) for x in fields[11:15]) / _TICK  # utime stime cutime cstime
+            for t in os.listdir(f"/proc/{pid}/task"):
+                todo += [int(k) for k in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+        except OSError:
+            continue
+    return total
 
 
 def _client(root: Path, tag: str) -> Any:
@@ -94,13 +117,14 @@ def bench_merge(spark: Any, root: Path, rows: int, repeat: int) -> dict[str, Any
     req = CompactionRequest(
         tuple(i for i, _ in trace), trace[0][1].lower, trace[-1][1].upper, s.since, tuple(b for _, b in trace)
     )
-    secs, local = [], []
+    secs, cpu, local = [], [], []
     out: Any = None
     for i in range(repeat + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), tree_cpu()
         out = spark_merge(spark, client, schemas, req, shard_id=shard, num_buckets=4)
         if i:
             secs.append(time.perf_counter() - t0)
+            cpu.append(tree_cpu() - c0)
         if out.registration is not None:
             out.registration.release()
         t0 = time.perf_counter()
@@ -113,7 +137,7 @@ def bench_merge(spark: Any, root: Path, rows: int, repeat: int) -> dict[str, Any
     client.close()
     return {
         "rows_in": req.num_updates, "bytes_in": req.num_bytes, "rows_out": out.stats.rows_out,
-        "parts_out": out.stats.parts_out, "seconds": secs, "in_process_seconds": local,
+        "parts_out": out.stats.parts_out, "seconds": secs, "cpu_seconds": cpu, "in_process_seconds": local,
     }
 
 
@@ -125,18 +149,23 @@ def bench_ingest(spark: Any, root: Path, files: int, file_rows: int, repeat: int
     _zone(zone, files, file_rows)
     cfg = IngestConfig(max_records_per_binding=50_000, max_append_records=250_000)
     secs: list[float] = []
+    cpu: list[float] = []
     summary: dict[str, Any] = {}
     for i in range(repeat + 1):
         client = _client(root, f"ingest{i}")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), tree_cpu()
         summary = ingest_landing_zone(
             spark, client, "ing", LandingZoneSource(str(zone)), KEY, VAL, envelope="upsert", config=cfg,
             clock=lambda: 1,
         )
         if i:
             secs.append(time.perf_counter() - t0)
+            cpu.append(tree_cpu() - c0)
         client.close()
-    return {"records": summary["records"], "updates": summary["updates"], "spark": summary["spark"], "seconds": secs}
+    return {
+        "records": summary["records"], "updates": summary["updates"], "spark": summary["spark"],
+        "seconds": secs, "cpu_seconds": cpu,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,7 +210,10 @@ def main(argv: list[str] | None = None) -> int:
             extra = (
                 f", in-process {statistics.median(r['in_process_seconds']):.2f} s" if "in_process_seconds" in r else ""
             )
-            print(f"{k}: median {statistics.median(r['seconds']):.2f} s of {[round(s, 2) for s in r['seconds']]}{extra}")
+            print(
+                f"{k}: median {statistics.median(r['seconds']):.2f} s of {[round(s, 2) for s in r['seconds']]}, "
+                f"CPU {statistics.median(r['cpu_seconds']):.2f} s of {[round(s, 2) for s in r['cpu_seconds']]}{extra}"
+            )
     text = json.dumps(res, indent=2)
     if a.out:
         Path(a.out).write_text(text)

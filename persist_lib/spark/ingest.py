@@ -216,7 +216,6 @@ class SparkIngestion(Ingestion):
             raise IngestConfigError(f"records_per_job must be >= 1, got {records_per_job}")
         if parallelism is not None and parallelism < 1:
             raise IngestConfigError(f"parallelism must be >= 1, got {parallelism}")
-        check_session(spark, f"Spark ingestion {name!r}")
         super().__init__(client, name, source, key_schema, val_schema, **kwargs)
         self.spark = spark
         self.parallelism = parallelism
@@ -276,6 +275,7 @@ class SparkIngestion(Ingestion):
 
     def run_once(self, *, max_records: int | None = None) -> dict[str, Any]:
         """``Ingestion.run_once`` with bound records decoded in few, large Spark jobs."""
+        check_session(self.spark, f"Spark ingestion {self.name!r}")
         self._defer = True
         try:
             self._started = time.monotonic()
@@ -300,6 +300,7 @@ class SparkIngestion(Ingestion):
 
     def _decode(self, chunks: list[Chunk]) -> list[Decoded]:
         """Decodes ``chunks`` (in order): file ranges on executors, trivial ones here."""
+        check_session(self.spark, f"Spark ingestion {self.name!r}")
         t0 = time.monotonic()
         out: list[Decoded | None] = [None] * len(chunks)
         todo: list[tuple[int, FileChunk]] = []
