@@ -94,6 +94,30 @@ def _truth(n: int, as_of: int) -> Any:
     )
 
 
+def test_server_command_and_a_failed_start() -> None:
+    """The command binds to 127.0.0.1 on the chosen port; a server that can't start
+    fails with its log's tail (here: no Java) and leaves no temp dir."""
+    pytest.importorskip("pyspark")
+    from persist_lib.spark.connect_server import (
+        SERVER_CLASS,
+        SparkConnectServer,
+        SparkConnectServerError,
+    )
+
+    server = SparkConnectServer(master="local[1]", port=12345, env={"JAVA_HOME": "/nonexistent-java"})
+    server.workdir = Path("/tmp/unused")
+    cmd = server.command()
+    assert cmd[cmd.index("--class") + 1] == SERVER_CLASS and cmd[cmd.index("--master") + 1] == "local[1]"
+    assert "spark.connect.grpc.binding.port=12345" in cmd and "spark.connect.grpc.binding.address=127.0.0.1" in cmd
+    assert cmd[-1].endswith(".jar") and "spark-connect_" in cmd[-1]
+    assert server.url == "sc://127.0.0.1:12345"
+    server.workdir = None
+    with pytest.raises(SparkConnectServerError, match="nonexistent-java") as ei:
+        server.start()
+    assert "exited with code" in str(ei.value)
+    assert server.workdir is None and server.pid is None
+
+
 def test_connect_session_kind_and_parallelism(remote: Any) -> None:
     from pyspark.sql.utils import is_remote
 

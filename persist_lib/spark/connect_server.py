@@ -218,14 +218,14 @@ class SparkConnectServer:
             if code is not None:
                 raise SparkConnectServerError(
                     f"the Spark Connect server exited with code {code} before accepting connections "
-                    f"on 127.0.0.1:{self.port}; log {self.log_path}:\n{self.log_tail()}"
+                    f"on 127.0.0.1:{self.port}; the end of its log:\n{self.log_tail()}"
                 )
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
                 return
             if time.monotonic() > deadline:
                 raise SparkConnectServerError(
                     f"the Spark Connect server did not accept connections on 127.0.0.1:{self.port} "
-                    f"within {self.start_timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}"
+                    f"within {self.start_timeout_s:.0f} s; the end of its log:\n{self.log_tail()}"
                 )
             time.sleep(0.25)
 
