@@ -169,11 +169,9 @@ def _probe_fn(required: tuple[str, ...]) -> Any:
 
 
 def _is_connect(spark: Any) -> bool:
-    try:
-        from pyspark.sql.connect.session import SparkSession as ConnectSession
-    except ImportError:  # pragma: no cover - pyspark without the connect extra
-        return False
-    return isinstance(spark, ConnectSession)
+    from persist_lib.spark._common import is_connect
+
+    return is_connect(spark)
 
 
 def _app_key(spark: Any) -> tuple[str, str]:

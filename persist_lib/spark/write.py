@@ -50,6 +50,7 @@ from persist_lib.spark._common import (
     blob_uri_of,
     open_executor_blob,
     rechunk,
+    sql_functions,
     task_partition_id,
 )
 from persist_lib.spark.executors import prepare_executors
@@ -220,8 +221,7 @@ def _part_json(p: PartMeta) -> str:
 
 def _prepare_df(df: Any, schemas: Schemas, what: str, time: int | None) -> Any:
     """Adds ``ts``/``diff`` when absent (``time`` / +1), checks types, orders columns."""
-    from pyspark.sql import functions as F
-
+    F = sql_functions(df)  # classic or Spark Connect columns, as ``df`` is
     spark_schema(schemas)  # unsupported Arrow types fail here, naming the field
     cols = set(df.columns)
     if TS not in cols:
