@@ -9,6 +9,10 @@ exactly what is missing); a worker killed (kill -9 of its process group) and a P
 worker killed mid-write, and speculative execution: every row committed exactly once
 by the driver's single CAS, the lost attempts' parts left unlinked for the sweeper.
 
+The default suite runs the data plane, both kill tests on writes and the shipping test
+(about a minute); the compaction kill, speculation, missing-dependency and Dagster tests
+are in the slow tier (``make test-long``).
+
 A process has one SparkContext: the module stops the local test session, runs its own
 sessions against the cluster and stops them; the ``spark`` fixture of later modules
 builds a new local one.
@@ -86,7 +90,7 @@ class Sessions:
                 os.environ.pop("PYSPARK_PYTHON", None)
             else:
                 os.environ["PYSPARK_PYTHON"] = old
-        self.session.sparkContext.setLogLevel("ERROR")
+        self.session.sparkContext.setLogLevel(os.environ.get("SPARK_TEST_LOG", "ERROR"))
         self.python = python if not conf else None
         _pickle_by_value()
         return self.session
@@ -326,6 +330,89 @@ def test_a_killed_worker_is_retried_elsewhere_and_commits_exactly_once(
             cluster.add_worker()
 
 
+@pytest.mark.slow
+def test_a_worker_killed_mid_compaction_links_each_output_part_once(
+    sessions: Sessions, cluster: Any, tmp_path: Path
+) -> None:
+    """The merge stage's task for bucket 1 uploads its parts and stalls; its worker is
+    killed (shuffle outputs on it are lost too): Spark recomputes what it must, the
+    driver applies one output batch, the lost attempt's parts stay unlinked and sweepable."""
+    from persist_lib.codec import Schemas
+    from persist_lib.maintenance_transitions import MergeOutcome
+    from persist_lib.spark import apply_merge, spark_merge
+    from tests.test_spark_compact import KEY as CKEY
+    from tests.test_spark_compact import VAL as CVAL
+    from tests.test_spark_compact import _fill, _whole_merge
+
+    spark = sessions.get()
+    client = open_client(file_location(tmp_path), blob_target_size=64 << 10)
+    shard = "s00000000-0000-4000-8000-0000000000c2"
+    w, r = client.open(shard, CKEY, CVAL)
+    _fill(w, 6, 4000, seed=3)
+    m = client.machine(shard)
+    s = m.fetch_latest()
+    req = _whole_merge(s)
+    before = table_counter(r.snapshot(11))
+    committed = _blob_keys(client, shard)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+
+    def stall_bucket_1(bucket: int, parts: int) -> None:
+        # Only the first attempt ever (a resubmitted stage numbers its attempts from 0).
+        if bucket == 1 and parts > 0 and not any(marks.iterdir()):
+            (marks / str(os.getpid())).touch()
+            time.sleep(90)  # until its worker is killed
+
+    killed: list[int] = []
+
+    def kill_its_worker(stop: threading.Event) -> None:
+        while not stop.is_set() and not killed:
+            for mk in marks.iterdir():
+                i = cluster.worker_of_pid(int(mk.name))
+                if i is not None:
+                    killed.append(i)
+                    cluster.kill_worker(i)
+                    print(f"\nkilled worker {i} at {time.monotonic() - t0:.1f} s")
+                    return
+            time.sleep(0.1)
+
+    stop = threading.Event()
+    watcher = threading.Thread(target=kill_its_worker, args=(stop,), daemon=True)
+    t0 = time.monotonic()
+    watcher.start()
+    try:
+        out = spark_merge(
+            spark, client, Schemas.from_json(s.schemas), req, shard_id=shard, num_buckets=3,
+            after_upload=stall_bucket_1,
+        )
+        stop.set()
+        watcher.join(30)
+        print(f"merge done at {time.monotonic() - t0:.1f} s")
+        assert len(killed) == 1
+        res = apply_merge(client, m, req, out)
+        assert res.outcome is MergeOutcome.APPLIED
+        linked = _linked(client, shard)
+        assert len(linked) == len(set(linked)) and set(linked) >= {p.key for p in out.batch.parts if p.key}
+        assert table_counter(r.snapshot(11)) == before, "the merge changed nothing but the layout"
+        leaked = _blob_keys(client, shard) - set(linked)
+        # The killed attempt's parts (and the merged-away inputs, once GC runs) are the
+        # only unreferenced blobs; the lost attempt's are under the merge's writer id.
+        lost = {k for k in leaked if k.split("/")[1] == out.writer}
+        assert lost, "the killed attempt had uploaded parts"
+        assert leaked - lost <= committed
+        swept = client.unreferenced_blobs(shard, older_than_ms=0, delete=True)
+        assert lost <= {x["key"] for x in swept if x["deleted"]}
+        assert table_counter(r.snapshot(11)) == before
+        print(f"\ncompaction worker kill: workers killed 1, parts linked {len(out.batch.parts)}, "
+              f"lost-attempt parts swept {len(lost)}")
+    finally:
+        stop.set()
+        client.close()
+        if killed:
+            cluster.add_worker()
+
+
+@pytest.mark.slow
 def test_speculative_attempts_commit_exactly_once(sessions: Sessions, tmp_path: Path) -> None:
     marks = tmp_path / "marks"
     marks.mkdir()
@@ -407,6 +494,7 @@ def test_workers_without_the_project_get_the_drivers_copy(
     client.close()
 
 
+@pytest.mark.slow
 def test_workers_without_the_dependencies_fail_early_with_what_is_missing(
     sessions: Sessions, bare_pythons: dict[str, str], tmp_path: Path
 ) -> None:
@@ -430,6 +518,7 @@ def test_workers_without_the_dependencies_fail_early_with_what_is_missing(
 # -- Dagster: a run with SPARK_MASTER_URL=spark://... --------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.dagster
 def test_a_dagster_run_ingests_and_compacts_on_the_cluster(
     sessions: Sessions, cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -93,6 +93,10 @@ _MERGED_ARROW = pa.schema(
 )
 
 ArrowFn = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
+# A test hook: called on the executor with (bucket, parts written) once a merge task has
+# uploaded a bucket's parts and before it returns their metadata. Raising there (or
+# killing the process) behaves like a crash at that point.
+AfterMergeUpload = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -319,7 +323,7 @@ def _shuffler(spec: _MergeSpec, splitters_ipc: bytes | None, groups: list[list[d
     return run
 
 
-def _merger(spec: _MergeSpec) -> ArrowFn:
+def _merger(spec: _MergeSpec, after_upload: AfterMergeUpload | None = None) -> ArrowFn:
     """The shuffle's reduce side: merges and writes each bucket of the partition."""
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -334,6 +338,8 @@ def _merger(spec: _MergeSpec) -> ArrowFn:
             for bucket, seq, pj, rows in _merge_task(spec, b, by_bucket.pop(b)):
                 for k, v in zip(out, (bucket, seq, pj, rows, task), strict=True):
                     out[k].append(v)
+            if after_upload is not None:
+                after_upload(b, len(out["bucket"]))
             if out["bucket"]:
                 yield pa.RecordBatch.from_pydict(out, schema=_MERGED_ARROW)
 
@@ -429,6 +435,7 @@ def spark_merge(
     target_part_bytes: int | None = None,
     cleanup_on_failure: bool = True,
     parallelism: int | None = None,
+    after_upload: AfterMergeUpload | None = None,
 ) -> SparkMergeOutput:
     """Runs the merge of ``req`` on Spark and returns its output batch (not applied).
 
@@ -436,7 +443,8 @@ def spark_merge(
     ``bucket_bytes`` of decoded input. The parts are read by ``2 * parallelism``
     tasks (default: the session's, see ``_common.default_parallelism``). ``spark``
     may be a classic or a Spark Connect session. On failure the job's output is
-    deleted (best effort) and the error raised.
+    deleted (best effort) and the error raised. ``after_upload`` is a test hook (see
+    ``AfterMergeUpload``).
     """
     t0 = time.monotonic()
     check_session(spark, f"spark_merge of shard {shard_id}")
@@ -503,7 +511,7 @@ def spark_merge(
             task_frame(spark, len(part_groups))
             .mapInArrow(_shuffler(spec, split_ipc, part_groups, nb), _SLICE_SCHEMA)
             .repartition(nb, "pkey")
-            .mapInArrow(_merger(spec), _MERGED_SCHEMA)
+            .mapInArrow(_merger(spec, after_upload), _MERGED_SCHEMA)
             .toArrow()
         )
     except Exception:

@@ -68,6 +68,21 @@ def _parent(pid: int) -> int:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` (from /proc; empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if entry.name.isdigit():
+            children.setdefault(_parent(int(entry.name)), []).append(int(entry.name))
+    out: list[int] = []
+    todo = [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 @dataclass
 class _Daemon:
     name: str
@@ -198,9 +213,19 @@ class StandaloneCluster:
     # -- faults ----------------------------------------------------------------------
 
     def kill_worker(self, index: int) -> None:
-        """kill -9 of worker ``index``, its executor and their Python workers (a lost machine)."""
+        """kill -9 of worker ``index``, its executor and their Python workers (a lost machine).
+
+        pyspark's Python daemon puts itself in its own process group, so the worker's
+        descendants are collected from /proc first and killed with the group.
+        """
         d = self._workers[index]
+        tree = _descendants(d.proc.pid)
         d.kill(signal.SIGKILL)
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         d.proc.wait(timeout=10)
 
     def worker_of_pid(self, pid: int) -> int | None:
