@@ -5,7 +5,7 @@ PYTEST_ARGS ?=
 SEEDS ?= 200
 N ?= 20
 
-.PHONY: setup demo screenshots test test-long test-races lint typecheck bench bench-full clean
+.PHONY: setup demo screenshots test test-long test-races lint typecheck bench bench-full bench-spark clean
 
 setup:
 	@bash scripts/setup.sh
@@ -35,6 +35,10 @@ bench: setup
 
 bench-full: setup
 	$(PY) -m bench --full
+
+# Spark scaling: in-process, local[1], local[2], a standalone cluster of 1 and 2 workers.
+bench-spark: setup
+	$(PY) -m bench.spark_scaling --out bench/out/spark_scaling.json
 
 clean:
 	rm -rf .persist .dagster_home .demo bench/out .pytest_cache .mypy_cache .ruff_cache

@@ -99,26 +99,39 @@ def bench_in_process(root: Path, table: pa.Table, repeat: int, part_mb: int) -> 
 
 
 def bench_spark(root: Path, master: str, n: int, repeat: int, part_mb: int) -> dict[str, Any]:
-    from persist_lib.spark import local_session, write_batch
+    """Write figures on a fresh ``local[k]`` session (stopped at the end)."""
+    from persist_lib.spark import local_session
 
     k = int(master[len("local[") : -1])
     spark = local_session(master, f"bench-{master}", {"spark.sql.shuffle.partitions": str(2 * k)})
+    try:
+        return bench_session(root, spark, master, n, repeat, part_mb, 2 * k)
+    finally:
+        spark.stop()
+
+
+def bench_session(
+    root: Path, spark: Any, tag: str, n: int, repeat: int, part_mb: int, partitions: int
+) -> dict[str, Any]:
+    """Write figures on ``spark`` (any master): two warm-ups, the floor, ``repeat`` writes."""
+    from persist_lib.spark import write_batch
+
     spark.sparkContext.setLogLevel("ERROR")
-    client = _client(root, master.replace("[", "").replace("]", ""), part_mb)
+    client = _client(root, "".join(c for c in tag if c.isalnum()), part_mb)
     try:
         for j in range(2):  # warm-up at full size: JVM JIT, Python workers, imports
             w = client.open_writer(_shard(900 + j), KEY, VAL)
-            write_batch(spark_input(spark, n, 2 * k), w, 0, 3)
+            write_batch(spark_input(spark, n, partitions), w, 0, 3)
             w.expire()
         floor = []
         for _ in range(repeat):  # Spark's own share: rows to Python Arrow, no persist work
             t0 = time.perf_counter()
-            spark_input(spark, n, 2 * k).mapInArrow(_count_rows, "n long").collect()
+            spark_input(spark, n, partitions).mapInArrow(_count_rows, "n long").collect()
             floor.append(time.perf_counter() - t0)
         secs, parts, stored = [], 0, 0
         for i in range(repeat):
             w = client.open_writer(_shard(i), KEY, VAL)
-            df = spark_input(spark, n, 2 * k)
+            df = spark_input(spark, n, partitions)
             seqno = client.inspect(w.shard_id)["seqno"]
             t0 = time.perf_counter()
             res = write_batch(df, w, 0, 3)
@@ -130,7 +143,6 @@ def bench_spark(root: Path, master: str, n: int, repeat: int, part_mb: int) -> d
             w.expire()
     finally:
         client.close()
-        spark.stop()
     return {"seconds": secs, "parts": parts, "stored_bytes": stored, "floor_seconds": floor}
 
 

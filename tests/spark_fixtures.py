@@ -1,7 +1,9 @@
-"""The one SparkSession of a test session (``local[2]``, small memory, no UI).
+"""The local SparkSession of a test session (``local[2]``, small memory, no UI).
 
 Use it from a test module with ``pytest_plugins = ["tests.spark_fixtures"]`` (one
-fixture definition for the whole session, however many modules use it).
+fixture definition for the whole session, however many modules use it). A process has
+one SparkContext at a time: the standalone-cluster tests stop it to run theirs, so the
+fixture hands out the live local session and builds a new one when it was stopped.
 """
 
 from __future__ import annotations
@@ -25,17 +27,46 @@ SPARK_TEST_CONF = {
 }
 
 
-@pytest.fixture(scope="session")
-def spark() -> Iterator[Any]:
-    pytest.importorskip("pyspark")
+_local_dirs: list[str] = []
+
+
+def _alive(session: Any) -> bool:
+    sc = session.sparkContext
+    return sc._jsc is not None and str(sc.master).startswith("local")
+
+
+def local_test_session() -> Any:
+    """The live ``local[2]`` test session (a new one if another master's session ran)."""
+    from pyspark.sql import SparkSession
+
     from persist_lib.spark.session import local_session
 
+    active = SparkSession.getActiveSession()
+    if active is not None and _alive(active):
+        return active
+    if active is not None:
+        active.stop()
     session = local_session("local[2]", "persist-tests", SPARK_TEST_CONF)
     session.sparkContext.setLogLevel("ERROR")
     local_dir = session.sparkContext.getConf().get("spark.local.dir")
-    try:
-        yield session
-    finally:
-        session.stop()
-        if local_dir and "persist-spark-" in local_dir:
-            shutil.rmtree(local_dir, ignore_errors=True)
+    if local_dir and "persist-spark-" in local_dir:
+        _local_dirs.append(local_dir)
+    return session
+
+
+@pytest.fixture(scope="session")
+def _spark_teardown() -> Iterator[None]:
+    yield
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        active.stop()
+    for d in _local_dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def spark(_spark_teardown: None) -> Any:
+    pytest.importorskip("pyspark")
+    return local_test_session()

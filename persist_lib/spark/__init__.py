@@ -14,11 +14,17 @@ change is still one transition of the shard's state machine:
 - ``ingest_landing_zone``: the file landing zone decoded on executors (``ingest.py``).
 - ``spark_schema`` (``types.py``): the Arrow <-> Spark type mapping, checked up front.
 - ``local_session`` (``session.py``): a small local session for tests and benchmarks.
+- ``SparkConnectServer`` (``connect_server.py``): a local Spark Connect server from
+  pyspark's own jars, for tests and benchmarks through ``sc://``.
 
+Every function takes a classic session or a Spark Connect session alike: the jobs use
+the DataFrame API only (``mapInArrow``), never the RDD API or the ``SparkContext``.
 Importing this package does not import pyspark; the functions do, when called.
 """
 
+from persist_lib.spark._common import UnsupportedSparkSession, default_parallelism
 from persist_lib.spark.compact import apply_merge, compact_shard, spark_merge
+from persist_lib.spark.connect_server import SparkConnectServer, SparkConnectServerError
 from persist_lib.spark.ingest import SparkIngestion, ingest_landing_zone
 from persist_lib.spark.read import (
     RangeSplit,
@@ -33,6 +39,8 @@ from persist_lib.spark.write import SparkWriteResult, write_batch, write_collect
 
 __all__ = [
     "RangeSplit",
+    "SparkConnectServer",
+    "SparkConnectServerError",
     "SparkIngestion",
     "SparkWriteResult",
     "apply_merge",
@@ -43,7 +51,9 @@ __all__ = [
     "read_updates",
     "spark_merge",
     "splits_dataframe",
+    "UnsupportedSparkSession",
     "UnsupportedSparkType",
+    "default_parallelism",
     "local_session",
     "spark_schema",
     "write_batch",

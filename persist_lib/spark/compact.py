@@ -12,9 +12,16 @@ produces exactly that by *range partitioning* in persist's own row order
 3. **Shuffle.** Tasks fetch the parts again, forward their times, and cut each part
    into the bucket ranges by ranking its rows together with the splitters (rows equal
    to a splitter all go right, so equal rows always meet). Slices travel as Arrow IPC
-   bytes — any Arrow type, no Spark type conversion.
+   bytes in a binary column — any Arrow type, no Spark type conversion — through a
+   ``repartition(B, pkey)``, where ``pkey`` is an int whose Spark hash partition is the
+   bucket (``partition_keys``), so each bucket gets a merge task of its own.
 4. **Merge.** Bucket ``b``'s task consolidates its rows (sorting them) and writes them
-   through a ``BatchBuilder`` under one compactor writer id (``cmp-...``).
+   through a ``BatchBuilder`` under one compactor writer id (``cmp-...``). (Should two
+   buckets ever share a task, it merges them one after the other.)
+
+Every stage is a DataFrame job (``spark.range`` task inputs, ``mapInArrow``,
+``repartition``), never the RDD API, so the same code runs on a classic session and
+through Spark Connect.
 
 The buckets are ordered ranges, so the parts in bucket order form one sorted run: the
 output equals the in-process ``compactor.merge_batches`` output row for row, and
@@ -35,7 +42,7 @@ import io
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +55,15 @@ from persist_lib.codec import D_COL, Schemas, internal_schema
 from persist_lib.compactor import forward_time, new_compactor_writer_id
 from persist_lib.errors import InvalidUsage
 from persist_lib.part_writers import PartWriter
-from persist_lib.spark._common import blob_uri_of, open_executor_blob
+from persist_lib.spark._common import (
+    blob_uri_of,
+    check_session,
+    default_parallelism,
+    open_executor_blob,
+    task_frame,
+    task_ids,
+    task_partition_id,
+)
 from persist_lib.spine import CompactionRequest, compaction_requests
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,6 +76,27 @@ MiB = 1 << 20
 DEFAULT_BUCKET_BYTES = 64 * MiB  # decoded Arrow bytes one merge task holds (~3x at peak)
 DEFAULT_MIN_BYTES = 256 * MiB  # compact_shard: smaller merges run in-process
 SAMPLES_PER_BUCKET = 64
+# A slice (one part's rows in one bucket) travels in rows of at most this much IPC.
+MAX_SLICE_BYTES = 16 * MiB
+# Spark hands a merge task its rows as Arrow batches whose binary column holds at most
+# 2 GiB: a bucket must stay well below that (buckets are ~``bucket_bytes`` of decoded
+# Arrow, and the IPC slices are about as large).
+MAX_BUCKET_BYTES = 1 << 30
+
+_SAMPLE_SCHEMA = "sample binary, rows long, nbytes long"
+_SAMPLE_ARROW = pa.schema([("sample", pa.binary()), ("rows", pa.int64()), ("nbytes", pa.int64())])
+_SLICE_SCHEMA = "bucket int, pkey int, data binary"
+_SLICE_ARROW = pa.schema([("bucket", pa.int32()), ("pkey", pa.int32()), ("data", pa.binary())])
+_MERGED_SCHEMA = "bucket int, seq int, part string, rows long, task int"
+_MERGED_ARROW = pa.schema(
+    [("bucket", pa.int32()), ("seq", pa.int32()), ("part", pa.string()), ("rows", pa.int64()), ("task", pa.int32())]
+)
+
+ArrowFn = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
+# A test hook: called on the executor with (bucket, parts written) once a merge task has
+# uploaded a bucket's parts and before it returns their metadata. Raising there (or
+# killing the process) behaves like a crash at that point.
+AfterMergeUpload = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -95,6 +131,9 @@ class SparkMergeStats:
     parts_out: int = 0
     bytes_out: int = 0
     max_bucket_rows: int = 0
+    # Merge tasks that got more than one bucket (0 unless Spark's hash partitioning
+    # stops matching ``partition_keys``; the output is the same, a task's memory grows).
+    shared_merge_tasks: int = 0
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -141,8 +180,44 @@ def _ipc(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
-def _from_ipc(data: bytes) -> pa.Table:
-    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+def _from_ipc(data: bytes | pa.Buffer) -> pa.Table:
+    return pa.ipc.open_stream(data if isinstance(data, pa.Buffer) else pa.py_buffer(data)).read_all()
+
+
+def _murmur3_int(value: int, seed: int = 42) -> int:
+    """Spark's ``Murmur3Hash`` of an ``int`` column value (``hash(CAST(x AS INT))``)."""
+    m = 0xFFFFFFFF
+    k1 = ((value & m) * 0xCC9E2D51) & m
+    k1 = ((k1 << 15) | (k1 >> 17)) & m
+    k1 = (k1 * 0x1B873593) & m
+    h1 = seed ^ k1
+    h1 = ((h1 << 13) | (h1 >> 19)) & m
+    h1 = (h1 * 5 + 0xE6546B64) & m
+    h1 ^= 4  # the length in bytes
+    h1 ^= h1 >> 16
+    h1 = (h1 * 0x85EBCA6B) & m
+    h1 ^= h1 >> 13
+    h1 = (h1 * 0xC2B2AE35) & m
+    h1 ^= h1 >> 16
+    return h1 - (1 << 32) if h1 >= 1 << 31 else h1
+
+
+def partition_keys(n: int) -> list[int]:
+    """``keys[b]``: the smallest int ``x >= 0`` that ``repartition(n, col)`` sends to
+    partition ``b`` (``pmod(murmur3(x), n) == b``), one distinct key per partition.
+
+    ``repartition(n, "bucket")`` alone would hash bucket ids onto partitions, so two
+    buckets could share a merge task (twice the memory) while another task idles.
+    """
+    keys = [-1] * n
+    found, x = 0, 0
+    while found < n:
+        p = _murmur3_int(x) % n  # Python's % of a positive n is Spark's pmod
+        if keys[p] < 0:
+            keys[p] = x
+            found += 1
+        x += 1
+    return keys
 
 
 def _key_cols(schemas: Schemas) -> list[str]:
@@ -206,11 +281,72 @@ def _shuffle_task(
         edges = np.flatnonzero(np.diff(b)) + 1
         starts = np.concatenate(([0], edges))
         ends = np.concatenate((edges, [t.num_rows]))
+        step = max(1, MAX_SLICE_BYTES // max(1, t.nbytes // t.num_rows))  # rows per piece
         for s, e in zip(starts, ends, strict=True):
-            yield int(b[s]), _ipc(t.slice(int(s), int(e - s)))
+            for s2 in range(int(s), int(e), step):
+                yield int(b[s]), _ipc(t.slice(s2, min(step, int(e) - s2)))
 
 
-def _merge_task(spec: _MergeSpec, bucket: int, items: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, int, str, int]]:
+def _sampler(spec: _MergeSpec, items: list[list[tuple[dict[str, Any], int]]]) -> ArrowFn:
+    """The sampling stage's ``mapInArrow`` function: task ``i`` samples ``items[i]``."""
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for i in task_ids(batches):
+            for sample, n, nbytes in _sample_task(spec, items[i]):
+                yield pa.RecordBatch.from_pydict(
+                    {"sample": [sample], "rows": [n], "nbytes": [nbytes]}, schema=_SAMPLE_ARROW
+                )
+
+    return run
+
+
+def _shuffler(spec: _MergeSpec, splitters_ipc: bytes | None, groups: list[list[dict[str, Any]]], nb: int) -> ArrowFn:
+    """The shuffle stage's map side: task ``i`` cuts ``groups[i]`` into bucket slices,
+    each row tagged with its bucket's partition key."""
+    pkeys = partition_keys(nb)
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for i in task_ids(batches):
+            buf: dict[str, list[Any]] = {"bucket": [], "pkey": [], "data": []}
+            size = 0
+            for b, data in _shuffle_task(spec, splitters_ipc, groups[i]):
+                buf["bucket"].append(b)
+                buf["pkey"].append(pkeys[b])
+                buf["data"].append(data)
+                size += len(data)
+                if size >= MAX_SLICE_BYTES:
+                    yield pa.RecordBatch.from_pydict(buf, schema=_SLICE_ARROW)
+                    buf, size = {"bucket": [], "pkey": [], "data": []}, 0
+            if buf["data"]:
+                yield pa.RecordBatch.from_pydict(buf, schema=_SLICE_ARROW)
+
+    return run
+
+
+def _merger(spec: _MergeSpec, after_upload: AfterMergeUpload | None = None) -> ArrowFn:
+    """The shuffle's reduce side: merges and writes each bucket of the partition."""
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        task = task_partition_id()
+        by_bucket: dict[int, list[pa.Table]] = {}
+        for rb in batches:
+            data = rb.column(2)
+            for j, b in enumerate(rb.column(0).to_pylist()):
+                by_bucket.setdefault(int(b), []).append(_from_ipc(data[j].as_buffer()))
+        for b in sorted(by_bucket):
+            out: dict[str, list[Any]] = {"bucket": [], "seq": [], "part": [], "rows": [], "task": []}
+            for bucket, seq, pj, rows in _merge_task(spec, b, by_bucket.pop(b)):
+                for k, v in zip(out, (bucket, seq, pj, rows, task), strict=True):
+                    out[k].append(v)
+            if after_upload is not None:
+                after_upload(b, len(out["bucket"]))
+            if out["bucket"]:
+                yield pa.RecordBatch.from_pydict(out, schema=_MERGED_ARROW)
+
+    return run
+
+
+def _merge_task(spec: _MergeSpec, bucket: int, tables: list[pa.Table]) -> Iterator[tuple[int, int, str, int]]:
     """All slices of one bucket -> its consolidated rows, written as parts.
 
     Yields ``(bucket, seq, part json, rows)``.
@@ -222,11 +358,6 @@ def _merge_task(spec: _MergeSpec, bucket: int, items: Iterable[tuple[int, bytes]
     from persist_lib.frontier import Antichain
 
     schemas = Schemas.from_json(spec.schemas_json)
-    tables = []
-    for b, data in items:
-        if b != bucket:
-            raise AssertionError(f"slice of bucket {b} arrived in the task of bucket {bucket}")
-        tables.append(_from_ipc(data))
     if not tables:
         return
     target = internal_schema(schemas)
@@ -303,14 +434,29 @@ def spark_merge(
     num_buckets: int | None = None,
     target_part_bytes: int | None = None,
     cleanup_on_failure: bool = True,
+    parallelism: int | None = None,
+    after_upload: AfterMergeUpload | None = None,
 ) -> SparkMergeOutput:
     """Runs the merge of ``req`` on Spark and returns its output batch (not applied).
 
     ``num_buckets`` fixes the number of merge tasks; by default there is one per
-    ``bucket_bytes`` of decoded input. On failure the job's output is deleted (best
-    effort) and the error raised.
+    ``bucket_bytes`` of decoded input. The parts are read by ``2 * parallelism``
+    tasks (default: the session's, see ``_common.default_parallelism``). ``spark``
+    may be a classic or a Spark Connect session. On failure the job's output is
+    deleted (best effort) and the error raised. ``after_upload`` is a test hook (see
+    ``AfterMergeUpload``).
     """
     t0 = time.monotonic()
+    check_session(spark, f"spark_merge of shard {shard_id}")
+    if not 0 < bucket_bytes <= MAX_BUCKET_BYTES:
+        raise InvalidUsage(
+            f"bucket_bytes must be in (0, {MAX_BUCKET_BYTES}] (a merge task gets its bucket as Spark "
+            f"Arrow batches, at most 2 GiB each), got {bucket_bytes}"
+        )
+    from persist_lib.spark.executors import prepare_executors
+
+    prepare_executors(spark, blob_uri=blob_uri_of(client, f"shard {shard_id}"))  # before any state change
+    tasks = default_parallelism(spark, parallelism)
     cfg = client.config
     parts = [p for b in req.inputs for p in b.parts]
     writer = new_compactor_writer_id()
@@ -330,10 +476,8 @@ def spark_merge(
         inline_threshold=cfg.inline_threshold,
     )
     stats = SparkMergeStats(parts_in=len(parts), bytes_in=sum(p.size for p in parts))
-    sc = spark.sparkContext
     cols = _key_cols(schemas)
     try:
-        tasks = max(1, int(sc.defaultParallelism))
         groups = _groups(parts, tasks * 2)
         total_count = max(1, sum(p.count for p in parts))
         # 1. Sample (and measure the decoded size), unless one bucket was asked for.
@@ -345,28 +489,30 @@ def spark_merge(
                 [(p.to_json(), max(1, math.ceil(want * p.count / total_count))) for p in g]
                 for g in groups
             ]
-            sampled = (
-                sc.parallelize(items, len(items))
-                .mapPartitions(lambda it: _sample_task(spec, (x for g in it for x in g)))
-                .collect()
-            )
-            samples = [_from_ipc(s) for s, _, _ in sampled]
-            weights = [n / max(1, t.num_rows) for t, (_, n, _) in zip(samples, sampled, strict=True)]
-            stats.rows_in = sum(n for _, n, _ in sampled)
-            stats.decoded_bytes_in = sum(nb for _, _, nb in sampled)
+            sampled = task_frame(spark, len(items)).mapInArrow(_sampler(spec, items), _SAMPLE_SCHEMA).toArrow()
+            samples = [_from_ipc(s.as_buffer()) for s in sampled.column("sample")]
+            counts = sampled.column("rows").to_pylist()
+            weights = [n / max(1, t.num_rows) for t, n in zip(samples, counts, strict=True)]
+            stats.rows_in = sum(counts)
+            stats.decoded_bytes_in = sum(sampled.column("nbytes").to_pylist())
             buckets = num_buckets or max(1, math.ceil(stats.decoded_bytes_in / max(bucket_bytes, 1)))
+            if stats.decoded_bytes_in / buckets > MAX_BUCKET_BYTES:
+                raise InvalidUsage(
+                    f"shard {shard_id}: {stats.decoded_bytes_in} decoded bytes in {buckets} buckets is over "
+                    f"{MAX_BUCKET_BYTES} bytes per merge task; use more buckets (num_buckets=None)"
+                )
             split = _splitters(samples, weights, buckets, cols)
         nb = 1 if split is None else split.num_rows + 1
         stats.buckets = nb
         split_ipc = _ipc(split) if split is not None else None
         # 2. Shuffle into ordered key ranges, 3. merge and write each range.
         part_groups = [[p.to_json() for p in g] for g in groups]
-        out = (
-            sc.parallelize(part_groups, len(part_groups))
-            .mapPartitions(lambda it: _shuffle_task(spec, split_ipc, (p for g in it for p in g)))
-            .partitionBy(nb, lambda b: int(b))
-            .mapPartitionsWithIndex(lambda i, it: _merge_task(spec, i, it))
-            .collect()
+        merged = (
+            task_frame(spark, len(part_groups))
+            .mapInArrow(_shuffler(spec, split_ipc, part_groups, nb), _SLICE_SCHEMA)
+            .repartition(nb, "pkey")
+            .mapInArrow(_merger(spec, after_upload), _MERGED_SCHEMA)
+            .toArrow()
         )
     except Exception:
         if cleanup_on_failure:
@@ -379,11 +525,23 @@ def spark_merge(
         raise
     import json
 
-    out.sort(key=lambda r: (r[0], r[1]))
-    metas = tuple(PartMeta.from_json(json.loads(pj)) for _, _, pj, _ in out)
+    out = sorted(
+        zip(*(merged.column(c).to_pylist() for c in ("bucket", "seq", "part", "rows", "task")), strict=True),
+        key=lambda r: (r[0], r[1]),
+    )
+    metas = tuple(PartMeta.from_json(json.loads(pj)) for _, _, pj, _, _ in out)
     per_bucket: dict[int, int] = {}
-    for b, _, _, rows in out:
+    per_task: dict[int, set[int]] = {}
+    for b, _, _, rows, task in out:
         per_bucket[b] = per_bucket.get(b, 0) + rows
+        per_task.setdefault(task, set()).add(b)
+    stats.shared_merge_tasks = sum(1 for bs in per_task.values() if len(bs) > 1)
+    if stats.shared_merge_tasks:
+        log.warning(
+            "shard %s: %d Spark merge tasks got more than one bucket (Spark's hash partitioning no longer "
+            "matches partition_keys?): correct, but those tasks held several buckets",
+            shard_id, stats.shared_merge_tasks,
+        )
     batch = HollowBatch(lower=req.lower, upper=req.upper, since=req.since, parts=metas)
     stats.rows_out = batch.len
     stats.parts_out = len(metas)
@@ -475,15 +633,18 @@ def compact_shard(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     num_buckets: int | None = None,
     max_rounds: int = 64,
+    parallelism: int | None = None,
 ) -> dict[str, Any]:
     """Runs the shard's pending merges: those reading ``>= min_bytes`` on Spark, the
     rest in-process (``compactor.compact_request``), round after round until the spine
-    wants nothing more. Returns a JSON-able summary (what a Dagster op records)."""
+    wants nothing more. Returns a JSON-able summary (what a Dagster op records).
+    ``spark``: a classic or a Spark Connect session; ``parallelism`` as ``spark_merge``."""
     from persist_lib import maintenance
     from persist_lib.compactor import compact_request
     from persist_lib.spine import compaction_debt
 
     t0 = time.monotonic()
+    check_session(spark, f"compact_shard of shard {shard}")
     m = client.machine(shard)
     s = m.fetch_latest()
     if not s.exists or s.schemas is None:
@@ -506,7 +667,7 @@ def compact_shard(
                 if big:
                     out = spark_merge(
                         spark, client, schemas, req, shard_id=m.shard_id, bucket_bytes=bucket_bytes,
-                        num_buckets=num_buckets,
+                        num_buckets=num_buckets, parallelism=parallelism,
                     )
                     spark_results.append(apply_merge(client, m, req, out))
                 else:

@@ -17,13 +17,19 @@ Trivial chunks (unreadable files, whose content is one error record from the rem
 shard's notes, and empty ranges) are decoded on the driver. Only
 ``LandingZoneSource`` sources are distributed (Postgres CDC reads a replication
 stream, which only the driver can consume).
+
+The job is a DataFrame job (``spark.range`` task inputs, ``mapInArrow`` returning the
+pickled ``Decoded`` results in pieces of at most ``RESULT_PIECE_BYTES``), so the same
+code runs on a classic session and through Spark Connect, where a result row must
+fit one gRPC message.
 """
 
 from __future__ import annotations
 
 import functools
+import pickle
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,12 +41,25 @@ from persist_lib.ingest.errors import IngestConfigError, SourceDataGone
 from persist_lib.ingest.landing_zone import FileChunk, LandingZoneSource, _UnreadableFile
 from persist_lib.ingest.remap import Binding
 from persist_lib.ingest.source import Address, Chunk
+from persist_lib.spark._common import (
+    binary_rows,
+    check_session,
+    default_parallelism,
+    task_frame,
+    task_ids,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.client import PersistClient
 
 DEFAULT_RECORDS_PER_JOB = 1_000_000
 MIN_PIECE_RECORDS = 20_000  # smaller ranges aren't worth a task of their own
+RESULT_PIECE_BYTES = 8 << 20  # a decoded result travels to the driver in rows of this size
+
+_RESULT_SCHEMA = "idx int, piece int, seq int, data binary"
+_RESULT_ARROW = pa.schema(
+    [("idx", pa.int32()), ("piece", pa.int32()), ("seq", pa.int32()), ("data", pa.binary())]
+)
 
 
 @dataclass(frozen=True)
@@ -125,13 +144,53 @@ def _decode_task(
         yield r.index, r.piece, FileChunk(r.file, parsed, r.r0, r.r1).decode(spec)
 
 
+def _decoder(
+    src: _SourceSpec, spec: DecodeSpec, tasks: list[list[_FileRange]]
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The ``mapInArrow`` function: task ``i`` decodes ``tasks[i]`` and returns each
+    result pickled (as an RDD ``collect`` would), in pieces."""
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for t in task_ids(batches):
+            for index, piece, decoded in _decode_task(src, spec, tasks[t]):
+                data = pickle.dumps(decoded, protocol=pickle.HIGHEST_PROTOCOL)
+                pieces = binary_rows(data, RESULT_PIECE_BYTES)
+                n = len(pieces)
+                yield pa.RecordBatch.from_pydict(
+                    {"idx": [index] * n, "piece": [piece] * n, "seq": list(range(n)), "data": pieces},
+                    schema=_RESULT_ARROW,
+                )
+
+    return run
+
+
+def _unpickle_results(table: pa.Table) -> list[tuple[int, int, Decoded]]:
+    """The rows of ``_decoder``'s output back as ``(index, piece, Decoded)``."""
+    chunks: dict[tuple[int, int], list[tuple[int, bytes]]] = {}
+    data = table.column("data")
+    keys = zip(
+        table.column("idx").to_pylist(), table.column("piece").to_pylist(), table.column("seq").to_pylist(),
+        strict=True,
+    )
+    for j, (i, p, q) in enumerate(keys):
+        chunks.setdefault((i, p), []).append((q, data[j].as_py()))
+    out = []
+    for (i, p), pieces in chunks.items():
+        blob = b"".join(d for _, d in sorted(pieces, key=lambda x: x[0]))
+        out.append((i, p, pickle.loads(blob)))
+    return out
+
+
 class SparkIngestion(Ingestion):
     """``ingest.Ingestion`` whose bound records are decoded by Spark executors.
 
     Takes the ``Ingestion`` arguments plus ``spark``, ``records_per_job`` (bound
-    records decoded per Spark job: the driver holds one job's decoded rows at a time)
-    and ``min_piece_records`` (a bound range is decoded in pieces of at least this
-    many records, so one large file still spreads over the executors).
+    records decoded per Spark job: the driver holds one job's decoded rows at a
+    time), ``min_piece_records`` (a bound range is decoded in pieces of at least this
+    many records, so one large file still spreads over the executors) and
+    ``parallelism`` (a job has ``2 * parallelism`` tasks; default: the session's, see
+    ``_common.default_parallelism``). ``spark`` may be a classic or a Spark Connect
+    session.
     """
 
     def __init__(
@@ -145,6 +204,7 @@ class SparkIngestion(Ingestion):
         *,
         records_per_job: int = DEFAULT_RECORDS_PER_JOB,
         min_piece_records: int = MIN_PIECE_RECORDS,
+        parallelism: int | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(source, LandingZoneSource):
@@ -154,8 +214,11 @@ class SparkIngestion(Ingestion):
             )
         if records_per_job < 1:
             raise IngestConfigError(f"records_per_job must be >= 1, got {records_per_job}")
+        if parallelism is not None and parallelism < 1:
+            raise IngestConfigError(f"parallelism must be >= 1, got {parallelism}")
         super().__init__(client, name, source, key_schema, val_schema, **kwargs)
         self.spark = spark
+        self.parallelism = parallelism
         self._zone = source
         self.records_per_job = records_per_job
         self.min_piece_records = max(1, min_piece_records)
@@ -212,6 +275,7 @@ class SparkIngestion(Ingestion):
 
     def run_once(self, *, max_records: int | None = None) -> dict[str, Any]:
         """``Ingestion.run_once`` with bound records decoded in few, large Spark jobs."""
+        check_session(self.spark, f"Spark ingestion {self.name!r}")
         self._defer = True
         try:
             self._started = time.monotonic()
@@ -236,6 +300,7 @@ class SparkIngestion(Ingestion):
 
     def _decode(self, chunks: list[Chunk]) -> list[Decoded]:
         """Decodes ``chunks`` (in order): file ranges on executors, trivial ones here."""
+        check_session(self.spark, f"Spark ingestion {self.name!r}")
         t0 = time.monotonic()
         out: list[Decoded | None] = [None] * len(chunks)
         todo: list[tuple[int, FileChunk]] = []
@@ -250,7 +315,10 @@ class SparkIngestion(Ingestion):
                 out[i] = c.decode(self.spec)
                 self.spark_stats["chunks_on_driver"] += 1
         if todo:
-            par = max(1, int(self.spark.sparkContext.defaultParallelism)) * 2
+            from persist_lib.spark.executors import prepare_executors
+
+            prepare_executors(self.spark, blob_uri=self._zone.uri)
+            par = default_parallelism(self.spark, self.parallelism) * 2
             total = sum(c.num_records for _, c in todo)
             piece = max(self.min_piece_records, -(-total // par))
             # Decoding is row-wise (a record decodes the same in any chunk), so a large
@@ -262,10 +330,8 @@ class SparkIngestion(Ingestion):
             ]
             tasks = _tasks(ranges, par)
             src, spec = _SourceSpec.of(self._zone), self.spec
-            results = (
-                self.spark.sparkContext.parallelize(tasks, len(tasks))
-                .mapPartitions(lambda it: _decode_task(src, spec, (r for t in it for r in t)))
-                .collect()
+            results = _unpickle_results(
+                task_frame(self.spark, len(tasks)).mapInArrow(_decoder(src, spec, tasks), _RESULT_SCHEMA).toArrow()
             )
             pieces: dict[int, list[tuple[int, Decoded]]] = {}
             for i, n, d in results:

@@ -27,7 +27,14 @@ from persist_lib.codec import DIFF, Schemas
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import check_time
 from persist_lib.read import RangeSplit, SnapshotSplit
-from persist_lib.spark._common import blob_uri_of, open_executor_blob, table_batches
+from persist_lib.spark._common import (
+    blob_uri_of,
+    check_session,
+    default_parallelism,
+    open_executor_blob,
+    sql_functions,
+    table_batches,
+)
 from persist_lib.spark.types import spark_arrow_schema, spark_schema, to_spark_arrow
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,7 +46,7 @@ Split = SnapshotSplit | RangeSplit
 
 
 def _default_splits(spark: Any) -> int:
-    return max(1, int(spark.sparkContext.defaultParallelism) * 2)
+    return default_parallelism(spark) * 2
 
 
 def _fetcher(
@@ -68,8 +75,11 @@ def splits_dataframe(spark: Any, splits: list[Split], schemas: Schemas, *, conso
     The caller must keep the splits' parts alive (a seqno hold) until it is computed;
     ``read_snapshot``/``read_updates`` do that and materialize the result.
     """
-    from pyspark.sql import functions as F
+    check_session(spark, "splits_dataframe")
+    from persist_lib.spark.executors import prepare_executors
 
+    prepare_executors(spark, blob_uri=next((s.blob_uri for s in splits), None))
+    F = sql_functions(spark)
     sschema = spark_schema(schemas)
     target = spark_arrow_schema(sschema)
     n = max(1, len(splits))
@@ -107,6 +117,7 @@ def read_snapshot(
     parallelism); the result is materialized before the splits' hold is released.
     """
     as_of = check_time(as_of, "as_of")
+    check_session(spark, f"read_snapshot of shard {reader.shard_id}")
     blob_uri_of(reader.client, f"shard {reader.shard_id}")
     spark_schema(reader.schemas)  # unsupported types fail before any hold is taken
     n = num_splits or _default_splits(spark)
@@ -148,6 +159,7 @@ def read_updates(
         raise InvalidUsage(
             f"shard {reader.shard_id}: range ({from_as_of}, {to_as_of}] is backwards"
         )
+    check_session(spark, f"read_updates of shard {reader.shard_id}")
     blob_uri_of(reader.client, f"shard {reader.shard_id}")
     spark_schema(reader.schemas)
     if hi == lo:
@@ -171,6 +183,7 @@ def read_collection_snapshot(
 ) -> Any:
     """The collection at ``as_of``: the active rendition's shards, fetched on executors."""
     as_of = check_time(as_of, "as_of")
+    check_session(spark, "read_collection_snapshot")
     spark_schema(reader.schemas)
     rendition = reader.active_rendition(as_of, timeout_s)
     handles = reader.rendition_readers(rendition)

@@ -50,8 +50,10 @@ from persist_lib.spark._common import (
     blob_uri_of,
     open_executor_blob,
     rechunk,
+    sql_functions,
     task_partition_id,
 )
+from persist_lib.spark.executors import prepare_executors
 from persist_lib.spark.types import check_dataframe_schema, spark_schema
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -219,8 +221,7 @@ def _part_json(p: PartMeta) -> str:
 
 def _prepare_df(df: Any, schemas: Schemas, what: str, time: int | None) -> Any:
     """Adds ``ts``/``diff`` when absent (``time`` / +1), checks types, orders columns."""
-    from pyspark.sql import functions as F
-
+    F = sql_functions(df)  # classic or Spark Connect columns, as ``df`` is
     spark_schema(schemas)  # unsupported Arrow types fail here, naming the field
     cols = set(df.columns)
     if TS not in cols:
@@ -352,6 +353,7 @@ def write_batch(
     _check_frontiers(what, lower, upper)
     df = _prepare_df(df, writer.schemas, what, time)
     spec = _spec(client, [shard], writer.schemas, lower, upper, target_part_bytes, chunk_bytes)
+    prepare_executors(df.sparkSession, blob_uri=spec.blob_uri)  # before any state change
     cur = writer.fetch_recent_upper()
     if cur != lower:  # fail fast, before any executor works; the CAS re-checks
         raise UpperMismatch(shard, lower, cur)
@@ -412,6 +414,7 @@ def write_collection(
     skipped = [shard_ids[i] for i in range(len(handles)) if i not in todo]
     client = handles[0].client
     spec = _spec(client, shard_ids, schemas, lower, upper, target_part_bytes, chunk_bytes)
+    prepare_executors(df.sparkSession, blob_uri=spec.blob_uri)  # before any state change
     batches: list[HollowBatch] = []
     rows_in = 0
     if todo:
