@@ -147,6 +147,8 @@ def kill_trial(tmp: Path, template: Path, shard: ShardId, mode: str, delay: floa
     try:
         # A killed compactor's part-writer registration protects its output from the
         # sweeper until lease expiry removes it (here: with a clock past every lease).
+        # What the killed process left (listed before this process writes anything).
+        left_by_killed = {b.key for b in client.blob.list_keys_and_metadata(f"{shard}/")}
         client.expire_leases(shard, now=client.config.now_ms() + 48 * 3_600_000)
         leaked = mn.unreferenced_blobs(client, shard, 0, delete=True)
         for b in leaked:
@@ -168,6 +170,7 @@ def kill_trial(tmp: Path, template: Path, shard: ShardId, mode: str, delay: floa
         for b in late:
             r = gcmod.rollup_seqno_of(b["key"])
             latest = client.machine(shard).fetch_latest().latest_rollup()
+            assert b["key"] in left_by_killed, b  # never one of this process's own
             assert r is not None and latest is not None and r <= latest[0], b
         assert mn.unreferenced_blobs(client, shard, 0) == []
         s = client.machine(shard).fetch_latest()
