@@ -330,6 +330,54 @@ def test_a_killed_worker_is_retried_elsewhere_and_commits_exactly_once(
             cluster.add_worker()
 
 
+def test_a_killed_python_worker_mid_compaction_is_retried_and_applied_once(
+    sessions: Sessions, tmp_path: Path
+) -> None:
+    """The merge task of bucket 0 kills its own Python worker after uploading its parts
+    (first attempt only): Spark retries the task, the driver applies one output batch."""
+    from persist_lib.codec import Schemas
+    from persist_lib.maintenance_transitions import MergeOutcome
+    from persist_lib.spark import apply_merge, spark_merge
+    from tests.test_spark_compact import KEY as CKEY
+    from tests.test_spark_compact import VAL as CVAL
+    from tests.test_spark_compact import _fill, _whole_merge
+
+    spark = sessions.get()
+    client = open_client(file_location(tmp_path), blob_target_size=64 << 10)
+    shard = "s00000000-0000-4000-8000-0000000000c3"
+    w, r = client.open(shard, CKEY, CVAL)
+    _fill(w, 4, 3000, seed=5)
+    m = client.machine(shard)
+    s = m.fetch_latest()
+    req = _whole_merge(s)
+    before = table_counter(r.snapshot(7))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+
+    def kill_bucket_0(bucket: int, parts: int) -> None:
+        if bucket == 0 and parts > 0 and not any(marks.iterdir()):
+            (marks / str(os.getpid())).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    out = spark_merge(
+        spark, client, Schemas.from_json(s.schemas), req, shard_id=shard, num_buckets=2,
+        after_upload=kill_bucket_0,
+    )
+    assert len(list(marks.iterdir())) == 1
+    assert apply_merge(client, m, req, out).outcome is MergeOutcome.APPLIED
+    linked = _linked(client, shard)
+    assert len(linked) == len(set(linked))
+    assert table_counter(r.snapshot(7)) == before
+    lost = {k for k in _blob_keys(client, shard) - set(linked) if k.split("/")[1] == out.writer}
+    assert lost, "the killed attempt had uploaded parts"
+    swept = client.unreferenced_blobs(shard, older_than_ms=0, delete=True)
+    assert lost <= {x["key"] for x in swept if x["deleted"]}
+    assert table_counter(r.snapshot(7)) == before
+    print(f"\ncompaction python worker kill: attempts killed 1, parts linked {len(out.batch.parts)}, "
+          f"lost-attempt parts swept {len(lost)}")
+    client.close()
+
+
 @pytest.mark.slow
 def test_a_worker_killed_mid_compaction_links_each_output_part_once(
     sessions: Sessions, cluster: Any, tmp_path: Path
