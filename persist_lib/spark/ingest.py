@@ -173,8 +173,12 @@ def _decode_task(
         yield r.index, r.piece, FileChunk(r.file, parsed, r.r0, r.r1).decode(spec)
 
 
+AfterRead = Callable[[int, int, int], None]  # (partition, start, end) -> None
+
+
 def _kafka_task(
-    settings: dict[str, Any], envelope: str, spec: DecodeSpec, ranges: Iterable[_OffsetRange]
+    settings: dict[str, Any], envelope: str, spec: DecodeSpec, after_read: AfterRead | None,
+    ranges: Iterable[_OffsetRange],
 ) -> Iterator[tuple[int, int, tuple[Decoded, int, int]]]:
     """Executor: reads each bound offset range with its own consumer and decodes it as the
     driver would; returns the messages found and their value bytes beside the result."""
@@ -182,6 +186,8 @@ def _kafka_task(
     src.bind_envelope(envelope)
     for r in ranges:
         msgs = read_range(src, r.partition, r.start, r.end)
+        if after_read is not None:
+            after_read(r.partition, r.start, r.end)
         nbytes = sum(map(len, filter(None, msgs.vals)))
         yield r.index, r.piece, (src.decode_messages(str(r.partition), msgs, spec), len(msgs), nbytes)
 
@@ -269,7 +275,8 @@ class SparkIngestion(Ingestion):
     many records, so one large file still spreads over the executors) and
     ``parallelism`` (a job has ``2 * parallelism`` tasks; default: the session's, see
     ``_common.default_parallelism``). ``spark`` may be a classic or a Spark Connect
-    session.
+    session. ``after_read`` (tests): called in a Kafka task after it read a range
+    ``(partition, start, end)``, before decoding it -- where the fault tests kill the worker.
     """
 
     def __init__(
@@ -284,6 +291,7 @@ class SparkIngestion(Ingestion):
         records_per_job: int = DEFAULT_RECORDS_PER_JOB,
         min_piece_records: int = MIN_PIECE_RECORDS,
         parallelism: int | None = None,
+        after_read: AfterRead | None = None,
         **kwargs: Any,
     ) -> None:
         if isinstance(source, KafkaSource):
@@ -301,6 +309,7 @@ class SparkIngestion(Ingestion):
         super().__init__(client, name, source, key_schema, val_schema, **kwargs)
         self.spark = spark
         self.parallelism = parallelism
+        self.after_read = after_read
         self._zone = source if isinstance(source, LandingZoneSource) else None
         self._kafka = source if isinstance(source, KafkaSource) else None
         self.records_per_job = records_per_job
@@ -467,7 +476,7 @@ class SparkIngestion(Ingestion):
             for n, s in enumerate(range(int(c.start[0]), int(c.end[0]), piece))
         ]
         results = self._run_job(
-            functools.partial(_kafka_task, src.settings(), self.envelope.kind, self.spec),
+            functools.partial(_kafka_task, src.settings(), self.envelope.kind, self.spec, self.after_read),
             _tasks(ranges, par, key=lambda r: (r.partition, r.start), size=lambda r: r.end - r.start),
         )
         pieces: dict[int, list[tuple[int, tuple[Decoded, int, int]]]] = {}
