@@ -26,8 +26,11 @@ import bisect
 import dataclasses
 import json
 import logging
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -234,7 +237,9 @@ class KafkaSource:
     committed at the durable frontier. ``timeout_s``: how long an unreachable broker is
     retried (with backoff) before ``SourceTimeout``. ``ranges``: the reader binds offset
     ranges up to each partition's high watermark without fetching them (``KafkaRangeReader``;
-    Spark ingestion decodes them on executors).
+    Spark ingestion decodes them on executors). ``prefetch``: messages a background thread
+    may consume ahead of the ingestion (so fetching overlaps decoding and appending; 0:
+    fetch only when asked).
     """
 
     bootstrap_url: str
@@ -249,6 +254,7 @@ class KafkaSource:
     timeout_s: float = 30.0
     poll_s: float = 0.2
     metadata_interval_s: float = 5.0
+    prefetch: int = 200_000
     config: Mapping[str, str] | None = field(default=None, repr=False)  # extra librdkafka settings
     ranges: bool = False
     kind: str = "kafka"
@@ -686,6 +692,87 @@ def _headers_json(h: Any) -> str | None:
     return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
 
 
+class _Prefetcher:
+    """Calls ``consume()`` on a thread, ahead of the reader, holding at most ``limit``
+    messages: building a million Python message objects is the GIL-bound half of reading
+    a topic, and it overlaps the ingestion's decoding and appending (pyarrow and the
+    Parquet writer release the GIL). Messages come out in the order ``consume`` returned
+    them, so the reader sees exactly what it would have fetched itself."""
+
+    def __init__(self, consumer: Any, limit: int, where: str) -> None:
+        self._consumer = consumer
+        self._limit = max(1, limit)
+        self._batches: deque[list[Any]] = deque()
+        self._held = 0
+        self._cv = threading.Condition()
+        self._io = threading.Lock()  # held around every call on the consumer
+        self._waiting = 0  # reader-thread calls waiting for the consumer
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"kafka-prefetch {where}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while (self._held >= self._limit or self._waiting) and not self._stop:
+                        self._cv.wait(0.1)
+                    if self._stop:
+                        return
+                    n = max(1, min(20_000, self._limit - self._held))
+                with self._io:
+                    msgs = self._consumer.consume(n, 0.05)
+                if msgs:
+                    with self._cv:
+                        self._batches.append(msgs)
+                        self._held += len(msgs)
+                        self._cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the reader's thread
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The consumer for a call from the reader's thread (librdkafka calls on one
+        consumer from two threads at once can hang: a cached watermark read did)."""
+        with self._cv:
+            self._waiting += 1
+        try:
+            with self._io:
+                yield
+        finally:
+            with self._cv:
+                self._waiting -= 1
+                self._cv.notify_all()
+
+    def take(self, max_n: int, timeout: float) -> list[Any]:
+        """Up to about ``max_n`` messages (whole batches), waiting up to ``timeout`` for one."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not self._batches and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._cv.wait(left)
+            if not self._batches and self._error is not None:
+                raise self._error
+            out: list[Any] = []
+            while self._batches and len(out) < max_n:
+                b = self._batches.popleft()
+                out.extend(b)
+                self._held -= len(b)
+            self._cv.notify_all()
+            return out
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(30)
+
+
 class KafkaReader:
     """Reads a topic from per-partition offsets with one manually assigned consumer."""
 
@@ -698,11 +785,18 @@ class KafkaReader:
         self._eof: set[int] = set()  # partitions whose last answer was "end of partition"
         self._consumer = src.new_consumer()
         self._next_meta = 0.0
+        self._prefetch: _Prefetcher | None = None
         self._refresh(force=True)
+        if src.prefetch > 0 and type(self) is KafkaReader:  # (a range reader fetches little)
+            self._prefetch = _Prefetcher(self._consumer, src.prefetch, src._where())
 
     @property
     def position(self) -> Frontier:
         return {str(p): (o,) for p, o in self._pos.items()}
+
+    def _exclusive(self) -> AbstractContextManager[None]:
+        """Around every consumer call but the prefetcher's own ``consume``."""
+        return self._prefetch.exclusive() if self._prefetch is not None else nullcontext()
 
     def add_notes(self, notes: Iterable[Note]) -> None:
         return None
@@ -719,7 +813,8 @@ class KafkaReader:
         if not force and now < self._next_meta:
             return
         self._next_meta = now + self.src.metadata_interval_s
-        n = self.src.topic_partitions(self._consumer)
+        with self._exclusive():
+            n = self.src.topic_partitions(self._consumer)
         known = set(self._pos) | self._assigned
         if n is None:
             raise KafkaTopicGone(
@@ -751,7 +846,8 @@ class KafkaReader:
         for p in parts:
             self._pos.setdefault(p, 0)
             self._check_range(p)
-        self._consumer.incremental_assign([TopicPartition(self.src.topic, p, self._pos[p]) for p in parts])
+        with self._exclusive():
+            self._consumer.incremental_assign([TopicPartition(self.src.topic, p, self._pos[p]) for p in parts])
         self._assigned.update(parts)
         if self._assigned != set(parts):
             log.info("%s: partitions %s appeared; assigned at offsets %s", self.src._where(), parts, [self._pos[p] for p in parts])
@@ -763,7 +859,8 @@ class KafkaReader:
         delay = 0.1
         while True:
             try:
-                lo, hi = self._consumer.get_watermark_offsets(TopicPartition(self.src.topic, p), timeout=5.0, cached=False)
+                with self._exclusive():
+                    lo, hi = self._consumer.get_watermark_offsets(TopicPartition(self.src.topic, p), timeout=5.0, cached=False)
                 return int(lo), int(hi)
             except KafkaException as e:
                 if time.monotonic() >= deadline:
@@ -812,22 +909,35 @@ class KafkaReader:
         """Moves fetched messages into the per-partition buffers; returns how many."""
         from confluent_kafka import KafkaError
 
-        # consume() waits for the whole batch or the timeout: modest batches, so a
-        # partial one (the prefetch queue ran dry) costs at most ``timeout``
-        msgs = self._consumer.consume(max(1, min(max_n, 20_000)), timeout)
+        if self._prefetch is not None:
+            msgs = self._prefetch.take(max_n, timeout)
+        else:
+            # consume() waits for the whole batch or the timeout: modest batches, so a
+            # partial one (the prefetch queue ran dry) costs at most ``timeout``
+            msgs = self._consumer.consume(max(1, min(max_n, 20_000)), timeout)
+        if not msgs:
+            return 0
+        # (list comprehensions and numpy, not a Python loop per message: with a million
+        # messages this loop costs as much as a tenth of consuming them)
+        errs = [m.error() for m in msgs]
+        if not all(e is None for e in errs):  # (no ==: KafkaError's __eq__ rejects None)
+            good = []
+            for m, err in zip(msgs, errs, strict=True):
+                if err is None:
+                    good.append(m)
+                else:
+                    self._on_error(err, m, KafkaError)
+            msgs = good
         by_p: dict[int, list[Any]] = {}
-        cur_p = -1
-        run: list[Any] = []
-        for m in msgs:
-            err = m.error()
-            if err is not None:
-                self._on_error(err, m, KafkaError)
-                continue
-            p = m.partition()
-            if p != cur_p:
-                run = by_p.setdefault(p, [])
-                cur_p = p
-            run.append(m)
+        if msgs:
+            parts = np.array([m.partition() for m in msgs], dtype=np.int64)
+            cuts = (np.flatnonzero(parts[1:] != parts[:-1]) + 1).tolist()  # runs of one partition
+            for i, j in zip([0, *cuts], [*cuts, len(msgs)], strict=True):
+                run = by_p.get(int(parts[i]))
+                if run is None:
+                    by_p[int(parts[i])] = msgs[i:j]
+                else:
+                    run.extend(msgs[i:j])
         got = 0
         for p, ms in by_p.items():
             b = self._buf.get(p)
@@ -954,7 +1064,8 @@ class KafkaReader:
             behind = 0
             for p in sorted(self._assigned):
                 # cached: the high watermark of the last fetch response (no broker round trip)
-                _, hi = self._consumer.get_watermark_offsets(TopicPartition(self.src.topic, p), cached=True)
+                with self._exclusive():
+                    _, hi = self._consumer.get_watermark_offsets(TopicPartition(self.src.topic, p), cached=True)
                 if hi is not None and hi >= 0:
                     behind += max(0, int(hi) - self._pos.get(p, 0))
             return Lag(records_behind=behind)
@@ -962,6 +1073,9 @@ class KafkaReader:
             return Lag()
 
     def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()  # (before the consumer goes: it may be in consume())
+            self._prefetch = None
         try:
             self._consumer.close()
         except Exception:  # noqa: BLE001 - best effort
