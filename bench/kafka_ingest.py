@@ -143,14 +143,14 @@ def raw_consume(bootstrap: str, records: int, partitions: int, decode: bool = Fa
     return dt
 
 
-def ingest(bootstrap: str, home: Path, envelope: str, per_binding: int) -> tuple[float, dict[str, Any]]:
+def ingest(bootstrap: str, home: Path, envelope: str, per_binding: int, prefetch: int = 200_000) -> tuple[float, dict[str, Any]]:
     from persist_lib import PersistClient, PersistConfig
     from persist_lib.ingest import IngestConfig, Ingestion, KafkaSource
 
     (home / "blob").mkdir(parents=True, exist_ok=True)
     client = PersistClient.open(f"file://{home / 'blob'}", f"sqlite:///{home / 'consensus.db'}",
                                 PersistConfig(background_heartbeats=False))
-    src = KafkaSource(bootstrap, TOPIC, key_format="json" if envelope == "upsert" else "none")
+    src = KafkaSource(bootstrap, TOPIC, key_format="json" if envelope == "upsert" else "none", prefetch=prefetch)
     try:  # paid once per process (pyarrow imports pandas lazily on the first conversions)
         import pandas  # noqa: F401
     except ImportError:

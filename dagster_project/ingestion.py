@@ -3,8 +3,10 @@
 ``ingest_source`` is one run-once pass of the recipe: what landed since the last pass is
 reclocked (bound to times in the remap shard) and appended to the STORAGE collections
 ``<name>`` (data), ``<name>.raw``, ``<name>.errors`` and ``<name>.state`` (upsert). With a
-Spark session (``SparkResource`` configured) the bound files are decoded on executors
-(``persist_lib.spark.ingest.SparkIngestion``); otherwise the pass runs in-process.
+Spark session (``SparkResource`` configured) the bound files, or the bound Kafka offset
+ranges, are decoded on executors (``persist_lib.spark.ingest.SparkIngestion``); otherwise
+the pass runs in-process (always, for Postgres CDC: a replication stream is read by one
+process).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def make_ingestion(
     """An ``Ingestion`` of ``spec`` from its landing zone into STORAGE collections.
 
     With ``spark`` (a function returning a session) it is ``persist_lib.spark``'s
-    ``SparkIngestion``: the same recipe, with the bound files decoded on executors.
+    ``SparkIngestion``: the same recipe, with the bound files (or Kafka offset ranges)
+    decoded on executors.
     """
     args = (ctl.client, spec.name, make_source(spec, landing_uri), spec.key_schema, spec.val_schema)
     kwargs: dict[str, Any] = {
@@ -59,7 +62,7 @@ def make_ingestion(
         "transform": spec.transform,
         "progress": progress,
     }
-    if spark is not None and spec.kind == "landing_zone":
+    if spark is not None and spec.kind in ("landing_zone", "kafka"):
         from persist_lib.spark.ingest import SparkIngestion
 
         return SparkIngestion(spark(), *args, **kwargs)
@@ -102,8 +105,8 @@ def ingest_source(
     """One run-once ingestion pass; returns the driver's summary plus ``engine``."""
     if spec.kind == "landing_zone":
         _ensure_landing_dir(landing_uri)
-    else:
-        spark = None  # a replication stream or a topic is read by the driver only
+    elif spec.kind == "postgres_cdc":
+        spark = None  # a replication stream is read by the driver only
     t0 = time.monotonic()
     with make_ingestion(spec, ctl, landing_uri, progress=progress, spark=spark) as ing:
         summary = ing.run_once()

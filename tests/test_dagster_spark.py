@@ -133,3 +133,44 @@ def test_spark_ingestion_backfill_and_compaction(spark: Any, home: Path, tmp_pat
         meta = res.get_asset_materialization_events()[0].materialization.metadata
         assert meta["compaction_engine"].value == "spark"
     assert spark.sparkContext._jsc is not None  # the shared session is still alive
+
+
+@pytest.mark.spark
+@pytest.mark.kafka
+def test_a_kafka_source_is_ingested_on_spark(
+    spark: Any, home: Path, tmp_path: Path, kafka_broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With Spark configured, the Kafka source's ingestion decodes its bound offset ranges
+    on executors (``engine: spark``) and the collection is the topic's upserted state."""
+    import dataclasses
+    import json
+    import uuid
+
+    from dagster_project.assets import build_source_assets
+    from dagster_project.checks import read_latest
+    from dagster_project.sources import EVENTS
+
+    monkeypatch.setenv("PERSIST_KAFKA_BOOTSTRAP", kafka_broker.bootstrap)
+    spec = dataclasses.replace(EVENTS, topic=f"events-{uuid.uuid4().hex[:8]}")
+    kafka_broker.create_topic(spec.topic, 2)
+    rows = [(i, {"kind": f"k{i % 3}", "amount": i * 0.5}) for i in range(400)] + [(i, None) for i in range(0, 400, 7)]
+    kafka_broker.produce(
+        spec.topic, [(k % 2, json.dumps(k).encode(), None if v is None else json.dumps(v).encode()) for k, v in rows]
+    )
+    expected = {k: (v["kind"], float(v["amount"])) for k, v in rows if v is not None and k % 7}
+    resources = build_resources(
+        persist=PersistResource(home=str(home)),
+        landing=LandingZoneResource(uri=str(home / "landing"), s3=S3Resource()),
+        spark=SparkResource(spark_config={"spark.master": spark.sparkContext.master}, stop_session=False),
+    )
+    sa = build_source_assets(spec)
+    (tmp_path / "dagster").mkdir()
+    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster")) as instance:
+        res = dg.materialize([sa.ingest, *sa.checks], resources=resources, instance=instance)
+        assert res.success
+        (mat,) = [m for m in res.get_asset_materialization_events() if m.asset_key == dg.AssetKey("events")]
+        meta = {k: v.value for k, v in mat.materialization.metadata.items()}
+        assert meta["engine"] == "spark" and meta["records_appended"] == len(rows)
+        df, _ = read_latest(resources["persist"], "events")  # type: ignore[arg-type]
+        assert {int(r.id): (r.kind, float(r.amount)) for r in df.itertuples(index=False)} == expected
+    assert spark.sparkContext._jsc is not None

@@ -237,6 +237,57 @@ def test_landing_zone_ingestion_on_the_cluster(sessions: Sessions, tmp_path: Pat
     cb.close()
 
 
+@pytest.mark.kafka
+def test_a_kafka_backlog_on_the_cluster_with_killed_python_workers(
+    sessions: Sessions, tmp_path: Path, kafka_broker: Any
+) -> None:
+    """A Kafka backlog decoded by the cluster's executors, one task per (partition, offset
+    range) piece; the first attempt of two pieces is killed (SIGKILL of its Python worker)
+    after it read its range. Spark retries them; the collection is exactly the produced
+    messages at every bound time and the group offsets are the durable frontier."""
+    import random
+
+    from persist_lib import PersistClient, PersistConfig
+    from persist_lib.ingest import IngestConfig
+    from persist_lib.spark import SparkIngestion
+    from tests.test_ingest_kafka import (
+        AKEY,
+        AVAL,
+        _append_batch,
+        _check_exactly_once,
+        _source,
+        _topic,
+    )
+
+    spark = sessions.get()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+
+    def kill_first_attempt(partition: int, start: int, end: int) -> None:
+        from pyspark import TaskContext
+
+        if partition in (0, 2) and start == 0 and TaskContext.get().attemptNumber() == 0:
+            (marks / f"p{partition}-{os.getpid()}").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    topic = _topic(kafka_broker, 3)
+    batch = _append_batch(random.Random(17), 3, 3000, 0)
+    kafka_broker.produce(topic, batch[:-20])
+    kafka_broker.produce(topic, batch[-20:])
+    client = PersistClient.open(*file_location(tmp_path), PersistConfig.for_tests())
+    with SparkIngestion(
+        spark, client, "kc", _source(kafka_broker, topic, "append_only"), AKEY, AVAL,
+        config=IngestConfig(max_records_per_binding=800), min_piece_records=200, after_read=kill_first_attempt,
+    ) as ing:
+        s = ing.run_once()
+    assert len(list(marks.iterdir())) == 2, "two first attempts were killed"
+    assert s["records"] == 3000 and s["spark"]["records_on_executors"] >= 2980, s
+    truth = kafka_broker.consume_all(topic, 3)
+    assert _check_exactly_once(client, "kc", truth, "append_only") >= 4
+    assert kafka_broker.group_offsets("persist_kc", topic, 3) == {p: len(v) for p, v in truth.items()}
+    client.close()
+
+
 # -- faults: executors that die ----------------------------------------------------------
 
 

@@ -26,8 +26,11 @@ import bisect
 import dataclasses
 import json
 import logging
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -232,7 +235,11 @@ class KafkaSource:
     ``"partition,offset,timestamp=ts,headers"`` (default column ``kafka_KIND``).
     ``group_id`` (default ``persist_NAME``): the consumer group whose offsets are
     committed at the durable frontier. ``timeout_s``: how long an unreachable broker is
-    retried (with backoff) before ``SourceTimeout``.
+    retried (with backoff) before ``SourceTimeout``. ``ranges``: the reader binds offset
+    ranges up to each partition's high watermark without fetching them (``KafkaRangeReader``;
+    Spark ingestion decodes them on executors). ``prefetch``: messages a background thread
+    may consume ahead of the ingestion (so fetching overlaps decoding and appending; 0:
+    fetch only when asked).
     """
 
     bootstrap_url: str
@@ -247,7 +254,9 @@ class KafkaSource:
     timeout_s: float = 30.0
     poll_s: float = 0.2
     metadata_interval_s: float = 5.0
+    prefetch: int = 200_000
     config: Mapping[str, str] | None = field(default=None, repr=False)  # extra librdkafka settings
+    ranges: bool = False
     kind: str = "kafka"
     _servers: str = field(default="", init=False, repr=False)
     _conf: dict[str, str] = field(default_factory=dict, init=False, repr=False)
@@ -413,7 +422,15 @@ class KafkaSource:
     # ----- reading --------------------------------------------------------------------
 
     def open_reader(self, frontier: Frontier, notes: list[Note]) -> KafkaReader:
-        return KafkaReader(self, {int(p): int(a[0]) for p, a in frontier.items()})
+        offsets = {int(p): int(a[0]) for p, a in frontier.items()}
+        return KafkaRangeReader(self, offsets) if self.ranges else KafkaReader(self, offsets)
+
+    def settings(self) -> dict[str, Any]:
+        """The constructor arguments (to build the same source elsewhere, e.g. on a Spark
+        executor: ``KafkaSource(**settings)``); the executor copy never commits offsets."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name != "kind"}
+        out.update(commit_offsets=False, ranges=False, config=dict(self.config or {}))
+        return out
 
     def release(self, frontier: Frontier) -> None:
         """Commits the durable frontier as the consumer group's offsets (never beyond it)."""
@@ -675,6 +692,87 @@ def _headers_json(h: Any) -> str | None:
     return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
 
 
+class _Prefetcher:
+    """Calls ``consume()`` on a thread, ahead of the reader, holding at most ``limit``
+    messages: building a million Python message objects is the GIL-bound half of reading
+    a topic, and it overlaps the ingestion's decoding and appending (pyarrow and the
+    Parquet writer release the GIL). Messages come out in the order ``consume`` returned
+    them, so the reader sees exactly what it would have fetched itself."""
+
+    def __init__(self, consumer: Any, limit: int, where: str) -> None:
+        self._consumer = consumer
+        self._limit = max(1, limit)
+        self._batches: deque[list[Any]] = deque()
+        self._held = 0
+        self._cv = threading.Condition()
+        self._io = threading.Lock()  # held around every call on the consumer
+        self._waiting = 0  # reader-thread calls waiting for the consumer
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"kafka-prefetch {where}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while (self._held >= self._limit or self._waiting) and not self._stop:
+                        self._cv.wait(0.1)
+                    if self._stop:
+                        return
+                    n = max(1, min(20_000, self._limit - self._held))
+                with self._io:
+                    msgs = self._consumer.consume(n, 0.05)
+                if msgs:
+                    with self._cv:
+                        self._batches.append(msgs)
+                        self._held += len(msgs)
+                        self._cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the reader's thread
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The consumer for a call from the reader's thread (librdkafka calls on one
+        consumer from two threads at once can hang: a cached watermark read did)."""
+        with self._cv:
+            self._waiting += 1
+        try:
+            with self._io:
+                yield
+        finally:
+            with self._cv:
+                self._waiting -= 1
+                self._cv.notify_all()
+
+    def take(self, max_n: int, timeout: float) -> list[Any]:
+        """Up to about ``max_n`` messages (whole batches), waiting up to ``timeout`` for one."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not self._batches and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._cv.wait(left)
+            if not self._batches and self._error is not None:
+                raise self._error
+            out: list[Any] = []
+            while self._batches and len(out) < max_n:
+                b = self._batches.popleft()
+                out.extend(b)
+                self._held -= len(b)
+            self._cv.notify_all()
+            return out
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(30)
+
+
 class KafkaReader:
     """Reads a topic from per-partition offsets with one manually assigned consumer."""
 
@@ -687,11 +785,18 @@ class KafkaReader:
         self._eof: set[int] = set()  # partitions whose last answer was "end of partition"
         self._consumer = src.new_consumer()
         self._next_meta = 0.0
+        self._prefetch: _Prefetcher | None = None
         self._refresh(force=True)
+        if src.prefetch > 0 and type(self) is KafkaReader:  # (a range reader fetches little)
+            self._prefetch = _Prefetcher(self._consumer, src.prefetch, src._where())
 
     @property
     def position(self) -> Frontier:
         return {str(p): (o,) for p, o in self._pos.items()}
+
+    def _exclusive(self) -> AbstractContextManager[None]:
+        """Around every consumer call but the prefetcher's own ``consume``."""
+        return self._prefetch.exclusive() if self._prefetch is not None else nullcontext()
 
     def add_notes(self, notes: Iterable[Note]) -> None:
         return None
@@ -708,7 +813,8 @@ class KafkaReader:
         if not force and now < self._next_meta:
             return
         self._next_meta = now + self.src.metadata_interval_s
-        n = self.src.topic_partitions(self._consumer)
+        with self._exclusive():
+            n = self.src.topic_partitions(self._consumer)
         known = set(self._pos) | self._assigned
         if n is None:
             raise KafkaTopicGone(
@@ -740,7 +846,8 @@ class KafkaReader:
         for p in parts:
             self._pos.setdefault(p, 0)
             self._check_range(p)
-        self._consumer.incremental_assign([TopicPartition(self.src.topic, p, self._pos[p]) for p in parts])
+        with self._exclusive():
+            self._consumer.incremental_assign([TopicPartition(self.src.topic, p, self._pos[p]) for p in parts])
         self._assigned.update(parts)
         if self._assigned != set(parts):
             log.info("%s: partitions %s appeared; assigned at offsets %s", self.src._where(), parts, [self._pos[p] for p in parts])
@@ -752,7 +859,8 @@ class KafkaReader:
         delay = 0.1
         while True:
             try:
-                lo, hi = self._consumer.get_watermark_offsets(TopicPartition(self.src.topic, p), timeout=5.0, cached=False)
+                with self._exclusive():
+                    lo, hi = self._consumer.get_watermark_offsets(TopicPartition(self.src.topic, p), timeout=5.0, cached=False)
                 return int(lo), int(hi)
             except KafkaException as e:
                 if time.monotonic() >= deadline:
@@ -801,22 +909,35 @@ class KafkaReader:
         """Moves fetched messages into the per-partition buffers; returns how many."""
         from confluent_kafka import KafkaError
 
-        # consume() waits for the whole batch or the timeout: modest batches, so a
-        # partial one (the prefetch queue ran dry) costs at most ``timeout``
-        msgs = self._consumer.consume(max(1, min(max_n, 20_000)), timeout)
+        if self._prefetch is not None:
+            msgs = self._prefetch.take(max_n, timeout)
+        else:
+            # consume() waits for the whole batch or the timeout: modest batches, so a
+            # partial one (the prefetch queue ran dry) costs at most ``timeout``
+            msgs = self._consumer.consume(max(1, min(max_n, 20_000)), timeout)
+        if not msgs:
+            return 0
+        # (list comprehensions and numpy, not a Python loop per message: with a million
+        # messages this loop costs as much as a tenth of consuming them)
+        errs = [m.error() for m in msgs]
+        if not all(e is None for e in errs):  # (no ==: KafkaError's __eq__ rejects None)
+            good = []
+            for m, err in zip(msgs, errs, strict=True):
+                if err is None:
+                    good.append(m)
+                else:
+                    self._on_error(err, m, KafkaError)
+            msgs = good
         by_p: dict[int, list[Any]] = {}
-        cur_p = -1
-        run: list[Any] = []
-        for m in msgs:
-            err = m.error()
-            if err is not None:
-                self._on_error(err, m, KafkaError)
-                continue
-            p = m.partition()
-            if p != cur_p:
-                run = by_p.setdefault(p, [])
-                cur_p = p
-            run.append(m)
+        if msgs:
+            parts = np.array([m.partition() for m in msgs], dtype=np.int64)
+            cuts = (np.flatnonzero(parts[1:] != parts[:-1]) + 1).tolist()  # runs of one partition
+            for i, j in zip([0, *cuts], [*cuts, len(msgs)], strict=True):
+                run = by_p.get(int(parts[i]))
+                if run is None:
+                    by_p[int(parts[i])] = msgs[i:j]
+                else:
+                    run.extend(msgs[i:j])
         got = 0
         for p, ms in by_p.items():
             b = self._buf.get(p)
@@ -906,7 +1027,8 @@ class KafkaReader:
                 left -= c.num_records
         return out
 
-    def _replay(self, bounds: dict[int, int], max_records: int) -> list[Chunk]:
+    def _check_bound(self, bounds: dict[int, int]) -> None:
+        """Every partition a binding names still exists (else ``KafkaTopicGone``)."""
         self._refresh()  # (rate-limited: also how an unreachable broker becomes SourceTimeout)
         for p in bounds:
             if p not in self._assigned:
@@ -917,6 +1039,9 @@ class KafkaReader:
                         "does not have it any more; rebuild in a new rendition",
                         topic=self.src.topic, partition=p, offset=self._pos.get(p, 0),
                     )
+
+    def _replay(self, bounds: dict[int, int], max_records: int) -> list[Chunk]:
+        self._check_bound(bounds)
         out: list[Chunk] = []
         for _ in range(2):
             for p, bound in sorted(bounds.items()):
@@ -939,7 +1064,8 @@ class KafkaReader:
             behind = 0
             for p in sorted(self._assigned):
                 # cached: the high watermark of the last fetch response (no broker round trip)
-                _, hi = self._consumer.get_watermark_offsets(TopicPartition(self.src.topic, p), cached=True)
+                with self._exclusive():
+                    _, hi = self._consumer.get_watermark_offsets(TopicPartition(self.src.topic, p), cached=True)
                 if hi is not None and hi >= 0:
                     behind += max(0, int(hi) - self._pos.get(p, 0))
             return Lag(records_behind=behind)
@@ -947,10 +1073,234 @@ class KafkaReader:
             return Lag()
 
     def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()  # (before the consumer goes: it may be in consume())
+            self._prefetch = None
         try:
             self._consumer.close()
         except Exception:  # noqa: BLE001 - best effort
             pass
+
+
+class KafkaRangeChunk(Chunk):
+    """Offsets ``[start, end)`` of one partition, bound without fetching the messages
+    (``KafkaRangeReader``). ``num_records`` counts offsets until the range is read: offsets
+    that hold no message (transaction markers, compacted away) make it an upper bound.
+    ``decode`` reads the range (``read_range``) wherever it runs and then sets
+    ``num_records`` and ``nbytes`` to what it found."""
+
+    def __init__(self, src: KafkaSource, partition: str, start: int, end: int) -> None:
+        self.src = src
+        self.partition = partition
+        self.start = (start,)
+        self.end = (end,)
+        self.num_records = max(0, end - start)
+        self.nbytes = 0
+        self.notes: tuple[Note, ...] = ()
+
+    def split(self, at: Address) -> tuple[Chunk | None, Chunk | None]:
+        a = int(at[0])
+        s, e = int(self.start[0]), int(self.end[0])
+        if a >= e:
+            return self, None
+        if a <= s:
+            return None, self
+        return KafkaRangeChunk(self.src, self.partition, s, a), KafkaRangeChunk(self.src, self.partition, a, e)
+
+    def take(self, n: int) -> tuple[Chunk, Chunk | None]:
+        if n >= self.num_records:
+            return self, None
+        head, tail = self.split((int(self.start[0]) + max(n, 1),))
+        assert head is not None
+        return head, tail
+
+    def fetch(self) -> _Msgs:
+        msgs = read_range(self.src, int(self.partition), int(self.start[0]), int(self.end[0]))
+        self.num_records = len(msgs)
+        self.nbytes = sum(map(len, filter(None, msgs.vals)))
+        return msgs
+
+    def decode(self, spec: DecodeSpec) -> Decoded:
+        return self.src.decode_messages(self.partition, self.fetch(), spec)
+
+    def __repr__(self) -> str:
+        return f"KafkaRangeChunk({self.src.topic!r}/{self.partition}, [{self.start[0]}, {self.end[0]}))"
+
+
+def read_range(src: KafkaSource, partition: int, start: int, end: int) -> _Msgs:
+    """The messages of ``partition`` with offsets in ``[start, end)`` -- a bound range --
+    read with a fresh, manually assigned consumer that never commits (a Spark executor
+    decoding its task's range, or a range chunk decoded in-process).
+
+    Offsets in the range without a message (transaction markers, compacted away) are just
+    absent, so every reader gets the same messages. Raises ``KafkaOffsetOutOfRange`` when
+    the broker no longer serves ``start`` or its log now ends before ``end`` (recreated or
+    truncated; judged after ``timeout_s`` without progress, as an open transaction also
+    holds a read_committed reader back), ``KafkaTopicGone``, or ``SourceTimeout`` when the
+    broker gives no answer for ``timeout_s``.
+    """
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    out = _Msgs()
+    if end <= start:
+        return out
+    topic = src.topic
+    c = Consumer(src._consumer_conf(**{"group.id": f"{src.group_id or 'persist'}-range"}))
+    try:
+        c.assign([TopicPartition(topic, partition, start)])
+        deadline = time.monotonic() + src.timeout_s
+        eof_at: int | None = None
+        passed = False  # a message at or past ``end`` was seen: the range is complete
+        while True:
+            nxt = out.offs[-1] + 1 if out.offs else start
+            batch: list[Any] = []
+            for m in c.consume(max(1, min(end - nxt, 20_000)), 0.2):
+                err = m.error()
+                if err is None:
+                    o = int(m.offset() or 0)
+                    if o >= end:
+                        passed = True
+                    elif o >= nxt:
+                        batch.append(m)
+                    continue
+                code = err.code()
+                if code == KafkaError._PARTITION_EOF:
+                    eof_at = int(m.offset() or 0)
+                elif code in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
+                    raise KafkaOffsetOutOfRange(
+                        topic, partition, nxt, None, None, f"the broker said: {err.str()} (reading bound offsets [{start}, {end}))"
+                    )
+                elif code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION):
+                    raise KafkaTopicGone(
+                        f"{src._where()}: partition {partition} is gone, but offsets [{start}, {end}) of it "
+                        "are bound in the remap shard; rebuild the collection in a new rendition",
+                        topic=topic, partition=partition, offset=nxt,
+                    )
+                elif err.fatal():
+                    raise SourceUnavailable(f"{src._where()}: fatal consumer error {src._scrub(err.str())}")
+            if batch:
+                out.extend(batch)
+                deadline = time.monotonic() + src.timeout_s
+            if passed or (out.offs and out.offs[-1] >= end - 1) or (eof_at is not None and eof_at >= end):
+                return out
+            if time.monotonic() > deadline:
+                if eof_at is not None:
+                    raise KafkaOffsetOutOfRange(
+                        topic, partition, max(eof_at, nxt), None, eof_at,
+                        f"the log ends at offset {eof_at}, but offsets up to {end} are bound (the topic was "
+                        "recreated or truncated, or a transaction stayed open for longer than timeout_s)",
+                    )
+                raise SourceTimeout(
+                    f"{src._where()} partition {partition}: no answer while reading bound offsets "
+                    f"[{start}, {end}) (at {nxt}) within {src.timeout_s:g}s; check that the broker is "
+                    "reachable from here; retrying is safe (nothing was decided)"
+                )
+    finally:
+        c.close()
+
+
+class KafkaRangeReader(KafkaReader):
+    """A ``KafkaReader`` that binds offset ranges instead of messages (``ranges=True``).
+
+    While a partition's high watermark is ahead of the position, ``read`` returns a
+    ``KafkaRangeChunk`` up to it and fetches nothing: the backlog is read where it is
+    decoded (Spark executors), and the partition is not assigned to the consumer, so it
+    doesn't prefetch it either. Only when every partition is at its watermark does the
+    reader fetch, like ``KafkaReader``: messages past a watermark that under-reports
+    (Tansu) or that just arrived. Replays of bound offsets are ranges as well, except for
+    messages this reader has fetched already.
+    """
+
+    def __init__(self, src: KafkaSource, offsets: dict[int, int]) -> None:
+        self._live: set[int] = set()  # partitions assigned to the consumer (fetching)
+        self._tailing = False
+        self._high: dict[int, int] = {}
+        super().__init__(src, offsets)
+
+    def _assign(self, parts: list[int]) -> None:
+        for p in parts:
+            self._pos.setdefault(p, 0)
+            self._check_range(p)
+        self._assigned.update(parts)
+        if self._tailing:
+            self._go_live(parts)
+
+    def _go_live(self, parts: Iterable[int]) -> None:
+        from confluent_kafka import TopicPartition
+
+        new = sorted(p for p in parts if p not in self._live)
+        if not new:
+            return
+        for p in new:
+            self._buf.pop(p, None)
+            self._fetched.discard(p)
+            self._eof.discard(p)
+        self._consumer.incremental_assign([TopicPartition(self.src.topic, p, self._pos.get(p, 0)) for p in new])
+        self._live.update(new)
+
+    def _range(self, p: int, end: int) -> KafkaRangeChunk:
+        """Offsets from the position to ``end`` as a range; stops fetching ``p``."""
+        from confluent_kafka import TopicPartition
+
+        if p in self._live:
+            self._consumer.incremental_unassign([TopicPartition(self.src.topic, p)])
+            self._live.discard(p)
+        self._buf.pop(p, None)
+        self._fetched.discard(p)
+        self._eof.discard(p)
+        start = self._pos.get(p, 0)
+        self._pos[p] = end
+        return KafkaRangeChunk(self.src, str(p), start, end)
+
+    def read(self, upto: Frontier | None, max_records: int) -> list[Chunk]:
+        if upto is not None:
+            return self._replay({int(p): int(a[0]) for p, a in upto.items()}, max_records)
+        self._refresh()
+        out: list[Chunk] = []
+        left = max_records
+        for p in sorted(self._assigned):
+            if left <= 0:
+                break
+            c = self._cut(p, None, left)  # messages an earlier read fetched come first
+            if c is not None:
+                out.append(c)
+                left -= c.num_records
+                if left <= 0:
+                    break
+            hi = self._watermarks(p)[1]
+            self._high[p] = hi
+            pos = self._pos.get(p, 0)
+            if hi > pos:
+                out.append(self._range(p, min(hi, pos + left)))
+                left -= min(hi, pos + left) - pos
+        if out:
+            return out
+        self._tailing = True
+        try:
+            self._go_live(self._assigned)
+            return super().read(None, max_records)
+        finally:
+            self._tailing = False
+
+    def _replay(self, bounds: dict[int, int], max_records: int) -> list[Chunk]:
+        self._check_bound(bounds)
+        out: list[Chunk] = []
+        for p, bound in sorted(bounds.items()):
+            if self._pos.get(p, 0) >= bound:
+                continue
+            b = self._buf.get(p)
+            if b is not None and len(b):
+                c = self._cut(p, bound, max_records)
+                if c is not None:
+                    out.append(c)
+                    continue
+                if self._pos.get(p, 0) >= bound:
+                    continue
+            out.append(self._range(p, bound))
+        return out
+
+    def lag(self) -> Lag:
+        return Lag(records_behind=sum(max(0, hi - self._pos.get(p, 0)) for p, hi in self._high.items()))
 
 
 def decode_kafka_raw(

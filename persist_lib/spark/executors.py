@@ -26,6 +26,7 @@ instead. Every public ``persist_lib.spark`` entry point calls it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 SHIP_MODES = ("auto", "always", "never")
 REQUIRED_MODULES = ("pyarrow", "numpy")
+_PIP = {"confluent_kafka": "confluent-kafka"}  # module -> the package that provides it
 
 
 class ExecutorEnvironmentError(InvalidUsage):
@@ -68,6 +70,7 @@ class ExecutorCheck:
     probes: tuple[ExecutorProbe, ...]
     shipped: str | None  # the zip added to the job, if any
     skipped: bool = False  # local master: executors are the driver's processes
+    modules: tuple[str, ...] = ()  # the modules checked on every executor
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -230,27 +233,37 @@ def prepare_executors(
     *,
     ship: str | None = None,
     blob_uri: str | None = None,
+    modules: tuple[str, ...] = (),
     force: bool = False,
 ) -> ExecutorCheck:
     """Checks (once per application) that the executors can run this persist_lib; ships it if needed.
 
     Raises ``ExecutorEnvironmentError`` naming the executor, the missing module or the
     mismatch, and the fix. ``blob_uri``: an ``s3://`` blob adds boto3 to what must be
-    installed. Local masters are skipped (their executors are the driver's processes).
+    installed; ``modules``: more binary modules the job needs (``confluent_kafka`` for a
+    Kafka source); a module not checked yet in this application is probed for then. Local
+    masters are skipped (their executors are the driver's processes).
     """
     mode = (ship or os.environ.get("PERSIST_SPARK_SHIP") or "auto").lower()
     if mode not in SHIP_MODES:
         raise InvalidUsage(f"ship={mode!r}: use one of {', '.join(SHIP_MODES)} (or set PERSIST_SPARK_SHIP)")
     key, master = _app_key(spark)
+    required = tuple(
+        dict.fromkeys(REQUIRED_MODULES + (("boto3",) if (blob_uri or "").find("s3://") >= 0 else ()) + tuple(modules))
+    )
     with _lock:
         done = _prepared.get(key)
         if done is not None and not force:
+            if done.skipped or set(required) <= set(done.modules):
+                return done
+            _raise_missing(_probe(spark, required, _task_count(spark)))  # (the code was checked already)
+            done = dataclasses.replace(done, modules=tuple(dict.fromkeys(done.modules + required)))
+            _prepared[key] = done
             return done
         if master.startswith("local") and mode != "always":
             check = ExecutorCheck(master=master, probes=(), shipped=None, skipped=True)
             _prepared[key] = check
             return check
-        required = REQUIRED_MODULES + (("boto3",) if (blob_uri or "").find("s3://") >= 0 else ())
         tasks = _task_count(spark)
         shipped: str | None = None
         if mode == "always":
@@ -285,7 +298,7 @@ def prepare_executors(
                 "the project on the workers (same image), or let the driver ship it: "
                 "ship='auto' / PERSIST_SPARK_SHIP=auto (the default)"
             )
-        check = ExecutorCheck(master=master, probes=tuple(probes), shipped=shipped)
+        check = ExecutorCheck(master=master, probes=tuple(probes), shipped=shipped, modules=required)
         _prepared[key] = check
         log.info("Spark executors ready: %s", check.to_json())
         return check
@@ -303,5 +316,5 @@ def _raise_missing(probes: list[ExecutorProbe]) -> None:
             raise ExecutorEnvironmentError(
                 f"Spark executor {p.host} ({p.executable}, Python {p.python}) lacks "
                 f"{', '.join(p.missing)}: binary dependencies can't be shipped with the job; "
-                f"install them in the workers' Python (pip install {' '.join(p.missing)})"
+                f"install them in the workers' Python (pip install {' '.join(_PIP.get(m, m) for m in p.missing)})"
             )

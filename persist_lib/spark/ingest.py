@@ -14,9 +14,21 @@ in time order (transform, envelope, error/raw records, appends at the same flush
 points), so the outputs are identical to an in-process run with the same bindings.
 
 Trivial chunks (unreadable files, whose content is one error record from the remap
-shard's notes, and empty ranges) are decoded on the driver. Only
-``LandingZoneSource`` sources are distributed (Postgres CDC reads a replication
-stream, which only the driver can consume).
+shard's notes, and empty ranges) are decoded on the driver.
+
+A Kafka topic (``KafkaSource``) is distributed the same way, with *offset ranges* for
+files: the driver reads with a ``KafkaRangeReader`` (ranges up to each partition's high
+watermark, bound without fetching a message), and each task reads one
+``(partition, [start, end))`` piece with its own consumer (``kafka.read_range``) and
+decodes it with the source's own ``decode_messages``. A task is a pure function of its
+range, so a retried or speculative attempt returns the same result; the driver applies
+the bindings and commits the consumer group's offsets once the outputs are durable,
+exactly as in-process. Postgres CDC is not distributed (a replication stream can only be
+consumed by the driver).
+
+A typed ingestion error raised in a task (``SourceDataGone``, ``KafkaOffsetOutOfRange``,
+``SourceTimeout``, ...) reaches the driver's caller as that type, with its message and
+fields, instead of Spark's generic task failure.
 
 The job is a DataFrame job (``spark.range`` task inputs, ``mapInArrow`` returning the
 pickled ``Decoded`` results in pieces of at most ``RESULT_PIECE_BYTES``), so the same
@@ -26,8 +38,12 @@ fit one gRPC message.
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import functools
+import json
 import pickle
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -35,9 +51,11 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from persist_lib.ingest import errors as ingest_errors
 from persist_lib.ingest.decode import Decoded, DecodeSpec
 from persist_lib.ingest.driver import Ingestion, _Acc
-from persist_lib.ingest.errors import IngestConfigError, SourceDataGone
+from persist_lib.ingest.errors import IngestConfigError, IngestError, SourceDataGone
+from persist_lib.ingest.kafka import KafkaRangeChunk, KafkaSource, read_range
 from persist_lib.ingest.landing_zone import FileChunk, LandingZoneSource, _UnreadableFile
 from persist_lib.ingest.remap import Binding
 from persist_lib.ingest.source import Address, Chunk
@@ -73,6 +91,17 @@ class _FileRange:
     r1: int
     rows: int  # the file's row count when the driver read it
     size: int  # and its size in bytes
+
+
+@dataclass(frozen=True)
+class _OffsetRange:
+    """Offsets ``[start, end)`` of a Kafka partition, bound by the driver (picklable)."""
+
+    index: int
+    piece: int
+    partition: int
+    start: int
+    end: int
 
 
 @dataclass(frozen=True)
@@ -144,27 +173,83 @@ def _decode_task(
         yield r.index, r.piece, FileChunk(r.file, parsed, r.r0, r.r1).decode(spec)
 
 
+AfterRead = Callable[[int, int, int], None]  # (partition, start, end) -> None
+
+
+def _kafka_task(
+    settings: dict[str, Any], envelope: str, spec: DecodeSpec, after_read: AfterRead | None,
+    ranges: Iterable[_OffsetRange],
+) -> Iterator[tuple[int, int, tuple[Decoded, int, int]]]:
+    """Executor: reads each bound offset range with its own consumer and decodes it as the
+    driver would; returns the messages found and their value bytes beside the result."""
+    src = KafkaSource(**settings)
+    src.bind_envelope(envelope)
+    for r in ranges:
+        msgs = read_range(src, r.partition, r.start, r.end)
+        if after_read is not None:
+            after_read(r.partition, r.start, r.end)
+        nbytes = sum(map(len, filter(None, msgs.vals)))
+        yield r.index, r.piece, (src.decode_messages(str(r.partition), msgs, spec), len(msgs), nbytes)
+
+
+_TASK_ERROR = re.compile(r"\[persist-task-error:([A-Za-z0-9+/=]+)\]")
+_ERROR_FIELDS = ("topic", "partition", "offset", "low", "high")
+
+
+def _task_error_text(e: IngestError) -> str:
+    """A typed ingestion error as a tag that survives Spark's task failure text."""
+    doc = {
+        "type": type(e).__name__,
+        "message": str(e),
+        "fields": {k: getattr(e, k) for k in _ERROR_FIELDS if hasattr(e, k)},
+    }
+    return f"[persist-task-error:{base64.b64encode(json.dumps(doc).encode()).decode()}]"
+
+
+def task_error(e: BaseException) -> IngestError | None:
+    """The typed ingestion error a failed Spark job carries (see ``_task_error_text``)."""
+    m = _TASK_ERROR.search(str(e))
+    if m is None:
+        return None
+    try:
+        doc = json.loads(base64.b64decode(m.group(1)))
+    except ValueError:
+        return None
+    cls = getattr(ingest_errors, str(doc.get("type")), None)
+    if not (isinstance(cls, type) and issubclass(cls, IngestError)):
+        return None
+    err = cls.__new__(cls)
+    Exception.__init__(err, str(doc.get("message")))
+    for k, v in dict(doc.get("fields") or {}).items():
+        if k in _ERROR_FIELDS:
+            setattr(err, k, v)
+    return err
+
+
 def _decoder(
-    src: _SourceSpec, spec: DecodeSpec, tasks: list[list[_FileRange]]
+    task: Callable[[Any], Iterable[tuple[int, int, Any]]], tasks: list[list[Any]]
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The ``mapInArrow`` function: task ``i`` decodes ``tasks[i]`` and returns each
+    """The ``mapInArrow`` function: task ``i`` runs ``task(tasks[i])`` and returns each
     result pickled (as an RDD ``collect`` would), in pieces."""
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for t in task_ids(batches):
-            for index, piece, decoded in _decode_task(src, spec, tasks[t]):
-                data = pickle.dumps(decoded, protocol=pickle.HIGHEST_PROTOCOL)
-                pieces = binary_rows(data, RESULT_PIECE_BYTES)
-                n = len(pieces)
-                yield pa.RecordBatch.from_pydict(
-                    {"idx": [index] * n, "piece": [piece] * n, "seq": list(range(n)), "data": pieces},
-                    schema=_RESULT_ARROW,
-                )
+            try:
+                for index, piece, result in task(tasks[t]):
+                    data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+                    pieces = binary_rows(data, RESULT_PIECE_BYTES)
+                    n = len(pieces)
+                    yield pa.RecordBatch.from_pydict(
+                        {"idx": [index] * n, "piece": [piece] * n, "seq": list(range(n)), "data": pieces},
+                        schema=_RESULT_ARROW,
+                    )
+            except IngestError as e:
+                raise RuntimeError(_task_error_text(e)) from e
 
     return run
 
 
-def _unpickle_results(table: pa.Table) -> list[tuple[int, int, Decoded]]:
+def _unpickle_results(table: pa.Table) -> list[tuple[int, int, Any]]:
     """The rows of ``_decoder``'s output back as ``(index, piece, Decoded)``."""
     chunks: dict[tuple[int, int], list[tuple[int, bytes]]] = {}
     data = table.column("data")
@@ -190,7 +275,8 @@ class SparkIngestion(Ingestion):
     many records, so one large file still spreads over the executors) and
     ``parallelism`` (a job has ``2 * parallelism`` tasks; default: the session's, see
     ``_common.default_parallelism``). ``spark`` may be a classic or a Spark Connect
-    session.
+    session. ``after_read`` (tests): called in a Kafka task after it read a range
+    ``(partition, start, end)``, before decoding it -- where the fault tests kill the worker.
     """
 
     def __init__(
@@ -198,19 +284,23 @@ class SparkIngestion(Ingestion):
         spark: Any,
         client: PersistClient,
         name: str,
-        source: LandingZoneSource,
+        source: LandingZoneSource | KafkaSource,
         key_schema: pa.Schema,
         val_schema: pa.Schema,
         *,
         records_per_job: int = DEFAULT_RECORDS_PER_JOB,
         min_piece_records: int = MIN_PIECE_RECORDS,
         parallelism: int | None = None,
+        after_read: AfterRead | None = None,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(source, LandingZoneSource):
+        if isinstance(source, KafkaSource):
+            # (a copy that reads offset ranges; the caller's source object is left as it is)
+            source = dataclasses.replace(source, ranges=True)
+        elif not isinstance(source, LandingZoneSource):
             raise IngestConfigError(
-                f"Spark ingestion reads file landing zones (LandingZoneSource), got "
-                f"{type(source).__name__}; ingest other sources with ingest.Ingestion"
+                f"Spark ingestion reads file landing zones (LandingZoneSource) and Kafka topics "
+                f"(KafkaSource), got {type(source).__name__}; ingest other sources with ingest.Ingestion"
             )
         if records_per_job < 1:
             raise IngestConfigError(f"records_per_job must be >= 1, got {records_per_job}")
@@ -219,7 +309,9 @@ class SparkIngestion(Ingestion):
         super().__init__(client, name, source, key_schema, val_schema, **kwargs)
         self.spark = spark
         self.parallelism = parallelism
-        self._zone = source
+        self.after_read = after_read
+        self._zone = source if isinstance(source, LandingZoneSource) else None
+        self._kafka = source if isinstance(source, KafkaSource) else None
         self.records_per_job = records_per_job
         self.min_piece_records = max(1, min_piece_records)
         self._group: list[tuple[Binding, list[Chunk]]] = []
@@ -278,8 +370,8 @@ class SparkIngestion(Ingestion):
         check_session(self.spark, f"Spark ingestion {self.name!r}")
         self._defer = True
         try:
-            self._started = time.monotonic()
-            self._open()
+            self._begin()  # (the summary describes this run only)
+            self.spark_stats = {k: type(v)() for k, v in self.spark_stats.items()}
             advanced = False
             while True:
                 self._guarded(self._catch_up)
@@ -299,55 +391,108 @@ class SparkIngestion(Ingestion):
         return self.summary(mode="once")
 
     def _decode(self, chunks: list[Chunk]) -> list[Decoded]:
-        """Decodes ``chunks`` (in order): file ranges on executors, trivial ones here."""
+        """Decodes ``chunks`` (in order): file and offset ranges on executors, trivial ones here."""
         check_session(self.spark, f"Spark ingestion {self.name!r}")
         t0 = time.monotonic()
         out: list[Decoded | None] = [None] * len(chunks)
-        todo: list[tuple[int, FileChunk]] = []
+        files: list[tuple[int, FileChunk]] = []
+        ranges: list[tuple[int, KafkaRangeChunk]] = []
         for i, c in enumerate(chunks):
-            if (
-                isinstance(c, FileChunk)
-                and c.num_records > 0
-                and not isinstance(c.parsed, _UnreadableFile)
-            ):
-                todo.append((i, c))
-            else:
+            if isinstance(c, FileChunk) and c.num_records > 0 and not isinstance(c.parsed, _UnreadableFile):
+                files.append((i, c))
+            elif isinstance(c, KafkaRangeChunk) and c.num_records > 0:
+                ranges.append((i, c))
+            else:  # (unreadable files, empty ranges, Kafka messages the driver fetched itself)
                 out[i] = c.decode(self.spec)
                 self.spark_stats["chunks_on_driver"] += 1
-        if todo:
-            from persist_lib.spark.executors import prepare_executors
-
-            prepare_executors(self.spark, blob_uri=self._zone.uri)
-            par = default_parallelism(self.spark, self.parallelism) * 2
-            total = sum(c.num_records for _, c in todo)
-            piece = max(self.min_piece_records, -(-total // par))
-            # Decoding is row-wise (a record decodes the same in any chunk), so a large
-            # range may be decoded in pieces and the pieces concatenated in order.
-            ranges = [
-                _FileRange(i, n, c.file, r0, min(r0 + piece, c.r1), c.parsed.rows, c.parsed.size)
-                for i, c in todo
-                for n, r0 in enumerate(range(c.r0, c.r1, piece))
-            ]
-            tasks = _tasks(ranges, par)
-            src, spec = _SourceSpec.of(self._zone), self.spec
-            results = _unpickle_results(
-                task_frame(self.spark, len(tasks)).mapInArrow(_decoder(src, spec, tasks), _RESULT_SCHEMA).toArrow()
-            )
-            pieces: dict[int, list[tuple[int, Decoded]]] = {}
-            for i, n, d in results:
-                pieces.setdefault(i, []).append((n, d))
-            for i, ps in pieces.items():
-                out[i] = _combine([d for _, d in sorted(ps, key=lambda x: x[0])], self.spec)
-            st = self.spark_stats
-            st["jobs"] += 1
-            st["tasks"] += len(tasks)
-            st["chunks_on_executors"] += len(todo)
-            st["records_on_executors"] += total
+        if files:
+            self._decode_files(files, out)
+        if ranges:
+            self._decode_ranges(ranges, out)
         missing = [i for i, d in enumerate(out) if d is None]
         if missing:
             raise AssertionError(f"chunks {missing[:5]} were not decoded")
         self.spark_stats["decode_seconds"] += time.monotonic() - t0
         return [d for d in out if d is not None]
+
+    def _piece(self, total: int) -> tuple[int, int]:
+        """(tasks per job, records per piece) for a job of ``total`` records."""
+        par = default_parallelism(self.spark, self.parallelism) * 2
+        return par, max(self.min_piece_records, -(-total // par))
+
+    def _run_job(self, task: Callable[[Any], Iterable[tuple[int, int, Any]]], tasks: list[list[Any]]) -> list[tuple[int, int, Any]]:
+        """One Spark job of ``tasks``; a typed ingestion error of a task is raised as such."""
+        try:
+            table = task_frame(self.spark, len(tasks)).mapInArrow(_decoder(task, tasks), _RESULT_SCHEMA).toArrow()
+        except Exception as e:
+            typed = task_error(e)
+            if typed is not None:
+                raise typed from None
+            raise
+        st = self.spark_stats
+        st["jobs"] += 1
+        st["tasks"] += len(tasks)
+        return _unpickle_results(table)
+
+    def _decode_files(self, todo: list[tuple[int, FileChunk]], out: list[Decoded | None]) -> None:
+        assert self._zone is not None
+        from persist_lib.spark.executors import prepare_executors
+
+        prepare_executors(self.spark, blob_uri=self._zone.uri)
+        total = sum(c.num_records for _, c in todo)
+        par, piece = self._piece(total)
+        # Decoding is row-wise (a record decodes the same in any chunk), so a large
+        # range may be decoded in pieces and the pieces concatenated in order.
+        ranges = [
+            _FileRange(i, n, c.file, r0, min(r0 + piece, c.r1), c.parsed.rows, c.parsed.size)
+            for i, c in todo
+            for n, r0 in enumerate(range(c.r0, c.r1, piece))
+        ]
+        src, spec = _SourceSpec.of(self._zone), self.spec
+        results = self._run_job(
+            functools.partial(_decode_task, src, spec),
+            _tasks(ranges, par, key=lambda r: (r.file, r.r0), size=lambda r: r.r1 - r.r0),
+        )
+        pieces: dict[int, list[tuple[int, Decoded]]] = {}
+        for i, n, d in results:
+            pieces.setdefault(i, []).append((n, d))
+        for i, ps in pieces.items():
+            out[i] = _combine([d for _, d in sorted(ps, key=lambda x: x[0])], self.spec)
+        self.spark_stats["chunks_on_executors"] += len(todo)
+        self.spark_stats["records_on_executors"] += total
+
+    def _decode_ranges(self, todo: list[tuple[int, KafkaRangeChunk]], out: list[Decoded | None]) -> None:
+        """Kafka offset ranges: one task per (partition, offset range) piece."""
+        src = self._kafka
+        assert src is not None
+        from persist_lib.spark.executors import prepare_executors
+
+        prepare_executors(self.spark, modules=("confluent_kafka",))
+        total = sum(c.num_records for _, c in todo)
+        par, piece = self._piece(total)
+        ranges = [
+            _OffsetRange(i, n, int(c.partition), s, min(s + piece, int(c.end[0])))
+            for i, c in todo
+            for n, s in enumerate(range(int(c.start[0]), int(c.end[0]), piece))
+        ]
+        results = self._run_job(
+            functools.partial(_kafka_task, src.settings(), self.envelope.kind, self.spec, self.after_read),
+            _tasks(ranges, par, key=lambda r: (r.partition, r.start), size=lambda r: r.end - r.start),
+        )
+        pieces: dict[int, list[tuple[int, tuple[Decoded, int, int]]]] = {}
+        for i, n, r in results:
+            pieces.setdefault(i, []).append((n, r))
+        chunks = dict(todo)
+        found = 0
+        for i, ps in pieces.items():
+            parts = [r for _, r in sorted(ps, key=lambda x: x[0])]
+            out[i] = _combine([d for d, _, _ in parts], self.spec)
+            c = chunks[i]
+            c.num_records = sum(n for _, n, _ in parts)  # (messages found: offsets may have gaps)
+            c.nbytes = sum(b for _, _, b in parts)
+            found += c.num_records
+        self.spark_stats["chunks_on_executors"] += len(todo)
+        self.spark_stats["records_on_executors"] += found
 
     def summary(self, mode: str) -> dict[str, Any]:
         s = super().summary(mode)
@@ -355,20 +500,20 @@ class SparkIngestion(Ingestion):
         return s
 
 
-def _tasks(ranges: list[_FileRange], n: int) -> list[list[_FileRange]]:
-    """Ranges in (file, row) order cut into ``n`` contiguous groups of about equal
-    records (so a task mostly parses the files it needs once)."""
-    ordered = sorted(ranges, key=lambda r: (r.file, r.r0))
-    total = sum(r.r1 - r.r0 for r in ordered)
+def _tasks(items: list[Any], n: int, *, key: Callable[[Any], Any], size: Callable[[Any], int]) -> list[list[Any]]:
+    """Items in ``key`` order cut into about ``n`` contiguous groups of about equal
+    ``size`` (so a task mostly parses the files it needs once)."""
+    ordered = sorted(items, key=key)
+    total = sum(size(r) for r in ordered)
     per = max(1, -(-total // max(1, n)))
-    tasks: list[list[_FileRange]] = [[]]
+    tasks: list[list[Any]] = [[]]
     acc = 0
     for r in ordered:
         if acc >= per and tasks[-1]:
             tasks.append([])
             acc = 0
         tasks[-1].append(r)
-        acc += r.r1 - r.r0
+        acc += size(r)
     return tasks
 
 
@@ -384,6 +529,21 @@ def _combine(decs: list[Decoded], spec: DecodeSpec) -> Decoded:
         [e for d in decs for e in d.errors],
         pa.concat_tables(raws) if raws else None,
     )
+
+
+def ingest_kafka(
+    spark: Any,
+    client: PersistClient,
+    name: str,
+    source: KafkaSource,
+    key_schema: pa.Schema,
+    val_schema: pa.Schema,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """One ``SparkIngestion(...).run_once()`` of a Kafka topic, handles released afterwards."""
+    max_records = kwargs.pop("max_records", None)
+    with SparkIngestion(spark, client, name, source, key_schema, val_schema, **kwargs) as ing:
+        return ing.run_once(max_records=max_records)
 
 
 def ingest_landing_zone(
