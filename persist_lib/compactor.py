@@ -64,7 +64,19 @@ from persist_lib.batch_builder import BatchBuilder
 from persist_lib.batch_meta import HollowBatch, PartMeta
 from persist_lib.codec import D_COL, T_COL, Schemas, internal_schema
 from persist_lib.config import PersistConfig
-from persist_lib.consolidate import advance_to_since, consolidate, row_keys, time_range
+from persist_lib.consolidate import (
+    SORTED_WITH_TIES,
+    UNSORTED,
+    advance_to_since,
+    consolidate,
+    count_less,
+    linear_kernels_apply,
+    row_keys,
+    row_keys_with_hint,
+    sorted_state,
+    time_range,
+    to_numpy,
+)
 from persist_lib.errors import BlobNotFound, CorruptionError, ExternalError, InvalidUsage
 from persist_lib.frontier import Antichain
 from persist_lib.location.base import Blob
@@ -404,7 +416,7 @@ def _consolidate_sorted_equal(t: pa.Table) -> pa.Table:
     """Collapses a table whose rows are all equal in ``(k, v, t)`` to one row (or none)."""
     if t.num_rows <= 1:
         return t if t.num_rows == 0 or t.column(D_COL)[0].as_py() != 0 else t.slice(0, 0)
-    total = int(np.sum(t.column(D_COL).to_numpy(), dtype=np.int64))
+    total = int(np.sum(to_numpy(t.column(D_COL)), dtype=np.int64))
     if total == 0:
         return t.slice(0, 0)
     one = t.slice(0, 1)
@@ -480,6 +492,7 @@ class _Run:
         # Whether forwarding can make rows of the current part equal: not if the part
         # holds one time (it is consolidated, so its (k, v) are distinct).
         self._may_collide = True
+        self._tied_with_prev = False  # (linear kernels) the last chunk's first row = the row before
         self._spill_file: pa.OSFile | None = None
         self._spill_reader: pa.ipc.RecordBatchFileReader | None = None
         if src.table is not None:  # already decoded (small runs folded in memory)
@@ -590,10 +603,18 @@ class _Run:
             if m.since is not None:
                 before = c
                 c = advance_to_since(c, m.since)
-                if c is not before and c.num_rows > 1 and self._may_collide and _has_adjacent_equal_rows(c):
+                if (
+                    not m.linear
+                    and c is not before
+                    and c.num_rows > 1
+                    and self._may_collide
+                    and _has_adjacent_equal_rows(c)
+                ):
                     c = _consolidate(c)  # forwarding made equal rows: fold them now
             if c.num_rows == 0:
                 continue
+            if m.linear:
+                return self._checked_chunk(c)
             if self._first_of_part:
                 self._first_of_part = False
                 if self.check_order and self.prev_last is not None:
@@ -605,15 +626,64 @@ class _Run:
                 self.prev_last = c.slice(c.num_rows - 1, 1)
             return c
 
+    def _order_error(self) -> Exception:
+        if self.check_order:
+            return _RunOrderViolation()
+        return CorruptionError(
+            f"shard {self.m.shard}: a part of the compaction input is not sorted by "
+            "(k, v, t); it was written by a faulty writer. Nothing was applied"
+        )
+
+    def _checked_chunk(self, c: pa.Table) -> pa.Table:
+        """The linear kernels' order check (``_Merger.linear``): the chunk is sorted and
+        its first row is not below the previous chunk's last row, so every neighbouring
+        pair of the run is checked once, before any of its rows is emitted (the merge
+        step's bounds rely on it). A chunk with equal neighbours (forwarding to since
+        made them, or a writer didn't consolidate) is consolidated: it stays sorted.
+        ``_tied_with_prev`` tells ``refill`` that the first row equals the last one."""
+        m = self.m
+        state = sorted_state([c.column(n) for n in m.key_cols])
+        if state == UNSORTED:
+            raise self._order_error()
+        if state == SORTED_WITH_TIES:
+            c = _consolidate(c)
+            if c.num_rows == 0:
+                return c
+        self._tied_with_prev = False
+        if self.prev_last is not None:
+            pair = pa.concat_tables([self.prev_last, c.slice(0, 1)])
+            edge = sorted_state([pair.column(n) for n in m.key_cols])
+            if edge == UNSORTED:
+                raise self._order_error()
+            self._tied_with_prev = edge == SORTED_WITH_TIES
+        self.prev_last = c.slice(c.num_rows - 1, 1)
+        self._first_of_part = False
+        return c
+
     def refill(self) -> None:
-        """Reads the next non-empty chunk into the buffer (or marks the run exhausted)."""
+        """Reads the next non-empty chunk into the buffer (or marks the run exhausted).
+
+        With the linear kernels the buffer stays consolidated: a chunk whose first row
+        equals the buffer's last row (equal rows across a chunk boundary, after
+        forwarding) has the two summed into one."""
         if self.exhausted:
             return
-        c = self._next_chunk()
-        if c is None:
-            self.exhausted = True
-            return
-        self.buf = c if self.buf is None or self.buf.num_rows == 0 else pa.concat_tables([self.buf, c])
+        while True:
+            c = self._next_chunk()
+            if c is None:
+                self.exhausted = True
+                return
+            if c.num_rows:
+                break
+        if self.buf is None or self.buf.num_rows == 0:
+            self.buf = c
+        elif self._tied_with_prev:
+            nb = self.buf.num_rows
+            edge = _consolidate_sorted_equal(pa.concat_tables([self.buf.slice(nb - 1, 1), c.slice(0, 1)]))
+            self.buf = pa.concat_tables([self.buf.slice(0, nb - 1), edge, c.slice(1)])
+        else:
+            self.buf = pa.concat_tables([self.buf, c])
+        self._tied_with_prev = False
 
 
 class _Merger:
@@ -649,7 +719,11 @@ class _Merger:
         self.row_width = 64.0
         self.runs: list[_Run] = []
         self.total_rows = 0
-        self._key_cols = [n for n in internal_schema(schemas).names if n != D_COL]
+        schema = internal_schema(schemas)
+        self.key_cols = self._key_cols = [n for n in schema.names if n != D_COL]
+        # Flat key types: chunks are checked for order as they are read, and a step
+        # finds each run's bound by a search instead of ranking every buffered row.
+        self.linear = linear_kernels_apply(schema.field(n).type for n in self.key_cols)
 
     def fetch_bytes(self, p: PartMeta) -> bytes:
         return fetch_part_bytes(self.blob, p, self.shard, self.purpose)
@@ -703,7 +777,7 @@ class _Merger:
                     continue
                 self._account(runs)
                 self.stats.steps += 1
-                out = self._step(runs, active)
+                out = self._step_linear(runs, active) if self.linear else self._step(runs, active)
                 if out is not None:
                     yield out
         finally:
@@ -788,7 +862,73 @@ class _Merger:
                 r.refill()
         return out
 
-    def _emit(self, cat: pa.Table, keys: np.ndarray, idx: np.ndarray) -> pa.Table | None:
+    def _step_linear(self, runs: list[_Run], active: list[_Run]) -> pa.Table | None:
+        """``_step`` for flat key types, whose runs were checked for order as they were
+        read (``_Run._checked_chunk``) and whose buffers are consolidated: each run's
+        rows below ``F`` are found by a search (``count_less``), and only the rows
+        emitted are ranked — once, as a concatenation of sorted runs, which numpy's
+        stable sort merges in near-linear time. Rows coming from a single run need no
+        ranking at all."""
+        ends = []
+        for r in active:
+            assert r.buf is not None
+            ends += [r.buf.slice(0, 1), r.buf.slice(r.buf.num_rows - 1, 1)]
+        et = pa.concat_tables(ends)
+        ek = row_keys([et.column(n) for n in self.key_cols], et.num_rows)
+        firsts, lasts = ek[0::2], ek[1::2]
+        open_idx = [i for i, r in enumerate(active) if not r.exhausted]
+        f_row: pa.Table | None = None
+        kf_end = None
+        if open_idx:
+            f_i = min(open_idx, key=lambda i: lasts[i])
+            kf_end = lasts[f_i]
+            included = [i for i in range(len(active)) if firsts[i] < kf_end]
+            fb = active[f_i].buf
+            assert fb is not None
+            f_row = fb.slice(fb.num_rows - 1, 1)
+        else:
+            included = list(range(len(active)))
+        segments: list[pa.Table] = []
+        for i in included:
+            r = active[i]
+            assert r.buf is not None
+            m = r.buf.num_rows
+            cnt = m if f_row is None else count_less(r.buf, self.key_cols, f_row)
+            if cnt:
+                segments.append(r.buf.slice(0, cnt))
+                r.buf = r.buf.slice(cnt)
+        out: pa.Table | None = None
+        if len(segments) == 1:
+            out = self._emit_consolidated(segments[0])
+        elif segments:
+            cat = pa.concat_tables(segments)
+            n = cat.num_rows
+            self._account(runs, extra_rows=n, extra_bytes=n * (int(self.row_width) + STEP_BYTES_PER_ROW))
+            keys, _ = row_keys_with_hint([cat.column(c) for c in self.key_cols], n, presorted_runs=True)
+            out = self._emit(cat, keys, None)
+        # Runs whose last row is F hold only rows equal to F now (they are sorted): fold.
+        for i, r in enumerate(active):
+            if r.buf is not None and r.buf.num_rows and kf_end is not None and lasts[i] == kf_end:
+                r.buf = _consolidate_sorted_equal(r.buf)
+        for r in runs:
+            if not r.exhausted and r.rows < max(2, self.chunk_rows(r) // 2):
+                r.refill()
+        return out
+
+    def _emit_consolidated(self, t: pa.Table) -> pa.Table | None:
+        """Rows of one run's consolidated buffer: emitted as they are, minus zero diffs
+        (a writer that left some, or sums folded to zero)."""
+        d = t.column(D_COL)
+        if pc.any(pc.equal(d, 0)).as_py():
+            t = t.filter(pc.not_equal(d, 0))
+        if t.num_rows == 0:
+            return None
+        self.stats.output_rows += t.num_rows
+        return t
+
+    def _emit(self, cat: pa.Table, keys: np.ndarray, idx: np.ndarray | None) -> pa.Table | None:
+        if idx is None:
+            idx = np.arange(cat.num_rows, dtype=np.int64)
         k = keys[idx]
         order = np.argsort(k, kind="stable")
         sk = k[order]
@@ -797,7 +937,7 @@ class _Merger:
         boundary[0] = True
         np.not_equal(sk[1:], sk[:-1], out=boundary[1:])
         starts = np.flatnonzero(boundary)
-        d = cat.column(D_COL).to_numpy()[idx][order]
+        d = to_numpy(cat.column(D_COL))[idx][order]
         sums = np.add.reduceat(d, starts)
         keep = sums != 0
         if not keep.any():
