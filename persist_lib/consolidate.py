@@ -86,8 +86,9 @@ def _dense_by_sort(col: pa.ChunkedArray) -> Ranks:
 _SAMPLE = 4096
 
 
-def _estimated_distinct(col: pa.ChunkedArray) -> float:
-    """Estimates the number of distinct values from duplicates in a fixed random sample."""
+def _estimated_distinct(col: pa.Array | pa.ChunkedArray) -> float:
+    """Estimates the number of distinct values from duplicates in a fixed random sample
+    (of ``_SAMPLE`` rows: ``col`` must be longer)."""
     n = len(col)
     idx = np.sort(np.random.default_rng(0).choice(n, _SAMPLE, replace=False))
     sample = col.take(pa.array(idx))
@@ -96,6 +97,11 @@ def _estimated_distinct(col: pa.ChunkedArray) -> float:
         return float(n)
     # Birthday estimate: s samples from u equally likely values have ~s^2/2u duplicates.
     return min(float(n), _SAMPLE * _SAMPLE / (2.0 * dups))
+
+
+def estimated_distinct(col: pa.Array | pa.ChunkedArray) -> float:
+    """``_estimated_distinct`` for other modules (part encoding)."""
+    return _estimated_distinct(col)
 
 
 def _dense(col: pa.ChunkedArray) -> Ranks:
