@@ -40,10 +40,13 @@ from persist_lib import transitions as tr
 from persist_lib.batch_meta import HollowBatch, PartMeta
 from persist_lib.codec import Schemas, to_user_table, user_schema
 from persist_lib.compactor import (
+    FEW_RUNS,
     STEP_BYTES_PER_ROW,
     MergeStats,
     batch_runs,
     estimate_decoded_bytes,
+    merge_decoded_runs,
+    merges_linearly,
     stream_merge,
 )
 from persist_lib.consolidate import consolidate, snapshot_at, time_range
@@ -78,6 +81,9 @@ ListenEvent = ListenUpdates | ListenProgress
 
 MiB = 1 << 20
 T = TypeVar("T")
+# Whole (in-memory) snapshots of at most this many sorted runs merge them instead of
+# sorting their concatenation (``compactor.merge_decoded_runs``).
+MERGE_DECODED_MAX_RUNS = FEW_RUNS
 
 
 def _close_source(source: Iterator[Any], release: Callable[[], None]) -> None:
@@ -376,11 +382,29 @@ class ReadHandle:
             if b.lower.less_equal(as_of)
             for run in batch_runs(b)
         ]
+        runs = [run for run in runs if run]
         parts = [p for run in runs for p in run]
         if _whole_read_bytes(parts, self.schemas) <= budget:
-            tables = self._fetch_all(parts, lambda t: snapshot_at(t, as_of))
-            out = consolidate(_concat(tables, self.schemas))
             stats.runs += len(runs)
+            if 1 <= len(runs) <= MERGE_DECODED_MAX_RUNS and merges_linearly(self.schemas):
+                # A few sorted runs (a compacted shard: one): merged, not sorted again.
+                # Unsorted parts are sorted as they are fetched, in parallel.
+                def post(t: pa.Table, p: PartMeta) -> pa.Table:
+                    t = snapshot_at(t, as_of)
+                    return t if p.sorted else consolidate(t)
+
+                fetched = iter(self._fetch_all(parts, post))
+                run_tables = [_concat([next(fetched) for _ in run], self.schemas) for run in runs]
+                before = stats.output_rows
+                merged = merge_decoded_runs(self.schemas, self.shard_id, run_tables, budget, stats)
+                if merged is not None:
+                    yield from (t for t in merged if t.num_rows)
+                    return
+                stats.output_rows = before
+                tables = run_tables  # a run was not sorted: consolidate the lot
+            else:
+                tables = self._fetch_all(parts, lambda t, p: snapshot_at(t, as_of))
+            out = consolidate(_concat(tables, self.schemas))
             stats.output_rows += out.num_rows
             if out.num_rows:
                 yield out
@@ -403,7 +427,7 @@ class ReadHandle:
         stats = stats if stats is not None else MergeStats()
         parts = _parts_in_range(state, lower, upper)
         if _whole_read_bytes(parts, self.schemas) <= budget:
-            tables = self._fetch_all(parts, lambda t: time_range(t, lower, upper))
+            tables = self._fetch_all(parts, lambda t, p: time_range(t, lower, upper))
             out = consolidate(_concat(tables, self.schemas))
             stats.output_rows += out.num_rows
             if out.num_rows:
@@ -767,10 +791,12 @@ class ReadHandle:
             return dict(self._holds)
 
     def _fetch_all(self, parts: list[PartMeta], post: Any) -> list[pa.Table]:
+        """Fetches and decodes ``parts`` in parallel, each passed through ``post(table,
+        part)``; in the order of ``parts``."""
         blob = self._client.blob
 
         def one(p: PartMeta) -> pa.Table:
-            return post(fetch_part(blob, p, self.schemas, self.shard_id))
+            return post(fetch_part(blob, p, self.schemas, self.shard_id), p)
 
         try:
             if len(parts) <= 1:
@@ -861,7 +887,7 @@ class Listen:
             seqno = h._take_hold(held)
             self._pending = HeldIterator(self._stream_events(s, f, upper), lambda: h._release_hold(seqno))
             return None
-        tables = h._fetch_all(parts, lambda t: time_range(t, f, hi))
+        tables = h._fetch_all(parts, lambda t, p: time_range(t, f, hi))
         events: list[ListenEvent] = []
         internal = consolidate(_concat(tables, h.schemas))
         if internal.num_rows:
