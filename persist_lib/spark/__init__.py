@@ -11,7 +11,8 @@ change is still one transition of the shard's state machine:
   (``read.py``).
 - ``compact_shard`` / ``spark_merge``: merges above a size threshold as a Spark job,
   applied with ``apply_merge_res`` like the in-process compactor (``compact.py``).
-- ``ingest_landing_zone``: the file landing zone decoded on executors (``ingest.py``).
+- ``ingest_landing_zone`` / ``ingest_kafka``: a file landing zone, or a Kafka topic's
+  bound offset ranges, decoded on executors (``ingest.py``).
 - ``spark_schema`` (``types.py``): the Arrow <-> Spark type mapping, checked up front.
 - ``local_session`` (``session.py``): a small local session for tests and benchmarks.
 - ``SparkConnectServer`` (``connect_server.py``): a local Spark Connect server from
@@ -25,7 +26,7 @@ Importing this package does not import pyspark; the functions do, when called.
 from persist_lib.spark._common import UnsupportedSparkSession, default_parallelism
 from persist_lib.spark.compact import apply_merge, compact_shard, spark_merge
 from persist_lib.spark.connect_server import SparkConnectServer, SparkConnectServerError
-from persist_lib.spark.ingest import SparkIngestion, ingest_landing_zone
+from persist_lib.spark.ingest import SparkIngestion, ingest_kafka, ingest_landing_zone
 from persist_lib.spark.read import (
     RangeSplit,
     read_collection_snapshot,
@@ -45,6 +46,7 @@ __all__ = [
     "SparkWriteResult",
     "apply_merge",
     "compact_shard",
+    "ingest_kafka",
     "ingest_landing_zone",
     "read_collection_snapshot",
     "read_snapshot",
