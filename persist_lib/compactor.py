@@ -69,7 +69,9 @@ from persist_lib.consolidate import (
     UNSORTED,
     advance_to_since,
     consolidate,
+    consolidation_plan,
     count_less,
+    gather_updates,
     linear_kernels_apply,
     row_keys,
     row_keys_with_hint,
@@ -79,6 +81,7 @@ from persist_lib.consolidate import (
 )
 from persist_lib.errors import BlobNotFound, CorruptionError, ExternalError, InvalidUsage
 from persist_lib.frontier import Antichain
+from persist_lib.kernels import RowSource
 from persist_lib.location.base import Blob
 from persist_lib.machine import Machine
 from persist_lib.part_writers import PartWriter
@@ -1002,12 +1005,14 @@ def merge_batches(
     target_part_bytes: int,
     inline_threshold: int,
     writer: str | None = None,
+    in_memory: bool | None = None,
 ) -> MergeOutput:
     """Merges ``inputs`` into one batch ``[lower, upper)`` forwarded to ``since``.
 
     Output parts are written to blob (tiny ones inline) under a compactor writer id;
     intermediate runs are deleted before returning. On error, everything written is
-    deleted (best effort) and the error re-raised.
+    deleted (best effort) and the error re-raised. ``in_memory``: None chooses by the
+    budget (``_merges_in_memory``); False forces the streaming k-way merge (tests).
     """
     writer = writer or new_compactor_writer_id()
     since_t = forward_time(since, upper)
@@ -1015,14 +1020,14 @@ def merge_batches(
     try:
         return _merge(
             blob, schemas, shard, runs_parts, lower, upper, since, since_t, memory_budget,
-            target_part_bytes, inline_threshold, writer, check_order=True,
+            target_part_bytes, inline_threshold, writer, check_order=True, in_memory=in_memory,
         )
     except _RunOrderViolation:
         log.warning("shard %s: compactor runs were not sorted; merging with a run per part", shard)
         per_part = [[p] for b in inputs for p in b.parts]
         out = _merge(
             blob, schemas, shard, per_part, lower, upper, since, since_t, memory_budget,
-            target_part_bytes, inline_threshold, writer, check_order=False,
+            target_part_bytes, inline_threshold, writer, check_order=False, in_memory=in_memory,
         )
         out.stats.restarted_per_part = True
         return out
@@ -1043,6 +1048,7 @@ def _merge(
     writer: str,
     *,
     check_order: bool,
+    in_memory: bool | None = None,
 ) -> MergeOutput:
     max_encoded = max((p.size for run in runs_parts for p in run), default=0)
     sources = [RunSource.of_parts(run, schemas) for run in runs_parts]
@@ -1058,22 +1064,29 @@ def _merge(
             inline_threshold=inline, executor=_upload_pool(), consolidated=True,
         )
 
-    total_in = sum(p.size for run in runs_parts for p in run)
-    if total_in <= budget // 64 and not _few_linear_runs(len(runs_parts), schemas):
-        # Small merge (the common case right after appends): decode whole, one consolidate.
+    if in_memory is not False and _merges_in_memory(runs_parts, sources, schemas, budget, plan):
+        # Everything fits: decode every part (in parallel), one sort of all rows, and
+        # the output gathered slice by slice while earlier slices encode.
         stats.passes = 1
-        merged = _fold_in_memory(blob, schemas, shard, runs_parts, since_t, stats)
-        out = builder(inline_threshold)
+        source, rows, diffs = _plan_in_memory(blob, schemas, shard, runs_parts, since_t, stats, plan)
+        out = BatchBuilder(
+            blob, schemas, shard=shard, writer=writer, lower=lower,
+            target_part_bytes=plan.output_part_bytes, max_inflight_uploads=2,
+            inline_threshold=inline_threshold, executor=_upload_pool(), consolidated=True,
+        )
+        merged: pa.Table | None = None
         try:
-            if merged.num_rows:
-                stats.output_rows = merged.num_rows
+            stats.output_rows = len(rows)
+            for lo, hi in _slices(len(rows), source.table, plan.output_part_bytes):
+                merged = gather_updates(source, rows[lo:hi], diffs[lo:hi])
                 out.add(merged)
+            del source
             batch = out.finish(upper, since)
         except BaseException:
             out.abort()
             raise
         stats.bytes_written = batch.size
-        if len(batch.parts) == 1 and batch.parts[0].count == merged.num_rows:
+        if merged is not None and len(batch.parts) == 1 and batch.parts[0].count == merged.num_rows:
             _DECODED.put(batch.parts[0].sha256, schemas.fingerprint(), merged)
         return MergeOutput(batch, stats, [])
 
@@ -1243,6 +1256,104 @@ def _fold_in_memory(
     if not tables:
         return internal_schema(schemas).empty_table()
     return _consolidate(pa.concat_tables(tables))
+
+
+# Bytes per row of the in-memory merge's working set beside the decoded rows: the sort
+# (packed keys, their sorted copy, the permutation, tie flags), the diffs gathered and
+# summed, the row indices kept (about 8 int64 arrays).
+SORT_BYTES_PER_ROW = 64
+# In-memory merges of at least this many encoded bytes decode their parts in parallel.
+PARALLEL_DECODE_MIN_BYTES = 1 * MiB
+
+_DECODE_POOL: ThreadPoolExecutor | None = None
+
+
+def _decode_pool() -> ThreadPoolExecutor:
+    """One process-wide pool for decoding the parts of in-memory merges (Parquet
+    decoding, SHA-256 and Arrow's casts release the GIL)."""
+    global _DECODE_POOL
+    with _POOL_LOCK:
+        if _DECODE_POOL is None:
+            workers = max(2, min(4, os.cpu_count() or 2))
+            _DECODE_POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="persist-decode")
+        return _DECODE_POOL
+
+
+def _in_memory_bytes(sources: list[RunSource], plan: MemoryPlan) -> int:
+    """What an in-memory merge holds at its peak: every part decoded, the sort's working
+    set, and the output slices being gathered and encoded (~4 output parts)."""
+    rows = sum(r.rows for r in sources)
+    return sum(r.total_decoded for r in sources) + rows * SORT_BYTES_PER_ROW + 4 * plan.output_part_bytes
+
+
+def _merges_in_memory(
+    runs_parts: list[list[PartMeta]], sources: list[RunSource], schemas: Schemas, budget: int, plan: MemoryPlan
+) -> bool:
+    """Whether a merge runs in memory (one sort of all rows) rather than as a streaming
+    k-way merge: when it fits the budget, unless it is a few sorted runs of flat key
+    types, which the linear merge steps combine without sorting their rows."""
+    if _in_memory_bytes(sources, plan) > budget:
+        return False
+    unsorted = any(not p.sorted for run in runs_parts for p in run)
+    return unsorted or not _few_linear_runs(len(runs_parts), schemas)
+
+
+def _slices(n: int, table: pa.Table, part_bytes: int) -> Iterator[tuple[int, int]]:
+    """Row ranges of about ``part_bytes`` of ``table``'s rows each."""
+    per_row = max(table.nbytes / max(table.num_rows, 1), 1.0)
+    step = max(1, int(part_bytes / per_row))
+    for lo in range(0, n, step):
+        yield lo, min(n, lo + step)
+
+
+def _decode_parts(
+    blob: Blob, schemas: Schemas, shard: str, runs: list[list[PartMeta]], since_t: int | None,
+    *, lower: int | None = None, upper: int | None = None, purpose: str = "compaction",
+) -> list[pa.Table]:
+    """Every part of ``runs``, verified and decoded whole, filtered to ``[lower, upper)``
+    and forwarded to ``since_t`` — on the decode pool when there is enough to decode."""
+    parts = [p for run in runs for p in run]
+
+    def load(p: PartMeta, threads: bool) -> pa.Table:
+        if estimate_decoded_bytes(p, schemas) <= _DECODED.max_entry:
+            t = fetch_small_part(blob, p, schemas, shard, purpose)
+        else:
+            data = fetch_part_bytes(blob, p, shard, purpose)
+            t = decode_whole(data, p, schemas, shard, use_threads=threads)
+            del data
+        if lower is not None or upper is not None:
+            t = time_range(t, lower, upper)
+        return advance_to_since(t, since_t) if since_t is not None else t
+
+    if len(parts) > 1 and sum(p.size for p in parts) >= PARALLEL_DECODE_MIN_BYTES:
+        return list(_decode_pool().map(lambda p: load(p, False), parts))
+    return [load(p, True) for p in parts]
+
+
+def _plan_in_memory(
+    blob: Blob, schemas: Schemas, shard: str, runs: list[list[PartMeta]], since_t: int | None,
+    stats: MergeStats, plan: MemoryPlan,
+) -> tuple[RowSource, np.ndarray, np.ndarray]:
+    """Decodes every part and sorts all rows once: the concatenation (as a
+    ``RowSource`` to gather the output from), and the rows and summed diffs of its
+    consolidation (``consolidation_plan``)."""
+    tables = _decode_parts(blob, schemas, shard, runs, since_t)
+    parts = [p for run in runs for p in run]
+    stats.bytes_read += sum(p.size for p in parts)
+    stats.rows_read += sum(t.num_rows for t in tables)
+    stats.unsorted_parts_sorted += sum(1 for p in parts if not p.sorted)
+    table = pa.concat_tables(tables) if tables else internal_schema(schemas).empty_table()
+    del tables
+    rows = table.num_rows
+    stats.peak_rows_held = max(stats.peak_rows_held, rows)
+    stats.peak_bytes_held = max(
+        stats.peak_bytes_held, table.nbytes + rows * SORT_BYTES_PER_ROW + 4 * plan.output_part_bytes
+    )
+    source = RowSource(table)
+    if rows == 0:
+        return source, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    keep, diffs = consolidation_plan(table, source)
+    return source, keep, diffs
 
 
 # ----- streaming merges (reads) -----------------------------------------------------------

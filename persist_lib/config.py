@@ -45,7 +45,10 @@ class PersistConfig:
     read_memory_budget: int = 256 * MiB
     # Compaction (in-process, background). Filled in by the maintenance layer.
     compaction_enabled: bool = False
-    compaction_memory_budget: int = 256 * MiB
+    # Per merge. Materialize's bound (1 GiB, at least 4x the part target size): a merge
+    # whose inputs fit decoded runs in memory with one multi-threaded sort of all rows;
+    # larger ones stream (compactor.py).
+    compaction_memory_budget: int = 1024 * MiB
     compaction_workers: int = 2  # background merge threads per client
     compaction_queue_max: int = 20  # queued merges per client; excess dropped (re-derived later)
     gc_in_background: bool = True  # with compaction_enabled: GC once garbage is deletable

@@ -40,6 +40,7 @@ import pyarrow.compute as pc
 
 from persist_lib.codec import D_COL, T_COL
 from persist_lib.errors import InvalidUsage
+from persist_lib.kernels import MIN_POLARS_ROWS, RowSource, sort_int64, take_rows
 
 _I64_MAX = (1 << 63) - 1
 # Combined keys stay below this so that ``key * card + rank`` never overflows int64.
@@ -259,16 +260,34 @@ def row_keys(columns: Sequence[pa.Array | pa.ChunkedArray], n: int) -> np.ndarra
     return row_keys_with_hint(columns, n)[0]
 
 
+def _numpy_dtype(t: pa.DataType) -> np.dtype[Any] | None:
+    """The numpy dtype whose bytes are an Arrow array's data buffer (integers, floats)."""
+    if pa.types.is_integer(t) or (pa.types.is_floating(t) and t.bit_width >= 32):
+        kind = "f" if pa.types.is_floating(t) else ("i" if pa.types.is_signed_integer(t) else "u")
+        return np.dtype(f"{kind}{t.bit_width // 8}")
+    return None
+
+
+def _array_to_numpy(a: pa.Array) -> np.ndarray:
+    dt = _numpy_dtype(a.type)
+    if dt is not None and a.null_count == 0:
+        # A view of the data buffer (read-only, like pyarrow's zero-copy conversion).
+        # ``Array.to_numpy`` would go through pyarrow's pandas shim, which imports
+        # pandas (~0.3 s) on a process's first call.
+        return np.frombuffer(a.buffers()[1], dtype=dt, count=len(a), offset=a.offset * dt.itemsize)
+    return a.to_numpy(zero_copy_only=False)
+
+
 def to_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """``col`` as numpy, one chunk at a time: ``ChunkedArray.to_numpy`` goes through
-    pyarrow's pandas shim, which imports pandas (~0.3 s) on a process's first call."""
+    """``col`` as numpy, one chunk at a time (``ChunkedArray.to_numpy`` and, for most
+    types, ``Array.to_numpy`` go through pyarrow's pandas shim)."""
     if isinstance(col, pa.Array):
-        return col.to_numpy(zero_copy_only=False)
+        return _array_to_numpy(col)
     if col.num_chunks == 1:
-        return col.chunk(0).to_numpy(zero_copy_only=False)
+        return _array_to_numpy(col.chunk(0))
     if col.num_chunks == 0:
-        return col.combine_chunks().to_numpy(zero_copy_only=False)
-    return np.concatenate([c.to_numpy(zero_copy_only=False) for c in col.chunks])
+        return _array_to_numpy(col.combine_chunks())
+    return np.concatenate([_array_to_numpy(c) for c in col.chunks])
 
 
 def _argsort_ints(vals: np.ndarray, presorted_runs: bool) -> np.ndarray:
@@ -366,6 +385,152 @@ def row_keys_with_hint(
     return key, hint
 
 
+def _int_order(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The permutation sorting an integer array, and ``same`` (``same[i]``: sorted
+    values ``i`` and ``i + 1`` are equal). When ``(max - min) * n`` fits 62 bits the
+    values and indices are packed into one int64 and sorted by value (numpy's SIMD
+    sort): the sorted values come out of the packed array, without a gather."""
+    n = len(vals)
+    if n > 1 << 10:
+        mn = int(vals.min())
+        shift = max(1, int(n - 1).bit_length())
+        if int(vals.max()) - mn < (1 << (62 - shift)):
+            if vals.dtype == np.uint64:
+                packed = (vals - np.uint64(mn)).astype(np.int64)
+            else:
+                packed = vals.astype(np.int64, copy=True)
+                packed -= np.int64(mn)
+            packed <<= shift
+            packed |= np.arange(n, dtype=np.int64)
+            packed = sort_int64(packed)
+            hi = packed >> shift
+            same = hi[1:] == hi[:-1]
+            packed &= (1 << shift) - 1
+            return packed, same
+    perm = np.argsort(vals)
+    sv = vals[perm]
+    return perm, sv[1:] == sv[:-1]
+
+
+def _flat_int_values(col: pa.ChunkedArray) -> np.ndarray | None:
+    """The column as integers in the module's order when that is a plain numpy
+    conversion (integers, temporal types, booleans, floats by total order) and it has
+    no nulls; else None."""
+    if col.null_count:
+        return None
+    t = col.type
+    if pa.types.is_integer(t):
+        return to_numpy(col)
+    if pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_temporal(t):
+        return to_numpy(comparable(col))
+    return None
+
+
+def _first_column_order(col: pa.ChunkedArray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``_int_order`` of the leading column: its integers, a direct Arrow sort for
+    strings and binaries, else its dense ranks."""
+    vals = _flat_int_values(col)
+    if vals is not None:
+        return _int_order(vals)
+    t = col.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or (
+        pa.types.is_large_binary(t)
+    ):
+        perm = to_numpy(pc.array_sort_indices(col, order="ascending", null_placement="at_start"))
+        perm = perm.astype(np.int64, copy=False)
+        s = col.take(pa.array(perm))
+        a, b = s.slice(0, n - 1), s.slice(1)
+        eq = pc.equal(a, b)
+        if s.null_count:
+            eq = pc.or_kleene(pc.fill_null(eq, False), pc.and_(pc.is_null(a), pc.is_null(b)))
+        return perm, to_numpy(eq).astype(bool, copy=False)
+    return _int_order(row_keys([col], n))
+
+
+TakeFn = Callable[[int, np.ndarray], pa.Array]
+
+
+def sort_order(
+    columns: Sequence[pa.Array | pa.ChunkedArray], n: int, take: TakeFn | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """A permutation sorting the rows by ``columns`` (the module's order) and ``dup``:
+    ``dup[i]`` is True when sorted row ``i`` equals sorted row ``i - 1`` on every
+    column (so runs of equal rows are where consolidation sums).
+
+    One sort of the leading column (integers packed with their indices: no ranks, no
+    gather), then the rows still tied are ordered by the next columns within their
+    groups, column by column, only for the rows still tied: with a mostly-distinct
+    leading key almost nothing is left after the first sort. ``take(i, rows)``: column
+    ``i`` at ``rows`` (default ``take``; a ``RowSource`` gathers faster)."""
+    dup = np.zeros(n, dtype=bool)
+    if n < 2 or not columns:
+        return np.arange(n, dtype=np.int64), dup
+    perm, same = _first_column_order(_chunked(columns[0]), n)
+    for ci in range(1, len(columns)):
+        if not same.any():
+            break
+        col = _chunked(columns[ci])
+
+        def take_rows_of(rows: np.ndarray, ci: int = ci, col: pa.ChunkedArray = col) -> pa.Array:
+            return take(ci, rows) if take is not None else col.take(pa.array(rows))
+
+        in_tie = np.zeros(n, dtype=bool)
+        in_tie[1:] |= same
+        in_tie[:-1] |= same
+        pos = np.flatnonzero(in_tie)  # sorted positions inside groups of equal prefixes
+        starts = np.ones(len(pos), dtype=bool)
+        starts[1:] = ~same[pos[1:] - 1]
+        new_same = np.zeros(n - 1, dtype=bool)
+        rest = pos  # positions ordered by ranking below
+        if _is_flat_comparable(col.type):
+            # Groups of two (most ties) are ordered by comparing their two rows.
+            gstart = np.flatnonzero(starts)
+            pairs = gstart[np.diff(np.append(gstart, len(pos))) == 2]
+            if len(pairs):
+                i0, i1 = pos[pairs], pos[pairs + 1]  # neighbouring sorted positions
+                r0, r1 = perm[i0], perm[i1]
+                swap, eq = _pair_order(take_rows_of(r0), take_rows_of(r1))
+                perm[i0] = np.where(swap, r1, r0)
+                perm[i1] = np.where(swap, r0, r1)
+                new_same[i0] = eq
+                keep = np.ones(len(pos), dtype=bool)
+                keep[pairs] = False
+                keep[pairs + 1] = False
+                rest = pos[keep]
+        if len(rest):
+            gid = np.ones(len(rest), dtype=np.int64)
+            gid[1:] = ~same[rest[1:] - 1]
+            gid = np.cumsum(gid)
+            rows = perm[rest]
+            ranks = row_keys([take_rows_of(rows)], len(rows))
+            card = int(ranks.max()) + 1
+            key = gid * card + ranks  # gid <= m, card <= m + 1: no overflow below 2^31 rows
+            sub_perm, sub_same = _int_order(key)
+            perm[rest] = rows[sub_perm]
+            # Equal neighbours in the sorted subset are in one group: neighbouring positions.
+            new_same[rest[1:][sub_same] - 1] = True
+        same = new_same
+    dup[1:] = same
+    return perm, dup
+
+
+def _pair_order(first: pa.Array, second: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """For pairs of values of a flat column (``first[i]``, ``second[i]``): whether the
+    second sorts before the first, and whether they are equal (nulls first)."""
+    a, b = comparable(first), comparable(second)
+    if pa.types.is_integer(a.type) and not a.null_count and not b.null_count:
+        an, bn = to_numpy(a), to_numpy(b)
+        return bn < an, an == bn
+    lt = to_numpy(pc.fill_null(pc.less(b, a), False)).astype(bool, copy=False)
+    eq = to_numpy(pc.fill_null(pc.equal(a, b), False)).astype(bool, copy=False)
+    if a.null_count or b.null_count:
+        av = to_numpy(a.is_valid()).astype(bool, copy=False)
+        bv = to_numpy(b.is_valid()).astype(bool, copy=False)
+        lt = lt | (av & ~bv)
+        eq = eq | (~av & ~bv)
+    return lt, eq
+
+
 def _key_columns(table: pa.Table) -> list[str]:
     if T_COL not in table.column_names or D_COL not in table.column_names:
         raise InvalidUsage(
@@ -374,33 +539,56 @@ def _key_columns(table: pa.Table) -> list[str]:
     return [n for n in table.column_names if n not in (T_COL, D_COL)]
 
 
+def consolidation_plan(table: pa.Table, source: RowSource | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """What ``consolidate`` returns, as row indices into ``table`` (in ``(k, v, t)``
+    order, one per distinct ``(k, v, t)`` with a nonzero sum) and their summed diffs:
+    callers that write the result in slices gather one slice at a time (from
+    ``source``, a ``RowSource`` of ``table``, which the sort then uses too)."""
+    n = table.num_rows
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    names = _key_columns(table) + [T_COL]
+    cols = [table.column(c) for c in names]
+    take: TakeFn | None = None
+    if source is not None:
+        index = [table.schema.get_field_index(c) for c in names]
+
+        def take(i: int, rows: np.ndarray) -> pa.Array:
+            return source.take_column(index[i], rows)
+
+    order, dup = sort_order(cols, n, take)
+    d = to_numpy(table.column(D_COL))
+    if not dup.any():
+        rows, sums = order, d[order]
+    else:
+        starts = np.flatnonzero(~dup)
+        rows, sums = order[starts], np.add.reduceat(d[order], starts)
+    nz = sums != 0
+    if not nz.all():
+        rows, sums = rows[nz], sums[nz]
+    return rows, sums
+
+
+def gather_updates(table: pa.Table | RowSource, rows: np.ndarray, diffs: np.ndarray) -> pa.Table:
+    """``table``'s ``rows`` with ``diffs`` as their diffs (one chunk per column); a
+    ``RowSource`` when gathering several slices of one table."""
+    out = table.take(rows) if isinstance(table, RowSource) else take_rows(table, rows)
+    schema = out.schema
+    di = schema.get_field_index(D_COL)
+    return out.set_column(di, schema.field(di), pa.array(diffs, pa.int64()))
+
+
 def consolidate(table: pa.Table) -> pa.Table:
     """Sorts by ``(k..., v..., t)`` and sums the diffs of equal ``(k, v, t)``; drops zeros.
 
     Diffs add with int64 wrap-around (like the rest of numpy); the result has one chunk
     per column and the input's schema.
     """
-    n = table.num_rows
-    if n == 0:
+    if table.num_rows == 0:
         return table
-    cols = [table.column(c) for c in _key_columns(table)] + [table.column(T_COL)]
-    key, hint = row_keys_with_hint(cols, n)
-    # Rows with equal keys are equal rows, so the sort needn't be stable.
-    if hint is None:
-        order = np.argsort(key)
-    else:
-        order = hint[np.argsort(key[hint], kind="stable")]
-    sorted_key = key[order]
-    boundary = np.empty(n, dtype=bool)
-    boundary[0] = True
-    np.not_equal(sorted_key[1:], sorted_key[:-1], out=boundary[1:])
-    starts = np.flatnonzero(boundary)
-    d = to_numpy(table.column(D_COL))
-    sums = np.add.reduceat(d[order], starts)
-    keep = sums != 0
-    out = table.take(pa.array(order[starts[keep]]))
-    di = table.schema.get_field_index(D_COL)
-    return out.set_column(di, table.schema.field(di), pa.array(sums[keep], pa.int64()))
+    source = RowSource(table) if table.num_rows >= MIN_POLARS_ROWS else None
+    rows, diffs = consolidation_plan(table, source)
+    return gather_updates(source if source is not None else table, rows, diffs)
 
 
 def is_consolidated(table: pa.Table) -> bool:

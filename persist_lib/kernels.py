@@ -1,0 +1,122 @@
+"""Multi-threaded vector kernels for the data plane: sorting int64 keys and gathering
+rows, through polars when it is installed, numpy/pyarrow otherwise.
+
+Why polars: numpy's sort and pyarrow's ``take`` run on one thread, and pyarrow's string
+``take`` is slow. polars (Rust, its own thread pool) reads Arrow buffers without copies
+and, measured on the 2-core dev box (docs/benchmarks.md, "Issue 14 (session 8)"), sorts
+5M int64 in ~80 ms against ~300 ms for ``np.sort``, and gathers 5M strings (with the
+conversions in and out of Arrow) in ~120 ms against ~330 ms for ``pa.Array.take``.
+Both functions return exactly what the numpy/pyarrow versions return (same values, same
+types, same nulls): polars is only an engine, never part of a result's meaning. Set
+``PERSIST_KERNELS=numpy`` to turn it off (tests run both).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+# Below this many rows the conversions cost more than the kernels save.
+MIN_POLARS_ROWS = 1 << 14
+_POLARS: Any = None
+_POLARS_CHECKED = False
+
+
+def polars() -> Any:
+    """The polars module, or None (not installed, or ``PERSIST_KERNELS=numpy``)."""
+    global _POLARS, _POLARS_CHECKED
+    if os.environ.get("PERSIST_KERNELS", "").lower() == "numpy":
+        return None
+    if not _POLARS_CHECKED:
+        try:
+            import polars as pl
+
+            _POLARS = pl
+        except Exception:  # not installed, or broken: the numpy kernels are exact too
+            _POLARS = None
+        _POLARS_CHECKED = True
+    return _POLARS
+
+
+def sort_int64(values: np.ndarray) -> np.ndarray:
+    """``np.sort(values)`` for an int64 array (a new array; ``values`` is not changed)."""
+    pl = polars()
+    if pl is None or len(values) < MIN_POLARS_ROWS:
+        return np.sort(values)
+    out = pl.Series(values, dtype=pl.Int64).sort().to_numpy()
+    return out if out.flags.writeable else out.copy()
+
+
+def _is_var_binary(t: pa.DataType) -> bool:
+    return (
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+    )
+
+
+def take_column(col: pa.Array | pa.ChunkedArray, idx: np.ndarray) -> pa.Array | pa.ChunkedArray:
+    """``col.take(idx)``: strings and binaries through polars (same type and values)."""
+    pl = polars()
+    if pl is not None and len(idx) >= MIN_POLARS_ROWS and _is_var_binary(col.type):
+        try:
+            s = pl.from_arrow(col)
+            assert isinstance(s, pl.Series)
+            positions = pl.Series(idx, dtype=pl.UInt32 if len(col) < (1 << 32) else pl.UInt64)
+            out = s.gather(positions).to_arrow()
+            return out.cast(col.type) if not out.type.equals(col.type) else out
+        except (pa.ArrowInvalid, OverflowError):
+            pass  # e.g. more than 2 GiB of strings for 32-bit offsets: Arrow copes
+    return col.take(pa.array(idx))
+
+
+def take_rows(table: pa.Table, idx: np.ndarray) -> pa.Table:
+    """``table.take(idx)`` for an int64 index array, column by column (``take_column``)."""
+    if len(idx) < MIN_POLARS_ROWS or polars() is None:
+        return table.take(pa.array(idx))
+    return RowSource(table).take(idx)
+
+
+class RowSource:
+    """A table to gather many row subsets from (e.g. a merge's output, slice by slice):
+    each column is prepared once — one chunk, strings and binaries converted to polars —
+    so that every ``take`` costs only the gather."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+        self._cols: list[Any] = [None] * table.num_columns
+
+    def _column(self, i: int) -> Any:
+        c = self._cols[i]
+        if c is None:
+            col = self.table.column(i)
+            pl = polars()
+            if pl is not None and _is_var_binary(col.type) and len(col) >= MIN_POLARS_ROWS:
+                c = pl.from_arrow(col)
+            else:
+                c = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+            self._cols[i] = c
+        return c
+
+    def take_column(self, i: int, idx: np.ndarray) -> pa.Array:
+        """Column ``i`` at the rows ``idx`` (int64 positions), with its type."""
+        c = self._column(i)
+        if isinstance(c, (pa.Array, pa.ChunkedArray)):
+            return c.take(pa.array(idx))
+        pl = polars()
+        positions = pl.Series(idx, dtype=pl.UInt32 if len(self.table) < (1 << 32) else pl.UInt64)
+        out = c.gather(positions).to_arrow()
+        typ = self.table.schema.field(i).type
+        try:
+            return out.cast(typ) if not out.type.equals(typ) else out
+        except (pa.ArrowInvalid, OverflowError):  # too many bytes for 32-bit offsets
+            return self.table.column(i).take(pa.array(idx)).combine_chunks()
+
+    def take(self, idx: np.ndarray) -> pa.Table:
+        """The rows ``idx`` (int64 positions), with the table's schema, one chunk each."""
+        cols = [self.take_column(i, idx) for i in range(self.table.num_columns)]
+        return pa.Table.from_arrays(cols, schema=self.table.schema)
