@@ -40,7 +40,7 @@ import pyarrow.compute as pc
 
 from persist_lib.codec import D_COL, T_COL
 from persist_lib.errors import InvalidUsage
-from persist_lib.kernels import MIN_POLARS_ROWS, RowSource, sort_int64, take_rows
+from persist_lib.kernels import MIN_POLARS_ROWS, RowSource, kernel_pool, sort_int64, take_rows
 
 _I64_MAX = (1 << 63) - 1
 # Combined keys stay below this so that ``key * card + rank`` never overflows int64.
@@ -269,12 +269,17 @@ def _numpy_dtype(t: pa.DataType) -> np.dtype[Any] | None:
 
 
 def _array_to_numpy(a: pa.Array) -> np.ndarray:
-    dt = _numpy_dtype(a.type)
-    if dt is not None and a.null_count == 0:
-        # A view of the data buffer (read-only, like pyarrow's zero-copy conversion).
-        # ``Array.to_numpy`` would go through pyarrow's pandas shim, which imports
-        # pandas (~0.3 s) on a process's first call.
-        return np.frombuffer(a.buffers()[1], dtype=dt, count=len(a), offset=a.offset * dt.itemsize)
+    if a.null_count == 0:
+        # Straight from the data buffer: ``Array.to_numpy`` goes through pyarrow's pandas
+        # shim, which imports pandas (~0.25 s) on a process's first call.
+        dt = _numpy_dtype(a.type)
+        if dt is not None:  # a read-only view, like pyarrow's zero-copy conversion
+            return np.frombuffer(a.buffers()[1], dtype=dt, count=len(a), offset=a.offset * dt.itemsize)
+        if pa.types.is_boolean(a.type):
+            n, off = len(a), a.offset
+            nbytes = (off + n + 7) // 8
+            bits = np.unpackbits(np.frombuffer(a.buffers()[1], dtype=np.uint8, count=nbytes), bitorder="little")
+            return bits[off : off + n].astype(bool)
     return a.to_numpy(zero_copy_only=False)
 
 
@@ -462,10 +467,21 @@ def sort_order(
     groups, column by column, only for the rows still tied: with a mostly-distinct
     leading key almost nothing is left after the first sort. ``take(i, rows)``: column
     ``i`` at ``rows`` (default ``take``; a ``RowSource`` gathers faster)."""
-    dup = np.zeros(n, dtype=bool)
     if n < 2 or not columns:
-        return np.arange(n, dtype=np.int64), dup
+        return np.arange(n, dtype=np.int64), np.zeros(n, dtype=bool)
     perm, same = _first_column_order(_chunked(columns[0]), n)
+    return _break_ties(columns, perm, same, take)
+
+
+def _break_ties(
+    columns: Sequence[pa.Array | pa.ChunkedArray], perm: np.ndarray, same: np.ndarray,
+    take: TakeFn | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Orders rows sorted by the leading column (``perm``: row ids, possibly a subset of
+    the table's; ``same[i]``: positions ``i`` and ``i + 1`` tie) by the later columns,
+    within their groups; returns the permutation and ``dup`` (see ``sort_order``)."""
+    n = len(perm)
+    dup = np.zeros(n, dtype=bool)
     for ci in range(1, len(columns)):
         if not same.any():
             break
@@ -539,11 +555,21 @@ def _key_columns(table: pa.Table) -> list[str]:
     return [n for n in table.column_names if n not in (T_COL, D_COL)]
 
 
+# Consolidations of at least this many rows with an integer leading key sort two key
+# ranges on two threads (``consolidation_plan``).
+PARALLEL_PLAN_ROWS = 200_000
+
+
 def consolidation_plan(table: pa.Table, source: RowSource | None = None) -> tuple[np.ndarray, np.ndarray]:
     """What ``consolidate`` returns, as row indices into ``table`` (in ``(k, v, t)``
     order, one per distinct ``(k, v, t)`` with a nonzero sum) and their summed diffs:
     callers that write the result in slices gather one slice at a time (from
-    ``source``, a ``RowSource`` of ``table``, which the sort then uses too)."""
+    ``source``, a ``RowSource`` of ``table``, which the sort then uses too).
+
+    A large table whose leading key is an integer column is split at a sampled median
+    key into two key ranges, sorted and summed on two threads (numpy, polars and Arrow
+    release the GIL): every row of the lower range sorts before every row of the upper
+    one, so the two results concatenate."""
     n = table.num_rows
     if n == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
@@ -552,12 +578,35 @@ def consolidation_plan(table: pa.Table, source: RowSource | None = None) -> tupl
     take: TakeFn | None = None
     if source is not None:
         index = [table.schema.get_field_index(c) for c in names]
+        for i in index[1:]:
+            source.prepare(i)  # before the threads share it
 
         def take(i: int, rows: np.ndarray) -> pa.Array:
             return source.take_column(index[i], rows)
 
-    order, dup = sort_order(cols, n, take)
     d = to_numpy(table.column(D_COL))
+    vals = _flat_int_values(_chunked(cols[0])) if n >= PARALLEL_PLAN_ROWS else None
+    if vals is not None:
+        sample = vals[np.random.default_rng(0).integers(0, n, 4096)]
+        pivot = int(np.median(sample))
+        lower = vals <= pivot
+        halves = [np.flatnonzero(lower), np.flatnonzero(~lower)]
+        if all(len(h) for h in halves):
+
+            def plan_half(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                local, same = _int_order(vals[rows])
+                order, dup = _break_ties(cols, rows[local], same, take)
+                return _summed(order, dup, d)
+
+            (ra, sa), (rb, sb) = kernel_pool().map(plan_half, halves)
+            return np.concatenate([ra, rb]), np.concatenate([sa, sb])
+    order, dup = sort_order(cols, n, take)
+    return _summed(order, dup, d)
+
+
+def _summed(order: np.ndarray, dup: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One row per run of equal rows (``dup``) of ``order``, with the run's summed diff;
+    zero sums dropped."""
     if not dup.any():
         rows, sums = order, d[order]
     else:

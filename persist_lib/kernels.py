@@ -14,10 +14,25 @@ types, same nulls): polars is only an engine, never part of a result's meaning. 
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def kernel_pool() -> ThreadPoolExecutor:
+    """Two threads for kernels that split their input (the GIL is released inside)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="persist-kernel")
+        return _POOL
+
 
 # Below this many rows the conversions cost more than the kernels save.
 MIN_POLARS_ROWS = 1 << 14
@@ -66,6 +81,8 @@ def take_column(col: pa.Array | pa.ChunkedArray, idx: np.ndarray) -> pa.Array | 
         try:
             s = pl.from_arrow(col)
             assert isinstance(s, pl.Series)
+            if s.n_chunks() > 1:
+                s = s.rechunk()
             positions = pl.Series(idx, dtype=pl.UInt32 if len(col) < (1 << 32) else pl.UInt64)
             out = s.gather(positions).to_arrow()
             return out.cast(col.type) if not out.type.equals(col.type) else out
@@ -90,6 +107,10 @@ class RowSource:
         self.table = table
         self._cols: list[Any] = [None] * table.num_columns
 
+    def prepare(self, i: int) -> None:
+        """Converts column ``i`` now (e.g. before threads share this source)."""
+        self._column(i)
+
     def _column(self, i: int) -> Any:
         c = self._cols[i]
         if c is None:
@@ -97,6 +118,8 @@ class RowSource:
             pl = polars()
             if pl is not None and _is_var_binary(col.type) and len(col) >= MIN_POLARS_ROWS:
                 c = pl.from_arrow(col)
+                if c.n_chunks() > 1:
+                    c = c.rechunk()  # a gather across chunks is several times slower
             else:
                 c = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
             self._cols[i] = c

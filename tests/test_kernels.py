@@ -135,3 +135,32 @@ def test_sort_int64_equals_numpy(engine: str) -> None:
         out = kernels.sort_int64(v)
         assert np.array_equal(out, np.sort(before)) and np.array_equal(v, before)
         out[:1] = 0  # writable
+
+
+@pytest.mark.parametrize("value_kind", ["str", "int_few"])
+def test_consolidation_plan_split_in_two_key_ranges(value_kind: str, engine: str) -> None:
+    """Above ``PARALLEL_PLAN_ROWS`` an integer leading key is split at a sampled median and
+    the halves sorted on two threads: the same rows and sums as the ranking, including
+    keys equal to the pivot (all on one side) and a shard of one key (no split)."""
+    from persist_lib.consolidate import PARALLEL_PLAN_ROWS
+    from persist_lib.kernels import RowSource
+
+    rng = np.random.default_rng(11)
+    n = PARALLEL_PLAN_ROWS + 50_000
+    for keys in (rng.integers(0, 1_000, n), rng.integers(0, 10**9, n), np.full(n, 7)):
+        t = pa.table({
+            "k": pa.array(keys),
+            "v": _column(value_kind, rng, n),
+            "t": pa.array(rng.integers(0, 3, n)),
+            "d": pa.array(rng.choice([-1, 1, 2], n)),
+        })
+        key = row_keys([t.column(c) for c in ("k", "v", "t")], n)
+        order = np.argsort(key, kind="stable")
+        sk = key[order]
+        starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+        sums = np.add.reduceat(t.column("d").to_numpy()[order], starts)
+        keep = sums != 0
+        for source in (None, RowSource(t)):
+            rows, diffs = consolidation_plan(t, source)
+            assert np.array_equal(diffs, sums[keep])
+            assert np.array_equal(key[rows], sk[starts[keep]])
