@@ -1012,7 +1012,7 @@ def merge_batches(
     Output parts are written to blob (tiny ones inline) under a compactor writer id;
     intermediate runs are deleted before returning. On error, everything written is
     deleted (best effort) and the error re-raised. ``in_memory``: None chooses by the
-    budget (``_merges_in_memory``); False forces the streaming k-way merge (tests).
+    budget (``_may_merge_in_memory``); False forces the streaming k-way merge (tests).
     """
     writer = writer or new_compactor_writer_id()
     since_t = forward_time(since, upper)
@@ -1064,11 +1064,17 @@ def _merge(
             inline_threshold=inline, executor=_upload_pool(), consolidated=True,
         )
 
-    if in_memory is not False and _merges_in_memory(runs_parts, sources, schemas, budget, plan):
-        # Everything fits: decode every part (in parallel), one sort of all rows, and
-        # the output gathered slice by slice while earlier slices encode.
+    planned = None
+    if in_memory is not False and _may_merge_in_memory(runs_parts, sources, schemas, budget, plan):
+        # Everything may fit: decode every part (in parallel) while the decoded bytes
+        # stay within the budget, sort all rows once, and gather the output slice by
+        # slice while earlier slices encode. If the parts decode larger than the budget
+        # allows, the decoded data is dropped and the streaming merge runs instead.
+        planned = _plan_in_memory(blob, schemas, shard, runs_parts, since_t, stats, plan, budget)
+    if planned is not None:
+        source, rows, diffs = planned
+        del planned
         stats.passes = 1
-        source, rows, diffs = _plan_in_memory(blob, schemas, shard, runs_parts, since_t, stats, plan)
         out = BatchBuilder(
             blob, schemas, shard=shard, writer=writer, lower=lower,
             target_part_bytes=plan.output_part_bytes, max_inflight_uploads=2,
@@ -1258,10 +1264,15 @@ def _fold_in_memory(
     return _consolidate(pa.concat_tables(tables))
 
 
-# Bytes per row of the in-memory merge's working set beside the decoded rows: the sort
-# (packed keys, their sorted copy, the permutation, tie flags), the diffs gathered and
-# summed, the row indices kept (about 8 int64 arrays).
-SORT_BYTES_PER_ROW = 64
+# Bytes per row of the in-memory merge's working set beside the decoded rows, measured
+# (tracemalloc and RSS, 5.2M rows of (int64, string)): the sort's numpy arrays peak at
+# ~50 (packed keys, the permutation, tie groups, the diffs gathered and summed) with
+# ~23 of them held until the output is written (row indices, summed diffs); polars'
+# sort buffers ~16. Rounded up for what the allocators keep.
+SORT_BYTES_PER_ROW = 96
+# polars' copy of a string or binary column (for fast gathers): 16-byte views per row
+# plus the bytes.
+VIEW_BYTES_PER_ROW = 16
 # In-memory merges of at least this many encoded bytes decode their parts in parallel.
 PARALLEL_DECODE_MIN_BYTES = 1 * MiB
 
@@ -1279,20 +1290,26 @@ def _decode_pool() -> ThreadPoolExecutor:
         return _DECODE_POOL
 
 
-def _in_memory_bytes(sources: list[RunSource], plan: MemoryPlan) -> int:
-    """What an in-memory merge holds at its peak: every part decoded, the sort's working
-    set, and the output slices being gathered and encoded (~4 output parts)."""
-    rows = sum(r.rows for r in sources)
-    return sum(r.total_decoded for r in sources) + rows * SORT_BYTES_PER_ROW + 4 * plan.output_part_bytes
+def _in_memory_overhead(rows: int, schemas: Schemas, plan: MemoryPlan) -> int:
+    """What an in-memory merge of ``rows`` rows holds beside the decoded rows and the
+    bytes of their variable-width columns: the sort's working set, polars' views of the
+    variable-width columns and the output slices being gathered and encoded (~4 output
+    parts)."""
+    variable = _row_layout(schemas)[1]
+    return rows * (SORT_BYTES_PER_ROW + variable * VIEW_BYTES_PER_ROW) + 4 * plan.output_part_bytes
 
 
-def _merges_in_memory(
+def _may_merge_in_memory(
     runs_parts: list[list[PartMeta]], sources: list[RunSource], schemas: Schemas, budget: int, plan: MemoryPlan
 ) -> bool:
-    """Whether a merge runs in memory (one sort of all rows) rather than as a streaming
-    k-way merge: when it fits the budget, unless it is a few sorted runs of flat key
+    """Whether to try the in-memory merge (one sort of all rows) rather than the
+    streaming k-way merge: when the rows' fixed-width bytes and the working set fit the
+    budget (the variable-width bytes are only known once decoded: ``_plan_in_memory``
+    checks them as it decodes), unless the inputs are a few sorted runs of flat key
     types, which the linear merge steps combine without sorting their rows."""
-    if _in_memory_bytes(sources, plan) > budget:
+    rows = sum(r.rows for r in sources)
+    fixed = _row_layout(schemas)[0]
+    if rows * fixed + _in_memory_overhead(rows, schemas, plan) > budget:
         return False
     unsorted = any(not p.sorted for run in runs_parts for p in run)
     return unsorted or not _few_linear_runs(len(runs_parts), schemas)
@@ -1309,9 +1326,12 @@ def _slices(n: int, table: pa.Table, part_bytes: int) -> Iterator[tuple[int, int
 def _decode_parts(
     blob: Blob, schemas: Schemas, shard: str, runs: list[list[PartMeta]], since_t: int | None,
     *, lower: int | None = None, upper: int | None = None, purpose: str = "compaction",
-) -> list[pa.Table]:
+    limit: int | None = None,
+) -> list[pa.Table] | None:
     """Every part of ``runs``, verified and decoded whole, filtered to ``[lower, upper)``
-    and forwarded to ``since_t`` — on the decode pool when there is enough to decode."""
+    and forwarded to ``since_t`` — on the decode pool when there is enough to decode.
+    ``limit``: the most the decoded tables may hold, counting their variable-width
+    columns twice (polars copies them); past it, None (the rest is not decoded)."""
     parts = [p for run in runs for p in run]
 
     def load(p: PartMeta, threads: bool) -> pa.Table:
@@ -1325,29 +1345,75 @@ def _decode_parts(
             t = time_range(t, lower, upper)
         return advance_to_since(t, since_t) if since_t is not None else t
 
-    if len(parts) > 1 and sum(p.size for p in parts) >= PARALLEL_DECODE_MIN_BYTES:
-        return list(_decode_pool().map(lambda p: load(p, False), parts))
-    return [load(p, True) for p in parts]
+    def held(t: pa.Table) -> int:
+        return t.nbytes + sum(c.nbytes for c, f in zip(t.columns, t.schema, strict=True) if _byte_width(f.type) is None)
+
+    if len(parts) <= 1 or sum(p.size for p in parts) < PARALLEL_DECODE_MIN_BYTES:
+        out: list[pa.Table] = []
+        total = 0
+        for p in parts:
+            out.append(load(p, True))
+            total += held(out[-1])
+            if limit is not None and total > limit:
+                return None
+        return out
+    pool = _decode_pool()
+    futures = [pool.submit(load, p, False) for p in parts]
+    tables: list[pa.Table] = []
+    total = 0
+    try:
+        for f in futures:
+            tables.append(f.result())
+            total += held(tables[-1])
+            if limit is not None and total > limit:
+                return None
+        return tables
+    finally:
+        for f in futures:
+            f.cancel()  # (no-op for those done) only on an early return or an error
+
+
+def _concat_to_one_chunk(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
+    """The tables concatenated into one chunk per column, column by column, each
+    column's pieces let go once copied (``tables`` is emptied): the copy costs one
+    column at a time, and every gather afterwards reads one contiguous array (Arrow's
+    ``take`` on a chunked array concatenates it again on every call)."""
+    pieces = [[c for t in tables for c in t.column(i).chunks] for i in range(len(schema))]
+    tables.clear()
+    cols: list[pa.Array] = []
+    for i, f in enumerate(schema):
+        chunks, pieces[i] = pieces[i], []
+        cols.append(pa.concat_arrays(chunks) if chunks else pa.array([], f.type))
+        del chunks
+    return pa.Table.from_arrays(cols, schema=schema)
 
 
 def _plan_in_memory(
     blob: Blob, schemas: Schemas, shard: str, runs: list[list[PartMeta]], since_t: int | None,
-    stats: MergeStats, plan: MemoryPlan,
-) -> tuple[RowSource, np.ndarray, np.ndarray]:
+    stats: MergeStats, plan: MemoryPlan, budget: int,
+) -> tuple[RowSource, np.ndarray, np.ndarray] | None:
     """Decodes every part and sorts all rows once: the concatenation (as a
     ``RowSource`` to gather the output from), and the rows and summed diffs of its
-    consolidation (``consolidation_plan``)."""
-    tables = _decode_parts(blob, schemas, shard, runs, since_t)
+    consolidation (``consolidation_plan``). None when the decoded parts turn out not to
+    fit the budget beside the working set (nothing is kept)."""
     parts = [p for run in runs for p in run]
+    rows_in = sum(p.count for p in parts)
+    limit = budget - _in_memory_overhead(rows_in, schemas, plan)
+    tables = _decode_parts(blob, schemas, shard, runs, since_t, limit=limit)
+    if tables is None:
+        log.info("shard %s: the merge's parts decode larger than its budget allows in memory; streaming", shard)
+        _release_unused()
+        return None
+    held = sum(t.nbytes for t in tables)
     stats.bytes_read += sum(p.size for p in parts)
     stats.rows_read += sum(t.num_rows for t in tables)
     stats.unsorted_parts_sorted += sum(1 for p in parts if not p.sorted)
-    table = pa.concat_tables(tables) if tables else internal_schema(schemas).empty_table()
-    del tables
+    table = _concat_to_one_chunk(tables, internal_schema(schemas))
     rows = table.num_rows
     stats.peak_rows_held = max(stats.peak_rows_held, rows)
+    var_bytes = sum(c.nbytes for c, f in zip(table.columns, table.schema, strict=True) if _byte_width(f.type) is None)
     stats.peak_bytes_held = max(
-        stats.peak_bytes_held, table.nbytes + rows * SORT_BYTES_PER_ROW + 4 * plan.output_part_bytes
+        stats.peak_bytes_held, max(held, table.nbytes) + var_bytes + _in_memory_overhead(rows, schemas, plan)
     )
     source = RowSource(table)
     if rows == 0:

@@ -390,6 +390,11 @@ def row_keys_with_hint(
     return key, hint
 
 
+# Elementwise passes over big arrays go in steps of this many rows, so that their
+# temporaries stay small (the memory budget counts them).
+_STEP = 1 << 20
+
+
 def _int_order(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The permutation sorting an integer array, and ``same`` (``same[i]``: sorted
     values ``i`` and ``i + 1`` are equal). When ``(max - min) * n`` fits 62 bits the
@@ -406,10 +411,13 @@ def _int_order(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
                 packed = vals.astype(np.int64, copy=True)
                 packed -= np.int64(mn)
             packed <<= shift
-            packed |= np.arange(n, dtype=np.int64)
+            for lo in range(0, n, _STEP):  # temporaries of _STEP rows, not of n
+                packed[lo : lo + _STEP] |= np.arange(lo, min(n, lo + _STEP), dtype=np.int64)
             packed = sort_int64(packed)
-            hi = packed >> shift
-            same = hi[1:] == hi[:-1]
+            same = np.empty(n - 1, dtype=bool)
+            for lo in range(0, n - 1, _STEP):
+                hi = min(n - 1, lo + _STEP)
+                np.less(packed[lo + 1 : hi + 1] ^ packed[lo:hi], 1 << shift, out=same[lo:hi])
             packed &= (1 << shift) - 1
             return packed, same
     perm = np.argsort(vals)
@@ -611,7 +619,11 @@ def _summed(order: np.ndarray, dup: np.ndarray, d: np.ndarray) -> tuple[np.ndarr
         rows, sums = order, d[order]
     else:
         starts = np.flatnonzero(~dup)
-        rows, sums = order[starts], np.add.reduceat(d[order], starts)
+        dv = d[order]
+        sums = np.add.reduceat(dv, starts)
+        del dv
+        rows = order[starts]
+        del starts
     nz = sums != 0
     if not nz.all():
         rows, sums = rows[nz], sums[nz]
