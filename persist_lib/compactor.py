@@ -1075,15 +1075,18 @@ def _merge(
         source, rows, diffs = planned
         del planned
         stats.passes = 1
+        # Parts of at most IN_MEMORY_PART_BYTES: two encode while the next is gathered,
+        # the last one alone is short, and readers decode such parts in parallel.
+        part_bytes = min(plan.output_part_bytes, IN_MEMORY_PART_BYTES)
         out = BatchBuilder(
             blob, schemas, shard=shard, writer=writer, lower=lower,
-            target_part_bytes=plan.output_part_bytes, max_inflight_uploads=2,
+            target_part_bytes=part_bytes, max_inflight_uploads=2,
             inline_threshold=inline_threshold, executor=_upload_pool(), consolidated=True,
         )
         merged: pa.Table | None = None
         try:
             stats.output_rows = len(rows)
-            for lo, hi in _slices(len(rows), source.table, plan.output_part_bytes):
+            for lo, hi in _slices(len(rows), source.table, part_bytes):
                 merged = gather_updates(source, rows[lo:hi], diffs[lo:hi])
                 out.add(merged)
             del source
@@ -1273,6 +1276,8 @@ SORT_BYTES_PER_ROW = 96
 # polars' copy of a string or binary column (for fast gathers): 16-byte views per row
 # plus the bytes.
 VIEW_BYTES_PER_ROW = 16
+# Output parts of in-memory merges (Arrow bytes).
+IN_MEMORY_PART_BYTES = 8 * MiB
 # In-memory merges of at least this many encoded bytes decode their parts in parallel.
 PARALLEL_DECODE_MIN_BYTES = 1 * MiB
 
@@ -1679,7 +1684,7 @@ def compact_request(
                 machine.blob, schemas, shard=machine.shard_id, inputs=req.inputs, lower=req.lower,
                 upper=req.upper, since=req.since, memory_budget=config.compaction_memory_budget,
                 target_part_bytes=config.blob_target_size, inline_threshold=config.inline_threshold,
-                writer=pw.writer_id,
+                writer=pw.writer_id, in_memory=None if config.compaction_in_memory else False,
             )
         except BlobNotFound:
             # The compactor holds no seqno: an input may have been replaced by another

@@ -49,6 +49,9 @@ class PersistConfig:
     # whose inputs fit decoded runs in memory with one multi-threaded sort of all rows;
     # larger ones stream (compactor.py).
     compaction_memory_budget: int = 1024 * MiB
+    # False: every merge streams, even one that fits in memory (the reliability harness
+    # runs both ways).
+    compaction_in_memory: bool = True
     compaction_workers: int = 2  # background merge threads per client
     compaction_queue_max: int = 20  # queued merges per client; excess dropped (re-derived later)
     gc_in_background: bool = True  # with compaction_enabled: GC once garbage is deletable

@@ -117,6 +117,8 @@ class HistoryConfig:
     fresh_start: bool = False
     # Parts of at least this many Arrow bytes are written unsorted (None: all sorted).
     unsorted_min_bytes: int | None = None
+    # Merges that fit their budget run in memory (False: always the streaming merge).
+    compaction_in_memory: bool = True
 
     @property
     def lease_slack_ms(self) -> float:
@@ -222,6 +224,7 @@ def build_location(
         inline_max_total=cfg.inline_max_total,
         rollup_interval=cfg.rollup_interval,
         unsorted_min_bytes=cfg.unsorted_min_bytes,
+        compaction_in_memory=cfg.compaction_in_memory,
         compaction_enabled=cfg.background_compaction,
         listen_poll_max_s=0.2,
         rng=random.Random(seed),

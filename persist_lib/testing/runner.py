@@ -90,6 +90,8 @@ def default_config(seed: int, root: str, consensus_uri: str, **overrides: Any) -
         fresh_start=rng.random() < 0.3,
         # Issue 14: parts written unsorted (0: every part) in half the seeds.
         unsorted_min_bytes=rng.choice([None, 0]),
+        # Merges that fit in memory sort all rows at once; or always stream (session 8).
+        compaction_in_memory=rng.random() < 0.5,
     )
     for k, v in overrides.items():
         if not hasattr(cfg, k):

@@ -75,12 +75,14 @@ class ShardStateMachine(RuleBasedStateMachine):
         self.ops = 0
         self.inline = 0
         self.unsorted_min_bytes: int | None = None
+        self.in_memory_merges = True
         self.client: Any = None  # a PersistClient once initialized
 
-    @initialize(inline=st.sampled_from([0, 0, 4096]), unsorted=st.booleans())
-    def init(self, inline: int, unsorted: bool) -> None:
+    @initialize(inline=st.sampled_from([0, 0, 4096]), unsorted=st.booleans(), in_memory=st.booleans())
+    def init(self, inline: int, unsorted: bool, in_memory: bool) -> None:
         self.inline = self.inline_threshold if self.inline_threshold is not None else inline
         self.unsorted_min_bytes = 0 if unsorted else None
+        self.in_memory_merges = in_memory  # else the streaming k-way merge, always
         self.client = self._new_client()
         self.open_writer()
         self.open_reader()
@@ -91,6 +93,7 @@ class ShardStateMachine(RuleBasedStateMachine):
             rollup_interval=4,
             inline_threshold=self.inline,
             unsorted_min_bytes=self.unsorted_min_bytes,
+            compaction_in_memory=self.in_memory_merges,
             reader_lease_ms=LEASE_MS,
             writer_lease_ms=LEASE_MS,
             retry_deadline_s=2.0,
