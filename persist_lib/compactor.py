@@ -1284,6 +1284,15 @@ PARALLEL_DECODE_MIN_BYTES = 1 * MiB
 _DECODE_POOL: ThreadPoolExecutor | None = None
 
 
+def _reset_pools_in_child() -> None:
+    """A forked child has none of the pools' threads: it makes new pools when needed."""
+    global _POOL, _DECODE_POOL
+    _POOL = _DECODE_POOL = None
+
+
+os.register_at_fork(after_in_child=_reset_pools_in_child)
+
+
 def _decode_pool() -> ThreadPoolExecutor:
     """One process-wide pool for decoding the parts of in-memory merges (Parquet
     decoding, SHA-256 and Arrow's casts release the GIL)."""

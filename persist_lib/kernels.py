@@ -38,12 +38,26 @@ def kernel_pool() -> ThreadPoolExecutor:
 MIN_POLARS_ROWS = 1 << 14
 _POLARS: Any = None
 _POLARS_CHECKED = False
+# Set in a child forked after this process used polars: its thread pool did not survive
+# the fork (polars may deadlock there), so the child uses the numpy kernels.
+_FORKED_AFTER_USE = False
+
+
+def _after_fork_in_child() -> None:
+    global _POOL, _FORKED_AFTER_USE
+    _POOL = None  # its threads did not survive the fork
+    if _POLARS is not None:
+        _FORKED_AFTER_USE = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def polars() -> Any:
-    """The polars module, or None (not installed, or ``PERSIST_KERNELS=numpy``)."""
+    """The polars module, or None (not installed, ``PERSIST_KERNELS=numpy``, or a child
+    forked after its parent used polars)."""
     global _POLARS, _POLARS_CHECKED
-    if os.environ.get("PERSIST_KERNELS", "").lower() == "numpy":
+    if _FORKED_AFTER_USE or os.environ.get("PERSIST_KERNELS", "").lower() == "numpy":
         return None
     if not _POLARS_CHECKED:
         try:

@@ -164,3 +164,29 @@ def test_consolidation_plan_split_in_two_key_ranges(value_kind: str, engine: str
             rows, diffs = consolidation_plan(t, source)
             assert np.array_equal(diffs, sums[keep])
             assert np.array_equal(key[rows], sk[starts[keep]])
+
+
+def test_a_child_forked_after_polars_ran_uses_the_numpy_kernels_and_new_pools() -> None:
+    """polars' threads (and the kernel and compactor pools' threads) do not survive a
+    fork: a forked child must neither deadlock on them nor wait on a pool without
+    threads."""
+    import multiprocessing as mp
+
+    if kernels.polars() is None:
+        pytest.skip("polars is not installed")
+    rng = np.random.default_rng(2)
+    n = 300_000
+    t = pa.table({"k": pa.array(rng.integers(0, 1000, n)), "v": _column("str", rng, n),
+                  "t": pa.array(np.zeros(n, dtype=np.int64)), "d": pa.array(np.ones(n, dtype=np.int64))})
+    expected = consolidate(t)  # uses polars and the kernel pool here
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+
+    def child() -> None:
+        q.put((kernels.polars() is None, consolidate(t).equals(expected)))
+
+    p = ctx.Process(target=child)
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0, "the forked child hung or failed"
+    assert q.get(timeout=5) == (True, True)
