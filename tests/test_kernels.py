@@ -63,7 +63,21 @@ KINDS = ["int_few", "int_wide", "uint64", "int_nulls", "float", "str", "str_dist
 def test_sort_order_matches_ranking(first: str, n: int, engine: str) -> None:
     rng = np.random.default_rng(hash((first, n)) % 2**32)
     second = "str" if first != "str" else "int_few"
-    cols = [_column(first, rng, n), _column(second, rng, n), pa.array(rng.integers(0, 3, n))]
+    _check_sort_order([_column(first, rng, n), _column(second, rng, n), pa.array(rng.integers(0, 3, n))], n)
+
+
+@pytest.mark.parametrize("second", KINDS)
+def test_ties_are_broken_by_every_column_type(second: str, engine: str) -> None:
+    """Leading keys tied in pairs (the pair comparison) and in bigger groups (ranking),
+    then any column type, then a third column."""
+    rng = np.random.default_rng(hash(second) % 2**32)
+    n = 30_000
+    lead = np.concatenate([np.repeat(np.arange(10_000), 2), rng.integers(20_000, 20_100, n - 20_000)])
+    cols = [pa.array(rng.permutation(lead)), _column(second, rng, n), _column("int_few", rng, n)]
+    _check_sort_order(cols, n)
+
+
+def _check_sort_order(cols: list[pa.Array], n: int) -> None:
     perm, dup = sort_order(cols, n)
     assert sorted(perm.tolist()) == list(range(n))
     key = row_keys(cols, n)  # the ranking: equal keys <=> equal rows, key order = row order
