@@ -367,10 +367,11 @@ def _json_failure(spec: DecodeSpec, line: bytes, err: Exception | None) -> tuple
 
 
 def decode_json_lines(
-    spec: DecodeSpec, lines: Sequence[bytes], schema: pa.Schema | None = None
+    spec: DecodeSpec, lines: Sequence[bytes], schema: pa.Schema | None = None, joined: bytes | None = None
 ) -> tuple[pa.Table, list[tuple[int, str, str]]]:
     """Decodes JSON-lines records (no blank lines) into ``spec.input_schema()`` rows
     (or ``schema``: a subset of its fields, e.g. the ones a Kafka message value holds).
+    ``joined``: ``b"\\n".join(lines)`` if the caller has it already (not joined again).
 
     Returns ``(table, bad)`` where ``table`` has one row per *good* line (in order) and
     ``bad`` lists ``(line index, kind, reason)``.
@@ -380,7 +381,7 @@ def decode_json_lines(
     ropts = pj.ReadOptions(block_size=1 << 24)
 
     def block(ls: Sequence[bytes]) -> pa.Table:
-        buf = b"\n".join(ls)
+        buf = joined if joined is not None and len(ls) == len(lines) else b"\n".join(ls)
         ropts.block_size = max(1 << 20, min(len(buf) + 1, 1 << 30))
         t = pj.read_json(io.BytesIO(buf), read_options=ropts, parse_options=opts)
         return t.select(schema.names).cast(schema)

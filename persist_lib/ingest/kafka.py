@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import bisect
 import dataclasses
+import gc
 import json
 import logging
 import threading
@@ -120,64 +121,171 @@ def _bootstrap_of(url: str) -> tuple[str, dict[str, str]]:
 
 
 class _Msgs:
-    """Messages of one partition (confluent-kafka ``Message`` objects, offsets
-    ascending); keys, values, timestamps and headers are pulled out lazily, by list
-    comprehension, which is cheaper than a Python loop doing it per message."""
+    """Messages of one partition (offsets ascending) as columns: offsets, values, keys,
+    raw timestamps and headers, pulled out of confluent-kafka's ``Message`` objects as
+    soon as ``consume()`` returns them (``_split``).
 
-    __slots__ = ("msgs", "offs", "_vals", "_keys", "_ts", "_hdrs")
+    Why columns and not the ``Message`` objects: a ``Message`` is a GC-tracked object,
+    and holding a binding's worth of them (plus the prefetched ones) made every full
+    garbage collection walk hundreds of thousands of them -- about a second of CPU per
+    million messages, more than decoding them. Bytes and ints are not tracked, and a
+    list of them is one object to the collector.
+    """
 
-    def __init__(self, msgs: list[Any] | None = None, offs: list[int] | None = None) -> None:
-        self.msgs: list[Any] = msgs if msgs is not None else []
-        self.offs: list[int] = offs if offs is not None else [m.offset() for m in self.msgs]
-        self._vals: list[bytes | None] | None = None
-        self._keys: list[bytes | None] | None = None
-        self._ts: list[int | None] | None = None
-        self._hdrs: list[Any] | None = None
+    __slots__ = ("offs", "vals", "keys", "hdrs", "_tsr", "_ts")
+
+    def __init__(
+        self,
+        offs: list[int] | None = None,
+        vals: list[bytes | None] | None = None,
+        keys: list[bytes | None] | None = None,
+        tsr: list[tuple[int, int]] | None = None,
+        hdrs: list[Any] | None = None,
+        *,
+        ts: list[int | None] | None = None,
+    ) -> None:
+        self.offs: list[int] = offs if offs is not None else []
+        n = len(self.offs)
+        self.vals: list[bytes | None] = vals if vals is not None else [None] * n
+        self.keys: list[bytes | None] = keys if keys is not None else [None] * n
+        self.hdrs: list[Any] = hdrs if hdrs is not None else [None] * n
+        if tsr is None and ts is None:
+            ts = [None] * n
+        # (type, ms) as Message.timestamp() gives them; ``ts`` converts on first use
+        self._tsr: list[tuple[int, int]] | None = tsr
+        self._ts: list[int | None] | None = ts
 
     def __len__(self) -> int:
         return len(self.offs)
 
-    def extend(self, msgs: list[Any]) -> int:
-        offs = [m.offset() for m in msgs]
-        if self.offs and offs and offs[0] <= self.offs[-1]:  # a re-fetch after a reconnect
-            last = self.offs[-1]
-            keep = [i for i, o in enumerate(offs) if o > last]
-            msgs = [msgs[i] for i in keep]
-            offs = [offs[i] for i in keep]
-        self.msgs.extend(msgs)
-        self.offs.extend(offs)
-        self._vals = self._keys = self._ts = self._hdrs = None
-        return len(msgs)
-
-    @property
-    def vals(self) -> list[bytes | None]:
-        if self._vals is None:
-            self._vals = [m.value() for m in self.msgs]
-        return self._vals
-
-    @property
-    def keys(self) -> list[bytes | None]:
-        if self._keys is None:
-            self._keys = [m.key() for m in self.msgs]
-        return self._keys
-
     @property
     def ts(self) -> list[int | None]:
+        """Timestamps in ms since the epoch (None: the producer set none)."""
         if self._ts is None:
-            self._ts = [t[1] if t[0] else None for t in (m.timestamp() for m in self.msgs)]
+            assert self._tsr is not None
+            self._ts = [t[1] if t[0] else None for t in self._tsr]
         return self._ts
 
-    @property
-    def hdrs(self) -> list[Any]:
-        if self._hdrs is None:
-            self._hdrs = [m.headers() for m in self.msgs]
-        return self._hdrs
+    def extend(self, o: _Msgs) -> int:
+        """Appends the messages of ``o`` after the last offset held; returns how many."""
+        if self.offs and o.offs and o.offs[0] <= self.offs[-1]:  # a re-fetch after a reconnect
+            last = self.offs[-1]
+            o = o.pick([i for i, x in enumerate(o.offs) if x > last])
+        if not self.offs:  # (adopts the lists: nothing else holds them)
+            self.offs, self.vals, self.keys, self.hdrs = o.offs, o.vals, o.keys, o.hdrs
+            self._tsr, self._ts = o._tsr, o._ts
+            return len(o.offs)
+        if self._tsr is None or o._tsr is None:  # (built from converted timestamps)
+            ts = self.ts + o.ts
+            self._tsr, self._ts = None, ts
+        else:
+            self._tsr.extend(o._tsr)
+            self._ts = None
+        self.offs.extend(o.offs)
+        self.vals.extend(o.vals)
+        self.keys.extend(o.keys)
+        self.hdrs.extend(o.hdrs)
+        return len(o.offs)
 
     def slice(self, i: int, j: int) -> _Msgs:
-        m = _Msgs(self.msgs[i:j], self.offs[i:j])
-        m._vals = None if self._vals is None else self._vals[i:j]
-        m._keys = None if self._keys is None else self._keys[i:j]
-        return m
+        return _Msgs(
+            self.offs[i:j], self.vals[i:j], self.keys[i:j],
+            None if self._tsr is None else self._tsr[i:j], self.hdrs[i:j],
+            ts=None if self._ts is None else self._ts[i:j],
+        )
+
+    def pick(self, idx: list[int]) -> _Msgs:
+        """The messages at positions ``idx`` (ascending)."""
+        tsr = None if self._tsr is None else [self._tsr[i] for i in idx]
+        ts = None if self._ts is None else [self._ts[i] for i in idx]
+        return _Msgs(
+            [self.offs[i] for i in idx], [self.vals[i] for i in idx], [self.keys[i] for i in idx],
+            tsr, [self.hdrs[i] for i in idx], ts=ts,
+        )
+
+
+_Batch = tuple[list[Any], list[tuple[int, _Msgs]]]  # (error/event messages, [(partition, messages)])
+
+
+_gc_lock = threading.Lock()
+_gc_depth = 0
+_gc_was_enabled = False
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (nested and concurrent uses
+    nest; the state the first one found is restored by the last one).
+
+    Why: ``consume()`` creates one GC-tracked ``Message`` per message, so building a batch
+    of 20,000 triggers dozens of collections that walk the batch again and again, though
+    a ``Message`` can't be part of a reference cycle; with the batch converted to columns
+    (``_split``) and dropped inside the block, its messages are never walked at all.
+    Collections are only postponed (allocations still count), and the block never waits
+    on the broker (``_consume``), so it lasts as long as building one batch."""
+    global _gc_depth, _gc_was_enabled
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_depth += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+def _consume(consumer: Any, n: int, timeout: float) -> tuple[int, _Batch]:
+    """Up to ``n`` messages and events from ``consumer`` as (how many, ``_split`` batch):
+    what is queued already, built with the garbage collector paused; if nothing is, waits
+    up to ``timeout`` for some (with the collector on: never paused while waiting)."""
+    with _gc_paused():
+        msgs = consumer.consume(n, 0)
+        if msgs:
+            size, batch = len(msgs), _split(msgs)
+            del msgs  # (the Message objects go before the collector is back)
+            return size, batch
+    if timeout <= 0:
+        return 0, ([], [])
+    msgs = consumer.consume(n, timeout)
+    return len(msgs), _split(msgs)
+
+
+def _split(msgs: list[Any]) -> _Batch:
+    """One ``consume()`` batch -> (its error/event messages in order, [(partition, its
+    messages)] for each run of one partition, in the order consumed).
+
+    One ``map`` over the batch per field (C calls, no Python frame per message), and the
+    ``Message`` objects are dropped with the batch (see ``_Msgs``)."""
+    if not msgs:
+        return [], []
+    from confluent_kafka import Message
+
+    errs = list(map(Message.error, msgs))
+    events: list[Any] = []
+    if any(errs):  # (a KafkaError is truthy; its __eq__ rejects None, so no errs.count(None))
+        events = [m for m, e in zip(msgs, errs, strict=True) if e is not None]
+        msgs = [m for m, e in zip(msgs, errs, strict=True) if e is None]
+        if not msgs:
+            return events, []
+    parts: list[int] = list(map(Message.partition, msgs))  # type: ignore[arg-type]
+    offs: list[int] = list(map(Message.offset, msgs))  # type: ignore[arg-type]
+    vals: list[bytes | None] = list(map(Message.value, msgs))
+    keys: list[bytes | None] = list(map(Message.key, msgs))
+    tsr: list[tuple[int, int]] = list(map(Message.timestamp, msgs))
+    hdrs: list[Any] = list(map(Message.headers, msgs))
+    n = len(parts)
+    if parts.count(parts[0]) == n:
+        return events, [(parts[0], _Msgs(offs, vals, keys, tsr, hdrs))]
+    arr = np.array(parts, dtype=np.int64)
+    cuts = (np.flatnonzero(arr[1:] != arr[:-1]) + 1).tolist()  # runs of one partition
+    return events, [
+        (parts[i], _Msgs(offs[i:j], vals[i:j], keys[i:j], tsr[i:j], hdrs[i:j]))
+        for i, j in zip([0, *cuts], [*cuts, n], strict=True)
+    ]
 
 
 class KafkaChunk(Chunk):
@@ -599,9 +707,11 @@ class KafkaSource:
                 return
             lines: list[bytes] = data
             pre_bad: dict[int, tuple[str, str]] = {}
-            joined = b"\n".join(data)
+            joined: bytes | None = b"\n".join(data)
             scalar_key = what == "key" and len(fields) == 1
+            assert joined is not None
             if scalar_key or b"\r" in joined or joined.count(b"\n") != len(data) - 1:
+                joined = None
                 lines = []  # the slow path: a record spans lines, or scalar keys to wrap
                 for j, b in enumerate(data):
                     if scalar_key and not b.lstrip().startswith(b"{"):
@@ -613,9 +723,13 @@ class KafkaSource:
                             pre_bad[j] = ("invalid_json", f"the message {what} is not valid JSON: {e}")
                             b = b"\x00"
                     lines.append(b)
-            table, jbad = decode_json_lines(spec, lines, schema=pa.schema(fields))
+            table, jbad = decode_json_lines(spec, lines, schema=pa.schema(fields), joined=joined)
             badj = {i: (k, r) for i, k, r in jbad}
             badj.update(pre_bad)
+            if not badj and len(lines) == n:  # (every message has one, and every one decoded)
+                for f in fields:
+                    cols[f.name] = table.column(f.name).combine_chunks() if n else pa.nulls(0, f.type)
+                return
             good = [j for j in range(len(lines)) if j not in badj]
             for j, (k, r) in badj.items():
                 bad.setdefault(int(idx[j]), (k, f"message {what}: {r}"))
@@ -702,7 +816,7 @@ class _Prefetcher:
     def __init__(self, consumer: Any, limit: int, where: str) -> None:
         self._consumer = consumer
         self._limit = max(1, limit)
-        self._batches: deque[list[Any]] = deque()
+        self._batches: deque[tuple[int, _Batch]] = deque()  # (messages and events, batch)
         self._held = 0
         self._cv = threading.Condition()
         self._io = threading.Lock()  # held around every call on the consumer
@@ -722,11 +836,11 @@ class _Prefetcher:
                         return
                     n = max(1, min(20_000, self._limit - self._held))
                 with self._io:
-                    msgs = self._consumer.consume(n, 0.05)
-                if msgs:
+                    size, batch = _consume(self._consumer, n, 0.05)  # (split here: off the reader's thread)
+                if size:
                     with self._cv:
-                        self._batches.append(msgs)
-                        self._held += len(msgs)
+                        self._batches.append((size, batch))
+                        self._held += size
                         self._cv.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the reader's thread
             with self._cv:
@@ -747,7 +861,7 @@ class _Prefetcher:
                 self._waiting -= 1
                 self._cv.notify_all()
 
-    def take(self, max_n: int, timeout: float) -> list[Any]:
+    def take(self, max_n: int, timeout: float) -> list[_Batch]:
         """Up to about ``max_n`` messages (whole batches), waiting up to ``timeout`` for one."""
         deadline = time.monotonic() + timeout
         with self._cv:
@@ -758,11 +872,13 @@ class _Prefetcher:
                 self._cv.wait(left)
             if not self._batches and self._error is not None:
                 raise self._error
-            out: list[Any] = []
-            while self._batches and len(out) < max_n:
-                b = self._batches.popleft()
-                out.extend(b)
-                self._held -= len(b)
+            out: list[_Batch] = []
+            got = 0
+            while self._batches and got < max_n:
+                size, b = self._batches.popleft()
+                out.append(b)
+                got += size
+                self._held -= size
             self._cv.notify_all()
             return out
 
@@ -910,42 +1026,23 @@ class KafkaReader:
         from confluent_kafka import KafkaError
 
         if self._prefetch is not None:
-            msgs = self._prefetch.take(max_n, timeout)
+            batches = self._prefetch.take(max_n, timeout)
         else:
             # consume() waits for the whole batch or the timeout: modest batches, so a
             # partial one (the prefetch queue ran dry) costs at most ``timeout``
-            msgs = self._consumer.consume(max(1, min(max_n, 20_000)), timeout)
-        if not msgs:
-            return 0
-        # (list comprehensions and numpy, not a Python loop per message: with a million
-        # messages this loop costs as much as a tenth of consuming them)
-        errs = [m.error() for m in msgs]
-        if not all(e is None for e in errs):  # (no ==: KafkaError's __eq__ rejects None)
-            good = []
-            for m, err in zip(msgs, errs, strict=True):
-                if err is None:
-                    good.append(m)
-                else:
-                    self._on_error(err, m, KafkaError)
-            msgs = good
-        by_p: dict[int, list[Any]] = {}
-        if msgs:
-            parts = np.array([m.partition() for m in msgs], dtype=np.int64)
-            cuts = (np.flatnonzero(parts[1:] != parts[:-1]) + 1).tolist()  # runs of one partition
-            for i, j in zip([0, *cuts], [*cuts, len(msgs)], strict=True):
-                run = by_p.get(int(parts[i]))
-                if run is None:
-                    by_p[int(parts[i])] = msgs[i:j]
-                else:
-                    run.extend(msgs[i:j])
+            batches = [_consume(self._consumer, max(1, min(max_n, 20_000)), timeout)[1]]
+        for events, _ in batches:  # (every event first, as before)
+            for m in events:
+                self._on_error(m.error(), m, KafkaError)
         got = 0
-        for p, ms in by_p.items():
-            b = self._buf.get(p)
-            if b is None:
-                b = self._buf[p] = _Msgs()
-            got += b.extend(ms)
-            self._fetched.add(p)
-            self._eof.discard(p)
+        for _, groups in batches:
+            for p, ms in groups:
+                b = self._buf.get(p)
+                if b is None:
+                    b = self._buf[p] = _Msgs()
+                got += b.extend(ms)
+                self._fetched.add(p)
+                self._eof.discard(p)
         return got
 
     def _on_error(self, err: Any, m: Any, KafkaError: Any) -> None:  # noqa: N803 - the class
@@ -1153,16 +1250,15 @@ def read_range(src: KafkaSource, partition: int, start: int, end: int) -> _Msgs:
         passed = False  # a message at or past ``end`` was seen: the range is complete
         while True:
             nxt = out.offs[-1] + 1 if out.offs else start
-            batch: list[Any] = []
-            for m in c.consume(max(1, min(end - nxt, 20_000)), 0.2):
+            events, groups = _consume(c, max(1, min(end - nxt, 20_000)), 0.2)[1]
+            got = 0
+            for _, ms in groups:  # (only ``partition`` is assigned)
+                if min(ms.offs) < nxt or max(ms.offs) >= end:
+                    passed = passed or max(ms.offs) >= end
+                    ms = ms.pick([i for i, o in enumerate(ms.offs) if nxt <= o < end])
+                got += out.extend(ms)
+            for m in events:
                 err = m.error()
-                if err is None:
-                    o = int(m.offset() or 0)
-                    if o >= end:
-                        passed = True
-                    elif o >= nxt:
-                        batch.append(m)
-                    continue
                 code = err.code()
                 if code == KafkaError._PARTITION_EOF:
                     eof_at = int(m.offset() or 0)
@@ -1178,8 +1274,7 @@ def read_range(src: KafkaSource, partition: int, start: int, end: int) -> _Msgs:
                     )
                 elif err.fatal():
                     raise SourceUnavailable(f"{src._where()}: fatal consumer error {src._scrub(err.str())}")
-            if batch:
-                out.extend(batch)
+            if got:
                 deadline = time.monotonic() + src.timeout_s
             if passed or (out.offs and out.offs[-1] >= end - 1) or (eof_at is not None and eof_at >= end):
                 return out
@@ -1349,15 +1444,18 @@ def decode_kafka_raw(
             key_field=d["key_field"], value_field=d["value_field"], include=d["include"],
         )
         src.bind_envelope(envelope)
-        m = _Msgs([], list(offsets[i:j]))
 
         def b64(x: str | None) -> bytes | None:
             return None if x is None else base64.b64decode(x)
 
-        m._keys = [b64(x["key"]) for x in docs[i:j]]
-        m._vals = [b64(x["value"]) for x in docs[i:j]]
-        m._ts = [x["timestamp"] for x in docs[i:j]]
-        m._hdrs = [None if x["headers"] is None else [(k, b64(v)) for k, v in x["headers"]] for x in docs[i:j]]
+        m = _Msgs(
+            list(offsets[i:j]),
+            [b64(x["value"]) for x in docs[i:j]],
+            [b64(x["key"]) for x in docs[i:j]],
+            None,
+            [None if x["headers"] is None else [(k, b64(v)) for k, v in x["headers"]] for x in docs[i:j]],
+            ts=[x["timestamp"] for x in docs[i:j]],
+        )
         dec = src.decode_messages(partitions[i], m, spec)
         out.append(dec.rows)
         where = {(e.partition, e.address[0]): e for e in dec.errors}
