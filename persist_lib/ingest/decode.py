@@ -378,7 +378,10 @@ def decode_json_lines(
     """
     schema = spec.input_schema() if schema is None else schema
     opts = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
-    ropts = pj.ReadOptions(block_size=1 << 24)
+    # One block per call, parsed on the calling thread: with a single block the thread
+    # pool parallelizes nothing, and its hand-off cost ~20% more CPU (1M Kafka values in
+    # 10k-line calls: 0.56 s vs 0.46 s of CPU, and more wall time).
+    ropts = pj.ReadOptions(block_size=1 << 24, use_threads=False)
 
     def block(ls: Sequence[bytes]) -> pa.Table:
         buf = joined if joined is not None and len(ls) == len(lines) else b"\n".join(ls)

@@ -957,11 +957,11 @@ def _headers_json(h: Any) -> str | None:
 
 
 class _Prefetcher:
-    """Calls ``consume()`` on a thread, ahead of the reader, holding at most ``limit``
-    messages: building a million Python message objects is the GIL-bound half of reading
-    a topic, and it overlaps the ingestion's decoding and appending (pyarrow and the
-    Parquet writer release the GIL). Messages come out in the order ``consume`` returned
-    them, so the reader sees exactly what it would have fetched itself."""
+    """Calls ``consume()`` on a thread, ahead of the reader, and ``convert``s (decodes)
+    each batch there, holding at most ``limit`` messages: building the Python message
+    objects and decoding them overlaps the ingestion's appending (pyarrow's JSON parser
+    and the Parquet writer release the GIL). Batches come out in the order ``consume``
+    returned them, so the reader sees exactly what it would have fetched itself."""
 
     def __init__(self, consumer: Any, limit: int, where: str, convert: Callable[[list[Any]], _Batch]) -> None:
         self._consumer = consumer
