@@ -198,14 +198,16 @@ def _ingestion(client: PersistClient, name: str, src: KafkaSource, envelope: str
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("prefetch", [200_000, 0], ids=["prefetch", "no_prefetch"])
 @pytest.mark.parametrize("envelope", ["append_only", "upsert"])
-def test_exactly_once_at_every_bound_time(kafka_broker: KafkaBroker, envelope: str) -> None:
+def test_exactly_once_at_every_bound_time(kafka_broker: KafkaBroker, envelope: str, prefetch: int) -> None:
     """Rounds of produce + run_once (several bindings each, over 3 partitions); upsert
-    carries tombstones (null values) that delete their key."""
+    carries tombstones (null values) that delete their key. Messages are decoded as they
+    are fetched: on the prefetch thread, or (``prefetch=0``) on the reader's."""
     rng = random.Random(3 if envelope == "upsert" else 4)
     topic = _topic(kafka_broker, 3)
     client = _client()
-    ing = _ingestion(client, "ex1", _source(kafka_broker, topic, envelope), envelope, 37)
+    ing = _ingestion(client, "ex1", _source(kafka_broker, topic, envelope, prefetch=prefetch), envelope, 37)
     total = 0
     try:
         for rnd in range(5):

@@ -367,20 +367,24 @@ def _json_failure(spec: DecodeSpec, line: bytes, err: Exception | None) -> tuple
 
 
 def decode_json_lines(
-    spec: DecodeSpec, lines: Sequence[bytes], schema: pa.Schema | None = None
+    spec: DecodeSpec, lines: Sequence[bytes], schema: pa.Schema | None = None, joined: bytes | None = None
 ) -> tuple[pa.Table, list[tuple[int, str, str]]]:
     """Decodes JSON-lines records (no blank lines) into ``spec.input_schema()`` rows
     (or ``schema``: a subset of its fields, e.g. the ones a Kafka message value holds).
+    ``joined``: ``b"\\n".join(lines)`` if the caller has it already (not joined again).
 
     Returns ``(table, bad)`` where ``table`` has one row per *good* line (in order) and
     ``bad`` lists ``(line index, kind, reason)``.
     """
     schema = spec.input_schema() if schema is None else schema
     opts = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
-    ropts = pj.ReadOptions(block_size=1 << 24)
+    # One block per call, parsed on the calling thread: with a single block the thread
+    # pool parallelizes nothing, and its hand-off cost ~20% more CPU (1M Kafka values in
+    # 10k-line calls: 0.56 s vs 0.46 s of CPU, and more wall time).
+    ropts = pj.ReadOptions(block_size=1 << 24, use_threads=False)
 
     def block(ls: Sequence[bytes]) -> pa.Table:
-        buf = b"\n".join(ls)
+        buf = joined if joined is not None and len(ls) == len(lines) else b"\n".join(ls)
         ropts.block_size = max(1 << 20, min(len(buf) + 1, 1 << 30))
         t = pj.read_json(io.BytesIO(buf), read_options=ropts, parse_options=opts)
         return t.select(schema.names).cast(schema)

@@ -24,14 +24,17 @@ from __future__ import annotations
 import base64
 import bisect
 import dataclasses
+import gc
 import json
 import logging
+import operator
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -50,6 +53,7 @@ from persist_lib.ingest.decode import (
 )
 from persist_lib.ingest.errors import (
     IngestConfigError,
+    IngestInvariantError,
     KafkaOffsetOutOfRange,
     KafkaTopicGone,
     SourceTimeout,
@@ -66,6 +70,18 @@ log = logging.getLogger(__name__)
 FORMATS = ("json", "text", "bytes", "none")
 METADATA = ("partition", "offset", "timestamp", "headers", "topic")
 _TOMBSTONE = "__kafka_tombstone"
+
+# How the reader's consumer fetches (bench/kafka_ingest.py gives its raw-consume anchor the
+# same settings). ``fetch.queue.backoff.ms``: librdkafka's default (1000 ms) stops fetching
+# a partition for a second whenever its local queue reached ``queued.min.messages``; a
+# reader that drains the queue faster than that then waits for the broker with nothing
+# to do -- measured: a raw consume of 1M messages took 1.5-4 s instead of 0.65-1.3 s, and
+# ``run_once`` took such a pause for the end of the topic (poll_s) and returned early.
+FETCH_SETTINGS: dict[str, Any] = {
+    "fetch.wait.max.ms": 100,
+    "queued.min.messages": 200_000,
+    "fetch.queue.backoff.ms": 50,
+}
 
 
 def _parse_include(include: Mapping[str, str] | Sequence[str] | str | None) -> dict[str, str]:
@@ -120,77 +136,320 @@ def _bootstrap_of(url: str) -> tuple[str, dict[str, str]]:
 
 
 class _Msgs:
-    """Messages of one partition (confluent-kafka ``Message`` objects, offsets
-    ascending); keys, values, timestamps and headers are pulled out lazily, by list
-    comprehension, which is cheaper than a Python loop doing it per message."""
+    """Fetched messages of one partition (offsets ascending), not decoded yet: offsets
+    and values as lists, and keys, timestamps and headers read off the confluent-kafka
+    ``Message`` objects (``msgs``) only when decoding asks for them -- or given as lists
+    (``materialize``, rebuilds).
 
-    __slots__ = ("msgs", "offs", "_vals", "_keys", "_ts", "_hdrs")
+    ``Message`` objects are GC-tracked, so the reader never keeps them past the batch
+    they came in (see ``_Decoded`` and ``_gc_paused``): holding a binding's worth of
+    them made every full garbage collection walk them all, about a second of CPU per
+    million messages."""
 
-    def __init__(self, msgs: list[Any] | None = None, offs: list[int] | None = None) -> None:
-        self.msgs: list[Any] = msgs if msgs is not None else []
-        self.offs: list[int] = offs if offs is not None else [m.offset() for m in self.msgs]
-        self._vals: list[bytes | None] | None = None
-        self._keys: list[bytes | None] | None = None
-        self._ts: list[int | None] | None = None
-        self._hdrs: list[Any] | None = None
+    __slots__ = ("msgs", "offs", "vals", "_keys", "_ts", "_hdrs")
+
+    def __init__(
+        self,
+        msgs: list[Any] | None = None,
+        offs: list[int] | None = None,
+        vals: list[bytes | None] | None = None,
+        *,
+        keys: list[bytes | None] | None = None,
+        ts: list[int | None] | None = None,
+        hdrs: list[Any] | None = None,
+    ) -> None:
+        self.msgs = msgs
+        self.offs: list[int] = offs if offs is not None else []
+        self.vals: list[bytes | None] = vals if vals is not None else []
+        self._keys, self._ts, self._hdrs = keys, ts, hdrs
+        if msgs is None:  # (no Message objects to read them off: absent means none)
+            n = len(self.offs)
+            self._keys = keys if keys is not None else [None] * n
+            self._ts = ts if ts is not None else [None] * n
+            self._hdrs = hdrs if hdrs is not None else [None] * n
 
     def __len__(self) -> int:
         return len(self.offs)
 
-    def extend(self, msgs: list[Any]) -> int:
-        offs = [m.offset() for m in msgs]
-        if self.offs and offs and offs[0] <= self.offs[-1]:  # a re-fetch after a reconnect
-            last = self.offs[-1]
-            keep = [i for i, o in enumerate(offs) if o > last]
-            msgs = [msgs[i] for i in keep]
-            offs = [offs[i] for i in keep]
-        self.msgs.extend(msgs)
-        self.offs.extend(offs)
-        self._vals = self._keys = self._ts = self._hdrs = None
-        return len(msgs)
-
-    @property
-    def vals(self) -> list[bytes | None]:
-        if self._vals is None:
-            self._vals = [m.value() for m in self.msgs]
-        return self._vals
-
     @property
     def keys(self) -> list[bytes | None]:
         if self._keys is None:
-            self._keys = [m.key() for m in self.msgs]
+            from confluent_kafka import Message
+
+            self._keys = list(map(Message.key, self.msgs or ()))
         return self._keys
 
     @property
     def ts(self) -> list[int | None]:
+        """Timestamps in ms since the epoch (None: the producer set none)."""
         if self._ts is None:
-            self._ts = [t[1] if t[0] else None for t in (m.timestamp() for m in self.msgs)]
+            self._ts = [_ts_of(m) for m in self.msgs or ()]
         return self._ts
 
     @property
     def hdrs(self) -> list[Any]:
         if self._hdrs is None:
-            self._hdrs = [m.headers() for m in self.msgs]
+            from confluent_kafka import Message
+
+            self._hdrs = list(map(Message.headers, self.msgs or ()))
         return self._hdrs
 
+    def key_at(self, i: int) -> bytes | None:
+        """The key of message ``i`` (without reading every key off the messages)."""
+        return self._keys[i] if self._keys is not None or self.msgs is None else self.msgs[i].key()  # type: ignore[index]
+
+    def ts_at(self, i: int) -> int | None:
+        return self._ts[i] if self._ts is not None or self.msgs is None else _ts_of(self.msgs[i])  # type: ignore[index]
+
+    def hdrs_at(self, i: int) -> Any:
+        return self._hdrs[i] if self._hdrs is not None or self.msgs is None else self.msgs[i].headers()  # type: ignore[index]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the values (what the ingestion's byte figures count)."""
+        return sum(map(len, filter(None, self.vals)))
+
+    def materialize(self) -> _Msgs:
+        """Reads keys, timestamps and headers off the messages and lets go of them."""
+        if self.msgs is not None:
+            _ = (self.keys, self.ts, self.hdrs)  # (reads them)
+            self.msgs = None
+        return self
+
+    def extend(self, o: _Msgs) -> int:
+        """Appends the messages of ``o`` after the last offset held; returns how many."""
+        self.materialize()
+        o.materialize()
+        if self.offs and o.offs and o.offs[0] <= self.offs[-1]:  # a re-fetch after a reconnect
+            o = o.slice(bisect.bisect_right(o.offs, self.offs[-1]), len(o))
+        self.offs.extend(o.offs)
+        self.vals.extend(o.vals)
+        self.keys.extend(o.keys)
+        self.ts.extend(o.ts)
+        self.hdrs.extend(o.hdrs)
+        return len(o)
+
     def slice(self, i: int, j: int) -> _Msgs:
-        m = _Msgs(self.msgs[i:j], self.offs[i:j])
-        m._vals = None if self._vals is None else self._vals[i:j]
-        m._keys = None if self._keys is None else self._keys[i:j]
-        return m
+        def part(x: list[Any] | None) -> list[Any] | None:
+            return None if x is None else x[i:j]
+
+        return _Msgs(
+            part(self.msgs), self.offs[i:j], self.vals[i:j],
+            keys=part(self._keys), ts=part(self._ts), hdrs=part(self._hdrs),
+        )
+
+    def decode(self, src: KafkaSource, partition: str, spec: DecodeSpec) -> Decoded:
+        return src.decode_messages(partition, self, spec)
+
+
+def _ts_of(m: Any) -> int | None:
+    t = m.timestamp()
+    return t[1] if t[0] else None  # (type 0: TIMESTAMP_NOT_AVAILABLE)
+
+
+class _Decoded:
+    """Messages of one partition (offsets ascending) decoded as soon as they were fetched
+    (``KafkaReader._convert``, on the prefetch thread): decoding is row-wise, so the rows
+    and errors of any offset range of them are exactly what decoding that range's
+    messages gives. Holds nothing per message but Arrow rows, the error records of the
+    bad ones and the value sizes; slices by offset (binding bounds) like the messages.
+
+    Why: the messages' Python objects (and keys, timestamps, headers: read only for the
+    bad messages and the columns the decoding needs) are gone right after their batch,
+    and decoding overlaps the reader's appends."""
+
+    __slots__ = ("offs", "rows", "errors", "eoffs", "raw", "vlen", "spec")
+
+    def __init__(
+        self, offs: list[int], rows: pa.Table, errors: list[ErrorRecord], raw: pa.Table | None,
+        vlen: list[int], spec: DecodeSpec,
+    ) -> None:
+        self.offs = offs
+        self.rows = rows  # the good messages' rows (spec.rows_schema()), in offset order
+        self.errors = errors  # the bad messages' errors, in offset order
+        self.eoffs = [int(e.address[0]) for e in errors]
+        self.raw = raw  # keep_raw: one row per message
+        self.vlen = vlen  # value bytes per message
+        self.spec = spec
+
+    @classmethod
+    def of(cls, src: KafkaSource, partition: str, m: _Msgs, spec: DecodeSpec) -> _Decoded:
+        d = src.decode_messages(partition, m, spec)
+        n = len(m)
+        if d.rows.num_rows + len(d.errors) != n:
+            raise IngestInvariantError(
+                f"{src._where()} partition {partition}: {n} messages decoded to {d.rows.num_rows} rows "
+                f"and {len(d.errors)} errors"
+            )
+        try:
+            vlen = list(map(len, cast(list[bytes], m.vals)))
+        except TypeError:  # (null values: tombstones)
+            vlen = [0 if v is None else len(v) for v in m.vals]
+        return cls(m.offs, d.rows, d.errors, d.raw, vlen, spec)
+
+    def __len__(self) -> int:
+        return len(self.offs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.vlen)
+
+    def _errors_before(self, i: int) -> int:
+        """How many of the messages before position ``i`` are bad."""
+        return len(self.eoffs) if i >= len(self.offs) else bisect.bisect_left(self.eoffs, self.offs[i])
+
+    def slice(self, i: int, j: int) -> _Decoded:
+        n = len(self.offs)
+        i, j = max(0, min(i, n)), max(0, min(j, n))
+        j = max(i, j)
+        e0, e1 = self._errors_before(i), self._errors_before(j)
+        g0, g1 = i - e0, j - e1  # (good rows before i and before j)
+        return _Decoded(
+            self.offs[i:j], self.rows.slice(g0, g1 - g0), self.errors[e0:e1],
+            None if self.raw is None else self.raw.slice(i, j - i), self.vlen[i:j], self.spec,
+        )
+
+    def extend(self, o: _Decoded) -> int:
+        """Appends the messages of ``o`` after the last offset held; returns how many."""
+        if self.offs and o.offs and o.offs[0] <= self.offs[-1]:  # a re-fetch after a reconnect
+            o = o.slice(bisect.bisect_right(o.offs, self.offs[-1]), len(o))
+        if not o.offs:
+            return 0
+        # (in place: a reader's buffer owns its lists; slices copy them)
+        self.offs.extend(o.offs)
+        self.rows = pa.concat_tables([self.rows, o.rows])
+        self.errors.extend(o.errors)
+        self.eoffs.extend(o.eoffs)
+        if self.raw is not None and o.raw is not None:
+            self.raw = pa.concat_tables([self.raw, o.raw])
+        self.vlen.extend(o.vlen)
+        return len(o.offs)
+
+    def decode(self, src: KafkaSource, partition: str, spec: DecodeSpec) -> Decoded:
+        if spec is not self.spec and spec != self.spec:
+            raise IngestInvariantError(
+                f"{src._where()} partition {partition}: messages were decoded with another schema "
+                "than the one asked for now; reopen the reader after changing the decoding"
+            )
+        return Decoded(self.rows, list(self.errors), self.raw)
+
+
+_Held = _Msgs | _Decoded  # what a reader buffers per partition
+_Batch = tuple[list[Any], list[tuple[int, _Held]]]  # (error/event messages, [(partition, messages)])
+
+
+_gc_lock = threading.Lock()
+_gc_depth = 0
+_gc_was_enabled = False
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (nested and concurrent uses
+    nest; the state the first one found is restored by the last one).
+
+    Why: ``consume()`` creates one GC-tracked ``Message`` per message, so building a
+    batch of 20,000 triggers dozens of collections that walk the batch again and again,
+    though a ``Message`` can't be part of a reference cycle. With the batch converted
+    (decoded, or pulled into lists) and dropped inside the block, its messages are never
+    walked at all. Collections are only postponed (allocations still count), and the
+    block never waits for the broker (``_consume``): it lasts as long as converting one
+    batch."""
+    global _gc_depth, _gc_was_enabled
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_depth += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+def _consume(
+    consumer: Any, n: int, timeout: float, convert: Callable[[list[Any]], _Batch],
+    io: AbstractContextManager[Any] | None = None,
+) -> tuple[int, _Batch]:
+    """Up to ``n`` messages and events from ``consumer`` as (how many, ``convert``-ed
+    batch): what is queued already, consumed and converted with the garbage collector
+    paused; if nothing is, waits up to ``timeout`` for some (the collector on: it is never
+    paused while waiting). ``io``: held around the consumer calls (and the conversion)."""
+    lock = io if io is not None else nullcontext()
+    with lock, _gc_paused():
+        msgs = consumer.consume(n, 0)
+        if msgs:
+            size, batch = len(msgs), convert(msgs)
+            del msgs  # (the Message objects go before the collector is back)
+            return size, batch
+    if timeout <= 0:
+        return 0, ([], [])
+    with lock:
+        msgs = consumer.consume(n, timeout)
+        return len(msgs), convert(msgs)
+
+
+def _split(msgs: list[Any]) -> tuple[list[Any], list[tuple[int, _Msgs]]]:
+    """One ``consume()`` batch -> (its error/event messages in order, [(partition, its
+    messages)] for each run of one partition with ascending offsets, in the order
+    consumed). One ``map`` over the batch per field (C calls, no Python frame per
+    message); keys, timestamps and headers are left on the messages (``_Msgs``)."""
+    if not msgs:
+        return [], []
+    from confluent_kafka import Message
+
+    errs = list(map(Message.error, msgs))
+    events: list[Any] = []
+    if any(errs):  # (a KafkaError is truthy; its __eq__ rejects None, so no errs.count(None))
+        events = list(compress(msgs, errs))
+        msgs = list(compress(msgs, map(operator.is_, errs, repeat(None))))
+        if not msgs:
+            return events, []
+    parts: list[int] = list(map(Message.partition, msgs))  # type: ignore[arg-type]
+    offs: list[int] = list(map(Message.offset, msgs))  # type: ignore[arg-type]
+    vals: list[bytes | None] = list(map(Message.value, msgs))
+    n = len(parts)
+    p = np.array(parts, dtype=np.int64)
+    o = np.array(offs, dtype=np.int64)
+    # runs of one partition, cut where the offsets don't ascend (a re-fetch after a reconnect)
+    cuts = (np.flatnonzero((p[1:] != p[:-1]) | (o[1:] <= o[:-1])) + 1).tolist()
+    if not cuts:
+        return events, [(parts[0], _Msgs(msgs, offs, vals))]
+    return events, [
+        (parts[i], _Msgs(msgs[i:j], offs[i:j], vals[i:j]))
+        for i, j in zip([0, *cuts], [*cuts, n], strict=True)
+    ]
+
+
+def _extend(b: _Held, ms: _Held) -> int:
+    """``b.extend(ms)`` (a reader holds one kind per partition)."""
+    if isinstance(b, _Decoded) and isinstance(ms, _Decoded):
+        return b.extend(ms)
+    if isinstance(b, _Msgs) and isinstance(ms, _Msgs):
+        return b.extend(ms)
+    raise IngestInvariantError(f"a partition buffer holds {type(b).__name__}, got {type(ms).__name__}")
+
+
+def _split_materialized(msgs: list[Any]) -> _Batch:
+    """``_split`` with keys, timestamps and headers read off (the messages let go)."""
+    events, groups = _split(msgs)
+    return events, [(p, m.materialize()) for p, m in groups]
 
 
 class KafkaChunk(Chunk):
     """Messages of one Kafka partition with offsets in ``[start, end)``."""
 
-    def __init__(self, src: KafkaSource, partition: str, start: int, end: int, msgs: _Msgs) -> None:
+    def __init__(self, src: KafkaSource, partition: str, start: int, end: int, msgs: _Held) -> None:
         self.src = src
         self.partition = partition
         self.start = (start,)
         self.end = (end,)
         self.msgs = msgs
         self.num_records = len(msgs)
-        self.nbytes = sum(map(len, filter(None, msgs.vals)))  # (values: what the bytes figures count)
+        self.nbytes = msgs.nbytes  # (values: what the bytes figures count)
         self.notes: tuple[Note, ...] = ()
 
     def split(self, at: Address) -> tuple[Chunk | None, Chunk | None]:
@@ -216,7 +475,7 @@ class KafkaChunk(Chunk):
         return head, tail
 
     def decode(self, spec: DecodeSpec) -> Decoded:
-        return self.src.decode_messages(self.partition, self.msgs, spec)
+        return self.msgs.decode(self.src, self.partition, spec)
 
     def __repr__(self) -> str:
         return f"KafkaChunk({self.src.topic!r}/{self.partition}, [{self.start[0]}, {self.end[0]}), {self.num_records} msgs)"
@@ -328,8 +587,7 @@ class KafkaSource:
             "auto.offset.reset": "error",
             "enable.partition.eof": True,
             "isolation.level": "read_committed",
-            "fetch.wait.max.ms": 100,
-            "queued.min.messages": 200_000,
+            **FETCH_SETTINGS,
             "socket.connection.setup.timeout.ms": max(1000, int(self.timeout_s * 1000)),
             "reconnect.backoff.max.ms": 2000,
             "logger": log,
@@ -599,9 +857,11 @@ class KafkaSource:
                 return
             lines: list[bytes] = data
             pre_bad: dict[int, tuple[str, str]] = {}
-            joined = b"\n".join(data)
+            joined: bytes | None = b"\n".join(data)
             scalar_key = what == "key" and len(fields) == 1
+            assert joined is not None
             if scalar_key or b"\r" in joined or joined.count(b"\n") != len(data) - 1:
+                joined = None
                 lines = []  # the slow path: a record spans lines, or scalar keys to wrap
                 for j, b in enumerate(data):
                     if scalar_key and not b.lstrip().startswith(b"{"):
@@ -613,9 +873,13 @@ class KafkaSource:
                             pre_bad[j] = ("invalid_json", f"the message {what} is not valid JSON: {e}")
                             b = b"\x00"
                     lines.append(b)
-            table, jbad = decode_json_lines(spec, lines, schema=pa.schema(fields))
+            table, jbad = decode_json_lines(spec, lines, schema=pa.schema(fields), joined=joined)
             badj = {i: (k, r) for i, k, r in jbad}
             badj.update(pre_bad)
+            if not badj and len(lines) == n:  # (every message has one, and every one decoded)
+                for f in fields:
+                    cols[f.name] = table.column(f.name).combine_chunks() if n else pa.nulls(0, f.type)
+                return
             good = [j for j in range(len(lines)) if j not in badj]
             for j, (k, r) in badj.items():
                 bad.setdefault(int(idx[j]), (k, f"message {what}: {r}"))
@@ -664,12 +928,12 @@ class KafkaSource:
     def _raw(self, m: _Msgs, i: int) -> bytes:
         """The message as the raw collection keeps it: key, value and header values in
         base64, the timestamp, and the decoding settings (``decode_kafka_raw``)."""
-        k, v, h = m.keys[i], m.vals[i], m.hdrs[i]
+        k, v, h = m.key_at(i), m.vals[i], m.hdrs_at(i)
         return json.dumps(
             {
                 "key": None if k is None else base64.b64encode(k).decode(),
                 "value": None if v is None else base64.b64encode(v).decode(),
-                "timestamp": m.ts[i],
+                "timestamp": m.ts_at(i),
                 "headers": None if h is None else [[hk, None if hv is None else base64.b64encode(hv).decode()] for hk, hv in h],
                 "decoding": self.decoding(),
             },
@@ -693,16 +957,17 @@ def _headers_json(h: Any) -> str | None:
 
 
 class _Prefetcher:
-    """Calls ``consume()`` on a thread, ahead of the reader, holding at most ``limit``
-    messages: building a million Python message objects is the GIL-bound half of reading
-    a topic, and it overlaps the ingestion's decoding and appending (pyarrow and the
-    Parquet writer release the GIL). Messages come out in the order ``consume`` returned
-    them, so the reader sees exactly what it would have fetched itself."""
+    """Calls ``consume()`` on a thread, ahead of the reader, and ``convert``s (decodes)
+    each batch there, holding at most ``limit`` messages: building the Python message
+    objects and decoding them overlaps the ingestion's appending (pyarrow's JSON parser
+    and the Parquet writer release the GIL). Batches come out in the order ``consume``
+    returned them, so the reader sees exactly what it would have fetched itself."""
 
-    def __init__(self, consumer: Any, limit: int, where: str) -> None:
+    def __init__(self, consumer: Any, limit: int, where: str, convert: Callable[[list[Any]], _Batch]) -> None:
         self._consumer = consumer
+        self._convert = convert
         self._limit = max(1, limit)
-        self._batches: deque[list[Any]] = deque()
+        self._batches: deque[tuple[int, _Batch]] = deque()  # (messages and events, batch)
         self._held = 0
         self._cv = threading.Condition()
         self._io = threading.Lock()  # held around every call on the consumer
@@ -721,12 +986,12 @@ class _Prefetcher:
                     if self._stop:
                         return
                     n = max(1, min(20_000, self._limit - self._held))
-                with self._io:
-                    msgs = self._consumer.consume(n, 0.05)
-                if msgs:
+                # (converted -- decoded -- here: off the reader's thread)
+                size, batch = _consume(self._consumer, n, 0.05, self._convert, self._io)
+                if size:
                     with self._cv:
-                        self._batches.append(msgs)
-                        self._held += len(msgs)
+                        self._batches.append((size, batch))
+                        self._held += size
                         self._cv.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the reader's thread
             with self._cv:
@@ -747,7 +1012,7 @@ class _Prefetcher:
                 self._waiting -= 1
                 self._cv.notify_all()
 
-    def take(self, max_n: int, timeout: float) -> list[Any]:
+    def take(self, max_n: int, timeout: float) -> list[_Batch]:
         """Up to about ``max_n`` messages (whole batches), waiting up to ``timeout`` for one."""
         deadline = time.monotonic() + timeout
         with self._cv:
@@ -758,11 +1023,13 @@ class _Prefetcher:
                 self._cv.wait(left)
             if not self._batches and self._error is not None:
                 raise self._error
-            out: list[Any] = []
-            while self._batches and len(out) < max_n:
-                b = self._batches.popleft()
-                out.extend(b)
-                self._held -= len(b)
+            out: list[_Batch] = []
+            got = 0
+            while self._batches and got < max_n:
+                size, b = self._batches.popleft()
+                out.append(b)
+                got += size
+                self._held -= size
             self._cv.notify_all()
             return out
 
@@ -779,7 +1046,7 @@ class KafkaReader:
     def __init__(self, src: KafkaSource, offsets: dict[int, int]) -> None:
         self.src = src
         self._pos: dict[int, int] = dict(offsets)  # next offset to return, per partition
-        self._buf: dict[int, _Msgs] = {}
+        self._buf: dict[int, _Held] = {}
         self._assigned: set[int] = set()
         self._fetched: set[int] = set()  # partitions that answered (a message or EOF) since assignment
         self._eof: set[int] = set()  # partitions whose last answer was "end of partition"
@@ -788,7 +1055,7 @@ class KafkaReader:
         self._prefetch: _Prefetcher | None = None
         self._refresh(force=True)
         if src.prefetch > 0 and type(self) is KafkaReader:  # (a range reader fetches little)
-            self._prefetch = _Prefetcher(self._consumer, src.prefetch, src._where())
+            self._prefetch = _Prefetcher(self._consumer, src.prefetch, src._where(), self._convert)
 
     @property
     def position(self) -> Frontier:
@@ -910,43 +1177,35 @@ class KafkaReader:
         from confluent_kafka import KafkaError
 
         if self._prefetch is not None:
-            msgs = self._prefetch.take(max_n, timeout)
+            batches = self._prefetch.take(max_n, timeout)
         else:
             # consume() waits for the whole batch or the timeout: modest batches, so a
             # partial one (the prefetch queue ran dry) costs at most ``timeout``
-            msgs = self._consumer.consume(max(1, min(max_n, 20_000)), timeout)
-        if not msgs:
-            return 0
-        # (list comprehensions and numpy, not a Python loop per message: with a million
-        # messages this loop costs as much as a tenth of consuming them)
-        errs = [m.error() for m in msgs]
-        if not all(e is None for e in errs):  # (no ==: KafkaError's __eq__ rejects None)
-            good = []
-            for m, err in zip(msgs, errs, strict=True):
-                if err is None:
-                    good.append(m)
-                else:
-                    self._on_error(err, m, KafkaError)
-            msgs = good
-        by_p: dict[int, list[Any]] = {}
-        if msgs:
-            parts = np.array([m.partition() for m in msgs], dtype=np.int64)
-            cuts = (np.flatnonzero(parts[1:] != parts[:-1]) + 1).tolist()  # runs of one partition
-            for i, j in zip([0, *cuts], [*cuts, len(msgs)], strict=True):
-                run = by_p.get(int(parts[i]))
-                if run is None:
-                    by_p[int(parts[i])] = msgs[i:j]
-                else:
-                    run.extend(msgs[i:j])
+            batches = [_consume(self._consumer, max(1, min(max_n, 20_000)), timeout, self._convert)[1]]
+        for events, _ in batches:  # (every event first, as before)
+            for m in events:
+                self._on_error(m.error(), m, KafkaError)
         got = 0
-        for p, ms in by_p.items():
-            b = self._buf.get(p)
-            if b is None:
-                b = self._buf[p] = _Msgs()
-            got += b.extend(ms)
-            self._fetched.add(p)
-            self._eof.discard(p)
+        for _, groups in batches:
+            for p, ms in groups:
+                b = self._buf.get(p)
+                if b is None or not len(b):
+                    self._buf[p] = ms
+                    got += len(ms)
+                else:
+                    got += _extend(b, ms)
+                self._fetched.add(p)
+                self._eof.discard(p)
         return got
+
+    def _convert(self, msgs: list[Any]) -> _Batch:
+        """A consumed batch, each partition's messages decoded right away (``_Decoded``),
+        or -- when no ingestion attached its schema -- held as lists for later."""
+        events, groups = _split(msgs)
+        spec = self.src._spec
+        if spec is None:
+            return events, [(p, m.materialize()) for p, m in groups]
+        return events, [(p, _Decoded.of(self.src, str(p), m, spec)) for p, m in groups]
 
     def _on_error(self, err: Any, m: Any, KafkaError: Any) -> None:  # noqa: N803 - the class
         code = err.code()
@@ -1117,7 +1376,7 @@ class KafkaRangeChunk(Chunk):
     def fetch(self) -> _Msgs:
         msgs = read_range(self.src, int(self.partition), int(self.start[0]), int(self.end[0]))
         self.num_records = len(msgs)
-        self.nbytes = sum(map(len, filter(None, msgs.vals)))
+        self.nbytes = msgs.nbytes
         return msgs
 
     def decode(self, spec: DecodeSpec) -> Decoded:
@@ -1153,16 +1412,15 @@ def read_range(src: KafkaSource, partition: int, start: int, end: int) -> _Msgs:
         passed = False  # a message at or past ``end`` was seen: the range is complete
         while True:
             nxt = out.offs[-1] + 1 if out.offs else start
-            batch: list[Any] = []
-            for m in c.consume(max(1, min(end - nxt, 20_000)), 0.2):
+            events, groups = _consume(c, max(1, min(end - nxt, 20_000)), 0.2, _split_materialized)[1]
+            got = 0
+            for _, ms in groups:  # (only ``partition`` is assigned; offsets ascend in a group)
+                assert isinstance(ms, _Msgs)
+                passed = passed or ms.offs[-1] >= end
+                ms = ms.slice(bisect.bisect_left(ms.offs, nxt), bisect.bisect_left(ms.offs, end))
+                got += out.extend(ms)
+            for m in events:
                 err = m.error()
-                if err is None:
-                    o = int(m.offset() or 0)
-                    if o >= end:
-                        passed = True
-                    elif o >= nxt:
-                        batch.append(m)
-                    continue
                 code = err.code()
                 if code == KafkaError._PARTITION_EOF:
                     eof_at = int(m.offset() or 0)
@@ -1178,8 +1436,7 @@ def read_range(src: KafkaSource, partition: int, start: int, end: int) -> _Msgs:
                     )
                 elif err.fatal():
                     raise SourceUnavailable(f"{src._where()}: fatal consumer error {src._scrub(err.str())}")
-            if batch:
-                out.extend(batch)
+            if got:
                 deadline = time.monotonic() + src.timeout_s
             if passed or (out.offs and out.offs[-1] >= end - 1) or (eof_at is not None and eof_at >= end):
                 return out
@@ -1349,15 +1606,18 @@ def decode_kafka_raw(
             key_field=d["key_field"], value_field=d["value_field"], include=d["include"],
         )
         src.bind_envelope(envelope)
-        m = _Msgs([], list(offsets[i:j]))
 
         def b64(x: str | None) -> bytes | None:
             return None if x is None else base64.b64decode(x)
 
-        m._keys = [b64(x["key"]) for x in docs[i:j]]
-        m._vals = [b64(x["value"]) for x in docs[i:j]]
-        m._ts = [x["timestamp"] for x in docs[i:j]]
-        m._hdrs = [None if x["headers"] is None else [(k, b64(v)) for k, v in x["headers"]] for x in docs[i:j]]
+        m = _Msgs(
+            None,
+            list(offsets[i:j]),
+            [b64(x["value"]) for x in docs[i:j]],
+            keys=[b64(x["key"]) for x in docs[i:j]],
+            ts=[x["timestamp"] for x in docs[i:j]],
+            hdrs=[None if x["headers"] is None else [(k, b64(v)) for k, v in x["headers"]] for x in docs[i:j]],
+        )
         dec = src.decode_messages(partitions[i], m, spec)
         out.append(dec.rows)
         where = {(e.partition, e.address[0]): e for e in dec.errors}

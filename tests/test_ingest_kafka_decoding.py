@@ -1,0 +1,233 @@
+"""Kafka decoding without a broker (confluent-kafka ``Message`` objects built by hand):
+however the messages are chunked -- decoded one by one, as one bulk chunk, or decoded
+as fetched in random consume batches and then cut at random binding bounds (what the
+reader does since it decodes on the prefetch thread) -- the rows, the error records
+(kind, partition, offset, reason, raw) and the raw records are the same. Bad messages
+inside a bulk JSON chunk get the error they get alone, and the good ones around them
+decode as they would alone."""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+confluent_kafka = pytest.importorskip("confluent_kafka")
+
+from persist_lib.ingest.decode import DecodeSpec, ErrorRecord, decode_json_lines  # noqa: E402
+from persist_lib.ingest.kafka import (  # noqa: E402
+    KafkaSource,
+    _Decoded,
+    _gc_paused,
+    _Msgs,
+    _split,
+)
+
+Message = confluent_kafka.Message
+KafkaError = confluent_kafka.KafkaError
+
+# append-only: the key is where the message came from; metadata columns
+AKEY = pa.schema([("kafka_partition", pa.int64()), ("kafka_offset", pa.int64())])
+AVAL = pa.schema([
+    ("id", pa.int64()), ("name", pa.string()), ("qty", pa.float64()),
+    ("kafka_timestamp", pa.int64()), ("kafka_headers", pa.string()),
+])
+# upsert: a scalar JSON key, tombstones
+UKEY = pa.schema([("id", pa.int64())])
+UVAL = pa.schema([("name", pa.string()), ("qty", pa.float64())])
+
+BAD_VALUES = [
+    b'{"id": 1, "name": ',  # invalid JSON
+    b"[1, 2, 3]",  # not an object
+    b'{"id": "seven", "name": "x"}',  # type mismatch
+    b'{"name": "no id", "qty": 2}',  # fine for append-only (the key is the address)
+    b"\xff\xfe",  # not UTF-8
+    b'{"id": 5,\n "name": "two\\nlines", "qty": 1}',  # a value spanning lines (the slow path)
+    b'{"id": 6, "name": "cr", "qty": 2}\r',
+    b'{"id": 9223372036854775808, "name": "too big"}',  # int64 overflow
+]
+
+
+def _value(rng: random.Random, i: int, tombstones: bool) -> bytes | None:
+    r = rng.random()
+    if tombstones and r < 0.1:
+        return None
+    if r < 0.25:
+        return rng.choice(BAD_VALUES)
+    return json.dumps({"id": i, "name": f"n{i}", "qty": rng.randrange(100) / 4}).encode()
+
+
+def _messages(seed: int, n: int, *, upsert: bool, partitions: int = 3) -> list[Any]:
+    """Messages in the order a consumer could return them: runs of one partition,
+    offsets ascending per partition, with end-of-partition events in between."""
+    rng = random.Random(seed)
+    nxt = [rng.randrange(0, 50) for _ in range(partitions)]
+    out: list[Any] = []
+    while len(out) < n:
+        p = rng.randrange(partitions)
+        for _ in range(rng.randrange(1, 40)):
+            o = nxt[p]
+            nxt[p] += 1 if rng.random() < 0.9 else rng.randrange(2, 5)  # (offset gaps: markers)
+            if upsert:
+                k = rng.choice([str(rng.randrange(20)).encode(), str(rng.randrange(20)).encode(), b"{oops", None])
+            else:
+                k = None if rng.random() < 0.5 else f"k{o}".encode()
+            ts = (1, 1_700_000_000_000 + o) if rng.random() < 0.9 else (0, -1)
+            hdrs = None if rng.random() < 0.7 else [("h", b"v"), ("bin", b"\xff")]
+            out.append(Message(topic="t", partition=p, offset=o, key=k, value=_value(rng, o, upsert),
+                               headers=hdrs, timestamp=ts))
+        if rng.random() < 0.2:
+            out.append(Message(topic="t", partition=p, offset=nxt[p], error=KafkaError(KafkaError._PARTITION_EOF)))
+    return out
+
+
+def _source(upsert: bool) -> tuple[KafkaSource, DecodeSpec]:
+    if upsert:
+        src = KafkaSource("localhost:1", "t", key_format="json")
+        spec = DecodeSpec(UKEY, UVAL, keep_raw=True)
+        src.attach(None, "dec", spec)  # type: ignore[arg-type]
+        src.bind_envelope("upsert")
+    else:
+        src = KafkaSource("localhost:1", "t", include="partition,offset,timestamp,headers")
+        spec = DecodeSpec(AKEY, AVAL, keep_raw=True)
+        src.attach(None, "dec", spec)  # type: ignore[arg-type]
+        src.bind_envelope("append_only")
+    return src, spec
+
+
+def _by_partition(msgs: list[Any]) -> dict[int, list[Any]]:
+    out: dict[int, list[Any]] = {}
+    for m in msgs:
+        if m.error() is None:
+            out.setdefault(m.partition(), []).append(m)
+    return out
+
+
+def _plain(ms: list[Any]) -> _Msgs:
+    """The messages as lists (the rebuild's form): the reference decoding's input."""
+    ts = [m.timestamp()[1] if m.timestamp()[0] else None for m in ms]
+    return _Msgs(None, [m.offset() for m in ms], [m.value() for m in ms],
+                 keys=[m.key() for m in ms], ts=ts, hdrs=[m.headers() for m in ms])
+
+
+def _result(rows: list[pa.Table], errors: list[ErrorRecord], raws: list[pa.Table | None]) -> tuple[Any, ...]:
+    t = [r for r in rows if r.num_rows]
+    raw = [r for r in raws if r is not None and r.num_rows]
+    return (
+        pa.concat_tables(t).to_pylist() if t else [],
+        [(e.partition, tuple(e.address), e.kind, e.reason, e.raw) for e in errors],
+        pa.concat_tables(raw).to_pylist() if raw else [],
+    )
+
+
+@pytest.mark.parametrize("upsert", [False, True], ids=["append_only", "upsert"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_any_chunking_and_decoding_at_fetch_time_give_the_same_result(upsert: bool, seed: int) -> None:
+    src, spec = _source(upsert)
+    msgs = _messages(seed, 600, upsert=upsert)
+    rng = random.Random(seed * 7)
+    # decoded as the reader does: random consume batches, split, decoded per run, buffered
+    buf: dict[int, _Decoded] = {}
+    i = 0
+    events = 0
+    while i < len(msgs):
+        j = min(len(msgs), i + rng.randrange(1, 120))
+        ev, groups = _split(msgs[i:j])
+        events += len(ev)
+        for p, m in groups:
+            d = _Decoded.of(src, str(p), m, spec)
+            if p in buf:
+                buf[p].extend(d)
+            else:
+                buf[p] = d
+        i = j
+    assert events == sum(1 for m in msgs if m.error() is not None)
+    for p, ms in _by_partition(msgs).items():
+        plain = _plain(ms)
+        whole = src.decode_messages(str(p), plain, spec)  # one bulk chunk
+        alone = [src.decode_messages(str(p), plain.slice(k, k + 1), spec) for k in range(len(ms))]
+        ref = _result([whole.rows], whole.errors, [whole.raw])
+        assert _result([d.rows for d in alone], [e for d in alone for e in d.errors], [d.raw for d in alone]) == ref
+        assert ref[1], "some messages must be bad"
+        # cut at random bounds (bindings), each piece decoded on its own
+        held = buf[p]
+        assert held.offs == plain.offs and held.nbytes == plain.nbytes
+        cuts = sorted(rng.sample(range(1, len(ms)), 6))
+        pieces = [held.slice(a, b) for a, b in zip([0, *cuts], [*cuts, len(ms)], strict=True)]
+        decs = [x.decode(src, str(p), spec) for x in pieces]
+        assert _result([d.rows for d in decs], [e for d in decs for e in d.errors], [d.raw for d in decs]) == ref
+        assert sum(x.nbytes for x in pieces) == plain.nbytes
+        # the lazily read keys/timestamps/headers (off the Message objects) are the same
+        lazy = _split(ms)[1]
+        assert len(lazy) == 1
+        lz = lazy[0][1]
+        assert lz.msgs is not None
+        assert [lz.key_at(k) for k in range(len(ms))] == plain.keys
+        assert [lz.ts_at(k) for k in range(len(ms))] == plain.ts
+        assert lz.materialize().hdrs == plain.hdrs and lz.msgs is None
+        d = src.decode_messages(str(p), _split(ms)[1][0][1], spec)
+        assert _result([d.rows], d.errors, [d.raw]) == ref
+
+
+def test_split_cuts_runs_at_partition_changes_and_refetched_offsets() -> None:
+    def m(p: int, o: int) -> Any:
+        return Message(topic="t", partition=p, offset=o, value=b"{}", timestamp=(0, -1))
+
+    eof = Message(topic="t", partition=1, offset=3, error=KafkaError(KafkaError._PARTITION_EOF))
+    batch = [m(0, 5), m(0, 6), m(1, 1), eof, m(1, 2), m(0, 7), m(0, 3), m(0, 4), m(0, 8)]
+    events, groups = _split(batch)
+    assert [e.offset() for e in events] == [3]
+    assert [(p, g.offs) for p, g in groups] == [(0, [5, 6]), (1, [1, 2]), (0, [7]), (0, [3, 4, 8])]
+    held = groups[0][1].materialize()
+    for _, g in groups[2:]:
+        held.extend(g)  # a re-fetch after a reconnect: what was held already is dropped
+    assert held.offs == [5, 6, 7, 8]
+    assert _split([]) == ([], [])
+
+
+def test_bulk_json_with_bad_lines_decodes_like_line_by_line() -> None:
+    spec = DecodeSpec(UKEY, UVAL)
+    rng = random.Random(5)
+    lines = [
+        rng.choice([b'{"id": 1, "name": ', b"[1]", b'{"id": "x"}', b'{"id": 2, "qty": "many"}'])
+        if rng.random() < 0.2 else json.dumps({"id": i, "name": f"n{i}", "qty": i / 2}).encode()
+        for i in range(300)
+    ]
+    bulk, bad = decode_json_lines(spec, lines, joined=b"\n".join(lines))
+    again, bad2 = decode_json_lines(spec, lines)
+    assert bulk.equals(again) and bad == bad2 and bad
+    rows: list[dict[str, Any]] = []
+    alone_bad = []
+    for i, line in enumerate(lines):
+        t, b = decode_json_lines(spec, [line])
+        rows += t.to_pylist()
+        alone_bad += [(i, k, r) for _, k, r in b]
+    assert bulk.to_pylist() == rows and bad == alone_bad
+
+
+def test_gc_pause_nests_and_restores_what_it_found() -> None:
+    assert gc.isenabled()
+    with _gc_paused():
+        assert not gc.isenabled()
+        with _gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _gc_paused():
+            pass
+        assert not gc.isenabled()  # (it was off: it stays off)
+    finally:
+        gc.enable()
+
+
+def test_the_reader_never_waits_a_second_for_a_refill() -> None:
+    """librdkafka's default fetch.queue.backoff.ms (1 s) paused fetching whenever the
+    local queue had been full once; ``run_once`` took the pause for the end of the topic."""
+    conf = KafkaSource("localhost:1", "t")._consumer_conf()
+    assert int(conf["fetch.queue.backoff.ms"]) * 1000 < KafkaSource("localhost:1", "t").poll_s * 1e6
