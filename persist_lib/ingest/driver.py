@@ -532,6 +532,9 @@ class Ingestion:
         self.applied = []
         self._open()
         self._resumed_at = self._t
+        begin_run = getattr(self._reader, "begin_run", None)
+        if callable(begin_run):  # (a reader may keep observations of the source's end)
+            begin_run()
 
     def run_once(self, *, max_records: int | None = None) -> dict[str, Any]:
         """Ingests what the source has now, then returns the summary dict.

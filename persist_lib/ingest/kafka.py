@@ -1049,7 +1049,10 @@ class KafkaReader:
         self._buf: dict[int, _Held] = {}
         self._assigned: set[int] = set()
         self._fetched: set[int] = set()  # partitions that answered (a message or EOF) since assignment
-        self._eof: set[int] = set()  # partitions whose last answer was "end of partition"
+        # "end of partition" answers since the run began: partition -> the log end it reported
+        # (it still holds while no message at or past that offset was fetched; ``_seen``)
+        self._eof: dict[int, int] = {}
+        self._seen: dict[int, int] = {}  # partition -> 1 + the last offset fetched
         self._consumer = src.new_consumer()
         self._next_meta = 0.0
         self._prefetch: _Prefetcher | None = None
@@ -1070,6 +1073,20 @@ class KafkaReader:
 
     def observe(self) -> list[Note]:
         return []
+
+    def begin_run(self) -> None:
+        """A run (``run_once``/``run``) begins: "end of partition" answers from before it
+        are stale (messages may have been produced since), so the first read that finds
+        nothing waits ``poll_s`` again unless every partition reports its end anew. Within
+        a run they stand until a message past them arrives, so the run's last read does not
+        wait ``poll_s`` for answers it already has (the end-of-partition events usually
+        arrive with the last messages, in an earlier read)."""
+        self._eof.clear()
+
+    def _at_end(self, p: int) -> bool:
+        """The last answer for ``p`` was its end, and nothing was fetched past it since."""
+        end = self._eof.get(p)
+        return end is not None and end >= self._seen.get(p, 0)
 
     # ----- partitions -----------------------------------------------------------------
 
@@ -1195,7 +1212,8 @@ class KafkaReader:
                 else:
                     got += _extend(b, ms)
                 self._fetched.add(p)
-                self._eof.discard(p)
+                if ms.offs:
+                    self._seen[p] = max(self._seen.get(p, 0), ms.offs[-1] + 1)
         return got
 
     def _convert(self, msgs: list[Any]) -> _Batch:
@@ -1213,7 +1231,7 @@ class KafkaReader:
         if code == KafkaError._PARTITION_EOF:
             if p is not None:
                 self._fetched.add(p)
-                self._eof.add(p)
+                self._eof[p] = int(m.offset() or 0)
             return
         if code in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
             pp = p if p is not None and p >= 0 else -1
@@ -1256,10 +1274,9 @@ class KafkaReader:
         self._refresh()
         deadline = time.monotonic() + self.src.timeout_s
         got = 1
-        self._eof.clear()  # only an "end of partition" seen during this read counts
         while self._buffered() < max_records:
             first = not self._assigned <= self._fetched
-            at_end = not first and self._assigned <= self._eof  # every partition said "end": don't wait
+            at_end = not first and all(map(self._at_end, self._assigned))  # every partition is at its end: don't wait
             # while messages flow, short waits; after an empty poll, ``poll_s`` to call it idle
             wait = 0.0 if at_end else 0.5 if first else 0.02 if got else self.src.poll_s
             got = self._poll(wait, max_records - self._buffered())
@@ -1518,7 +1535,7 @@ class KafkaRangeReader(KafkaReader):
         for p in new:
             self._buf.pop(p, None)
             self._fetched.discard(p)
-            self._eof.discard(p)
+            self._eof.pop(p, None)
         self._consumer.incremental_assign([TopicPartition(self.src.topic, p, self._pos.get(p, 0)) for p in new])
         self._live.update(new)
 
@@ -1531,7 +1548,7 @@ class KafkaRangeReader(KafkaReader):
             self._live.discard(p)
         self._buf.pop(p, None)
         self._fetched.discard(p)
-        self._eof.discard(p)
+        self._eof.pop(p, None)
         start = self._pos.get(p, 0)
         self._pos[p] = end
         return KafkaRangeChunk(self.src, str(p), start, end)
