@@ -179,6 +179,7 @@ class Ingestion:
         self._started = 0.0
         self._empties: dict[str, pa.Table] = {}
         self._last_heartbeat = time.monotonic()
+        self._since_done: int | None = None  # the since this instance last downgraded the shards to
         # (time, frontier) of every binding this instance applied, in order: the bindings
         # it read back from the remap shard (tests compare instances with it).
         self.applied: list[tuple[int, Frontier]] = []
@@ -415,10 +416,14 @@ class Ingestion:
         w = self.config.since_window_ms
         if w is not None:
             since = self._t - 1 - w
-            if since > 0:
+            # In steps of 1/64 of the window, not at every flush: each downgrade is a
+            # consensus write per shard, and a since that lags by a step only keeps a little
+            # more history readable.
+            if since > 0 and (self._since_done is None or since >= self._since_done + max(1, w // 64)):
                 for o in self._outs.values():
                     o.downgrade_since(since)
                 remap.downgrade_since(since)
+                self._since_done = since
         self._heartbeat()
         self._report(done=False)
 
