@@ -420,6 +420,34 @@ def test_progress_events_and_bar(tmp_path: Path) -> None:
     ing.close()
 
 
+def test_since_follows_in_steps_and_large_appends_are_written_unsorted(tmp_path: Path) -> None:
+    """The since of every output and the remap trails ``upper - 1 - since_window_ms`` by
+    less than a step (1/64 of the window), never ahead of it; appends of at least
+    ``unsorted_min_bytes`` are unsorted parts (``None``: the client's setting, sorted
+    here), and the collection reads back the same either way."""
+    import itertools
+
+    zone = make_zone(tmp_path / "z", seed=3, files=8, rows=30)
+    got = {}
+    for uns in (0, None):
+        client, _ = mem_client()
+        ticks = itertools.count(10_000, 7)
+        cfg = IngestConfig(max_records_per_binding=20, since_window_ms=640, unsorted_min_bytes=uns)
+        ing, s = ingest(client, zone.path, config=cfg, clock=lambda: next(ticks))
+        ideal = s["upper"] - 1 - 640
+        assert s["bindings_applied"] > 10 and ideal > 0
+        shards = [o.shard_id for o in ing._outs.values()] + [ing.remap.shard_id]  # type: ignore[attr-defined]
+        for o in [*ing._outs.values(), ing.remap]:
+            since = o._r.since.time  # type: ignore[union-attr]
+            assert ideal - 640 // 64 < since <= ideal, (o, since, ideal)
+        parts = [p for sid in shards[:1] for _, b in client.machine(sid).fetch_latest().trace_batches() for p in b.parts]
+        assert parts and all(p.sorted != (uns == 0) for p in parts), [p.sorted for p in parts]
+        got[uns] = data_state(ing, s["upper"])
+        ing.close()
+        client.close()
+    assert got[0] == got[None] == zone.final
+
+
 def test_continuous_mode_follows_new_files_and_advances_time(tmp_path: Path) -> None:
     z = tmp_path / "z"
     z.mkdir()

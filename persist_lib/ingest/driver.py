@@ -81,12 +81,18 @@ class IngestConfig:
     poll_interval_s: float = 1.0  # continuous mode: how often to look for new data
     replay_timeout_s: float = 30.0  # wait this long for bound data to become readable
     keep_raw: bool = False  # also write the undecoded records (the raw collection)
+    # Output appends of at least this many Arrow bytes are written unsorted (the compactor
+    # sorts them; reads consolidate either way): a 100,000-record binding's append then
+    # costs its Parquet encoding but no sort. None: the client's PersistConfig decides.
+    unsorted_min_bytes: int | None = 1 << 20
 
     def __post_init__(self) -> None:
         for name in ("max_records_per_binding", "read_chunk_records", "max_append_records", "timestamp_interval_ms"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise IngestConfigError(f"IngestConfig.{name} must be an int >= 1, got {v!r}")
+        if self.unsorted_min_bytes is not None and (not isinstance(self.unsorted_min_bytes, int) or self.unsorted_min_bytes < 0):
+            raise IngestConfigError(f"IngestConfig.unsorted_min_bytes must be an int >= 0 or None, got {self.unsorted_min_bytes!r}")
         if self.since_window_ms is not None and self.since_window_ms < 0:
             raise IngestConfigError(f"IngestConfig.since_window_ms must be >= 0 or None, got {self.since_window_ms}")
 
@@ -218,7 +224,10 @@ class Ingestion:
         self.source.prepare()
         for role in self.roles():
             k, v = self._schemas_for(role)
-            self._outs[role] = self.outputs_factory.open(role, k, v)
+            out = self.outputs_factory.open(role, k, v)
+            if self.config.unsorted_min_bytes is not None and hasattr(out, "unsorted_min_bytes"):
+                out.unsorted_min_bytes = self.config.unsorted_min_bytes
+            self._outs[role] = out
             self._empties[role] = _empty_user(k, v)
         self._remap = RemapShard(
             self.client, shard_id_for(self.name, "remap"), self.source.initial_frontier(),

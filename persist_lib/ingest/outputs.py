@@ -144,6 +144,9 @@ class ShardOutput:
         self._w: WriteHandle = client.open_writer(shard, key_schema, val_schema, purpose=purpose)
         self._r: ReadHandle = client.open_leased_reader(shard, key_schema, val_schema, purpose=purpose)
         self.stats = AppendStats()
+        # Appends of at least this many Arrow bytes are written as unsorted parts (None:
+        # the client's ``PersistConfig.unsorted_min_bytes``); set from ``IngestConfig``.
+        self.unsorted_min_bytes: int | None = None
 
     def upper(self) -> int:
         return _time(self._w.fetch_recent_upper(), self.label)
@@ -158,7 +161,7 @@ class ShardOutput:
         while True:
             part = updates if lo == lower else updates.filter(pc.greater_equal(updates["ts"], lo))
             try:
-                self._w.compare_and_append(part, lo, upper)
+                self._compare_and_append(part, lo, upper)
                 self.stats.written += 1
                 return
             except UpperMismatch as e:
@@ -174,6 +177,23 @@ class ShardOutput:
             if cur >= upper:
                 return
             lo = cur
+
+    def _compare_and_append(self, part: pa.Table, lo: int, upper: int) -> None:
+        """``compare_and_append``, with parts of ``unsorted_min_bytes`` or more written as
+        they come: the append then costs the Parquet encoding but no sort, and the sort
+        moves to the compactor (reads consolidate either way; see docs/ingestion.md)."""
+        if self.unsorted_min_bytes is None:
+            self._w.compare_and_append(part, lo, upper)
+            return
+        b = self._w.builder(lo)
+        b.unsorted_min_bytes = self.unsorted_min_bytes  # (the builder reads it per part)
+        try:
+            b.add(self._w.normalize(part))
+            batch = b.finish(upper)
+        except BaseException:
+            b.abort()
+            raise
+        self._w.compare_and_append_batch(batch, lo, upper)  # (deletes the parts if it certainly lost)
 
     def _verify(self, ours: pa.Table, lo: int, hi: int) -> None:
         if hi <= lo:
@@ -260,6 +280,15 @@ class CollectionOutput:
             for i, sid in enumerate(self._cw.shard_ids)
         ]
         self.stats = AppendStats()
+
+    @property
+    def unsorted_min_bytes(self) -> int | None:
+        return self._shards[0].unsorted_min_bytes if self._shards else None
+
+    @unsorted_min_bytes.setter
+    def unsorted_min_bytes(self, v: int | None) -> None:
+        for s in self._shards:
+            s.unsorted_min_bytes = v
 
     def upper(self) -> int:
         return min(s.upper() for s in self._shards)
