@@ -29,6 +29,7 @@ from persist_lib.ingest.errors import (
     KafkaOffsetOutOfRange,
     KafkaTopicGone,
     SourceTimeout,
+    SourceUnavailable,
 )
 from persist_lib.ingest.kafka import KafkaSource
 from persist_lib.ingest.outputs import shard_id_for
@@ -198,16 +199,20 @@ def _ingestion(client: PersistClient, name: str, src: KafkaSource, envelope: str
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prefetch", [200_000, 0], ids=["prefetch", "no_prefetch"])
+@pytest.mark.parametrize(
+    "prefetch,reader", [(200_000, "thread"), (0, "thread"), (200_000, "process")],
+    ids=["prefetch", "no_prefetch", "process"],
+)
 @pytest.mark.parametrize("envelope", ["append_only", "upsert"])
-def test_exactly_once_at_every_bound_time(kafka_broker: KafkaBroker, envelope: str, prefetch: int) -> None:
+def test_exactly_once_at_every_bound_time(kafka_broker: KafkaBroker, envelope: str, prefetch: int, reader: str) -> None:
     """Rounds of produce + run_once (several bindings each, over 3 partitions); upsert
     carries tombstones (null values) that delete their key. Messages are decoded as they
-    are fetched: on the prefetch thread, or (``prefetch=0``) on the reader's."""
+    are fetched: on the prefetch thread, (``prefetch=0``) on the reader's, or in the
+    reader process (``reader="process"``), which ships them decoded."""
     rng = random.Random(3 if envelope == "upsert" else 4)
     topic = _topic(kafka_broker, 3)
     client = _client()
-    ing = _ingestion(client, "ex1", _source(kafka_broker, topic, envelope, prefetch=prefetch), envelope, 37)
+    ing = _ingestion(client, "ex1", _source(kafka_broker, topic, envelope, prefetch=prefetch, reader=reader), envelope, 37)
     total = 0
     try:
         for rnd in range(5):
@@ -331,20 +336,22 @@ def test_repr_and_describe_redact_the_sasl_password() -> None:
     assert src._servers == "broker1:9093"
 
 
-def test_out_of_range_offsets_are_a_typed_error(kafka_broker: KafkaBroker) -> None:
+@pytest.mark.parametrize("reader", ["thread", "process"])
+def test_out_of_range_offsets_are_a_typed_error(kafka_broker: KafkaBroker, reader: str) -> None:
     """Tansu can't delete records (DeleteRecords panics in its memory engine) or enforce
     retention, so the bound offsets are made unavailable by recreating the topic with
     fewer messages: the log now ends before the frontier."""
     topic = _topic(kafka_broker, 1)
     kafka_broker.produce(topic, _append_batch(random.Random(1), 1, 20, 0, bad_rate=0))
     client = _client()
-    with _ingestion(client, "oor", _source(kafka_broker, topic, "append_only"), "append_only", 7) as ing:
+    with _ingestion(client, "oor", _source(kafka_broker, topic, "append_only", reader=reader), "append_only", 7) as ing:
         assert ing.run_once()["frontier"] == {"0": [20]}
     kafka_broker.delete_topic(topic)
     kafka_broker.create_topic(topic, 1)
     kafka_broker.produce(topic, _append_batch(random.Random(2), 1, 5, 0, bad_rate=0))
     with pytest.raises(KafkaOffsetOutOfRange) as ei:
-        with _ingestion(client, "oor", _source(kafka_broker, topic, "append_only", timeout_s=5), "append_only", 7) as ing:
+        src = _source(kafka_broker, topic, "append_only", timeout_s=5, reader=reader)
+        with _ingestion(client, "oor", src, "append_only", 7) as ing:
             ing.run_once()
     e = ei.value
     assert (e.topic, e.partition, e.offset) == (topic, 0, 20)
@@ -457,6 +464,37 @@ def test_partition_added_while_running_is_picked_up(kafka_broker: KafkaBroker) -
         client.close()
 
 
+def test_a_dead_reader_process_is_a_clear_error_and_a_restart_resumes(kafka_broker: KafkaBroker) -> None:
+    """The reader process of a running instance is killed: the next read raises
+    ``SourceUnavailable`` naming it and how it died (nothing hangs, nothing is bound from
+    it), and a restarted instance resumes at the durable frontier: every bound time is
+    exact and the group offsets equal the frontier."""
+    rng = random.Random(12)
+    topic = _topic(kafka_broker, 3)
+    client = _client()
+    src = _source(kafka_broker, topic, "append_only", reader="process")
+    ing = _ingestion(client, "dead", src, "append_only", 40)
+    try:
+        kafka_broker.produce(topic, _append_batch(rng, 3, 150, 0))
+        assert ing.run_once()["records"] == 150
+        pid = ing.reader._prefetch.pid  # type: ignore[attr-defined]
+        os.kill(pid, 9)
+        kafka_broker.produce(topic, _append_batch(rng, 3, 150, 1000))
+        t0 = time.monotonic()
+        with pytest.raises(SourceUnavailable, match=rf"reader process \(pid {pid}\) was killed by signal SIGKILL.*restart"):
+            ing.run_once()
+        assert time.monotonic() - t0 < 20
+    finally:
+        ing.close()
+    with _ingestion(client, "dead", _source(kafka_broker, topic, "append_only", reader="process"), "append_only", 40) as ing2:
+        s = ing2.run_once()
+    truth = kafka_broker.consume_all(topic, 3)
+    assert s["frontier"] == {str(p): [len(v)] for p, v in truth.items()}
+    assert _check_exactly_once(client, "dead", truth, "append_only") >= 8
+    assert kafka_broker.group_offsets("persist_dead", topic, 3) == {p: len(v) for p, v in truth.items()}
+    client.close()
+
+
 # ----- processes: two instances racing, kill -9 ------------------------------------------
 
 WORKER = r"""
@@ -470,11 +508,12 @@ p = json.loads(sys.argv[1])
 client = PersistClient.open(p["blob"], p["consensus"], PersistConfig.for_tests())
 if p["envelope"] == "upsert":
     K = pa.schema([("id", pa.int64())]); V = pa.schema([("name", pa.string()), ("qty", pa.float64())])
-    src = KafkaSource(p["bootstrap"], p["topic"], key_format="json", poll_s=0.1)
+    src = KafkaSource(p["bootstrap"], p["topic"], key_format="json", poll_s=0.1, reader=p.get("reader", "thread"))
 else:
     K = pa.schema([("kafka_partition", pa.int64()), ("kafka_offset", pa.int64())])
     V = pa.schema([("id", pa.int64()), ("name", pa.string()), ("qty", pa.float64())])
-    src = KafkaSource(p["bootstrap"], p["topic"], include="partition,offset", poll_s=0.1)
+    src = KafkaSource(p["bootstrap"], p["topic"], include="partition,offset", poll_s=0.1,
+                      reader=p.get("reader", "thread"))
 ing = Ingestion(client, p["name"], src, K, V, envelope=p["envelope"],
                 config=IngestConfig(max_records_per_binding=p["n"], poll_interval_s=0.1))
 print("started", flush=True)
@@ -548,17 +587,27 @@ def test_two_concurrent_instances_write_one_definite_output(kafka_broker: KafkaB
         client.close()
 
 
-@pytest.mark.parametrize("kills,messages", [(4, 2400), pytest.param(12, 9000, marks=pytest.mark.slow)])
-def test_kill9_mid_run_nothing_lost_or_duplicated(kafka_broker: KafkaBroker, tmp_path: Path, kills: int, messages: int) -> None:
+@pytest.mark.parametrize(
+    "kills,messages,reader",
+    [
+        (4, 2400, "thread"),
+        pytest.param(12, 9000, "thread", marks=pytest.mark.slow),
+        pytest.param(6, 3600, "process", marks=pytest.mark.slow),
+    ],
+)
+def test_kill9_mid_run_nothing_lost_or_duplicated(
+    kafka_broker: KafkaBroker, tmp_path: Path, kills: int, messages: int, reader: str
+) -> None:
     """An ingestion process following the topic while a producer writes is killed with
     SIGKILL at random points and restarted. After every kill the consumer group's
     committed offsets are at or below the durable frontier; at the end every bound time
-    holds exactly the produced messages below its offsets."""
+    holds exactly the produced messages below its offsets. (``process``: its reader
+    processes go with it, see ``test_kill9_leaves_no_reader_process_behind``.)"""
     rng = random.Random(kills)
     topic = _topic(kafka_broker, 3)
     loc = file_location(tmp_path, "kill")
     params = {"blob": loc[0], "consensus": loc[1], "bootstrap": kafka_broker.bootstrap, "topic": topic,
-              "name": "killme", "n": 60, "envelope": "append_only", "seconds": 120.0}
+              "name": "killme", "n": 60, "envelope": "append_only", "seconds": 120.0, "reader": reader}
     done = threading.Event()
     errors: list[BaseException] = []
 
@@ -614,6 +663,70 @@ def test_kill9_mid_run_nothing_lost_or_duplicated(kafka_broker: KafkaBroker, tmp
     assert hits >= kills and checks >= 2, (hits, checks)
 
 
+def _children(pid: int) -> list[int]:
+    """Live (not zombie) processes whose parent is ``pid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            out.append(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_kill9_leaves_no_reader_process_behind(kafka_broker: KafkaBroker, tmp_path: Path) -> None:
+    """``kill -9`` of an ingestion process whose reader is a process: the reader process
+    notices (its socket's end, its parent gone) and exits within moments, and a restarted
+    instance ingests everything exactly once."""
+    topic = _topic(kafka_broker, 2)
+    kafka_broker.produce(topic, _append_batch(random.Random(13), 2, 400, 0))
+    loc = file_location(tmp_path, "orphan")
+    params = {"blob": loc[0], "consensus": loc[1], "bootstrap": kafka_broker.bootstrap, "topic": topic,
+              "name": "orphan", "n": 50, "envelope": "append_only", "seconds": 60.0, "reader": "process"}
+    proc = subprocess.Popen(_worker(params), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=worker_env())
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == b"started"
+        deadline = time.monotonic() + 30
+        kids: list[int] = []
+        while not kids and time.monotonic() < deadline:
+            kids = [c for c in _children(proc.pid) if b"kafka_proc" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            time.sleep(0.05)
+        assert kids, "the ingestion process started no reader process"
+        time.sleep(0.3)  # (reading and appending)
+        os.kill(proc.pid, 9)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(map(_alive, kids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, kids)), f"reader process(es) {kids} outlived the killed ingestion"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    final = _run_worker(dict(params, seconds=None))
+    truth = kafka_broker.consume_all(topic, 2)
+    assert final["frontier"] == {str(p): [len(v)] for p, v in truth.items()}
+    client = PersistClient.open(loc[0], loc[1], PersistConfig.for_tests())
+    try:
+        assert _check_exactly_once(client, "orphan", truth, "append_only") >= 4
+    finally:
+        client.close()
+
+
 def test_cli_ingest_kafka(kafka_broker: KafkaBroker, tmp_path: Path) -> None:
     topic = _topic(kafka_broker, 2)
     kafka_broker.produce(topic, _upsert_batch(random.Random(6), 2, 200))
@@ -629,7 +742,7 @@ def test_cli_ingest_kafka(kafka_broker: KafkaBroker, tmp_path: Path) -> None:
     truth = kafka_broker.consume_all(topic, 2)
     assert s["records"] == 200 and s["source"]["kind"] == "kafka" and s["source"]["topic"] == topic
     assert s["frontier"] == {str(p): [len(v)] for p, v in truth.items()}
-    human = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    human = subprocess.run([*args, "--reader", "process"], env=env, capture_output=True, text=True, timeout=120)
     assert human.returncode == 0 and "orders" in human.stdout, human.stderr[-3000:]
     bad = subprocess.run([*args[:-6], "--envelope", "upsert"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "upsert envelope needs the message key" in bad.stderr

@@ -107,6 +107,9 @@ def _args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--envelope", default="append_only", choices=["append_only", "none", "upsert"],
                    help="upsert: latest value per key, a null value (tombstone) deletes")
     k.add_argument("--timeout", type=float, default=30.0, help="seconds to retry an unreachable broker")
+    k.add_argument("--reader", default=None, choices=["thread", "process"],
+                   help="where messages are fetched and decoded ahead of the ingestion: a thread of this "
+                   "process or a reader process (default: KafkaSource's)")
     _common(k)
     s = sub.add_parser("status", help="an ingestion's frontier, uppers and remap shard")
     s.add_argument("name", help="ingestion name")
@@ -175,7 +178,7 @@ def _ingest(client: PersistClient, ns: argparse.Namespace) -> Any:
         ksrc = KafkaSource(
             ns.bootstrap, ns.topic, key_format=ns.key_format, value_format=ns.value_format,
             key_field=ns.key_field, value_field=ns.value_field, include=ns.include, group_id=ns.group,
-            timeout_s=ns.timeout,
+            timeout_s=ns.timeout, **({"reader": ns.reader} if ns.reader else {}),
         )
         return _run(client, ns, ksrc, ns.envelope, None)
     return status(client, ns.name)

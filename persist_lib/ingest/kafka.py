@@ -59,6 +59,7 @@ from persist_lib.ingest.errors import (
     SourceTimeout,
     SourceUnavailable,
 )
+from persist_lib.ingest.kafka_proc import ReaderProcess
 from persist_lib.ingest.source import Address, Chunk, Frontier, Lag, Note
 from persist_lib.location.redaction import SensitiveUrl, is_secret_name, redacted_dataclass_repr
 
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 FORMATS = ("json", "text", "bytes", "none")
+READERS = ("thread", "process")  # where a reader prefetches and decodes (KafkaSource.reader)
 METADATA = ("partition", "offset", "timestamp", "headers", "topic")
 _TOMBSTONE = "__kafka_tombstone"
 
@@ -439,6 +441,17 @@ def _split_materialized(msgs: list[Any]) -> _Batch:
     return events, [(p, m.materialize()) for p, m in groups]
 
 
+def convert_batch(src: KafkaSource, msgs: list[Any]) -> _Batch:
+    """A consumed batch, each partition's messages decoded right away (``_Decoded``),
+    or -- when no ingestion attached its schema -- held as lists for later. What a
+    reader's prefetch thread and its reader process (``kafka_proc``) both run."""
+    events, groups = _split(msgs)
+    spec = src._spec
+    if spec is None:
+        return events, [(p, m.materialize()) for p, m in groups]
+    return events, [(p, _Decoded.of(src, str(p), m, spec)) for p, m in groups]
+
+
 class KafkaChunk(Chunk):
     """Messages of one Kafka partition with offsets in ``[start, end)``."""
 
@@ -496,9 +509,12 @@ class KafkaSource:
     committed at the durable frontier. ``timeout_s``: how long an unreachable broker is
     retried (with backoff) before ``SourceTimeout``. ``ranges``: the reader binds offset
     ranges up to each partition's high watermark without fetching them (``KafkaRangeReader``;
-    Spark ingestion decodes them on executors). ``prefetch``: messages a background thread
-    may consume ahead of the ingestion (so fetching overlaps decoding and appending; 0:
-    fetch only when asked).
+    Spark ingestion decodes them on executors). ``prefetch``: messages the reader may
+    consume and decode ahead of the ingestion (so fetching overlaps decoding and
+    appending; 0: fetch only when asked, on the ingestion's thread). ``reader``: where
+    that runs -- ``"thread"``, a thread of this process, or ``"process"``, a spawned
+    reader process (``kafka_proc``) that ships the decoded batches over a socket, so its
+    GIL-bound work runs on another core than the ingestion's.
     """
 
     bootstrap_url: str
@@ -514,6 +530,7 @@ class KafkaSource:
     poll_s: float = 0.2
     metadata_interval_s: float = 5.0
     prefetch: int = 200_000
+    reader: str = "thread"
     config: Mapping[str, str] | None = field(default=None, repr=False)  # extra librdkafka settings
     ranges: bool = False
     kind: str = "kafka"
@@ -536,6 +553,8 @@ class KafkaSource:
         url = SensitiveUrl(self.bootstrap_url)
         if "://" in self.bootstrap_url and url.problem:
             raise IngestConfigError(f"the Kafka bootstrap URL {url} is ambiguous: {url.problem}")
+        if self.reader not in READERS:
+            raise IngestConfigError(f"Kafka reader {self.reader!r} is not supported: use one of {', '.join(READERS)}")
         self._servers, self._conf = _bootstrap_of(self.bootstrap_url)
         self._meta = _parse_include(self.include)
 
@@ -1055,9 +1074,17 @@ class KafkaReader:
         self._seen: dict[int, int] = {}  # partition -> 1 + the last offset fetched
         self._consumer = src.new_consumer()
         self._next_meta = 0.0
-        self._prefetch: _Prefetcher | None = None
-        self._refresh(force=True)
-        if src.prefetch > 0 and type(self) is KafkaReader:  # (a range reader fetches little)
+        self._prefetch: _Prefetcher | ReaderProcess | None = None
+        prefetch = src.prefetch > 0 and type(self) is KafkaReader  # (a range reader fetches little)
+        if prefetch and src.reader == "process":
+            # (started first: the child imports while this process reads the metadata)
+            self._prefetch = ReaderProcess(src, src.prefetch, src._where())
+        try:
+            self._refresh(force=True)
+        except BaseException:
+            self.close()
+            raise
+        if prefetch and self._prefetch is None:
             self._prefetch = _Prefetcher(self._consumer, src.prefetch, src._where(), self._convert)
 
     @property
@@ -1130,8 +1157,11 @@ class KafkaReader:
         for p in parts:
             self._pos.setdefault(p, 0)
             self._check_range(p)
-        with self._exclusive():
-            self._consumer.incremental_assign([TopicPartition(self.src.topic, p, self._pos[p]) for p in parts])
+        if isinstance(self._prefetch, ReaderProcess):  # (its consumer fetches; ours only asks)
+            self._prefetch.assign([(p, self._pos[p]) for p in parts])
+        else:
+            with self._exclusive():
+                self._consumer.incremental_assign([TopicPartition(self.src.topic, p, self._pos[p]) for p in parts])
         self._assigned.update(parts)
         if self._assigned != set(parts):
             log.info("%s: partitions %s appeared; assigned at offsets %s", self.src._where(), parts, [self._pos[p] for p in parts])
@@ -1217,13 +1247,7 @@ class KafkaReader:
         return got
 
     def _convert(self, msgs: list[Any]) -> _Batch:
-        """A consumed batch, each partition's messages decoded right away (``_Decoded``),
-        or -- when no ingestion attached its schema -- held as lists for later."""
-        events, groups = _split(msgs)
-        spec = self.src._spec
-        if spec is None:
-            return events, [(p, m.materialize()) for p, m in groups]
-        return events, [(p, _Decoded.of(self.src, str(p), m, spec)) for p, m in groups]
+        return convert_batch(self.src, msgs)
 
     def _on_error(self, err: Any, m: Any, KafkaError: Any) -> None:  # noqa: N803 - the class
         code = err.code()
@@ -1338,6 +1362,9 @@ class KafkaReader:
 
         try:
             behind = 0
+            if isinstance(self._prefetch, ReaderProcess):
+                high = self._prefetch.high_watermarks()
+                return Lag(records_behind=sum(max(0, high[p] - self._pos.get(p, 0)) for p in self._assigned if p in high))
             for p in sorted(self._assigned):
                 # cached: the high watermark of the last fetch response (no broker round trip)
                 with self._exclusive():
