@@ -338,6 +338,7 @@ class _Decoded:
 
 _Held = _Msgs | _Decoded  # what a reader buffers per partition
 _Batch = tuple[list[Any], list[tuple[int, _Held]]]  # (error/event messages, [(partition, messages)])
+_Fetched = tuple[_Batch, float]  # a batch and when ``consume`` returned it (time.monotonic)
 
 
 _gc_lock = threading.Lock()
@@ -986,7 +987,7 @@ class _Prefetcher:
         self._consumer = consumer
         self._convert = convert
         self._limit = max(1, limit)
-        self._batches: deque[tuple[int, _Batch]] = deque()  # (messages and events, batch)
+        self._batches: deque[tuple[int, _Batch, float]] = deque()  # (messages and events, batch, consumed at)
         self._held = 0
         self._cv = threading.Condition()
         self._io = threading.Lock()  # held around every call on the consumer
@@ -1008,8 +1009,9 @@ class _Prefetcher:
                 # (converted -- decoded -- here: off the reader's thread)
                 size, batch = _consume(self._consumer, n, 0.05, self._convert, self._io)
                 if size:
+                    at = time.monotonic()
                     with self._cv:
-                        self._batches.append((size, batch))
+                        self._batches.append((size, batch, at))
                         self._held += size
                         self._cv.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the reader's thread
@@ -1031,7 +1033,7 @@ class _Prefetcher:
                 self._waiting -= 1
                 self._cv.notify_all()
 
-    def take(self, max_n: int, timeout: float) -> list[_Batch]:
+    def take(self, max_n: int, timeout: float) -> list[_Fetched]:
         """Up to about ``max_n`` messages (whole batches), waiting up to ``timeout`` for one."""
         deadline = time.monotonic() + timeout
         with self._cv:
@@ -1042,11 +1044,11 @@ class _Prefetcher:
                 self._cv.wait(left)
             if not self._batches and self._error is not None:
                 raise self._error
-            out: list[_Batch] = []
+            out: list[_Fetched] = []
             got = 0
             while self._batches and got < max_n:
-                size, b = self._batches.popleft()
-                out.append(b)
+                size, b, at = self._batches.popleft()
+                out.append((b, at))
                 got += size
                 self._held -= size
             self._cv.notify_all()
@@ -1068,9 +1070,10 @@ class KafkaReader:
         self._buf: dict[int, _Held] = {}
         self._assigned: set[int] = set()
         self._fetched: set[int] = set()  # partitions that answered (a message or EOF) since assignment
-        # "end of partition" answers since the run began: partition -> the log end it reported
-        # (it still holds while no message at or past that offset was fetched; ``_seen``)
-        self._eof: dict[int, int] = {}
+        # "end of partition" answers: partition -> (the log end it reported, when it was
+        # consumed); it holds while no message at or past that offset was fetched (``_seen``)
+        self._eof: dict[int, tuple[int, float]] = {}
+        self._run_start: float | None = None  # begin_run: answers consumed since count
         self._seen: dict[int, int] = {}  # partition -> 1 + the last offset fetched
         self._consumer = src.new_consumer()
         self._next_meta = 0.0
@@ -1102,18 +1105,21 @@ class KafkaReader:
         return []
 
     def begin_run(self) -> None:
-        """A run (``run_once``/``run``) begins: "end of partition" answers from before it
-        are stale (messages may have been produced since), so the first read that finds
-        nothing waits ``poll_s`` again unless every partition reports its end anew. Within
-        a run they stand until a message past them arrives, so the run's last read does not
-        wait ``poll_s`` for answers it already has (the end-of-partition events usually
-        arrive with the last messages, in an earlier read)."""
+        """A run (``run_once``/``run``) begins: "end of partition" answers consumed before
+        it are stale (messages may have been produced since), so the first read that finds
+        nothing waits ``poll_s`` unless every partition reports its end anew. Answers
+        consumed during the run stand until a message past them arrives, so the run's last
+        reads don't wait ``poll_s`` each for answers an earlier read already took (the
+        end-of-partition events usually come with the last messages). Without
+        ``begin_run`` only answers consumed during the read itself count."""
         self._eof.clear()
+        self._run_start = time.monotonic()
 
-    def _at_end(self, p: int) -> bool:
-        """The last answer for ``p`` was its end, and nothing was fetched past it since."""
-        end = self._eof.get(p)
-        return end is not None and end >= self._seen.get(p, 0)
+    def _at_end(self, p: int, since: float) -> bool:
+        """The last answer for ``p``, consumed at ``since`` or later, was its end, and
+        nothing was fetched past it."""
+        e = self._eof.get(p)
+        return e is not None and e[1] >= since and e[0] >= self._seen.get(p, 0)
 
     # ----- partitions -----------------------------------------------------------------
 
@@ -1228,12 +1234,12 @@ class KafkaReader:
         else:
             # consume() waits for the whole batch or the timeout: modest batches, so a
             # partial one (the prefetch queue ran dry) costs at most ``timeout``
-            batches = [_consume(self._consumer, max(1, min(max_n, 20_000)), timeout, self._convert)[1]]
-        for events, _ in batches:  # (every event first, as before)
+            batches = [(_consume(self._consumer, max(1, min(max_n, 20_000)), timeout, self._convert)[1], time.monotonic())]
+        for (events, _), at in batches:  # (every event first, as before)
             for m in events:
-                self._on_error(m.error(), m, KafkaError)
+                self._on_error(m.error(), m, KafkaError, at)
         got = 0
-        for _, groups in batches:
+        for (_, groups), _at in batches:
             for p, ms in groups:
                 b = self._buf.get(p)
                 if b is None or not len(b):
@@ -1249,13 +1255,13 @@ class KafkaReader:
     def _convert(self, msgs: list[Any]) -> _Batch:
         return convert_batch(self.src, msgs)
 
-    def _on_error(self, err: Any, m: Any, KafkaError: Any) -> None:  # noqa: N803 - the class
+    def _on_error(self, err: Any, m: Any, KafkaError: Any, at: float) -> None:  # noqa: N803 - the class
         code = err.code()
         p = m.partition()
         if code == KafkaError._PARTITION_EOF:
             if p is not None:
                 self._fetched.add(p)
-                self._eof[p] = int(m.offset() or 0)
+                self._eof[p] = (int(m.offset() or 0), at)
             return
         if code in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
             pp = p if p is not None and p >= 0 else -1
@@ -1297,10 +1303,12 @@ class KafkaReader:
             return self._replay({int(p): int(a[0]) for p, a in upto.items()}, max_records)
         self._refresh()
         deadline = time.monotonic() + self.src.timeout_s
+        since = self._run_start if self._run_start is not None else time.monotonic()
         got = 1
         while self._buffered() < max_records:
             first = not self._assigned <= self._fetched
-            at_end = not first and all(map(self._at_end, self._assigned))  # every partition is at its end: don't wait
+            # every partition is at its end: don't wait
+            at_end = not first and all(self._at_end(p, since) for p in self._assigned)
             # while messages flow, short waits; after an empty poll, ``poll_s`` to call it idle
             wait = 0.0 if at_end else 0.5 if first else 0.02 if got else self.src.poll_s
             got = self._poll(wait, max_records - self._buffered())

@@ -58,7 +58,7 @@ from persist_lib.ingest.errors import IngestInvariantError, SourceUnavailable
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.ingest.decode import ErrorRecord
-    from persist_lib.ingest.kafka import KafkaSource, _Batch
+    from persist_lib.ingest.kafka import KafkaSource, _Batch, _Fetched
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class ReaderProcess:
         self._where = where
         self._spec = src._spec
         self._limit = max(1, limit)
-        self._batches: deque[tuple[int, _Batch]] = deque()
+        self._batches: deque[tuple[int, _Batch, float]] = deque()  # (messages and events, batch, consumed at)
         self._held = 0
         self._cv = threading.Condition()
         self._send_lock = threading.Lock()
@@ -190,11 +190,11 @@ class ReaderProcess:
                 msg = _recv(self._conn)
                 kind = msg[0]
                 if kind == "batch":
-                    _, size, batch, high = msg
+                    _, size, batch, high, at = msg
                     b = self._unpack(batch)
                     with self._cv:
                         self._high.update(high)
-                        self._batches.append((size, b))
+                        self._batches.append((size, b, at))
                         self._held += size
                         self._cv.notify_all()
                 elif kind == "error":
@@ -267,7 +267,7 @@ class ReaderProcess:
         with self._cv:
             return dict(self._high)
 
-    def take(self, max_n: int, timeout: float) -> list[_Batch]:
+    def take(self, max_n: int, timeout: float) -> list[_Fetched]:
         """Up to about ``max_n`` messages (whole batches), waiting up to ``timeout`` for one."""
         deadline = time.monotonic() + timeout
         with self._cv:
@@ -278,11 +278,11 @@ class ReaderProcess:
                 self._cv.wait(left)
             if not self._batches and self._error is not None:
                 raise self._error
-            out: list[_Batch] = []
+            out: list[_Fetched] = []
             got = 0
             while self._batches and got < max_n:
-                size, b = self._batches.popleft()
-                out.append(b)
+                size, b, at = self._batches.popleft()
+                out.append((b, at))  # (time.monotonic: one clock for every process)
                 got += size
                 self._held -= size
         if got:
@@ -377,13 +377,14 @@ def _serve(conn: Connection) -> None:
             size, batch = _consume(consumer, max(1, min(20_000, limit - outstanding)), 0.05, convert)
             if not size:
                 continue
+            at = time.monotonic()
             high: dict[int, int] = {}  # (cached: the last fetch responses' high watermarks)
             for p, _ in batch[1]:
                 if p not in high:
                     _, hi = consumer.get_watermark_offsets(TopicPartition(topic, p), cached=True)
                     if hi is not None and hi >= 0:
                         high[p] = int(hi)
-            _send(conn, ("batch", size, _ship(batch), high))
+            _send(conn, ("batch", size, _ship(batch), high, at))
             outstanding += size
     finally:
         consumer.close()
