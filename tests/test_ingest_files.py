@@ -425,15 +425,15 @@ def test_since_follows_in_steps_and_large_appends_are_written_unsorted(tmp_path:
     less than a step (1/64 of the window), never ahead of it; appends of at least
     ``unsorted_min_bytes`` are unsorted parts (``None``: the client's setting, sorted
     here), and the collection reads back the same either way."""
+    import functools
     import itertools
 
     zone = make_zone(tmp_path / "z", seed=3, files=8, rows=30)
     got = {}
     for uns in (0, None):
         client, _ = mem_client()
-        ticks = itertools.count(10_000, 7)
         cfg = IngestConfig(max_records_per_binding=20, since_window_ms=640, unsorted_min_bytes=uns)
-        ing, s = ingest(client, zone.path, config=cfg, clock=lambda: next(ticks))
+        ing, s = ingest(client, zone.path, config=cfg, clock=functools.partial(next, itertools.count(10_000, 7)))
         ideal = s["upper"] - 1 - 640
         assert s["bindings_applied"] > 10 and ideal > 0
         shards = [o.shard_id for o in ing._outs.values()] + [ing.remap.shard_id]  # type: ignore[attr-defined]
