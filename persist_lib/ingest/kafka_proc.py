@@ -392,7 +392,7 @@ def _serve(conn: Connection) -> None:
 
 class _NoPandas:
     """An import hook refusing pandas. Why: pyarrow's pandas shim imports pandas on the
-    first ``pa.array``/``to_numpy`` call of a process if it can (~0.3 s of CPU per reader
+    first ``pa.array``/``to_numpy`` call of a process if it can (~0.2 s of CPU per reader
     process); this process never converts from or to pandas, and pyarrow without pandas
     converts numpy and Arrow data exactly the same way."""
 
