@@ -541,6 +541,7 @@ class KafkaSource:
     _spec: DecodeSpec | None = field(default=None, init=False, repr=False)
     _envelope: str = field(default="append_only", init=False, repr=False)
     _committer: Any = field(default=None, init=False, repr=False)
+    _checked: tuple[int, float] | None = field(default=None, init=False, repr=False)  # check(): (partitions, when)
     _committed: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _name: str = field(default="", init=False, repr=False)
 
@@ -690,9 +691,20 @@ class KafkaSource:
             self._plan(self._spec)
         c = self.new_consumer()
         try:
-            self.topic_partitions(c)
+            n = self.topic_partitions(c)
         finally:
             c.close()
+        self._checked = None if n is None else (n, time.monotonic())
+
+    def checked_partitions(self, max_age_s: float = 1.0) -> int | None:
+        """The partition count ``check`` read, if it did so less than ``max_age_s`` ago
+        (then forgotten): the reader the driver opens right after uses it instead of
+        asking the broker again (a fresh consumer's metadata request delays its first
+        fetch by up to ~50 ms against Tansu)."""
+        got, self._checked = self._checked, None
+        if got is None or time.monotonic() - got[1] > max_age_s:
+            return None
+        return got[0]
 
     def prepare(self) -> None:
         return None
@@ -1083,7 +1095,7 @@ class KafkaReader:
             # (started first: the child imports while this process reads the metadata)
             self._prefetch = ReaderProcess(src, src.prefetch, src._where())
         try:
-            self._refresh(force=True)
+            self._refresh(force=True, count=src.checked_partitions())
         except BaseException:
             self.close()
             raise
@@ -1123,15 +1135,18 @@ class KafkaReader:
 
     # ----- partitions -----------------------------------------------------------------
 
-    def _refresh(self, force: bool = False) -> None:
-        """Re-reads the partition count: assigns new partitions (at offset 0, or where the
-        frontier puts them), fails if the topic is gone or shrank below a known partition."""
+    def _refresh(self, force: bool = False, count: int | None = None) -> None:
+        """Re-reads the partition count (``count``: one just read): assigns new partitions
+        (at offset 0, or where the frontier puts them), fails if the topic is gone or shrank
+        below a known partition."""
         now = time.monotonic()
         if not force and now < self._next_meta:
             return
         self._next_meta = now + self.src.metadata_interval_s
-        with self._exclusive():
-            n = self.src.topic_partitions(self._consumer)
+        n = count
+        if n is None:
+            with self._exclusive():
+                n = self.src.topic_partitions(self._consumer)
         known = set(self._pos) | self._assigned
         if n is None:
             raise KafkaTopicGone(
