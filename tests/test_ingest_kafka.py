@@ -200,7 +200,13 @@ def _ingestion(client: PersistClient, name: str, src: KafkaSource, envelope: str
 
 
 @pytest.mark.parametrize(
-    "prefetch,reader", [(200_000, "thread"), (0, "thread"), (200_000, "process")],
+    "prefetch,reader",
+    [
+        (200_000, "thread"),
+        # (the default suite's time: the other readers' variants run in the slow tier)
+        pytest.param(0, "thread", marks=pytest.mark.slow),
+        pytest.param(200_000, "process", marks=pytest.mark.slow),
+    ],
     ids=["prefetch", "no_prefetch", "process"],
 )
 @pytest.mark.parametrize("envelope", ["append_only", "upsert"])
@@ -336,7 +342,7 @@ def test_repr_and_describe_redact_the_sasl_password() -> None:
     assert src._servers == "broker1:9093"
 
 
-@pytest.mark.parametrize("reader", ["thread", "process"])
+@pytest.mark.parametrize("reader", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_out_of_range_offsets_are_a_typed_error(kafka_broker: KafkaBroker, reader: str) -> None:
     """Tansu can't delete records (DeleteRecords panics in its memory engine) or enforce
     retention, so the bound offsets are made unavailable by recreating the topic with
