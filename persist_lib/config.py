@@ -21,8 +21,14 @@ class PersistConfig:
     # Writes.
     blob_target_size: int = 128 * MiB  # a part is flushed when its Arrow buffer reaches this
     max_inflight_uploads: int = 2
-    inline_threshold: int = 4096  # parts this small live inline in state
-    inline_max_total: int = 1 * MiB  # bound on inline bytes per shard
+    # Parts of at most this many encoded bytes live inline in shard state (a commit is
+    # then one consensus write: no blob write, no fsync of a part and its directory, no
+    # S3 PUT). 16 KiB holds a 1,000-row part of narrow rows; bigger parts go to blob.
+    inline_threshold: int = 16 * 1024
+    # Bound on the inline bytes of a shard (what rollups and cold opens carry): a
+    # writer whose part would pass it writes the part to blob; compaction moves
+    # merged inline data to blob.
+    inline_max_total: int = 1 * MiB
     # Parts of at least this many Arrow bytes are written unsorted (the compactor sorts
     # them); None: every part is sorted on write (batch_builder.py).
     unsorted_min_bytes: int | None = 8 * MiB

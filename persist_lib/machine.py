@@ -81,6 +81,12 @@ class SharedShardState:
         self.cond = threading.Condition()
         self.state = st.ShardState(shard_id)
         self.rollup_in_progress = False
+        # Held by ``Machine.apply`` from reading the state through its compare-and-set:
+        # the threads of this process (a writer, background merges, rollups, heartbeats)
+        # then take turns instead of racing each other's CAS, which the loser pays for
+        # with a re-fetch, a re-run and a second CAS. Reentrant: a transition that
+        # applies another one on its thread goes on as before.
+        self.apply_lock = threading.RLock()
 
     def current(self) -> st.ShardState:
         with self.cond:
@@ -289,32 +295,58 @@ class Machine:
         # Indeterminate: a Determinate error would let the caller treat a committed
         # change as never made (and, for a write, delete the blobs it references).
         maybe_applied = False
+        lock = self.shared.apply_lock
         try:
             while True:
-                now = self.config.now_ms()
-                try:
-                    new, result = fn(cur, now)
-                except PersistError as e:
-                    if maybe_applied:
-                        raise Indeterminate(
-                            f"shard {self.shard_id}: {name}: a compare-and-set may have been "
-                            f"applied, then re-running the transition failed ({e}); the "
-                            "operation may or may not have happened"
-                        ) from e
-                    raise
-                if new is None:
-                    self.metrics.noops += 1
-                    return result, cur
-                new = new.evolve(seqno=cur.seqno + 1, walltime_ms=max(cur.walltime_ms + 1, now))
-                data = frame(st.encode_diff(cur, new))
-                self.metrics.cas_attempts += 1
-                if progress is not None:
-                    progress.cas_issued = True
-                try:
-                    res = self.consensus.compare_and_set(
-                        self.shard_id, cur.seqno if cur.exists else None, VersionedData(new.seqno, data)
+                # One attempt (state -> transition -> CAS) at a time per shard in this
+                # process; the waits between attempts (backoff, re-fetch) don't hold it.
+                if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    raise Determinate(
+                        f"shard {self.shard_id}: {name}: another thread of this process kept "
+                        f"applying a change to the shard for {self.config.retry_deadline_s:.0f}s "
+                        "(a stalled consensus?); this change was not sent; retry"
                     )
-                except Indeterminate as e:
+                indeterminate: Indeterminate | None = None
+                try:
+                    # Another thread of this process may have committed since ``cur`` was
+                    # read: start from its state (no consensus read needed).
+                    latest = self.shared.current()
+                    if latest.seqno > cur.seqno:
+                        cur = latest
+                    now = self.config.now_ms()
+                    try:
+                        new, result = fn(cur, now)
+                    except PersistError as e:
+                        if maybe_applied:
+                            raise Indeterminate(
+                                f"shard {self.shard_id}: {name}: a compare-and-set may have been "
+                                f"applied, then re-running the transition failed ({e}); the "
+                                "operation may or may not have happened"
+                            ) from e
+                        raise
+                    if new is None:
+                        self.metrics.noops += 1
+                        return result, cur
+                    new = new.evolve(seqno=cur.seqno + 1, walltime_ms=max(cur.walltime_ms + 1, now))
+                    data = frame(st.encode_diff(cur, new))
+                    self.metrics.cas_attempts += 1
+                    if progress is not None:
+                        progress.cas_issued = True
+                    try:
+                        res = self.consensus.compare_and_set(
+                            self.shard_id, cur.seqno if cur.exists else None,
+                            VersionedData(new.seqno, data),
+                        )
+                    except Indeterminate as e:
+                        indeterminate = e
+                    else:
+                        if res is CaSResult.COMMITTED:
+                            # Installed before the lock is released: the next attempt of
+                            # any thread here starts from it.
+                            installed = self.shared.offer(new)
+                finally:
+                    lock.release()
+                if indeterminate is not None:
                     # It may have been applied. Re-read and re-run: the transition recognises
                     # its own effect if it landed.
                     self.metrics.indeterminate_retries += 1
@@ -322,7 +354,7 @@ class Machine:
                     if time.monotonic() > deadline:
                         raise Indeterminate(
                             f"shard {self.shard_id}: {name}: consensus kept failing indeterminately "
-                            f"({e}); the operation may or may not have happened"
+                            f"({indeterminate}); the operation may or may not have happened"
                         ) from None
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 0.5)
@@ -332,7 +364,6 @@ class Machine:
                     self.metrics.cas_committed += 1
                     by = self.metrics.committed_by
                     by[name] = by.get(name, 0) + 1
-                    installed = self.shared.offer(new)
                     self._after_commit(new)
                     return result, installed if installed.seqno == new.seqno else new
                 self.metrics.cas_mismatches += 1

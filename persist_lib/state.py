@@ -220,8 +220,26 @@ class ShardState:
         return self.seqno > 0
 
     def trace_batches(self) -> list[tuple[int, HollowBatch]]:
-        """The trace in time order (batches are contiguous: each upper is the next lower)."""
-        return sorted(self.batches.items(), key=lambda kv: (kv[1].lower.time or 0, kv[0]))
+        """The trace in time order (batches are contiguous: each upper is the next lower).
+
+        Sorted once per state value (a state is immutable; several transitions and the
+        compaction planner ask for it on every commit); each call returns a new list.
+        """
+        order: tuple[tuple[int, HollowBatch], ...] | None = self.__dict__.get("_trace")
+        if order is None:
+            order = tuple(sorted(self.batches.items(), key=lambda kv: (kv[1].lower.time or 0, kv[0])))
+            self.__dict__["_trace"] = order
+        return list(order)
+
+    @property
+    def inline_bytes(self) -> int:
+        """Encoded bytes of the parts inlined in this state (bounded per shard by
+        ``PersistConfig.inline_max_total``); computed once per state value."""
+        n: int | None = self.__dict__.get("_inline_bytes")
+        if n is None:
+            n = sum(p.size for b in self.batches.values() for p in b.parts if p.inline is not None)
+            self.__dict__["_inline_bytes"] = n
+        return n
 
     def seqno_since(self) -> int:
         """The oldest seqno some leased reader may still read: GC must not pass it."""

@@ -225,7 +225,8 @@ class CaaResult:
 
 
 def inline_bytes(state: ShardState) -> int:
-    return sum(p.size for b in state.batches.values() for p in b.parts if p.inline is not None)
+    """Encoded bytes of the parts inlined in ``state`` (memoized per state value)."""
+    return state.inline_bytes
 
 
 def compare_and_append(
