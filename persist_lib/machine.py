@@ -204,15 +204,17 @@ class Machine:
             if entries[0].seqno != cur.seqno + 1:
                 # The diffs we'd need were truncated: start over from the latest rollup.
                 return self.shared.offer(self._load_from_rollup())
-            for e in entries:
-                cur = self._apply_entry(cur, e)
-            cur = self.shared.offer(cur)
+            cur = self.shared.offer(self._apply_entries(cur, entries))
             if len(entries) < SCAN_LIMIT:
                 return cur
 
-    def _apply_entry(self, cur: st.ShardState, e: VersionedData) -> st.ShardState:
-        payload = unframe(e.data, shard=self.shard_id, what=f"consensus entry {e.seqno}")
-        return st.apply_diff(cur, payload, e.seqno)
+    def _apply_entries(self, cur: st.ShardState, entries: list[VersionedData]) -> st.ShardState:
+        """Verifies (checksum) and applies consecutive consensus entries at once."""
+        payloads = [
+            (e.seqno, unframe(e.data, shard=self.shard_id, what=f"consensus entry {e.seqno}"))
+            for e in entries
+        ]
+        return st.apply_diffs(cur, payloads)
 
     def _load_from_rollup(self) -> st.ShardState:
         self.metrics.rollup_loads += 1
@@ -244,8 +246,7 @@ class Machine:
                 if entries and entries[0].seqno != cur.seqno + 1:
                     ok = False
                     break
-                for e in entries:
-                    cur = self._apply_entry(cur, e)
+                cur = self._apply_entries(cur, entries)
                 if len(entries) < SCAN_LIMIT:
                     break
             if ok:
