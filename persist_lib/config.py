@@ -21,13 +21,19 @@ class PersistConfig:
     # Writes.
     blob_target_size: int = 128 * MiB  # a part is flushed when its Arrow buffer reaches this
     max_inflight_uploads: int = 2
-    # Parts of at most this many encoded bytes live inline in shard state (a commit is
-    # then one consensus write: no blob write, no fsync of a part and its directory, no
-    # S3 PUT). 16 KiB holds a 1,000-row part of narrow rows; bigger parts go to blob.
-    inline_threshold: int = 16 * 1024
-    # Bound on the inline bytes of a shard (what rollups and cold opens carry): a
-    # writer whose part would pass it writes the part to blob; compaction moves
-    # merged inline data to blob.
+    # Parts of at most this many encoded bytes live inline in shard state instead of
+    # in blob, wherever they are written (compaction output, batch builders, Spark);
+    # 0 turns inlining off everywhere, appends included.
+    inline_threshold: int = 4096
+    # The same for the parts of a write handle's appends (``compare_and_append``,
+    # ``append``, ``builder``), when ``inline_threshold`` > 0: a small commit is then one
+    # consensus write, with no blob write, no fsync of a part and its directory, no S3
+    # PUT, and equally durable. 16 KiB holds a 1,000-row part of narrow rows. Merges
+    # write their output to blob above ``inline_threshold``, so inline appends leave
+    # the state as soon as compaction merges them.
+    inline_append_threshold: int = 16 * 1024
+    # Bound on the inline bytes of a shard (what rollups and cold opens carry): an
+    # append whose part would pass it writes the part to blob instead.
     inline_max_total: int = 1 * MiB
     # Parts of at least this many Arrow bytes are written unsorted (the compactor sorts
     # them); None: every part is sorted on write (batch_builder.py).

@@ -258,13 +258,15 @@ class WriteHandle:
             )
 
     def _inline_threshold(self) -> int:
-        """The inline threshold for this write: the configured one, lowered to the
-        inline room the shard has left (as last seen), so that a write which would pass
-        ``inline_max_total`` goes to blob at once instead of being refused by the
-        transition and moved to blob after the fact."""
+        """The inline threshold of this write: ``inline_append_threshold`` (0 when
+        ``inline_threshold`` turns inlining off), lowered to the inline room the shard
+        has left as last seen, so that a part which would pass ``inline_max_total`` goes
+        to blob at once instead of being refused by the transition and moved after."""
         cfg = self._client.config
+        if cfg.inline_threshold <= 0:
+            return 0
         room = cfg.inline_max_total - self._machine.cached().inline_bytes
-        return max(0, min(cfg.inline_threshold, room))
+        return max(0, min(cfg.inline_append_threshold, room))
 
     def _build(self, table: pa.Table, lower: Antichain, upper: Antichain) -> HollowBatch:
         cfg = self._client.config
