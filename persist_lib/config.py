@@ -58,7 +58,12 @@ class PersistConfig:
     # Compaction (in-process, background). Filled in by the maintenance layer.
     compaction_enabled: bool = False
     compaction_memory_budget: int = 256 * MiB
-    compaction_workers: int = 2  # background merge threads per client
+    # Background merge threads per client. One: merges then queue behind each other and
+    # the spine plans N-way merges over what accumulated, instead of two threads
+    # re-merging the tail concurrently; measured on 1,000-row appends (2 cores): ~35%
+    # less CPU per commit, and the writer competes with one merge, not two
+    # (docs/benchmarks.md, issue 14 session 8).
+    compaction_workers: int = 1
     compaction_queue_max: int = 20  # queued merges per client; excess dropped (re-derived later)
     gc_in_background: bool = True  # with compaction_enabled: GC once garbage is deletable
     # A failed background merge (or GC) is retried after this, doubling up to the max;
