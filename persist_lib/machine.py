@@ -404,11 +404,30 @@ class Machine:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
 
-    def _after_commit(self, new: st.ShardState) -> None:
+    def _rollup_due(self, new: st.ShardState) -> bool:
+        """Every ``rollup_interval`` seqnos; and sooner (after an eighth of it) when the
+        latest rollup was written while the state was large (a long merge running, the
+        appends behind it waiting, their parts inline) and the state has since shrunk to
+        under half of it: every cold open until the next rollup would otherwise decode
+        the large one."""
         interval = self.config.rollup_interval
+        if interval <= 0:
+            return False
         latest = new.latest_rollup()
-        last = latest[0] if latest else 0
-        if interval > 0 and new.seqno - last >= interval:
+        if latest is None:
+            return new.seqno >= interval
+        seqno, ref = latest
+        since = new.seqno - seqno
+        if since >= interval:
+            return True
+        return (
+            ref.size >= ROLLUP_SHRINK_MIN_BYTES
+            and since >= max(1, interval // 8)
+            and 2 * estimated_rollup_bytes(new) < ref.size
+        )
+
+    def _after_commit(self, new: st.ShardState) -> None:
+        if self._rollup_due(new):
             if self.config.rollup_in_background:
                 if not self.shared.rollup_in_progress:
                     t = threading.Thread(
@@ -457,6 +476,24 @@ class Machine:
         finally:
             with self.shared.cond:
                 self.shared.rollup_in_progress = False
+
+
+# A rollup smaller than this is never replaced early (``Machine._rollup_due``).
+ROLLUP_SHRINK_MIN_BYTES = 64 << 10
+
+
+def estimated_rollup_bytes(s: st.ShardState) -> int:
+    """A rough size of ``s`` encoded as a rollup (inline parts in base64, ~300 bytes per
+    part and per reader/writer, ~150 per garbage entry), without encoding it."""
+    parts = sum(len(b.parts) for b in s.batches.values())
+    entries = len(s.writers) + len(s.leased_readers) + len(s.critical_readers) + len(s.rollups)
+    return (
+        s.inline_bytes * 4 // 3
+        + 300 * (parts + entries)
+        + 60 * len(s.batches)
+        + 150 * len(s.garbage)
+        + 1024
+    )
 
 
 def describe_state(s: st.ShardState) -> dict[str, Any]:
