@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -155,9 +156,15 @@ class Schemas:
         return self.describe()
 
     def fingerprint(self) -> str:
-        """SHA-256 (hex) of the canonical form of both schemas; stored in every part."""
-        canon = repr((_schema_signature(self.key), _schema_signature(self.val)))
-        return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+        """SHA-256 (hex) of the canonical form of both schemas; stored in every part.
+
+        Computed once per ``Schemas`` (every part encode and decode asks for it)."""
+        fp: str | None = self.__dict__.get("_fingerprint")
+        if fp is None:
+            canon = repr((_schema_signature(self.key), _schema_signature(self.val)))
+            fp = hashlib.sha256(canon.encode("utf-8")).hexdigest()
+            self.__dict__["_fingerprint"] = fp
+        return fp
 
     def to_json(self) -> dict[str, Any]:
         """Both schemas as base64 Arrow IPC (round-trips metadata and nested types)."""
@@ -168,12 +175,28 @@ class Schemas:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Schemas:
+        """Decodes ``to_json``'s form. Memoized by the encoded strings (shard state keeps
+        them; every merge and transition that checks schemas decodes them again), so
+        equal inputs give the same immutable object."""
         try:
-            key = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(d["key"])))
-            val = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(d["val"])))
+            k, v = d["key"], d["val"]
+            hit = _FROM_JSON.get((k, v)) if isinstance(k, str) and isinstance(v, str) else None
+        except (KeyError, TypeError) as e:
+            raise InvalidUsage(f"cannot decode schemas from {str(d)[:200]!r}: {e}") from e
+        if hit is not None:
+            return hit
+        try:
+            key = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(k)))
+            val = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(v)))
         except (KeyError, TypeError, ValueError, pa.ArrowException) as e:
             raise InvalidUsage(f"cannot decode schemas from {str(d)[:200]!r}: {e}") from e
-        return cls(key, val)
+        out = cls(key, val)
+        if isinstance(k, str) and isinstance(v, str):
+            with _FROM_JSON_LOCK:
+                if len(_FROM_JSON) >= _FROM_JSON_MAX:
+                    _FROM_JSON.pop(next(iter(_FROM_JSON)))  # oldest first
+                _FROM_JSON[(k, v)] = out
+        return out
 
     @property
     def key_names(self) -> list[str]:
@@ -182,6 +205,12 @@ class Schemas:
     @property
     def val_names(self) -> list[str]:
         return list(self.val.names)
+
+
+# Schemas.from_json's memo: (key b64, val b64) -> Schemas, oldest evicted first.
+_FROM_JSON: dict[tuple[str, str], Schemas] = {}
+_FROM_JSON_MAX = 256
+_FROM_JSON_LOCK = threading.Lock()
 
 
 def _validate_schemas(key: object, val: object) -> None:
@@ -221,7 +250,16 @@ def _validate_schemas(key: object, val: object) -> None:
 
 
 def internal_schema(schemas: Schemas) -> pa.Schema:
-    """The update-table layout: ``k.<f>``..., ``v.<f>``..., ``t``, ``d`` (non-null int64)."""
+    """The update-table layout: ``k.<f>``..., ``v.<f>``..., ``t``, ``d`` (non-null int64).
+
+    Built once per ``Schemas`` (pyarrow schemas are immutable)."""
+    out: pa.Schema | None = schemas.__dict__.get("_internal_schema")
+    if out is None:
+        out = schemas.__dict__["_internal_schema"] = _build_internal_schema(schemas)
+    return out
+
+
+def _build_internal_schema(schemas: Schemas) -> pa.Schema:
     fields = [
         pa.field(KEY_PREFIX + f.name, f.type, f.nullable, f.metadata) for f in schemas.key
     ] + [pa.field(VAL_PREFIX + f.name, f.type, f.nullable, f.metadata) for f in schemas.val]
@@ -234,11 +272,14 @@ def internal_schema(schemas: Schemas) -> pa.Schema:
 
 def user_schema(schemas: Schemas) -> pa.Schema:
     """The user-facing layout: key fields, value fields, ``ts``, ``diff`` (int64)."""
-    return pa.schema(
-        list(schemas.key)
-        + list(schemas.val)
-        + [pa.field(TS, pa.int64()), pa.field(DIFF, pa.int64())]
-    )
+    out: pa.Schema | None = schemas.__dict__.get("_user_schema")
+    if out is None:
+        out = schemas.__dict__["_user_schema"] = pa.schema(
+            list(schemas.key)
+            + list(schemas.val)
+            + [pa.field(TS, pa.int64()), pa.field(DIFF, pa.int64())]
+        )
+    return out
 
 
 def empty_updates(schemas: Schemas) -> pa.Table:

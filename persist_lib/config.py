@@ -21,8 +21,20 @@ class PersistConfig:
     # Writes.
     blob_target_size: int = 128 * MiB  # a part is flushed when its Arrow buffer reaches this
     max_inflight_uploads: int = 2
-    inline_threshold: int = 4096  # parts this small live inline in state
-    inline_max_total: int = 1 * MiB  # bound on inline bytes per shard
+    # Parts of at most this many encoded bytes live inline in shard state instead of
+    # in blob, wherever they are written (compaction output, batch builders, Spark);
+    # 0 turns inlining off everywhere, appends included.
+    inline_threshold: int = 4096
+    # The same for the parts of a write handle's appends (``compare_and_append``,
+    # ``append``, ``builder``), when ``inline_threshold`` > 0: a small commit is then one
+    # consensus write, with no blob write, no fsync of a part and its directory, no S3
+    # PUT, and equally durable. 16 KiB holds a 1,000-row part of narrow rows. Merges
+    # write their output to blob above ``inline_threshold``, so inline appends leave
+    # the state as soon as compaction merges them.
+    inline_append_threshold: int = 16 * 1024
+    # Bound on the inline bytes of a shard (what rollups and cold opens carry): an
+    # append whose part would pass it writes the part to blob instead.
+    inline_max_total: int = 1 * MiB
     # Parts of at least this many Arrow bytes are written unsorted (the compactor sorts
     # them); None: every part is sorted on write (batch_builder.py).
     unsorted_min_bytes: int | None = 8 * MiB
@@ -52,7 +64,12 @@ class PersistConfig:
     # False: every merge streams, even one that fits in memory (the reliability harness
     # runs both ways).
     compaction_in_memory: bool = True
-    compaction_workers: int = 2  # background merge threads per client
+    # Background merge threads per client. One: merges then queue behind each other and
+    # the spine plans N-way merges over what accumulated, instead of two threads
+    # re-merging the tail concurrently; measured on 1,000-row appends (2 cores): ~35%
+    # less CPU per commit, and the writer competes with one merge, not two
+    # (docs/benchmarks.md, issue 14 session 8).
+    compaction_workers: int = 1
     compaction_queue_max: int = 20  # queued merges per client; excess dropped (re-derived later)
     gc_in_background: bool = True  # with compaction_enabled: GC once garbage is deletable
     # A failed background merge (or GC) is retried after this, doubling up to the max;

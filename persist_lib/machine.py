@@ -81,6 +81,12 @@ class SharedShardState:
         self.cond = threading.Condition()
         self.state = st.ShardState(shard_id)
         self.rollup_in_progress = False
+        # Held by ``Machine.apply`` from reading the state through its compare-and-set:
+        # the threads of this process (a writer, background merges, rollups, heartbeats)
+        # then take turns instead of racing each other's CAS, which the loser pays for
+        # with a re-fetch, a re-run and a second CAS. Reentrant: a transition that
+        # applies another one on its thread goes on as before.
+        self.apply_lock = threading.RLock()
 
     def current(self) -> st.ShardState:
         with self.cond:
@@ -198,15 +204,17 @@ class Machine:
             if entries[0].seqno != cur.seqno + 1:
                 # The diffs we'd need were truncated: start over from the latest rollup.
                 return self.shared.offer(self._load_from_rollup())
-            for e in entries:
-                cur = self._apply_entry(cur, e)
-            cur = self.shared.offer(cur)
+            cur = self.shared.offer(self._apply_entries(cur, entries))
             if len(entries) < SCAN_LIMIT:
                 return cur
 
-    def _apply_entry(self, cur: st.ShardState, e: VersionedData) -> st.ShardState:
-        payload = unframe(e.data, shard=self.shard_id, what=f"consensus entry {e.seqno}")
-        return st.apply_diff(cur, payload, e.seqno)
+    def _apply_entries(self, cur: st.ShardState, entries: list[VersionedData]) -> st.ShardState:
+        """Verifies (checksum) and applies consecutive consensus entries at once."""
+        payloads = [
+            (e.seqno, unframe(e.data, shard=self.shard_id, what=f"consensus entry {e.seqno}"))
+            for e in entries
+        ]
+        return st.apply_diffs(cur, payloads)
 
     def _load_from_rollup(self) -> st.ShardState:
         self.metrics.rollup_loads += 1
@@ -238,8 +246,7 @@ class Machine:
                 if entries and entries[0].seqno != cur.seqno + 1:
                     ok = False
                     break
-                for e in entries:
-                    cur = self._apply_entry(cur, e)
+                cur = self._apply_entries(cur, entries)
                 if len(entries) < SCAN_LIMIT:
                     break
             if ok:
@@ -289,32 +296,58 @@ class Machine:
         # Indeterminate: a Determinate error would let the caller treat a committed
         # change as never made (and, for a write, delete the blobs it references).
         maybe_applied = False
+        lock = self.shared.apply_lock
         try:
             while True:
-                now = self.config.now_ms()
-                try:
-                    new, result = fn(cur, now)
-                except PersistError as e:
-                    if maybe_applied:
-                        raise Indeterminate(
-                            f"shard {self.shard_id}: {name}: a compare-and-set may have been "
-                            f"applied, then re-running the transition failed ({e}); the "
-                            "operation may or may not have happened"
-                        ) from e
-                    raise
-                if new is None:
-                    self.metrics.noops += 1
-                    return result, cur
-                new = new.evolve(seqno=cur.seqno + 1, walltime_ms=max(cur.walltime_ms + 1, now))
-                data = frame(st.encode_diff(cur, new))
-                self.metrics.cas_attempts += 1
-                if progress is not None:
-                    progress.cas_issued = True
-                try:
-                    res = self.consensus.compare_and_set(
-                        self.shard_id, cur.seqno if cur.exists else None, VersionedData(new.seqno, data)
+                # One attempt (state -> transition -> CAS) at a time per shard in this
+                # process; the waits between attempts (backoff, re-fetch) don't hold it.
+                if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    raise Determinate(
+                        f"shard {self.shard_id}: {name}: another thread of this process kept "
+                        f"applying a change to the shard for {self.config.retry_deadline_s:.0f}s "
+                        "(a stalled consensus?); this change was not sent; retry"
                     )
-                except Indeterminate as e:
+                indeterminate: Indeterminate | None = None
+                try:
+                    # Another thread of this process may have committed since ``cur`` was
+                    # read: start from its state (no consensus read needed).
+                    latest = self.shared.current()
+                    if latest.seqno > cur.seqno:
+                        cur = latest
+                    now = self.config.now_ms()
+                    try:
+                        new, result = fn(cur, now)
+                    except PersistError as e:
+                        if maybe_applied:
+                            raise Indeterminate(
+                                f"shard {self.shard_id}: {name}: a compare-and-set may have been "
+                                f"applied, then re-running the transition failed ({e}); the "
+                                "operation may or may not have happened"
+                            ) from e
+                        raise
+                    if new is None:
+                        self.metrics.noops += 1
+                        return result, cur
+                    new = new.evolve(seqno=cur.seqno + 1, walltime_ms=max(cur.walltime_ms + 1, now))
+                    data = frame(st.encode_diff(cur, new))
+                    self.metrics.cas_attempts += 1
+                    if progress is not None:
+                        progress.cas_issued = True
+                    try:
+                        res = self.consensus.compare_and_set(
+                            self.shard_id, cur.seqno if cur.exists else None,
+                            VersionedData(new.seqno, data),
+                        )
+                    except Indeterminate as e:
+                        indeterminate = e
+                    else:
+                        if res is CaSResult.COMMITTED:
+                            # Installed before the lock is released: the next attempt of
+                            # any thread here starts from it.
+                            installed = self.shared.offer(new)
+                finally:
+                    lock.release()
+                if indeterminate is not None:
                     # It may have been applied. Re-read and re-run: the transition recognises
                     # its own effect if it landed.
                     self.metrics.indeterminate_retries += 1
@@ -322,7 +355,7 @@ class Machine:
                     if time.monotonic() > deadline:
                         raise Indeterminate(
                             f"shard {self.shard_id}: {name}: consensus kept failing indeterminately "
-                            f"({e}); the operation may or may not have happened"
+                            f"({indeterminate}); the operation may or may not have happened"
                         ) from None
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 0.5)
@@ -332,7 +365,6 @@ class Machine:
                     self.metrics.cas_committed += 1
                     by = self.metrics.committed_by
                     by[name] = by.get(name, 0) + 1
-                    installed = self.shared.offer(new)
                     self._after_commit(new)
                     return result, installed if installed.seqno == new.seqno else new
                 self.metrics.cas_mismatches += 1
@@ -372,11 +404,30 @@ class Machine:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
 
-    def _after_commit(self, new: st.ShardState) -> None:
+    def _rollup_due(self, new: st.ShardState) -> bool:
+        """Every ``rollup_interval`` seqnos; and sooner (after an eighth of it) when the
+        latest rollup was written while the state was large (a long merge running, the
+        appends behind it waiting, their parts inline) and the state has since shrunk to
+        under half of it: every cold open until the next rollup would otherwise decode
+        the large one."""
         interval = self.config.rollup_interval
+        if interval <= 0:
+            return False
         latest = new.latest_rollup()
-        last = latest[0] if latest else 0
-        if interval > 0 and new.seqno - last >= interval:
+        if latest is None:
+            return new.seqno >= interval
+        seqno, ref = latest
+        since = new.seqno - seqno
+        if since >= interval:
+            return True
+        return (
+            ref.size >= ROLLUP_SHRINK_MIN_BYTES
+            and since >= max(1, interval // 8)
+            and 2 * estimated_rollup_bytes(new) < ref.size
+        )
+
+    def _after_commit(self, new: st.ShardState) -> None:
+        if self._rollup_due(new):
             if self.config.rollup_in_background:
                 if not self.shared.rollup_in_progress:
                     t = threading.Thread(
@@ -425,6 +476,24 @@ class Machine:
         finally:
             with self.shared.cond:
                 self.shared.rollup_in_progress = False
+
+
+# A rollup smaller than this is never replaced early (``Machine._rollup_due``).
+ROLLUP_SHRINK_MIN_BYTES = 64 << 10
+
+
+def estimated_rollup_bytes(s: st.ShardState) -> int:
+    """A rough size of ``s`` encoded as a rollup (inline parts in base64, ~300 bytes per
+    part and per reader/writer, ~150 per garbage entry), without encoding it."""
+    parts = sum(len(b.parts) for b in s.batches.values())
+    entries = len(s.writers) + len(s.leased_readers) + len(s.critical_readers) + len(s.rollups)
+    return (
+        s.inline_bytes * 4 // 3
+        + 300 * (parts + entries)
+        + 60 * len(s.batches)
+        + 150 * len(s.garbage)
+        + 1024
+    )
 
 
 def describe_state(s: st.ShardState) -> dict[str, Any]:

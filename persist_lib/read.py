@@ -49,7 +49,14 @@ from persist_lib.compactor import (
     merges_linearly,
     stream_merge,
 )
-from persist_lib.consolidate import consolidate, snapshot_at, time_range
+from persist_lib.consolidate import (
+    SORTED_STRICT,
+    SORTED_WITH_TIES,
+    consolidate,
+    snapshot_at,
+    sorted_state,
+    time_range,
+)
 from persist_lib.errors import BlobNotFound, InvalidUsage, LeaseExpired, Timeout
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
 from persist_lib.location.base import Blob
@@ -183,6 +190,33 @@ def _row_width(schemas: Schemas) -> int:
         except ValueError:
             w += 32
     return w
+
+
+# A single run with ties at most this long is consolidated by a sort rather than merged.
+SMALL_TIED_RUN_ROWS = 1 << 16
+
+
+def _single_run_snapshot(run_tables: list[pa.Table], schemas: Schemas) -> pa.Table | None:
+    """The snapshot of a single consolidated run whose times were forwarded to the
+    as-of (the usual old-time read of a compacted shard), or None to merge as usual.
+
+    Rows strictly increasing by ``(k, v)`` consolidate with nothing (and none has a
+    zero diff: parts are consolidated), so the run is the snapshot: a linear check
+    instead of a merge. A short run with ties (the same record written at several
+    times up to the as-of) is consolidated directly. Flat key types only
+    (``compactor.merges_linearly``)."""
+    if len(run_tables) != 1:
+        return None
+    table = run_tables[0]
+    if table.num_rows < 2:
+        return table
+    n = len(schemas.key) + len(schemas.val)
+    state = sorted_state(table.columns[:n])
+    if state == SORTED_STRICT:
+        return table
+    if state == SORTED_WITH_TIES and table.num_rows <= SMALL_TIED_RUN_ROWS:
+        return consolidate(table)
+    return None
 
 
 def _batch_overlaps(b: HollowBatch, lower: int, upper: int | None) -> bool:
@@ -395,6 +429,12 @@ class ReadHandle:
 
                 fetched = iter(self._fetch_all(parts, post))
                 run_tables = [_concat([next(fetched) for _ in run], self.schemas) for run in runs]
+                only = _single_run_snapshot(run_tables, self.schemas)
+                if only is not None:
+                    stats.output_rows += only.num_rows
+                    if only.num_rows:
+                        yield only
+                    return
                 before = stats.output_rows
                 merged = merge_decoded_runs(self.schemas, self.shard_id, run_tables, budget, stats)
                 if merged is not None:

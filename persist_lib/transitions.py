@@ -130,7 +130,7 @@ def register(
         changes["leased_readers"] = readers
     if not changes:
         return None, None  # already registered (a retry after an indeterminate CAS)
-    return replace(state, **changes), None
+    return state.evolve(**changes), None
 
 
 def register_critical_reader(
@@ -153,7 +153,7 @@ def register_critical_reader(
         crit = dict(state.critical_readers)
         crit[reader_id] = CriticalReaderState(since=state.since, opaque=initial_opaque, purpose=purpose)
         changes["critical_readers"] = crit
-    new = replace(state, **changes)
+    new = state.evolve(**changes)
     return new, new.critical_readers[reader_id]
 
 
@@ -177,7 +177,7 @@ def register_part_writer(
         most_recent_write_upper=state.upper,
         purpose=purpose,
     )
-    return replace(state, writers=writers), None
+    return state.evolve(writers=writers), None
 
 
 def unregistered_part_writers(state: ShardState, keys: Any) -> list[str]:
@@ -225,7 +225,8 @@ class CaaResult:
 
 
 def inline_bytes(state: ShardState) -> int:
-    return sum(p.size for b in state.batches.values() for p in b.parts if p.inline is not None)
+    """Encoded bytes of the parts inlined in ``state`` (memoized per state value)."""
+    return state.inline_bytes
 
 
 def compare_and_append(
@@ -271,21 +272,20 @@ def compare_and_append(
                 f"shard {state.shard_id}: a batch with an empty time interval "
                 f"[{batch.lower}, {batch.upper}) can't contain updates"
             )
-        return replace(state, writers=writers), CaaResult(CaaOutcome.APPLIED, state.upper)
+        return state.evolve(writers=writers), CaaResult(CaaOutcome.APPLIED, state.upper)
     new_inline = sum(p.size for p in batch.parts if p.inline is not None)
     if new_inline and inline_bytes(state) + new_inline > inline_max_total:
         return None, CaaResult(CaaOutcome.INLINE_BACKPRESSURE, state.upper)
     batches = dict(state.batches)
     next_id = state.next_id
-    trace = state.trace_batches()
-    if not batch.parts and trace:
+    if not batch.parts and batches:
         # Progress only: widen the last batch instead of adding an empty one.
-        last_id, last = trace[-1]
+        last_id, last = state.trace_batches()[-1]
         batches[last_id] = replace(last, upper=batch.upper)
     else:
         batches[next_id] = replace(batch, since=max(batch.since, state.since))
         next_id += 1
-    new = replace(state, writers=writers, batches=batches, next_id=next_id, upper=batch.upper)
+    new = state.evolve(writers=writers, batches=batches, next_id=next_id, upper=batch.upper)
     return new, CaaResult(CaaOutcome.APPLIED, batch.upper)
 
 
@@ -293,7 +293,7 @@ def heartbeat_writer(state: ShardState, now_ms: int, *, writer_id: str) -> Resul
     w = _require_writer(state, writer_id)
     writers = dict(state.writers)
     writers[writer_id] = replace(w, last_heartbeat_ms=max(w.last_heartbeat_ms, now_ms))
-    return replace(state, writers=writers), None
+    return state.evolve(writers=writers), None
 
 
 def expire_writer(state: ShardState, now_ms: int, *, writer_id: str) -> Result:
@@ -301,7 +301,7 @@ def expire_writer(state: ShardState, now_ms: int, *, writer_id: str) -> Result:
         return None, False
     writers = dict(state.writers)
     del writers[writer_id]
-    return replace(state, writers=writers), True
+    return state.evolve(writers=writers), True
 
 
 # ----- reads ----------------------------------------------------------------------
@@ -324,8 +324,8 @@ def downgrade_since(
         seqno=max(r.seqno, min(seqno_hold, state.seqno + 1)),
         last_heartbeat_ms=max(r.last_heartbeat_ms, now_ms),
     )
-    new = replace(state, leased_readers=readers)
-    return replace(new, since=recompute_since(new)), None
+    new = state.evolve(leased_readers=readers)
+    return new.evolve(since=recompute_since(new)), None
 
 
 def expire_reader(state: ShardState, now_ms: int, *, reader_id: str) -> Result:
@@ -333,8 +333,8 @@ def expire_reader(state: ShardState, now_ms: int, *, reader_id: str) -> Result:
         return None, False
     readers = dict(state.leased_readers)
     del readers[reader_id]
-    new = replace(state, leased_readers=readers)
-    return replace(new, since=recompute_since(new)), True
+    new = state.evolve(leased_readers=readers)
+    return new.evolve(since=recompute_since(new)), True
 
 
 @dataclass(frozen=True)
@@ -372,8 +372,8 @@ def compare_and_downgrade_since(
         )
     crit = dict(state.critical_readers)
     crit[reader_id] = replace(r, since=new_since, opaque=new_opaque)
-    new = replace(state, critical_readers=crit)
-    return replace(new, since=recompute_since(new)), CriticalDowngradeResult(True, new_opaque, new_since)
+    new = state.evolve(critical_readers=crit)
+    return new.evolve(since=recompute_since(new)), CriticalDowngradeResult(True, new_opaque, new_since)
 
 
 def expire_critical_reader(state: ShardState, now_ms: int, *, reader_id: str) -> Result:
@@ -381,8 +381,8 @@ def expire_critical_reader(state: ShardState, now_ms: int, *, reader_id: str) ->
         return None, False
     crit = dict(state.critical_readers)
     del crit[reader_id]
-    new = replace(state, critical_readers=crit)
-    return replace(new, since=recompute_since(new)), True
+    new = state.evolve(critical_readers=crit)
+    return new.evolve(since=recompute_since(new)), True
 
 
 # ----- maintenance ------------------------------------------------------------------
@@ -412,8 +412,8 @@ def expire_leases(state: ShardState, now_ms: int) -> Result:
         return None, ExpiredLeases((), ())
     readers = {k: v for k, v in state.leased_readers.items() if k not in dead_r}
     writers = {k: v for k, v in state.writers.items() if k not in dead_w}
-    new = replace(state, leased_readers=readers, writers=writers)
-    return replace(new, since=recompute_since(new)), ExpiredLeases(dead_r, dead_w)
+    new = state.evolve(leased_readers=readers, writers=writers)
+    return new.evolve(since=recompute_since(new)), ExpiredLeases(dead_r, dead_w)
 
 
 # A rollup of seqno S is linked only while the state is at most this many seqnos past
@@ -437,4 +437,4 @@ def add_rollup(state: ShardState, now_ms: int, *, seqno: int, key: str, size: in
         return None, False  # too old: the sweeper may consider it leaked
     rollups = dict(state.rollups)
     rollups[seqno] = RollupRef(key, size)
-    return replace(state, rollups=rollups), True
+    return state.evolve(rollups=rollups), True

@@ -151,7 +151,7 @@ class WriteHandle:
             lower=as_frontier(lower, "lower"),
             target_part_bytes=cfg.blob_target_size,
             max_inflight_uploads=cfg.max_inflight_uploads,
-            inline_threshold=cfg.inline_threshold,
+            inline_threshold=self._inline_threshold(),
             executor=self._client.upload_executor(),
             unsorted_min_bytes=cfg.unsorted_min_bytes,
         )
@@ -257,6 +257,17 @@ class WriteHandle:
                 "new upper); nothing was written"
             )
 
+    def _inline_threshold(self) -> int:
+        """The inline threshold of this write: ``inline_append_threshold`` (0 when
+        ``inline_threshold`` turns inlining off), lowered to the inline room the shard
+        has left as last seen, so that a part which would pass ``inline_max_total`` goes
+        to blob at once instead of being refused by the transition and moved after."""
+        cfg = self._client.config
+        if cfg.inline_threshold <= 0:
+            return 0
+        room = cfg.inline_max_total - self._machine.cached().inline_bytes
+        return max(0, min(cfg.inline_append_threshold, room))
+
     def _build(self, table: pa.Table, lower: Antichain, upper: Antichain) -> HollowBatch:
         cfg = self._client.config
         return build_batch(
@@ -269,7 +280,7 @@ class WriteHandle:
             upper=upper,
             target_part_bytes=cfg.blob_target_size,
             max_inflight_uploads=cfg.max_inflight_uploads,
-            inline_threshold=cfg.inline_threshold,
+            inline_threshold=self._inline_threshold(),
             executor=self._client.upload_executor(),
             unsorted_min_bytes=cfg.unsorted_min_bytes,
         )

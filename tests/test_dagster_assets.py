@@ -316,7 +316,8 @@ def test_corrupt_part_quarantines_the_merge_fails_the_run_and_shows_in_metadata(
     key, val = pa.schema([("k", pa.int64())]), pa.schema([("v", pa.int64())])
     w, _ = client.open(shard, key, val)
     for t in range(2):
-        w.compare_and_append([(((i,), (t,)), t, 1) for i in range(2000)], t, t + 1)
+        # Big enough for a part in blob (appends inline parts up to 16 KiB).
+        w.compare_and_append([(((i,), (t,)), t, 1) for i in range(8000)], t, t + 1)
     part = next(iter(client.machine(shard).fetch_latest().batches.values())).parts[0]
     assert part.key is not None
     data = client.blob.get(part.key)

@@ -42,8 +42,9 @@ def test_sensor_and_ingestion_on_s3_and_postgres(
     monkeypatch.setenv("PERSIST_HOME", str(tmp_path / "unused"))
     monkeypatch.delenv("SPARK_MASTER_URL", raising=False)
     s3 = boto3.client("s3", endpoint_url=s3_server.endpoint, region_name="us-east-1")
-    _put_orders(s3, landing_bucket, "incoming", 0, 1000)  # big enough for parts on S3
-    _put_orders(s3, landing_bucket, "incoming", 1, 1000)
+    # Big enough for parts on S3 (appends inline parts up to 16 KiB in state).
+    _put_orders(s3, landing_bucket, "incoming", 0, 4000)
+    _put_orders(s3, landing_bucket, "incoming", 1, 4000)
     s3.put_object(Bucket=landing_bucket, Key="incoming/orders/_orders-2.jsonl", Body=b"{}\n")
 
     resources = build_resources()  # everything from the environment
@@ -62,7 +63,7 @@ def test_sensor_and_ingestion_on_s3_and_postgres(
             for m in res.get_asset_materialization_events()
             if m.asset_key == dg.AssetKey("orders")
         ]
-        assert mat.materialization.metadata["records_appended"].value == 2000
+        assert mat.materialization.metadata["records_appended"].value == 8000
     # The data is on S3 and the state in Postgres, not under PERSIST_HOME.
     listed = s3.list_objects_v2(Bucket=data_bucket, Prefix="persist/")
     assert listed.get("KeyCount", 0) > 0

@@ -261,3 +261,31 @@ def test_sweeper_respects_grace(grace_ms: int) -> None:
     time.sleep(0.01)
     found = mn.unreferenced_blobs(client, shard, grace_ms)
     assert len(found) == (1 if grace_ms == 0 else 0)
+
+
+def test_rollup_is_replaced_early_after_a_large_state_shrinks() -> None:
+    """A rollup written while many inline parts were pending is replaced soon after a
+    merge shrinks the state (cold opens would otherwise decode the large one)."""
+    interval = 64
+    client = mem_client(
+        rollup_interval=interval, inline_threshold=1, inline_append_threshold=64 << 10,
+        inline_max_total=8 << 20,
+    )
+    shard = ShardId.new()
+    w, r = client.open(shard, KEY, VAL)
+    m = client.machine(shard)
+    append_batches(w, 0, interval, rows=200)  # inline parts: the rollup at 64 is large
+    big = m.fetch_latest().latest_rollup()
+    assert big is not None and big[1].size >= 64 << 10
+    expected = contents(r.snapshot(interval - 1))
+    mn.compact(client, shard)  # the merged part goes to blob: the state shrinks
+    s = m.fetch_latest()
+    assert s.latest_rollup() == big, "no early rollup before the shrink"
+    append_batches(w, interval, interval // 8 + 1, rows=1)
+    after = m.fetch_latest().latest_rollup()
+    assert after is not None and after[0] > big[0], "an early rollup replaced the large one"
+    assert after[0] - s.seqno <= interval // 8 + 1
+    assert after[1].size < big[1].size // 2
+    clear_state_cache()  # a cold open starts from the new rollup
+    r2 = client.open_leased_reader(shard, KEY, VAL)
+    assert contents(r2.snapshot(interval - 1)) == expected

@@ -135,7 +135,8 @@ def test_compact_shard_ends_where_in_process_compaction_ends(spark: Any, tmp_pat
 def test_failed_spark_merge_applies_nothing_and_leaves_nothing(spark: Any, tmp_path: Path) -> None:
     from persist_lib.spark import spark_merge
 
-    client = open_client(file_location(tmp_path), blob_target_size=64 << 10)
+    # Appends' parts in blob (not inlined), so that one of them can go missing.
+    client = open_client(file_location(tmp_path), blob_target_size=64 << 10, inline_append_threshold=4096)
     shard = "s00000000-0000-4000-8000-0000000000c4"
     w, _ = client.open(shard, KEY, VAL)
     _fill(w, 3, 2000, seed=3)

@@ -220,7 +220,8 @@ def test_compact_shard_through_connect_keeps_every_snapshot(remote: Any, tmp_pat
 def test_failed_merge_through_connect_applies_and_leaves_nothing(remote: Any, tmp_path: Path) -> None:
     from persist_lib.spark import spark_merge
 
-    client = open_client(file_location(tmp_path), blob_target_size=64 << 10)
+    # Appends' parts in blob (not inlined), so that one of them can go missing.
+    client = open_client(file_location(tmp_path), blob_target_size=64 << 10, inline_append_threshold=4096)
     shard = "s00000000-0000-4000-8000-0000000000d4"
     w, _ = client.open(shard, CMP_KEY, CMP_VAL)
     _fill(w, 3, 1500, seed=5)

@@ -16,6 +16,13 @@ Why it looks the way it does (research/reliability.md section 5):
   process): FULL 1-2.4 ms per CAS, NORMAL 0.04-0.09 ms. NORMAL is ~25x faster, but a
   few ms per state change is small next to the blob writes that precede it, so the
   default stays durable.
+- **Writes of one process take turns on a lock per database file** before SQLite's
+  own write lock. Without it, threads of one process (a writer, background merges,
+  GC, rollups, other shards in the same file) contend on SQLite's lock, whose busy
+  handler *sleeps* (1, 2, 5, 10 ms...) before retrying: a commit behind one fsync
+  of another thread would wait milliseconds more than that fsync. The in-process
+  lock hands over as soon as the holder is done; other processes still meet SQLite's
+  lock and busy timeout as before. Reads never take it (WAL readers don't block).
 - One connection per thread (created lazily, re-created after ``fork``), all closed
   by ``close()``. "database is locked" after the busy timeout is ``Determinate``
   (the single statement did not run); an I/O error while writing is ``Indeterminate``.
@@ -82,6 +89,19 @@ _SQLITE_IOERR = 10
 _SQLITE_FULL = 13
 
 
+# One in-process write lock per database file (see the module docstring).
+_WRITE_LOCKS: dict[str, threading.Lock] = {}
+_WRITE_LOCKS_GUARD = threading.Lock()
+
+
+def _write_lock(path: str) -> threading.Lock:
+    with _WRITE_LOCKS_GUARD:
+        lock = _WRITE_LOCKS.get(path)
+        if lock is None:
+            lock = _WRITE_LOCKS[path] = threading.Lock()
+        return lock
+
+
 class SqliteConsensus(Consensus):
     """Consensus in a SQLite database file; safe across threads and local processes."""
 
@@ -108,6 +128,7 @@ class SqliteConsensus(Consensus):
         # connect) or at close(); connections inherited over fork are left alone.
         self._conns: list[tuple[int, threading.Thread, sqlite3.Connection]] = []
         self._closed = False
+        self._write = _write_lock(self.path)
         try:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         except OSError as e:
@@ -259,10 +280,19 @@ class SqliteConsensus(Consensus):
         conn = self._conn()
         err: Exception | None = None
         start = time.monotonic()
+        if write and not self._write.acquire(timeout=self.busy_timeout_ms / 1000.0):
+            raise Determinate(
+                f"sqlite consensus {self.path!r}: {op}" + (f" of key {key!r}" if key else "")
+                + f" did not start: other threads of this process kept writing for "
+                f"{self.busy_timeout_ms} ms (busy timeout); it did not happen; retry"
+            )
         try:
             return fn(conn)
         except sqlite3.Error as e:
             err = self._error(op, key, e, write=write, elapsed_s=time.monotonic() - start)
+        finally:
+            if write:
+                self._write.release()
         raise err
 
     # -- Consensus -----------------------------------------------------------------
