@@ -6,7 +6,8 @@ written to storage in total / bytes the appends themselves wrote.
 - persist: background compaction on (the default), so merges run while the stream goes
   on; bytes = the client's blob bytes written (``persist_lib.metrics``: parts and
   rollups), after the compactor went idle; the appends' own bytes = the Parquet bytes of
-  the parts of the batches the writer committed (inline parts live in state: not counted).
+  the parts of the batches the writer committed, inline ones included (a small append's
+  part lives in state until a merge moves its rows to blob; the merge's bytes count).
 - delta-rs: never compacts by itself; the anchor runs ``optimize.compact()`` after
   every 50 commits (a maintenance schedule) and once at the end; bytes = sizes of
   every data file ever added (``add`` actions of the log), appends' own = files of the
@@ -57,7 +58,7 @@ def _persist(ctx: Ctx, stream: list[Any]) -> dict[str, Any]:
         builder = w.builder(t)
         builder.add(w.normalize(b))
         hb = builder.finish(t + 1)
-        own += sum(p.size for p in hb.parts if p.inline is None)
+        own += sum(p.size for p in hb.parts)
         w.compare_and_append_batch(hb, t, t + 1)
     idle_s = wait_compaction_idle(client)
     assert client.metrics is not None
