@@ -40,7 +40,14 @@ import pyarrow.compute as pc
 
 from persist_lib.codec import D_COL, T_COL
 from persist_lib.errors import InvalidUsage
-from persist_lib.kernels import MIN_POLARS_ROWS, RowSource, kernel_pool, sort_int64, take_rows
+from persist_lib.kernels import (
+    MIN_POLARS_ROWS,
+    RowSource,
+    is_var_binary,
+    kernel_pool,
+    sort_int64,
+    take_rows,
+)
 
 _I64_MAX = (1 << 63) - 1
 # Combined keys stay below this so that ``key * card + rank`` never overflows int64.
@@ -574,10 +581,10 @@ def consolidation_plan(table: pa.Table, source: RowSource | None = None) -> tupl
     callers that write the result in slices gather one slice at a time (from
     ``source``, a ``RowSource`` of ``table``, which the sort then uses too).
 
-    A large table whose leading key is an integer column is split at a sampled median
-    key into two key ranges, sorted and summed on two threads (numpy, polars and Arrow
-    release the GIL): every row of the lower range sorts before every row of the upper
-    one, so the two results concatenate."""
+    A large table whose leading key is an integer, string or binary column is split at a
+    sampled median key into two key ranges, sorted and summed on two threads (numpy,
+    polars and Arrow release the GIL): every row of the lower range sorts before every
+    row of the upper one, so the two results concatenate."""
     n = table.num_rows
     if n == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
@@ -593,16 +600,13 @@ def consolidation_plan(table: pa.Table, source: RowSource | None = None) -> tupl
             return source.take_column(index[i], rows)
 
     d = to_numpy(table.column(D_COL))
-    vals = _flat_int_values(_chunked(cols[0])) if n >= PARALLEL_PLAN_ROWS else None
-    if vals is not None:
-        sample = vals[np.random.default_rng(0).integers(0, n, 4096)]
-        pivot = int(np.median(sample))
-        lower = vals <= pivot
-        halves = [np.flatnonzero(lower), np.flatnonzero(~lower)]
-        if all(len(h) for h in halves):
+    if n >= PARALLEL_PLAN_ROWS:
+        split = _split_at_median(_chunked(cols[0]))
+        if split is not None:
+            halves, local_order = split
 
             def plan_half(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-                local, same = _int_order(vals[rows])
+                local, same = local_order(rows)
                 order, dup = _break_ties(cols, rows[local], same, take)
                 return _summed(order, dup, d)
 
@@ -610,6 +614,47 @@ def consolidation_plan(table: pa.Table, source: RowSource | None = None) -> tupl
             return np.concatenate([ra, rb]), np.concatenate([sa, sb])
     order, dup = sort_order(cols, n, take)
     return _summed(order, dup, d)
+
+
+LocalOrder = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+def _split_at_median(
+    col: pa.ChunkedArray,
+) -> tuple[list[np.ndarray], LocalOrder] | None:
+    """The rows of a leading key column in two key ranges (at or below a sampled median
+    key, and above it; nulls, which sort first, below) and how to order one range by that
+    column alone (``_int_order``'s result for those rows) — or None when the column is not
+    an integer, string or binary one, or one range would be empty."""
+    n = len(col)
+    vals = _flat_int_values(col)
+    if vals is not None:
+        sample = vals[np.random.default_rng(0).integers(0, n, 4096)]
+        lower = vals <= int(np.median(sample))
+        ints = vals
+
+        def int_order(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return _int_order(ints[rows])
+
+        order: LocalOrder = int_order
+    elif is_var_binary(col.type):
+        picks = col.take(pa.array(np.random.default_rng(0).integers(0, n, 4096)))
+        seen = sorted(x for x in picks.to_pylist() if x is not None)
+        if not seen:
+            return None
+        pivot = pa.scalar(seen[len(seen) // 2], type=col.type)
+        lower = to_numpy(pc.fill_null(pc.less_equal(col, pivot), True)).astype(bool, copy=False)
+
+        def var_order(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return _first_column_order(_chunked(col.take(pa.array(rows))), len(rows))
+
+        order = var_order
+    else:
+        return None
+    halves = [np.flatnonzero(lower), np.flatnonzero(~lower)]
+    if not all(len(h) for h in halves):
+        return None
+    return halves, order
 
 
 def _summed(order: np.ndarray, dup: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

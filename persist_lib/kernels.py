@@ -79,7 +79,8 @@ def sort_int64(values: np.ndarray) -> np.ndarray:
     return out if out.flags.writeable else out.copy()
 
 
-def _is_var_binary(t: pa.DataType) -> bool:
+def is_var_binary(t: pa.DataType) -> bool:
+    """String or binary (either offset width): the types Arrow and polars both order by bytes."""
     return (
         pa.types.is_string(t)
         or pa.types.is_large_string(t)
@@ -91,7 +92,7 @@ def _is_var_binary(t: pa.DataType) -> bool:
 def take_column(col: pa.Array | pa.ChunkedArray, idx: np.ndarray) -> pa.Array | pa.ChunkedArray:
     """``col.take(idx)``: strings and binaries through polars (same type and values)."""
     pl = polars()
-    if pl is not None and len(idx) >= MIN_POLARS_ROWS and _is_var_binary(col.type):
+    if pl is not None and len(idx) >= MIN_POLARS_ROWS and is_var_binary(col.type):
         try:
             s = pl.from_arrow(col)
             assert isinstance(s, pl.Series)
@@ -130,7 +131,7 @@ class RowSource:
         if c is None:
             col = self.table.column(i)
             pl = polars()
-            if pl is not None and _is_var_binary(col.type) and len(col) >= MIN_POLARS_ROWS:
+            if pl is not None and is_var_binary(col.type) and len(col) >= MIN_POLARS_ROWS:
                 c = pl.from_arrow(col)
                 if c.n_chunks() > 1:
                     c = c.rechunk()  # a gather across chunks is several times slower

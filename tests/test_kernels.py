@@ -153,17 +153,25 @@ def test_sort_int64_equals_numpy(engine: str) -> None:
 
 @pytest.mark.parametrize("value_kind", ["str", "int_few"])
 def test_consolidation_plan_split_in_two_key_ranges(value_kind: str, engine: str) -> None:
-    """Above ``PARALLEL_PLAN_ROWS`` an integer leading key is split at a sampled median and
-    the halves sorted on two threads: the same rows and sums as the ranking, including
-    keys equal to the pivot (all on one side) and a shard of one key (no split)."""
+    """Above ``PARALLEL_PLAN_ROWS`` an integer, string or binary leading key is split at a
+    sampled median and the halves sorted on two threads: the same rows and sums as the
+    ranking, including keys equal to the pivot (all on one side), null keys (sorted first:
+    in the lower half) and a shard of one key or of nulls only (no split)."""
     from persist_lib.consolidate import PARALLEL_PLAN_ROWS
     from persist_lib.kernels import RowSource
 
     rng = np.random.default_rng(11)
     n = PARALLEL_PLAN_ROWS + 50_000
-    for keys in (rng.integers(0, 1_000, n), rng.integers(0, 10**9, n), np.full(n, 7)):
+    ints = [rng.integers(0, 1_000, n), rng.integers(0, 10**9, n), np.full(n, 7)]
+    strs = [f"user_{i}" for i in rng.integers(0, n // 2, n)]
+    with_nulls = [None if i % 97 == 0 else x for i, x in enumerate(strs)]
+    var = [
+        pa.array(strs), pa.array(with_nulls), pa.array([x.encode() if x else None for x in with_nulls]),
+        pa.array(with_nulls, pa.large_string()), pa.array(["same"] * n), pa.array([None] * n, pa.string()),
+    ]
+    for keys in [pa.array(k) for k in ints] + var:
         t = pa.table({
-            "k": pa.array(keys),
+            "k": keys,
             "v": _column(value_kind, rng, n),
             "t": pa.array(rng.integers(0, 3, n)),
             "d": pa.array(rng.choice([-1, 1, 2], n)),
