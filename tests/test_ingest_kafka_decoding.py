@@ -11,6 +11,9 @@ from __future__ import annotations
 import gc
 import json
 import random
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -18,13 +21,17 @@ import pytest
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
 
+from persist_lib.ingest import kafka as kafka_mod  # noqa: E402
 from persist_lib.ingest.decode import DecodeSpec, ErrorRecord, decode_json_lines  # noqa: E402
 from persist_lib.ingest.kafka import (  # noqa: E402
     KafkaSource,
     _Decoded,
     _gc_paused,
     _Msgs,
+    _Prefetcher,
     _split,
+    decode_split,
+    split_batch,
 )
 
 Message = confluent_kafka.Message
@@ -231,3 +238,162 @@ def test_the_reader_never_waits_a_second_for_a_refill() -> None:
     local queue had been full once; ``run_once`` took the pause for the end of the topic."""
     conf = KafkaSource("localhost:1", "t")._consumer_conf()
     assert int(conf["fetch.queue.backoff.ms"]) * 1000 < KafkaSource("localhost:1", "t").poll_s * 1e6
+
+
+class _Batches:
+    """A consumer stand-in for the prefetcher's own logic: ``consume`` hands out fixed
+    batches of hand-built messages in order, then nothing (the broker path is tested
+    against the real broker in test_ingest_kafka.py)."""
+
+    def __init__(self, batches: list[list[Any]]) -> None:
+        self.batches = list(batches)
+        self.calls = 0
+
+    def consume(self, n: int, timeout: float) -> list[Any]:
+        self.calls += 1
+        if not self.batches:
+            if timeout > 0:
+                time.sleep(min(timeout, 0.01))
+            return []
+        b = self.batches[0]
+        if len(b) > n:  # (what consume does: at most n; the rest stays queued)
+            self.batches[0] = b[n:]
+            return b[:n]
+        return self.batches.pop(0)
+
+
+def _drain(pf: _Prefetcher, total: int, timeout: float = 10.0) -> list[Any]:
+    out: list[Any] = []
+    got = 0
+    deadline = time.monotonic() + timeout
+    while got < total:
+        assert time.monotonic() < deadline, f"only {got} of {total} messages came out"
+        for (events, groups), _at in pf.take(10**9, 0.2):
+            out.append((events, groups))
+            got += len(events) + sum(len(m) for _, m in groups)
+    return out
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_prefetcher_hands_batches_over_in_consume_order_whichever_decoding_ends_first(seed: int) -> None:
+    """Two decoding threads finish batches out of order (a random delay per batch): the
+    reader still gets them in the order ``consume`` returned them, and every message's
+    decoding equals decoding its partition's messages at once."""
+    src, spec = _source(False)
+    msgs = _messages(seed, 900, upsert=False)
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(msgs)), 25))
+    batches = [msgs[a:b] for a, b in zip([0, *cuts], [*cuts, len(msgs)], strict=True)]
+    delays = {i: rng.choice([0.0, 0.0, 0.02, 0.05]) for i in range(len(batches))}
+    order: list[int] = []
+    lock = threading.Lock()
+    seq = iter(range(len(batches)))
+
+    def split(ms: list[Any]) -> Any:
+        i = next(seq)
+        return (i, split_batch(src, ms))
+
+    def decode(sp: Any) -> Any:
+        i, inner = sp
+        time.sleep(delays[i])
+        with lock:
+            order.append(i)
+        return decode_split(src, inner)
+
+    pf = _Prefetcher(_Batches(batches), 10**6, "test", split, decode)  # type: ignore[arg-type]
+    try:
+        assert pf._DECODERS >= 2
+        out = _drain(pf, len(msgs))
+    finally:
+        pf.close()
+    assert order != sorted(order), "decoding never finished out of order: the test shows nothing"
+    got: dict[int, list[_Decoded]] = {}
+    events = []
+    for ev, groups in out:
+        events += ev
+        for p, d in groups:
+            got.setdefault(p, []).append(d)
+    assert [(m.partition(), m.offset()) for m in events] == [
+        (m.partition(), m.offset()) for m in msgs if m.error() is not None
+    ]
+    for p, ms in _by_partition(msgs).items():
+        ds = got[p]
+        assert [o for d in ds for o in d.offs] == [m.offset() for m in ms]  # (in order, once)
+        whole = src.decode_messages(str(p), _plain(ms), spec)
+        decs = [d.decode(src, str(p), spec) for d in ds]
+        assert _result([d.rows for d in decs], [e for d in decs for e in d.errors], [d.raw for d in decs]) == (
+            _result([whole.rows], whole.errors, [whole.raw])
+        )
+    assert gc.isenabled() and kafka_mod._gc_depth == 0
+
+
+def test_a_failing_decoding_comes_after_the_batches_before_it_and_stays() -> None:
+    src, _spec = _source(False)
+    msgs = [m for m in _messages(5, 300, upsert=False) if m.error() is None]
+    batches = [msgs[i : i + 50] for i in range(0, len(msgs), 50)]
+    seq = iter(range(len(batches)))
+
+    def split(ms: list[Any]) -> Any:
+        return (next(seq), split_batch(src, ms))
+
+    def decode(sp: Any) -> Any:
+        i, inner = sp
+        if i == 2:
+            raise ValueError("decoding batch 2 failed")
+        time.sleep(0.03 if i < 2 else 0.0)  # (the later batches finish first)
+        return decode_split(src, inner)
+
+    pf = _Prefetcher(_Batches(batches), 10**6, "test", split, decode)  # type: ignore[arg-type]
+    try:
+        first = _drain(pf, 100)
+        assert [o for _, g in first for _, d in g for o in d.offs] == [m.offset() for m in msgs[:100]]
+        for _ in range(2):  # (sticky: the reader can't skip past it)
+            with pytest.raises(ValueError, match="batch 2"):
+                pf.take(10**9, 1.0)
+    finally:
+        pf.close()
+    assert gc.isenabled() and kafka_mod._gc_depth == 0
+
+
+def test_the_collector_is_paused_while_messages_wait_for_decoding_and_back_after_close() -> None:
+    """``Message`` objects are never walked by a collection: the collector is off from a
+    batch's consume until its decoding let go of them; closing with batches still
+    waiting gives the pause back."""
+    src, _spec = _source(False)
+    msgs = [m for m in _messages(7, 200, upsert=False) if m.error() is None]
+    release = threading.Event()
+    started = threading.Event()
+
+    def decode(sp: Any) -> Any:
+        started.set()
+        release.wait(10)
+        return decode_split(src, sp)
+
+    split: Callable[[list[Any]], Any] = lambda ms: split_batch(src, ms)  # noqa: E731
+    assert gc.isenabled()
+    pf = _Prefetcher(_Batches([msgs[:100], msgs[100:]]), 10**6, "test", split, decode)
+    try:
+        assert started.wait(5)
+        assert not gc.isenabled()  # (a batch is in decoding, one more waits)
+        release.set()
+        _drain(pf, len(msgs))
+        deadline = time.monotonic() + 5
+        while not gc.isenabled() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gc.isenabled()  # (everything decoded and taken: nothing holds the pause)
+    finally:
+        release.set()
+        pf.close()
+    assert gc.isenabled() and kafka_mod._gc_depth == 0
+    # closed while batches wait for decoding
+    release.clear()
+    started.clear()
+    pf = _Prefetcher(_Batches([msgs[:50], msgs[50:100], msgs[100:150]]), 10**6, "test", split, decode)
+    assert started.wait(5)
+    deadline = time.monotonic() + 5
+    while pf._undecoded < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not gc.isenabled()
+    threading.Timer(0.2, release.set).start()  # (the decoding in progress ends; close drops the rest)
+    pf.close()
+    assert gc.isenabled() and kafka_mod._gc_depth == 0

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import numpy as np
@@ -79,10 +79,16 @@ _TOMBSTONE = "__kafka_tombstone"
 # reader that drains the queue faster than that then waits for the broker with nothing
 # to do -- measured: a raw consume of 1M messages took 1.5-4 s instead of 0.65-1.3 s, and
 # ``run_once`` took such a pause for the end of the topic (poll_s) and returned early.
+# ``reconnect.backoff.ms`` (librdkafka: 100): a fresh consumer suppresses "connect to
+# any broker" for half of it after its first connection attempt, so its first metadata
+# request or fetch often waited ~50 ms for nothing (a topic check's ``list_topics``
+# against Tansu took 1 or 53 ms, about half the time each); 10 ms (still doubling up to
+# ``reconnect.backoff.max.ms`` while a broker stays down) takes that to a few ms.
 FETCH_SETTINGS: dict[str, Any] = {
     "fetch.wait.max.ms": 100,
     "queued.min.messages": 200_000,
     "fetch.queue.backoff.ms": 50,
+    "reconnect.backoff.ms": 10,
 }
 
 
@@ -341,9 +347,31 @@ _Batch = tuple[list[Any], list[tuple[int, _Held]]]  # (error/event messages, [(p
 _Fetched = tuple[_Batch, float]  # a batch and when ``consume`` returned it (time.monotonic)
 
 
+_BATCH = 20_000  # messages per ``consume()`` call of a prefetcher (at most)
+_B = TypeVar("_B")  # what a ``_consume`` conversion makes of a batch
+
 _gc_lock = threading.Lock()
 _gc_depth = 0
 _gc_was_enabled = False
+
+
+def _gc_hold() -> None:
+    """Python's cyclic garbage collector off until the matching ``_gc_release`` (holds
+    nest, across threads; the state the first one found is restored by the last one)."""
+    global _gc_depth, _gc_was_enabled
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_depth += 1
+
+
+def _gc_release() -> None:
+    global _gc_depth
+    with _gc_lock:
+        _gc_depth -= 1
+        if _gc_depth == 0 and _gc_was_enabled:
+            gc.enable()
 
 
 @contextmanager
@@ -358,40 +386,41 @@ def _gc_paused() -> Iterator[None]:
     walked at all. Collections are only postponed (allocations still count), and the
     block never waits for the broker (``_consume``): it lasts as long as converting one
     batch."""
-    global _gc_depth, _gc_was_enabled
-    with _gc_lock:
-        if _gc_depth == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_depth += 1
+    _gc_hold()
     try:
         yield
     finally:
-        with _gc_lock:
-            _gc_depth -= 1
-            if _gc_depth == 0 and _gc_was_enabled:
-                gc.enable()
+        _gc_release()
 
 
 def _consume(
-    consumer: Any, n: int, timeout: float, convert: Callable[[list[Any]], _Batch],
-    io: AbstractContextManager[Any] | None = None,
-) -> tuple[int, _Batch]:
+    consumer: Any, n: int, timeout: float, convert: Callable[[list[Any]], _B],
+    io: AbstractContextManager[Any] | None = None, hold: bool = False,
+) -> tuple[int, _B]:
     """Up to ``n`` messages and events from ``consumer`` as (how many, ``convert``-ed
     batch): what is queued already, consumed and converted with the garbage collector
     paused; if nothing is, waits up to ``timeout`` for some (the collector on: it is never
-    paused while waiting). ``io``: held around the consumer calls (and the conversion)."""
+    paused while waiting). ``io``: held around the consumer calls (and the conversion).
+    ``hold``: a converted batch comes with the collector still paused (``_gc_hold``) for
+    a stage that still reads its ``Message`` objects; that stage calls ``_gc_release``.
+    Nothing consumed: (0, ``convert([])``), never held."""
     lock = io if io is not None else nullcontext()
     with lock, _gc_paused():
         msgs = consumer.consume(n, 0)
         if msgs:
             size, batch = len(msgs), convert(msgs)
             del msgs  # (the Message objects go before the collector is back)
+            if hold:
+                _gc_hold()
             return size, batch
     if timeout <= 0:
-        return 0, ([], [])
+        return 0, convert([])
     with lock:
         msgs = consumer.consume(n, timeout)
+        if not msgs:
+            return 0, convert([])
+        if hold:
+            _gc_hold()
         return len(msgs), convert(msgs)
 
 
@@ -442,15 +471,35 @@ def _split_materialized(msgs: list[Any]) -> _Batch:
     return events, [(p, m.materialize()) for p, m in groups]
 
 
-def convert_batch(src: KafkaSource, msgs: list[Any]) -> _Batch:
-    """A consumed batch, each partition's messages decoded right away (``_Decoded``),
-    or -- when no ingestion attached its schema -- held as lists for later. What a
-    reader's prefetch thread and its reader process (``kafka_proc``) both run."""
+_Split = tuple[list[Any], list[tuple[int, _Held]], DecodeSpec | None]  # a batch split, not decoded yet
+
+
+def split_batch(src: KafkaSource, msgs: list[Any]) -> _Split:
+    """The first stage of ``convert_batch``: the batch split by partition (``_split``),
+    with the schema to decode it with (None: no ingestion attached one -- the messages
+    are pulled into lists, nothing is left to decode)."""
     events, groups = _split(msgs)
     spec = src._spec
     if spec is None:
-        return events, [(p, m.materialize()) for p, m in groups]
-    return events, [(p, _Decoded.of(src, str(p), m, spec)) for p, m in groups]
+        return events, [(p, m.materialize()) for p, m in groups], None
+    return events, list(groups), spec
+
+
+def decode_split(src: KafkaSource, sp: _Split) -> _Batch:
+    """The second stage of ``convert_batch``: each partition's messages decoded
+    (``_Decoded``); their ``Message`` objects are let go."""
+    events, groups, spec = sp
+    if spec is None:
+        return events, groups
+    return events, [(p, _Decoded.of(src, str(p), cast(_Msgs, m), spec)) for p, m in groups]
+
+
+def convert_batch(src: KafkaSource, msgs: list[Any]) -> _Batch:
+    """A consumed batch, each partition's messages decoded right away (``_Decoded``),
+    or -- when no ingestion attached its schema -- held as lists for later. What a
+    reader's reader process (``kafka_proc``) and a reader without prefetching run; the
+    prefetcher runs its two stages on two threads."""
+    return decode_split(src, split_batch(src, msgs))
 
 
 class KafkaChunk(Chunk):
@@ -689,11 +738,18 @@ class KafkaSource:
         ingestion, ``KafkaTopicGone`` for one that already read from it."""
         if self._spec is not None:
             self._plan(self._spec)
-        c = self.new_consumer()
+        # (the committer asks: it is connected by the time the first binding commits)
+        c = self._committer if self._committer is not None else self.new_consumer()
         try:
             n = self.topic_partitions(c)
-        finally:
+        except BaseException:
+            if c is not self._committer:
+                c.close()
+            raise
+        if not self.commit_offsets:
             c.close()
+        else:
+            self._committer = c
         self._checked = None if n is None else (n, time.monotonic())
 
     def checked_partitions(self, max_age_s: float = 1.0) -> int | None:
@@ -988,18 +1044,56 @@ def _headers_json(h: Any) -> str | None:
     return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
 
 
-class _Prefetcher:
-    """Calls ``consume()`` on a thread, ahead of the reader, and ``convert``s (decodes)
-    each batch there, holding at most ``limit`` messages: building the Python message
-    objects and decoding them overlaps the ingestion's appending (pyarrow's JSON parser
-    and the Parquet writer release the GIL). Batches come out in the order ``consume``
-    returned them, so the reader sees exactly what it would have fetched itself."""
+class _Slot:
+    """One consumed batch in a prefetcher's queue: decoded (``batch``) or failing
+    (``error``) once ``done``."""
 
-    def __init__(self, consumer: Any, limit: int, where: str, convert: Callable[[list[Any]], _Batch]) -> None:
+    __slots__ = ("size", "at", "batch", "error", "done")
+
+    def __init__(self, size: int, at: float) -> None:
+        self.size, self.at = size, at
+        self.batch: _Batch = ([], [])
+        self.error: BaseException | None = None
+        self.done = False
+
+
+class _Prefetcher:
+    """Calls ``consume()`` on a thread, ahead of the reader, and converts each batch in
+    two stages, holding at most ``limit`` messages: the consuming thread splits a batch
+    by partition (``split``: the fields every message needs, read off the ``Message``
+    objects), and one of ``_DECODERS`` decoding threads decodes it (``decode``: mostly
+    pyarrow's JSON parser, which releases the GIL). So consuming, decoding (two batches
+    at once) and the ingestion's appending overlap. Batches come out in the order
+    ``consume`` returned them, whichever decoding finished first, so the reader sees
+    exactly what it would have fetched itself.
+
+    Why two stages on three threads: the one prefetch thread that consumed and decoded
+    (sessions 8-9) was the critical path of an ingestion (~1.1 s of CPU per 1M messages:
+    consume + split ~0.45 s, decoding ~0.65 s). Measured on 1M JSON messages (A/B in one
+    process, medians of 6, docs/ingestion.md section 9): one decoding thread 1.35 s, two
+    1.23 s.
+
+    The garbage collector stays paused from a batch's ``consume`` until its decoding
+    dropped its ``Message`` objects (``_consume(hold=True)``, see ``_gc_paused``): at most
+    ``_MAX_PENDING`` batches wait for or are in decoding, and about every
+    ``_GC_WINDOW_S`` the consuming thread lets the decoding finish them all before it
+    consumes again, so collections still run while messages stream in."""
+
+    _MAX_PENDING = 4
+    _GC_WINDOW_S = 0.25
+    _DECODERS = 2
+
+    def __init__(
+        self, consumer: Any, limit: int, where: str, split: Callable[[list[Any]], _Split],
+        decode: Callable[[_Split], _Batch],
+    ) -> None:
         self._consumer = consumer
-        self._convert = convert
+        self._split = split
+        self._decode = decode
         self._limit = max(1, limit)
-        self._batches: deque[tuple[int, _Batch, float]] = deque()  # (messages and events, batch, consumed at)
+        self._batches: deque[_Slot] = deque()  # consumed, in order; decoded when ``done``
+        self._pending: deque[tuple[_Slot, _Split]] = deque()  # waiting for a decoding thread
+        self._undecoded = 0  # batches consumed and not decoded yet (pending or decoding)
         self._held = 0
         self._cv = threading.Condition()
         self._io = threading.Lock()  # held around every call on the consumer
@@ -1007,28 +1101,65 @@ class _Prefetcher:
         self._stop = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"kafka-prefetch {where}", daemon=True)
+        self._decoders = [
+            threading.Thread(target=self._run_decode, name=f"kafka-decode{i} {where}", daemon=True)
+            for i in range(self._DECODERS)
+        ]
         self._thread.start()
+        for t in self._decoders:
+            t.start()
 
     def _run(self) -> None:
         try:
+            window = time.monotonic()
             while True:
                 with self._cv:
-                    while (self._held >= self._limit or self._waiting) and not self._stop:
+                    while (
+                        self._held >= self._limit or self._waiting or self._undecoded >= self._MAX_PENDING
+                    ) and not self._stop:
                         self._cv.wait(0.1)
                     if self._stop:
                         return
-                    n = max(1, min(20_000, self._limit - self._held))
-                # (converted -- decoded -- here: off the reader's thread)
-                size, batch = _consume(self._consumer, n, 0.05, self._convert, self._io)
+                    if time.monotonic() - window > self._GC_WINDOW_S:
+                        while self._undecoded and not self._stop:  # (decoding lets go of the collector)
+                            self._cv.wait(0.1)
+                    if not self._undecoded:
+                        window = time.monotonic()
+                    n = max(1, min(_BATCH, self._limit - self._held))
+                size, sp = _consume(self._consumer, n, 0.05, self._split, self._io, hold=True)
                 if size:
-                    at = time.monotonic()
+                    slot = _Slot(size, time.monotonic())
                     with self._cv:
-                        self._batches.append((size, batch, at))
+                        self._batches.append(slot)
+                        self._pending.append((slot, sp))
+                        self._undecoded += 1
                         self._held += size
                         self._cv.notify_all()
+                    del sp
         except BaseException as e:  # noqa: BLE001 - handed to the reader's thread
             with self._cv:
                 self._error = e
+                self._cv.notify_all()
+
+    def _run_decode(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._stop:
+                    self._cv.wait(0.1)
+                if self._stop:
+                    return  # (``close`` lets go of what is pending)
+                slot, sp = self._pending.popleft()
+            try:
+                try:
+                    slot.batch = self._decode(sp)
+                except BaseException as e:  # noqa: BLE001 - handed to the reader's thread
+                    slot.error = e
+                del sp  # (the last reference to the Message objects)
+            finally:
+                _gc_release()  # (the hold ``_consume`` took for this batch)
+            with self._cv:
+                slot.done = True
+                self._undecoded -= 1
                 self._cv.notify_all()
 
     @contextmanager
@@ -1049,20 +1180,25 @@ class _Prefetcher:
         """Up to about ``max_n`` messages (whole batches), waiting up to ``timeout`` for one."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while not self._batches and self._error is None:
+            while not (self._batches and self._batches[0].done):
+                if not self._batches and self._error is not None:
+                    raise self._error  # (after every batch consumed before it)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return []
                 self._cv.wait(left)
-            if not self._batches and self._error is not None:
-                raise self._error
             out: list[_Fetched] = []
             got = 0
-            while self._batches and got < max_n:
-                size, b, at = self._batches.popleft()
-                out.append((b, at))
-                got += size
-                self._held -= size
+            while self._batches and self._batches[0].done and got < max_n:
+                slot = self._batches[0]
+                if slot.error is not None:
+                    if out:
+                        break  # (the batches before it first)
+                    raise slot.error
+                self._batches.popleft()
+                out.append((slot.batch, slot.at))
+                got += slot.size
+                self._held -= slot.size
             self._cv.notify_all()
             return out
 
@@ -1071,6 +1207,14 @@ class _Prefetcher:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(30)
+        for t in self._decoders:
+            t.join(30)
+        if any(t.is_alive() for t in self._decoders):
+            return  # (hung in a decode: it lets go of its batch's hold when it returns)
+        with self._cv:
+            while self._pending:  # (never decoded: the collector's holds go with them)
+                self._pending.popleft()
+                _gc_release()
 
 
 class KafkaReader:
@@ -1100,7 +1244,10 @@ class KafkaReader:
             self.close()
             raise
         if prefetch and self._prefetch is None:
-            self._prefetch = _Prefetcher(self._consumer, src.prefetch, src._where(), self._convert)
+            self._prefetch = _Prefetcher(
+                self._consumer, src.prefetch, src._where(),
+                lambda msgs: split_batch(src, msgs), lambda sp: decode_split(src, sp),
+            )
 
     @property
     def position(self) -> Frontier:
