@@ -11,11 +11,13 @@ from __future__ import annotations
 import gc
 import json
 import random
+import shutil
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -397,3 +399,64 @@ def test_the_collector_is_paused_while_messages_wait_for_decoding_and_back_after
     threading.Timer(0.2, release.set).start()  # (the decoding in progress ends; close drops the rest)
     pf.close()
     assert gc.isenabled() and kafka_mod._gc_depth == 0
+
+
+def _native_module() -> Any:
+    try:
+        from persist_lib.ingest import _kafka_split  # type: ignore[attr-defined]
+    except ImportError:
+        if shutil.which("cc") or shutil.which("gcc"):
+            pytest.fail("persist_lib.ingest._kafka_split is not built though a C compiler is here: pip install -e .")
+        pytest.skip("no C compiler: the native split is not built")
+    return _kafka_split
+
+
+def _python_split(msgs: list[Any]) -> tuple[list[Any], list[tuple[int, _Msgs]]]:
+    saved = kafka_mod._native
+    kafka_mod._native = False
+    try:
+        return _split(msgs)
+    finally:
+        kafka_mod._native = saved
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_native_split_gives_what_the_python_split_gives(seed: int) -> None:
+    """The C split (``_kafka_split``) against the Python one on random batches: the same
+    runs (partition changes, re-fetched offsets), offsets, values, Message objects; the
+    values joined exactly when no value is a tombstone or holds a line break; events and
+    anything but ``Message`` objects go to the Python path."""
+    native = _native_module()
+    assert native.bind(Message)
+    rng = random.Random(seed)
+    msgs = [m for m in _messages(seed, 700, upsert=seed % 2 == 1) if m.error() is None]
+    # re-fetched offsets, empty values, values with line breaks
+    extra = [Message(topic="t", partition=0, offset=o, value=v) for o, v in [(3, b""), (2, b"a\rb"), (2, b"{}")]]
+    msgs[100:100] = extra
+    for k in range(16):
+        i = rng.randrange(len(msgs))
+        batch = msgs[i : i + rng.randrange(1, 200)]
+        runs = native.split(batch)
+        assert runs is not None
+        ev, groups = _python_split(batch)
+        assert ev == []
+        assert [(p, m.offs, m.vals) for p, m in groups] == [(r[0], r[3], r[4]) for r in runs]
+        assert [batch[r[1] : r[2]] for r in runs] == [m.msgs for _, m in groups]
+        for r, (_, m) in zip(runs, groups, strict=True):
+            clean = None not in m.vals and not any(b"\n" in v or b"\r" in v for v in m.vals if v is not None)
+            assert r[5] == (b"\n".join(cast(list[bytes], m.vals)) if clean else None)
+            assert np.frombuffer(r[6], dtype=np.int64).tolist() == [0 if v is None else len(v) for v in m.vals]
+        if k % 4:
+            continue
+        # what the reader gets through _split either way decodes the same
+        src, spec = _source(seed % 2 == 1)
+        nat = _split(batch)[1]
+        assert all(m.joined is not None or r[5] is None for (_, m), r in zip(nat, runs, strict=True))
+        for (p, a), (_, b) in zip(nat, groups, strict=True):
+            da, db = src.decode_messages(str(p), a, spec), src.decode_messages(str(p), b, spec)
+            assert _result([da.rows], da.errors, [da.raw]) == _result([db.rows], db.errors, [db.raw])
+            assert _Decoded.of(src, str(p), a, spec).vlen == _Decoded.of(src, str(p), b, spec).vlen
+    eof = Message(topic="t", partition=1, offset=3, error=KafkaError(KafkaError._PARTITION_EOF))
+    assert native.split(msgs[:5] + [eof]) is None  # (events: the Python path)
+    assert native.split([*msgs[:3], "not a message"]) is None
+    assert native.split([]) == []

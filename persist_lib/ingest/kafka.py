@@ -28,6 +28,7 @@ import gc
 import json
 import logging
 import operator
+import os
 import threading
 import time
 from collections import deque
@@ -154,7 +155,7 @@ class _Msgs:
     them made every full garbage collection walk them all, about a second of CPU per
     million messages."""
 
-    __slots__ = ("msgs", "offs", "vals", "_keys", "_ts", "_hdrs")
+    __slots__ = ("msgs", "offs", "vals", "_keys", "_ts", "_hdrs", "joined", "vlen")
 
     def __init__(
         self,
@@ -165,8 +166,14 @@ class _Msgs:
         keys: list[bytes | None] | None = None,
         ts: list[int | None] | None = None,
         hdrs: list[Any] | None = None,
+        joined: bytes | None = None,
+        vlen: list[int] | None = None,
     ) -> None:
         self.msgs = msgs
+        # (from the native split: the values joined by b"\n" -- only when none is None or
+        # holds a line break -- and their lengths; dropped by slicing and extending)
+        self.joined = joined
+        self.vlen = vlen
         self.offs: list[int] = offs if offs is not None else []
         self.vals: list[bytes | None] = vals if vals is not None else []
         self._keys, self._ts, self._hdrs = keys, ts, hdrs
@@ -228,6 +235,7 @@ class _Msgs:
         """Appends the messages of ``o`` after the last offset held; returns how many."""
         self.materialize()
         o.materialize()
+        self.joined = self.vlen = None
         if self.offs and o.offs and o.offs[0] <= self.offs[-1]:  # a re-fetch after a reconnect
             o = o.slice(bisect.bisect_right(o.offs, self.offs[-1]), len(o))
         self.offs.extend(o.offs)
@@ -243,7 +251,7 @@ class _Msgs:
 
         return _Msgs(
             part(self.msgs), self.offs[i:j], self.vals[i:j],
-            keys=part(self._keys), ts=part(self._ts), hdrs=part(self._hdrs),
+            keys=part(self._keys), ts=part(self._ts), hdrs=part(self._hdrs), vlen=part(self.vlen),
         )
 
     def decode(self, src: KafkaSource, partition: str, spec: DecodeSpec) -> Decoded:
@@ -289,10 +297,13 @@ class _Decoded:
                 f"{src._where()} partition {partition}: {n} messages decoded to {d.rows.num_rows} rows "
                 f"and {len(d.errors)} errors"
             )
-        try:
-            vlen = list(map(len, cast(list[bytes], m.vals)))
-        except TypeError:  # (null values: tombstones)
-            vlen = [0 if v is None else len(v) for v in m.vals]
+        if m.vlen is not None:
+            vlen = m.vlen
+        else:
+            try:
+                vlen = list(map(len, cast(list[bytes], m.vals)))
+            except TypeError:  # (null values: tombstones)
+                vlen = [0 if v is None else len(v) for v in m.vals]
         return cls(m.offs, d.rows, d.errors, d.raw, vlen, spec)
 
     def __len__(self) -> int:
@@ -433,6 +444,12 @@ def _split(msgs: list[Any]) -> tuple[list[Any], list[tuple[int, _Msgs]]]:
         return [], []
     from confluent_kafka import Message
 
+    runs = _native_split(msgs)
+    if runs is not None:
+        return [], [
+            (p, _Msgs(msgs[i:j], offs, vals, joined=joined, vlen=np.frombuffer(lens, dtype=np.int64).tolist()))
+            for p, i, j, offs, vals, joined, lens in runs
+        ]
     errs = list(map(Message.error, msgs))
     events: list[Any] = []
     if any(errs):  # (a KafkaError is truthy; its __eq__ rejects None, so no errs.count(None))
@@ -454,6 +471,32 @@ def _split(msgs: list[Any]) -> tuple[list[Any], list[tuple[int, _Msgs]]]:
         (parts[i], _Msgs(msgs[i:j], offs[i:j], vals[i:j]))
         for i, j in zip([0, *cuts], [*cuts, n], strict=True)
     ]
+
+
+_native: Any = None  # persist_lib.ingest._kafka_split once bound; False: not available
+
+
+def _native_split(msgs: list[Any]) -> list[tuple[int, int, int, list[int], list[bytes | None], bytes | None, bytes]] | None:
+    """``_split``'s work (and decoding's join of the values) in one C pass when the
+    optional extension ``_kafka_split`` is built (see its source): None when it is not,
+    or when the batch holds an event (then the Python path). ``PERSIST_KAFKA_NATIVE=0``
+    turns it off."""
+    global _native
+    if _native is None:
+        _native = False
+        if os.environ.get("PERSIST_KAFKA_NATIVE", "1") != "0":
+            try:
+                from confluent_kafka import Message
+
+                from persist_lib.ingest import _kafka_split  # type: ignore[attr-defined]
+
+                if _kafka_split.bind(Message):
+                    _native = _kafka_split
+            except ImportError:
+                log.info("persist_lib.ingest._kafka_split is not built: Kafka batches are split in Python")
+    if _native is False:
+        return None
+    return cast(Any, _native).split(msgs)
 
 
 def _extend(b: _Held, ms: _Held) -> int:
@@ -904,7 +947,7 @@ class KafkaSource:
             idx = np.flatnonzero(~tomb)
             # (in idx order; with no tombstone the values are all bytes)
             vals = [v for v in vals_all if v is not None] if len(idx) < n else cast(list[bytes], vals_all)
-            self._fill(spec, "value", self.value_format, vals, idx, n, from_val, vfield, cols, bad)
+            self._fill(spec, "value", self.value_format, vals, idx, n, from_val, vfield, cols, bad, m.joined)
         if self.key_format != "none":
             keys_all = m.keys
             if None in keys_all:
@@ -937,18 +980,22 @@ class KafkaSource:
     def _fill(
         self, spec: DecodeSpec, what: str, fmt: str, data: list[bytes], idx: Any, n: int,
         fields: list[pa.Field], single: str | None, cols: dict[str, pa.Array], bad: dict[int, tuple[str, str]],
+        clean_joined: bytes | None = None,
     ) -> None:
-        """Decodes keys or values (present at positions ``idx`` of ``n``) into ``cols``."""
+        """Decodes keys or values (present at positions ``idx`` of ``n``) into ``cols``.
+        ``clean_joined``: ``b"\n".join(data)``, known to hold no line break inside a
+        value (the native split checked)."""
         pos = np.full(n, -1, dtype=np.int64)  # position -> row of the decoded table (-1: null)
         if fmt == "json":
             if not fields:
                 return
             lines: list[bytes] = data
             pre_bad: dict[int, tuple[str, str]] = {}
-            joined: bytes | None = b"\n".join(data)
             scalar_key = what == "key" and len(fields) == 1
+            clean = clean_joined is not None and not scalar_key
+            joined: bytes | None = clean_joined if clean else b"\n".join(data)
             assert joined is not None
-            if scalar_key or b"\r" in joined or joined.count(b"\n") != len(data) - 1:
+            if not clean and (scalar_key or b"\r" in joined or joined.count(b"\n") != len(data) - 1):
                 joined = None
                 lines = []  # the slow path: a record spans lines, or scalar keys to wrap
                 for j, b in enumerate(data):
