@@ -30,6 +30,7 @@ costs ~4 µs per list element.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -94,12 +95,18 @@ def _dense_by_sort(col: pa.ChunkedArray) -> Ranks:
 _SAMPLE = 4096
 
 
+@functools.lru_cache(maxsize=64)
+def _sample_rows(n: int) -> pa.Array:
+    """The fixed random sample of ``_SAMPLE`` row numbers out of ``n`` (memoized: drawing
+    it permutes all ``n``, ~1 ms for 100k rows, and parts of one size recur)."""
+    return pa.array(np.sort(np.random.default_rng(0).choice(n, _SAMPLE, replace=False)))
+
+
 def _estimated_distinct(col: pa.Array | pa.ChunkedArray) -> float:
     """Estimates the number of distinct values from duplicates in a fixed random sample
     (of ``_SAMPLE`` rows: ``col`` must be longer)."""
     n = len(col)
-    idx = np.sort(np.random.default_rng(0).choice(n, _SAMPLE, replace=False))
-    sample = col.take(pa.array(idx))
+    sample = col.take(_sample_rows(n))
     dups = _SAMPLE - pc.count_distinct(sample, mode="all").as_py()
     if dups <= 0:
         return float(n)
