@@ -1177,6 +1177,10 @@ class _Prefetcher:
                 if size:
                     slot = _Slot(size, time.monotonic())
                     with self._cv:
+                        if self._stop:  # (closed meanwhile: nobody decodes it)
+                            del sp
+                            _gc_release()
+                            return
                         self._batches.append(slot)
                         self._pending.append((slot, sp))
                         self._undecoded += 1
@@ -1257,9 +1261,11 @@ class _Prefetcher:
         for t in self._decoders:
             t.join(30)
         if any(t.is_alive() for t in self._decoders):
-            return  # (hung in a decode: it lets go of its batch's hold when it returns)
+            log.warning("a Kafka decoding thread did not stop within 30 s (a batch's decoding hangs)")
         with self._cv:
-            while self._pending:  # (never decoded: the collector's holds go with them)
+            # never decoded (a decoding thread takes a batch only while not stopped, under
+            # the lock): their holds on the collector go with them
+            while self._pending:
                 self._pending.popleft()
                 _gc_release()
 
