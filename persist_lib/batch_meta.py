@@ -30,6 +30,9 @@ class PartMeta:
     tmax: int  # largest update time in the part
     inline: bytes | None = None  # the encoded bytes, for tiny parts kept in state
     sorted: bool = True  # False: rows in arrival order, not consolidated (a bulk write)
+    # Arrow bytes of the part decoded, as its writer measured them (None: written before
+    # writers recorded it): merges plan their memory with it (compactor.estimate_decoded_bytes)
+    decoded: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -45,6 +48,8 @@ class PartMeta:
             d["inline"] = base64.b64encode(self.inline).decode("ascii")
         if not self.sorted:
             d["unsorted"] = True
+        if self.decoded is not None:
+            d["decoded"] = self.decoded
         return d
 
     @classmethod
@@ -59,6 +64,7 @@ class PartMeta:
             tmax=int(d["tmax"]),
             inline=base64.b64decode(inline) if inline is not None else None,
             sorted=not d.get("unsorted", False),
+            decoded=int(d["decoded"]) if d.get("decoded") is not None else None,
         )
 
     @property

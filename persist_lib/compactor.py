@@ -294,10 +294,14 @@ MIN_CHUNK_ROWS = 64
 def estimate_decoded_bytes(p: PartMeta, schemas: Schemas) -> int:
     """Arrow bytes of a decoded part, before decoding it: fixed-width fields exactly,
     variable-width ones from the part's encoded bytes per row (compressed data expands
-    ~2-4x; we take 4x to be safe)."""
+    ~2-4x; we take 4x to be safe), and never less than what its writer measured
+    (``PartMeta.decoded``): repetitive strings compress far more than 4x (~300:1 for
+    long repeated ones), and merges planned with the guess alone held several times
+    their budget."""
     fixed, variable = _row_layout(schemas)
     per_row_var = 4.0 * p.size / max(p.count, 1) if variable else 0.0
-    return int(p.count * (fixed + per_row_var)) + 4096
+    guess = int(p.count * (fixed + per_row_var)) + 4096
+    return guess if p.decoded is None else max(guess, p.decoded + 4096)
 
 
 @functools.lru_cache(maxsize=256)

@@ -277,6 +277,7 @@ def part_meta_for(
         tmax=int(mm["max"].as_py()),
         inline=bytes(data) if inline else None,
         sorted=sorted,
+        decoded=table.nbytes,
     )
 
 

@@ -36,7 +36,8 @@ from persist_lib.frontier import Antichain
 # 1.1: quarantined_merges. 2.0: parts may be unsorted (``PartMeta.sorted``): code that
 # assumes every part sorted must not read such a state, hence a major version.
 FORMAT_MAJOR = 2
-FORMAT_MINOR = 0
+# 2.1: parts may carry ``decoded`` (their Arrow size as written); 2.0 code ignores it
+FORMAT_MINOR = 1
 CODE_VERSION = "0.1.0"
 
 

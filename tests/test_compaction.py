@@ -506,3 +506,46 @@ def test_in_memory_merge_falls_back_to_streaming_when_parts_decode_too_large() -
     got = pa.concat_tables([fetch_part(blob, p, schemas, "s1") for p in out.batch.parts])
     assert got.equals(consolidate(pa.concat_tables(tables)))
     assert out.stats.steps >= 1, out.stats  # the streaming merge ran (the in-memory one has no steps)
+
+
+@pytest.mark.parametrize("in_memory", [False, None], ids=["streaming", "chosen"])
+def test_merges_stay_within_budget_when_parts_compress_far_more_than_assumed(in_memory: bool | None) -> None:
+    """Decoded sizes were estimated from encoded bytes (x4): strings that compress
+    ~300:1 decode ~75x larger than that, and the merge folded and held far past its
+    budget. Writers now record each part's decoded size and the estimate never goes
+    below it: many small parts of such strings merge within the budget, exactly."""
+    from persist_lib.compactor import estimate_decoded_bytes
+    from persist_lib.location.mem import MemBlob
+
+    schemas = Schemas.create(KEY, VAL)
+    blob = MemBlob(uuid.uuid4().hex)
+    rng = np.random.default_rng(5)
+    inputs, tables = [], []
+    for i in range(24):
+        n = 400
+        t = pa.table(
+            {
+                "k.k": pa.array(np.sort(rng.integers(0, 100_000, n))),
+                "v.v": pa.array(["y" * 2_000 + str(j % 5) for j in range(n)]),
+                "t": pa.array(np.full(n, i, dtype=np.int64)),
+                "d": pa.array(np.ones(n, dtype=np.int64)),
+            },
+            schema=internal_schema(schemas),
+        )
+        inputs.append(build_batch(blob, schemas, consolidate(t), shard="s1", writer="w1", lower=i, upper=i + 1,
+                                  target_part_bytes=8 << 20, inline_threshold=0))
+        tables.append(t)
+    parts = [p for b in inputs for p in b.parts]
+    assert all(p.decoded is not None and p.decoded >= 400 * 2_000 for p in parts)
+    assert all(estimate_decoded_bytes(p, schemas) >= p.decoded for p in parts)  # type: ignore[operator]
+    budget = 12 << 20
+    assert sum(t.nbytes for t in tables) > budget  # (19 MB decoded; encoded: ~70 KB)
+    out = merge_batches(
+        blob, schemas, shard="s1", inputs=tuple(inputs), lower=Antichain([0]), upper=Antichain([24]),
+        since=Antichain([0]), memory_budget=budget, target_part_bytes=1 << 20, inline_threshold=0,
+        in_memory=in_memory,
+    )
+    st = out.stats
+    assert st.peak_bytes_held + st.output_reserve_bytes <= budget, st
+    got = pa.concat_tables([fetch_part(blob, p, schemas, "s1") for p in out.batch.parts])
+    assert got.equals(consolidate(pa.concat_tables(tables)))
