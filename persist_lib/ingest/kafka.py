@@ -1124,7 +1124,9 @@ class _Prefetcher:
     dropped its ``Message`` objects (``_consume(hold=True)``, see ``_gc_paused``): at most
     ``_MAX_PENDING`` batches wait for or are in decoding, and about every
     ``_GC_WINDOW_S`` the consuming thread lets the decoding finish them all before it
-    consumes again, so collections still run while messages stream in."""
+    consumes again, so collections still run while messages stream in. (The pause is
+    process-wide: several readers streaming in one process at once only leave a window
+    when all of their decodings are drained together.)"""
 
     _MAX_PENDING = 4
     _GC_WINDOW_S = 0.25
