@@ -198,7 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     fn = _COMMANDS[ns.command][0]
     try:
-        config = PersistConfig(retry_deadline_s=ns.timeout, background_heartbeats=False)
+        # Background heartbeats: a long merge (compact), query (sql) or read (snapshot,
+        # tail, a slow pipe) keeps its leases, instead of being expired and redone.
+        config = PersistConfig(retry_deadline_s=ns.timeout)
         if _CREATES_LOCATION.get(ns.command, lambda ns: False)(ns):
             client = PersistClient.open(ns.blob, ns.consensus, config)
         else:

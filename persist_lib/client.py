@@ -3,8 +3,10 @@
 One client holds one Blob and one Consensus (wrapped in retries with backoff up to a
 deadline). Handles of every client in a process share one cached state per shard.
 A background thread heartbeats live handles every lease/4 (configurable); it survives
-any error of a single heartbeat (logged, retried next tick) and is restarted if it
-ever dies. A client keeps at most ``config.max_cached_shards`` shard machines (least
+any error of a single heartbeat (logged, retried next tick), and it watches its own
+loop: should the loop ever end by an exception (a BaseException such as an interrupt
+included), the thread logs it and runs the loop again, so the handles already open
+keep their leases without waiting for a new handle to be opened. A client keeps at most ``config.max_cached_shards`` shard machines (least
 recently used first out; handles keep their own), so a long-lived process that
 inspects many shards stays bounded.
 """
@@ -94,6 +96,7 @@ class PersistClient:
         self._lock = threading.Lock()
         self._machines: OrderedDict[str, Machine] = OrderedDict()
         self.heartbeat_failures = 0  # heartbeats that raised (each logged)
+        self.heartbeat_loop_restarts = 0  # times the heartbeat loop died and was rerun
         self._uploads: ThreadPoolExecutor | None = None
         if self.metrics is not None:
             serve_if_configured(self.config)  # the HTTP endpoint, if asked for (once)
@@ -146,6 +149,10 @@ class PersistClient:
 
     def close(self) -> None:
         self._hb_stop.set()
+        hb = self._hb_thread
+        if hb is not None and hb is not threading.current_thread():
+            # A heartbeat in flight finishes before the location is closed under it.
+            hb.join(timeout=HEARTBEAT_JOIN_S)
         if self._uploads is not None:
             self._uploads.shutdown(wait=True)
             self._uploads = None
@@ -321,7 +328,7 @@ class PersistClient:
         self._track(lease)
 
     def ensure_heartbeats(self) -> None:
-        """Starts the heartbeat thread, or restarts it if it died."""
+        """Starts the heartbeat thread (or a new one, should it have ended anyway)."""
         if not self.config.background_heartbeats or self._hb_stop.is_set():
             return
         t = self._hb_thread
@@ -333,7 +340,7 @@ class PersistClient:
                 if t is not None:
                     log.error("persist heartbeat thread had died; restarting it")
                 self._hb_thread = threading.Thread(
-                    target=self._heartbeat_loop, name="persist-heartbeat", daemon=True
+                    target=self._heartbeat_thread, name="persist-heartbeat", daemon=True
                 )
                 self._hb_thread.start()
 
@@ -345,6 +352,18 @@ class PersistClient:
         if isinstance(lease, int):
             return lease
         return self.config.writer_lease_ms if isinstance(h, WriteHandle) else self.config.reader_lease_ms
+
+    def _heartbeat_thread(self) -> None:
+        """The heartbeat thread, and the watchdog of its loop: whatever ends the loop
+        (BaseExceptions included: nothing else in this thread would handle them), it is
+        logged and the loop runs again after a tick, until the client is closed."""
+        while not self._hb_stop.is_set():
+            try:
+                self._heartbeat_loop()
+            except BaseException as e:  # noqa: BLE001 - the thread must outlive its loop
+                self.heartbeat_loop_restarts += 1
+                log.error("persist heartbeat loop died (%r); restarting it", e, exc_info=True)
+                self._hb_stop.wait(self.config.heartbeat_tick_s)
 
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self.config.heartbeat_tick_s):
@@ -427,6 +446,8 @@ class PersistClient:
 
 
 _BG_LOCK = threading.Lock()  # creates a client's background compactor once
+#: How long ``close`` waits for a heartbeat in flight.
+HEARTBEAT_JOIN_S = 5.0
 
 
 def _is_shard_id(k: str) -> bool:

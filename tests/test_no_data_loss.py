@@ -431,29 +431,6 @@ def test_heartbeat_thread_survives_unexpected_errors(exc: Exception) -> None:
     client.close()
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_dead_heartbeat_thread_is_restarted() -> None:
-    client = mem_client(background_heartbeats=True, heartbeat_tick_s=0.02, reader_lease_ms=400)
-    shard = ShardId.new()
-    r = client.open_leased_reader(shard, KEY, VAL)
-    t = client._hb_thread
-    assert t is not None
-    orig_loop = client.heartbeat_due
-
-    def die() -> int:
-        raise SystemExit("the thread died")
-
-    client.heartbeat_due = die  # type: ignore[method-assign]
-    t.join(5)
-    assert not t.is_alive()
-    client.heartbeat_due = orig_loop  # type: ignore[method-assign]
-    dead_at = client.config.now_ms()
-    client.open_writer(shard, KEY, VAL)  # opening a handle restarts it
-    assert client._hb_thread is not t and client._hb_thread is not None
-    assert _wait_for_heartbeat_after(client, shard, r.reader_id, dead_at)
-    client.close()
-
-
 # ----- defect 6: linear GC transitions ------------------------------------------------------
 
 

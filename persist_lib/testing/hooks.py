@@ -66,8 +66,10 @@ class InterruptPlan:
         kinds: tuple[type[BaseException], ...] = INTERRUPTS,
         *,
         main_thread_only: bool = False,
+        limit: int | None = None,
     ) -> None:
         self.rng = random.Random(seed)
+        self.limit = limit  # interrupts to raise at most (None: no limit)
         self.rate = rate
         self.kinds = kinds
         # Interrupts reach a program's main thread (KeyboardInterrupt, a cancellation);
@@ -83,6 +85,8 @@ class InterruptPlan:
             return None
         with self.lock:
             if not self.enabled or self.rng.random() >= self.rate:
+                return None
+            if self.limit is not None and sum(self.counts.values()) >= self.limit:
                 return None
             where = "after" if self.rng.random() < 0.5 else "before"
             self.counts[where] += 1
