@@ -6,7 +6,8 @@ conditions that a retry may clear are ``SourceUnavailable``. Two conditions mean
 ingestion can't continue *definitely* and need a human: ``NeedsNewRendition`` (an
 instance computed different updates than the ones already committed, so the pipeline
 changed or is not deterministic) and ``SourceDataGone`` (the source no longer serves
-addresses the output still depends on).
+addresses the output still depends on). ``ReplayUnverifiable``: an instance replays
+committed times that compaction has folded into the since, where no check is possible.
 """
 
 from __future__ import annotations
@@ -64,6 +65,32 @@ class NeedsNewRendition(IngestError):
 
 class IngestInvariantError(IngestError):
     """Persist state contradicts the ingestion recipe (e.g. an output ahead of the remap)."""
+
+
+class ReplayUnverifiable(IngestError):
+    """An instance replays times another writer committed, but can't check them.
+
+    A verified append compares what it would write with what is committed. Below the
+    output's since, compaction has folded the committed updates into the since together
+    with older ones; the comparison is then only possible on the contents at the since
+    when the replay starts at time 0. Otherwise nothing can tell whether the committed
+    updates are the ones this instance computes, and accepting them unchecked is what a
+    verified append must never do: the ingestion stops, nothing is written.
+    """
+
+    def __init__(self, output: str, lower: int, upper: int, since: int | None, why: str) -> None:
+        self.output = output
+        self.lower = lower
+        self.upper = upper
+        self.since = since
+        super().__init__(
+            f"ingestion output {output}: this instance replays times [{lower}, {upper}) that "
+            f"another writer committed, but its since is {since if since is not None else 'empty'} "
+            f"({why}), so they can't be checked against what it computes; nothing was written. "
+            "This happens when an output lags the others by more than since_window_ms (e.g. "
+            "keep_raw turned on again after a while without it). Ingest into a new rendition (or "
+            "under a new name) from the source, or keep every output of an ingestion together"
+        )
 
 
 class KafkaDataGone(SourceDataGone):

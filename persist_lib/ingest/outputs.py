@@ -8,8 +8,12 @@ instance may assert so on any write that finds the times already written. So an
 append of ``[lower, upper)`` is a ``compare_and_append`` at the shard's upper; for
 every part of the range another writer already committed, the committed updates are
 read back and compared with ours, and a difference raises ``NeedsNewRendition``
-(the committed data stays as it is). Every time range is thus either written by this
-instance or checked equal to what it would have written.
+(the committed data stays as it is). Where the output's since has passed the start of
+the range, compaction may have folded the committed updates into the since: the range
+is then checked on its contents at the since (possible when it starts at time 0), and
+otherwise the append stops with ``ReplayUnverifiable``. Every time range is thus either
+written by this instance or checked equal to what it would have written (at the since,
+for times the since has passed), or the ingestion stops.
 
 Adapters:
 - ``ShardOutputs``: plain persist shards whose ids derive from the ingestion name and
@@ -34,7 +38,12 @@ from persist_lib.consolidate import consolidate
 from persist_lib.errors import InvalidUsage, UpperMismatch
 from persist_lib.frontier import Antichain
 from persist_lib.ids import ShardId
-from persist_lib.ingest.errors import IngestConfigError, IngestInvariantError, NeedsNewRendition
+from persist_lib.ingest.errors import (
+    IngestConfigError,
+    IngestInvariantError,
+    NeedsNewRendition,
+    ReplayUnverifiable,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.client import PersistClient
@@ -57,7 +66,6 @@ def shard_id_for(name: str, role: str) -> ShardId:
 class AppendStats:
     written: int = 0  # time ranges this instance committed
     verified: int = 0  # time ranges found committed by another writer and checked equal
-    unverifiable: int = 0  # ranges committed by another writer whose history was compacted
 
 
 class Output(Protocol):
@@ -196,23 +204,51 @@ class ShardOutput:
         self._w.compare_and_append_batch(batch, lo, upper)  # (deletes the parts if it certainly lost)
 
     def _verify(self, ours: pa.Table, lo: int, hi: int) -> None:
+        """Checks ``ours`` (times from ``lo``) against what another writer committed at
+        times in ``[lo, hi)``; raises ``NeedsNewRendition`` on a difference and
+        ``ReplayUnverifiable`` where no check is possible. Never accepts unchecked."""
         if hi <= lo:
             return
-        since = self._r.since.time or 0
-        if not (since < lo or lo == 0):
-            # Times before the since were forwarded to it: the range isn't exact any more.
-            self.stats.unverifiable += 1
-            log.warning(
-                "%s: can't verify [%d, %d) against the committed updates: history before the "
-                "since %d was compacted", self.label, lo, hi, since,
-            )
-            return
-        theirs = self._r.updates_between(lo, hi)
         mine = ours.filter(pc.less(ours["ts"], hi)) if ours.num_rows else ours
-        detail = _same_updates(mine, theirs, self.schemas, self.label)
+        since = self._r.since.time
+        if since is not None and (since < lo or since == lo == 0):
+            # Times in the range were never forwarded: the committed updates are exact.
+            detail = _same_updates(mine, self._r.updates_between(lo, hi), self.schemas, self.label)
+        else:
+            detail = self._verify_at_since(mine, lo, hi, since)
         if detail is not None:
             raise NeedsNewRendition(self.label, lo, hi, detail)
         self.stats.verified += 1
+
+    def _verify_at_since(self, mine: pa.Table, lo: int, hi: int, since: int | None) -> str | None:
+        """The range reaches the since: compaction may have forwarded the committed
+        updates at times <= since to the since, folded together with every older update.
+        Decidable when the range starts at 0 (then nothing older exists): the contents
+        at the since must be ours advanced to it, and the updates after it must be ours
+        exactly. Otherwise ``ReplayUnverifiable``."""
+        if since is None:
+            raise ReplayUnverifiable(self.label, lo, hi, since, "the shard can't be read any more")
+        if lo > 0:
+            raise ReplayUnverifiable(
+                self.label, lo, hi, since,
+                f"updates before {lo} were folded into the since with the committed ones",
+            )
+        if since >= hi:
+            raise ReplayUnverifiable(
+                self.label, lo, hi, since,
+                f"the contents at the since include committed times [{hi}, {since}] this "
+                "instance has not computed yet",
+            )
+        below = mine.filter(pc.less_equal(mine["ts"], since)) if mine.num_rows else mine
+        i = below.schema.get_field_index("ts")
+        below = below.set_column(
+            i, below.schema.field(i), pa.array([since] * below.num_rows, below.schema.field(i).type)
+        )
+        detail = _same_updates(below, self._r.snapshot(since), self.schemas, self.label)
+        if detail is not None or since + 1 >= hi:
+            return detail
+        above = mine.filter(pc.greater(mine["ts"], since)) if mine.num_rows else mine
+        return _same_updates(above, self._r.updates_between(since + 1, hi), self.schemas, self.label)
 
     def snapshot(self, as_of: int) -> pa.Table:
         return self._r.snapshot(as_of)
@@ -305,7 +341,6 @@ class CollectionOutput:
         self._cw.append([], upper, upper)  # advances the collection's metadata upper
         self.stats.written = sum(s.stats.written for s in self._shards)
         self.stats.verified = sum(s.stats.verified for s in self._shards)
-        self.stats.unverifiable = sum(s.stats.unverifiable for s in self._shards)
 
     def snapshot(self, as_of: int) -> pa.Table:
         tables = [s.snapshot(as_of) for s in self._shards]
