@@ -108,6 +108,14 @@ def test_history_catches_delete_on_any_exception(tmp_path: Path) -> None:
     assert res.report.by_kind().keys() & kinds, res.describe()
 
 
+def test_history_catches_a_verified_append_that_skips_below_the_since(tmp_path: Path) -> None:
+    """Issue 26: divergent verified appends (their reader's since moved into the
+    replayed range) must stop; with the old skip-and-count one returns normally."""
+    kinds = {"unverified_replay_accepted"}
+    res = _caught(14, tmp_path, None, "verified_append_skips", kinds, verified_append_rate=0.3)
+    assert res.report.by_kind().keys() & kinds, res.describe()
+
+
 def test_background_compaction_control_catches_immediate_retry() -> None:
     assert background_compaction_catches(None) is None, "the real code hot-loops or never quarantines"
     assert background_compaction_catches("immediate_retry") is not None, "the hot loop went unnoticed"

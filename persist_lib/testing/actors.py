@@ -36,7 +36,12 @@ The fault model beyond location errors and kill -9 (issue 13):
   (``heartbeat_fault_rate``) in the heartbeat thread, which must survive it: an actor
   that finds the thread dead while it holds handles logs ``heartbeat_thread_dead``;
 - **concurrent first opens**: with ``fresh_start`` nothing creates the location or the
-  shard before the actors, which all start at once.
+  shard before the actors, which all start at once;
+- **divergent verified appends** (``verified_append_rate``, issue 26): a writer replays
+  committed times through an ingestion output's verified append
+  (``ingest.outputs.ShardOutput``) with updates that differ from the committed ones,
+  often from below the since; it must stop (``NeedsNewRendition`` or
+  ``ReplayUnverifiable``), never return normally.
 """
 
 from __future__ import annotations
@@ -119,6 +124,9 @@ class HistoryConfig:
     unsorted_min_bytes: int | None = None
     # Merges that fit their budget run in memory (False: always the streaming merge).
     compaction_in_memory: bool = True
+    # Writer steps that replay committed times with divergent updates through a
+    # verified append (module docstring).
+    verified_append_rate: float = 0.0
 
     @property
     def lease_slack_ms(self) -> float:
@@ -172,6 +180,16 @@ def definite_records(seed: int, t: int) -> list[tuple[str, int]]:
 
 def definite_updates(seed: int, lo: int, hi: int) -> list[Update]:
     return [(((k,), (v,)), t, 1) for t in range(lo, hi) for k, v in definite_records(seed, t)]
+
+
+def _user_table(ups: list[Update]) -> pa.Table:
+    """Updates in the user layout (``k``, ``v``, ``ts``, ``diff``)."""
+    return pa.table({
+        "k": pa.array([u[0][0][0] for u in ups], pa.string()),
+        "v": pa.array([u[0][1][0] for u in ups], pa.int64()),
+        "ts": pa.array([u[1] for u in ups], pa.int64()),
+        "diff": pa.array([u[2] for u in ups], pa.int64()),
+    })
 
 
 def actor_seed(seed: int, actor: str, incarnation: int) -> int:
@@ -267,10 +285,13 @@ def build_location(
 
 def classify(e: BaseException) -> str:
     """Jepsen outcome of an operation that raised ``e``."""
+    from persist_lib.ingest.errors import NeedsNewRendition, ReplayUnverifiable
     from persist_lib.testing.hooks import INTERRUPTS
 
     if isinstance(e, INTERRUPTS):
         return INFO  # interrupted: it may or may not have happened
+    if isinstance(e, NeedsNewRendition | ReplayUnverifiable):
+        return FAIL  # a verified append that stopped: it wrote nothing
     if isinstance(e, UpperMismatch | InvalidUsage | Timeout):
         return FAIL
     if isinstance(e, Indeterminate):
@@ -463,6 +484,8 @@ class Writer(Actor):
         r = self.rng.random()
         if self.rng.random() < self.cfg.long_write_rate:
             self.long_write(upper_t)
+        elif self.cfg.verified_append_rate > 0 and self.rng.random() < self.cfg.verified_append_rate:
+            self.verified_append()
         elif r < 0.55:
             self.caa(upper_t, stale=False)
         elif r < 0.62:
@@ -585,6 +608,43 @@ class Writer(Actor):
 
         _, _, e = self.run_op("append", args, do_append)
         self.after(e)
+
+    def verified_append(self) -> None:
+        """Replays committed times through a verified append with updates that differ
+        from the committed ones (the definite stream plus one extra record), as a
+        changed or non-deterministic pipeline would. It opens its own output (a writer,
+        and a reader registered at the shard's since) and releases it; in 70% of the
+        steps its reader's since is first moved into the replayed range, as for an
+        instance the since has passed. The checker requires that it never returns
+        normally."""
+        from persist_lib.ingest.outputs import ShardOutput
+
+        try:
+            s = self.client.machine(self.shard).fetch_latest()
+        except PersistError:
+            return
+        upper = s.upper.time
+        if upper is None or upper <= 0:
+            return  # nothing committed yet: nothing to replay
+        lo = self.rng.randint(max(0, upper - 6), upper - 1)
+        hi = min(upper, lo + self.rng.randint(1, 4))
+        since = self.rng.randint(lo, hi) if self.rng.random() < 0.7 else None
+        ups = definite_updates(self.cfg.seed, lo, hi) + [(((f"div/{lo}",), (0,)), lo, 1)]
+
+        def do() -> dict[str, Any]:
+            out = ShardOutput(
+                self.client, self.shard, KEY_SCHEMA, VAL_SCHEMA, role="data",
+                label=f"{self.actor}.{self.inc}/verified",
+            )
+            try:
+                if since is not None:
+                    out.downgrade_since(since)  # (never backwards: a no-op if behind)
+                out.append(_user_table(ups), lo, hi)
+                return {"since": out.since()}
+            finally:
+                out.close()
+
+        self.run_op("verified_append", {"lower": lo, "upper": hi, "since": since}, do)
 
     def after(self, e: BaseException | None) -> None:
         # A lapsed lease (expired after an outage or a stall) needs a new handle.

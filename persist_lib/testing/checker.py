@@ -26,7 +26,9 @@ graveyard copy kept when it was deleted). From that:
    be the latest rollup of any version ``>= h``.
 8. **Clients**: no ``CorruptionError``, no ``BlobNotFound`` (the read path turns it into
    ``LeaseExpired`` when the lease lapsed), no unexpected exception, no backward since
-   downgrade accepted, no lease expired less than a lease after a heartbeat.
+   downgrade accepted, no lease expired less than a lease after a heartbeat, no
+   divergent verified append (a replay of committed times with other updates) that
+   returned normally.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ VIOLATION_KINDS: tuple[str, ...] = (
     "actor_hung",
     "runner_error",
     "heartbeat_thread_dead",
+    "unverified_replay_accepted",
 )
 
 WRITE_OPS = ("caa", "append")
@@ -627,6 +630,13 @@ def check_clients(hist: History, cfg: HistoryConfig, report: CheckReport) -> Non
             report.add("unexpected_exception", f"{o.op} {o.id}: {et}: {(o.error or '')[:600]}")
         if o.op == "downgrade_since_backward" and o.outcome == OK:
             report.add("backward_since_accepted", f"{o.id}: since {o.args['since']} -> {o.args['new_since']} accepted")
+        if o.op == "verified_append" and o.outcome == OK:
+            # Its updates differ from the committed ones: it must have stopped.
+            report.add(
+                "unverified_replay_accepted",
+                f"{o.id}: a divergent replay of [{o.args['lower']}, {o.args['upper']}) returned "
+                f"normally (its reader's since: {(o.result or {}).get('since')})",
+            )
     for rec in hist.records:
         t = rec.get("type")
         if t == "unexpected_error":

@@ -42,6 +42,9 @@ immediate_retry             a failed background merge is resubmitted at once,  b
                             never backs off, never quarantined                 (a corrupt input part)
 sqlite_first_open_no_retry  SQLite initialisation (WAL pragma, table) tried    first-open control (a rival
                             once: a fresh file's busy answer fails the open    holds the write lock)
+verified_append_skips       a verified append skips ranges whose start the     history checker (divergent
+                            since has passed and counts them "unverifiable"    verified appends from below
+                            (the pre-issue-26 behaviour): accepts unchecked    the since return normally)
 ==========================  =================================================  ===============================
 """
 
@@ -75,6 +78,7 @@ PLANTED_BUGS: tuple[str, ...] = (
     "heartbeat_thread_dies",
     "immediate_retry",
     "sqlite_first_open_no_retry",
+    "verified_append_skips",
 )
 
 # Which check catches each bug in the default run (the figures report it).
@@ -93,6 +97,7 @@ CAUGHT_BY: dict[str, str] = {
     "heartbeat_thread_dies": "history (heartbeat faults)",
     "immediate_retry": "background-compaction control",
     "sqlite_first_open_no_retry": "first-open control",
+    "verified_append_skips": "history (divergent verified appends)",
 }
 
 # Bugs that live in the consensus backend (the runner opens consensus through
@@ -296,6 +301,22 @@ def _sqlite_first_open_no_retry() -> contextlib.AbstractContextManager[Any]:
     return _patched(sc.SqliteConsensus, "_open_connection", once)
 
 
+def _verified_append_skips() -> contextlib.AbstractContextManager[Any]:
+    from persist_lib.ingest import outputs
+
+    real = outputs.ShardOutput._verify
+
+    def skipping(self: Any, ours: Any, lo: int, hi: int) -> None:
+        since = self._r.since.time or 0
+        if hi > lo and not since < lo:
+            # History before the since was compacted: "can't verify", count and go on.
+            self.unverifiable = getattr(self, "unverifiable", 0) + 1
+            return
+        real(self, ours, lo, hi)
+
+    return _patched(outputs.ShardOutput, "_verify", skipping)
+
+
 _PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
     "gc_ignores_holds": _gc_ignores_holds,
     "caa_no_idempotency_token": _caa_no_token,
@@ -308,6 +329,7 @@ _PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
     "heartbeat_thread_dies": _heartbeat_thread_dies,
     "immediate_retry": _immediate_retry,
     "sqlite_first_open_no_retry": _sqlite_first_open_no_retry,
+    "verified_append_skips": _verified_append_skips,
 }
 
 

@@ -92,6 +92,8 @@ def default_config(seed: int, root: str, consensus_uri: str, **overrides: Any) -
         unsorted_min_bytes=rng.choice([None, 0]),
         # Merges that fit in memory sort all rows at once; or always stream (session 8).
         compaction_in_memory=rng.random() < 0.5,
+        # Issue 26: divergent verified appends (from below the since) must stop.
+        verified_append_rate=rng.choice([0.0, 0.04]),
     )
     for k, v in overrides.items():
         if not hasattr(cfg, k):
