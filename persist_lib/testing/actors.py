@@ -37,11 +37,10 @@ The fault model beyond location errors and kill -9 (issue 13):
   that finds the thread dead while it holds handles logs ``heartbeat_thread_dead``;
 - **concurrent first opens**: with ``fresh_start`` nothing creates the location or the
   shard before the actors, which all start at once;
-- **divergent verified appends** (``verified_append_rate``, issue 26): a writer replays
-  committed times through an ingestion output's verified append
-  (``ingest.outputs.ShardOutput``) with updates that differ from the committed ones,
-  often from below the since; it must stop (``NeedsNewRendition`` or
-  ``ReplayUnverifiable``), never return normally.
+- **divergent verified appends** (``verified_append_rate``, issue 26; ``divergent``): a
+  writer replays committed times through an ingestion output's verified append with
+  updates that differ from the committed ones, often from below the since; it must
+  stop (``NeedsNewRendition`` or ``ReplayUnverifiable``), never return normally.
 """
 
 from __future__ import annotations
@@ -180,16 +179,6 @@ def definite_records(seed: int, t: int) -> list[tuple[str, int]]:
 
 def definite_updates(seed: int, lo: int, hi: int) -> list[Update]:
     return [(((k,), (v,)), t, 1) for t in range(lo, hi) for k, v in definite_records(seed, t)]
-
-
-def _user_table(ups: list[Update]) -> pa.Table:
-    """Updates in the user layout (``k``, ``v``, ``ts``, ``diff``)."""
-    return pa.table({
-        "k": pa.array([u[0][0][0] for u in ups], pa.string()),
-        "v": pa.array([u[0][1][0] for u in ups], pa.int64()),
-        "ts": pa.array([u[1] for u in ups], pa.int64()),
-        "diff": pa.array([u[2] for u in ups], pa.int64()),
-    })
 
 
 def actor_seed(seed: int, actor: str, incarnation: int) -> int:
@@ -610,41 +599,10 @@ class Writer(Actor):
         self.after(e)
 
     def verified_append(self) -> None:
-        """Replays committed times through a verified append with updates that differ
-        from the committed ones (the definite stream plus one extra record), as a
-        changed or non-deterministic pipeline would. It opens its own output (a writer,
-        and a reader registered at the shard's since) and releases it; in 70% of the
-        steps its reader's since is first moved into the replayed range, as for an
-        instance the since has passed. The checker requires that it never returns
-        normally."""
-        from persist_lib.ingest.outputs import ShardOutput
+        """A divergent verified append (``testing.divergent``): it must never return."""
+        from persist_lib.testing.divergent import divergent_verified_append
 
-        try:
-            s = self.client.machine(self.shard).fetch_latest()
-        except PersistError:
-            return
-        upper = s.upper.time
-        if upper is None or upper <= 0:
-            return  # nothing committed yet: nothing to replay
-        lo = self.rng.randint(max(0, upper - 6), upper - 1)
-        hi = min(upper, lo + self.rng.randint(1, 4))
-        since = self.rng.randint(lo, hi) if self.rng.random() < 0.7 else None
-        ups = definite_updates(self.cfg.seed, lo, hi) + [(((f"div/{lo}",), (0,)), lo, 1)]
-
-        def do() -> dict[str, Any]:
-            out = ShardOutput(
-                self.client, self.shard, KEY_SCHEMA, VAL_SCHEMA, role="data",
-                label=f"{self.actor}.{self.inc}/verified",
-            )
-            try:
-                if since is not None:
-                    out.downgrade_since(since)  # (never backwards: a no-op if behind)
-                out.append(_user_table(ups), lo, hi)
-                return {"since": out.since()}
-            finally:
-                out.close()
-
-        self.run_op("verified_append", {"lower": lo, "upper": hi, "since": since}, do)
+        divergent_verified_append(self)
 
     def after(self, e: BaseException | None) -> None:
         # A lapsed lease (expired after an outage or a stall) needs a new handle.
