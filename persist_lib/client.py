@@ -6,9 +6,10 @@ A background thread heartbeats live handles every lease/4 (configurable); it sur
 any error of a single heartbeat (logged, retried next tick), and it watches its own
 loop: should the loop ever end by an exception (a BaseException such as an interrupt
 included), the thread logs it and runs the loop again, so the handles already open
-keep their leases without waiting for a new handle to be opened. A client keeps at most ``config.max_cached_shards`` shard machines (least
-recently used first out; handles keep their own), so a long-lived process that
-inspects many shards stays bounded.
+keep their leases without waiting for a new handle to be opened. A client keeps at
+most ``config.max_cached_shards`` shard machines (least recently used first out;
+handles keep their own), so a long-lived process that inspects many shards stays
+bounded.
 """
 
 from __future__ import annotations
