@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -114,6 +115,23 @@ class SharedShardState:
 # them all (clients bound their machines, ``PersistConfig.max_cached_shards``).
 _CACHE: weakref.WeakValueDictionary[tuple[str, str], SharedShardState] = weakref.WeakValueDictionary()
 _CACHE_LOCK = threading.Lock()
+
+
+def _reset_locks_in_child() -> None:
+    """After ``fork``, in the child: only the forking thread survives, so a lock another
+    thread held at the fork (a shard's apply lock across a CAS, its condition, the cache
+    lock) would stay held forever, and every change of that shard would wait for it.
+    Fresh locks; no rollup is in progress (its thread did not survive either). The
+    cached states stay: each is a state that was current in consensus."""
+    global _CACHE_LOCK
+    _CACHE_LOCK = threading.Lock()
+    for shared in list(_CACHE.values()):
+        shared.apply_lock = threading.RLock()
+        shared.cond = threading.Condition()
+        shared.rollup_in_progress = False
+
+
+os.register_at_fork(after_in_child=_reset_locks_in_child)
 
 
 def shared_state_for(location_id: str, shard_id: str) -> SharedShardState:
