@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import psycopg
 import pyarrow as pa
+import pytest
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib.errors import Indeterminate
+from persist_lib.errors import Determinate, Indeterminate, InvalidUri
 from persist_lib.location.base import CaSResult, Consensus, VersionedData
 from persist_lib.location.postgres_consensus import PostgresConsensus
 from persist_lib.location.uri import open_blob, open_consensus
@@ -177,3 +179,66 @@ def test_a_cas_on_a_silent_connection_fails_in_bound_and_the_shard_goes_on(
         assert state.upper.elements == [3]
     finally:
         check.close()
+
+
+def _with(url: str, query: str) -> str:
+    return url + ("&" if "?" in url else "?") + query
+
+
+def test_a_cas_the_server_holds_up_is_cancelled_there(pg_consensus_url: str) -> None:
+    """The server-side layer: a CAS waiting on a rival's uncommitted row (the primary key
+    makes it wait) is cancelled by ``statement_timeout`` (3/4 of the bound): a definite
+    "it did not happen" (``Determinate``), after which the CAS can simply be sent again."""
+    c = PostgresConsensus(pg_consensus_url, op_timeout_s=2.0)
+    rival = psycopg.connect(pg_consensus_url, autocommit=False)
+    safety = threading.Timer(20, rival.close)  # old code: never wait forever
+    try:
+        assert c.compare_and_set("k", None, VersionedData(1, b"one")) is CaSResult.COMMITTED
+        rival.execute("INSERT INTO consensus (shard, seqno, data) VALUES ('k', 2, 'x')")
+        safety.start()
+        start = time.monotonic()
+        with pytest.raises(Determinate, match="statement_timeout") as err:
+            c.compare_and_set("k", 1, VersionedData(2, b"two"))
+        assert time.monotonic() - start < 2.0 + 10
+        assert not isinstance(err.value, Indeterminate)
+        rival.rollback()
+        # It did not happen: the same CAS now lands, and the head is ours.
+        assert c.compare_and_set("k", 1, VersionedData(2, b"two")) is CaSResult.COMMITTED
+        head = c.head("k")
+        assert head is not None and (head.seqno, head.data) == (2, b"two")
+    finally:
+        safety.cancel()
+        rival.close()
+        c.close()
+
+
+def test_the_bounds_reach_the_connection_and_the_uri_wins(pg_consensus_url: str) -> None:
+    c = open_consensus(_with(pg_consensus_url, "persist_op_timeout_s=4&keepalives_idle=42"))
+    try:
+        assert isinstance(c, PostgresConsensus) and c.op_timeout_s == 4.0
+        assert "persist_op_timeout_s" not in c.describe()
+        conn = c._conn()
+        row = conn.execute("SHOW statement_timeout").fetchone()
+        assert row is not None and row[0] == "3s"
+        params = conn.info.get_parameters()
+        assert params.get("keepalives_idle") == "42"  # the URI's own value
+        assert params.get("keepalives_count") == "3"
+        assert params.get("tcp_user_timeout") == "4000"
+    finally:
+        c.close()
+    own = open_consensus(_with(pg_consensus_url, "options=-c%20statement_timeout%3D0"))
+    try:
+        row = own._conn().execute("SHOW statement_timeout").fetchone()  # type: ignore[attr-defined]
+        assert row is not None and row[0] == "0"
+    finally:
+        own.close()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "inf", "nan", ""])
+def test_a_bad_op_timeout_is_refused(value: str) -> None:
+    with pytest.raises(InvalidUri, match="persist_op_timeout_s"):
+        open_consensus(f"postgresql://u:longer-secret@localhost:5432/db?persist_op_timeout_s={value}")
+    with pytest.raises(InvalidUri, match="given twice"):
+        open_consensus(
+            "postgresql://u:longer-secret@localhost/db?persist_op_timeout_s=1&persist_op_timeout_s=2"
+        )
