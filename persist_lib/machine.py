@@ -88,7 +88,9 @@ class SharedShardState:
         # the threads of this process (a writer, background merges, rollups, heartbeats)
         # then take turns instead of racing each other's CAS, which the loser pays for
         # with a re-fetch, a re-run and a second CAS. Reentrant: a transition that
-        # applies another one on its thread goes on as before.
+        # applies another one on its thread goes on as before. Advisory: a thread that
+        # waited ``PersistConfig.apply_lock_wait_s`` goes on without it (a holder stuck
+        # in a CAS must not stall the shard); fresh in a forked child.
         self.apply_lock = threading.RLock()
 
     def current(self) -> st.ShardState:
