@@ -48,6 +48,12 @@ class PersistConfig:
     heartbeat_tick_s: float = 1.0  # how often the heartbeat thread looks for due handles
     # Location retries.
     retry_deadline_s: float = 60.0
+    # ``Machine.apply`` lets the threads of a process take turns on a shard (a lock held
+    # from reading the state through the compare-and-set). A thread that waited this long
+    # for its turn goes on without it (the CAS still arbitrates), so a CAS stuck on a dead
+    # connection never holds up the shard's other changes and heartbeats for longer. The
+    # stuck call itself is bounded by the consensus (Postgres: ``persist_op_timeout_s``).
+    apply_lock_wait_s: float = 5.0
     # Reads.
     snapshot_timeout_s: float = 60.0
     fetch_parallelism: int = 4

@@ -14,7 +14,9 @@ rollup plus a bounded number of diffs however many appends it has seen.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -69,6 +71,7 @@ class MachineMetrics:
     indeterminate_retries: int = 0
     noops: int = 0
     rollups_written: int = 0
+    apply_lock_bypassed: int = 0  # attempts that went on without the apply lock (stalled holder)
     state_fetches: int = 0
     rollup_loads: int = 0
     committed_by: dict[str, int] = field(default_factory=dict)  # commits by transition name
@@ -85,7 +88,9 @@ class SharedShardState:
         # the threads of this process (a writer, background merges, rollups, heartbeats)
         # then take turns instead of racing each other's CAS, which the loser pays for
         # with a re-fetch, a re-run and a second CAS. Reentrant: a transition that
-        # applies another one on its thread goes on as before.
+        # applies another one on its thread goes on as before. Advisory: a thread that
+        # waited ``PersistConfig.apply_lock_wait_s`` goes on without it (a holder stuck
+        # in a CAS must not stall the shard); fresh in a forked child.
         self.apply_lock = threading.RLock()
 
     def current(self) -> st.ShardState:
@@ -112,6 +117,23 @@ class SharedShardState:
 # them all (clients bound their machines, ``PersistConfig.max_cached_shards``).
 _CACHE: weakref.WeakValueDictionary[tuple[str, str], SharedShardState] = weakref.WeakValueDictionary()
 _CACHE_LOCK = threading.Lock()
+
+
+def _reset_locks_in_child() -> None:
+    """After ``fork``, in the child: only the forking thread survives, so a lock another
+    thread held at the fork (a shard's apply lock across a CAS, its condition, the cache
+    lock) would stay held forever, and every change of that shard would wait for it.
+    Fresh locks; no rollup is in progress (its thread did not survive either). The
+    cached states stay: each is a state that was current in consensus."""
+    global _CACHE_LOCK
+    _CACHE_LOCK = threading.Lock()
+    for shared in list(_CACHE.values()):
+        shared.apply_lock = threading.RLock()
+        shared.cond = threading.Condition()
+        shared.rollup_in_progress = False
+
+
+os.register_at_fork(after_in_child=_reset_locks_in_child)
 
 
 def shared_state_for(location_id: str, shard_id: str) -> SharedShardState:
@@ -301,11 +323,17 @@ class Machine:
             while True:
                 # One attempt (state -> transition -> CAS) at a time per shard in this
                 # process; the waits between attempts (backoff, re-fetch) don't hold it.
-                if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                    raise Determinate(
-                        f"shard {self.shard_id}: {name}: another thread of this process kept "
-                        f"applying a change to the shard for {self.config.retry_deadline_s:.0f}s "
-                        "(a stalled consensus?); this change was not sent; retry"
+                # The turn-taking is only an optimisation (the CAS arbitrates): a holder
+                # stuck longer than ``apply_lock_wait_s`` (a CAS on a dead connection) is
+                # passed by, so it never stalls the shard's other changes or heartbeats.
+                wait_s = min(self.config.apply_lock_wait_s, max(0.0, deadline - time.monotonic()))
+                locked = lock.acquire(timeout=wait_s)
+                if not locked:
+                    self.metrics.apply_lock_bypassed += 1
+                    log.info(
+                        "shard %s: %s: another thread of this process has held the shard's "
+                        "apply lock for over %.1fs (a stalled consensus call?); going on "
+                        "without it", self.shard_id, name, wait_s,
                     )
                 indeterminate: Indeterminate | None = None
                 try:
@@ -346,7 +374,8 @@ class Machine:
                             # any thread here starts from it.
                             installed = self.shared.offer(new)
                 finally:
-                    lock.release()
+                    if locked:
+                        lock.release()
                 if indeterminate is not None:
                     # It may have been applied. Re-read and re-run: the transition recognises
                     # its own effect if it landed.
@@ -484,7 +513,11 @@ ROLLUP_SHRINK_MIN_BYTES = 64 << 10
 
 def estimated_rollup_bytes(s: st.ShardState) -> int:
     """A rough size of ``s`` encoded as a rollup (inline parts in base64, ~300 bytes per
-    part and per reader/writer, ~150 per garbage entry), without encoding it."""
+    part and per reader/writer, ~150 per garbage entry, the schemas as encoded), without
+    encoding it. The schemas count: a wide shard's (1,500 columns: ~110 KB) are most of
+    its rollup, and an estimate without them looked like a state that had shrunk to a
+    fifth of its latest rollup, replacing the rollup early every ``interval // 8`` seqnos
+    forever (60 rollups per 1,024 commits instead of 8)."""
     parts = sum(len(b.parts) for b in s.batches.values())
     entries = len(s.writers) + len(s.leased_readers) + len(s.critical_readers) + len(s.rollups)
     return (
@@ -492,8 +525,30 @@ def estimated_rollup_bytes(s: st.ShardState) -> int:
         + 300 * (parts + entries)
         + 60 * len(s.batches)
         + 150 * len(s.garbage)
+        + schemas_bytes(s.schemas)
         + 1024
     )
+
+
+# id(schemas dict) -> (the dict, its encoded size). States evolved from one another share
+# the schemas dict, so its size is computed once, not at every commit. The dict is kept
+# referenced, so its id is never reused while it is here.
+_SCHEMAS_BYTES: dict[int, tuple[object, int]] = {}
+_SCHEMAS_BYTES_MAX = 256
+
+
+def schemas_bytes(schemas: dict[str, Any] | None) -> int:
+    """The size of ``schemas`` as a rollup encodes it (compact JSON), memoized."""
+    if not schemas:
+        return 0
+    hit = _SCHEMAS_BYTES.get(id(schemas))
+    if hit is not None and hit[0] is schemas:
+        return hit[1]
+    n = len(json.dumps(schemas, separators=(",", ":")))
+    if len(_SCHEMAS_BYTES) >= _SCHEMAS_BYTES_MAX:
+        _SCHEMAS_BYTES.clear()
+    _SCHEMAS_BYTES[id(schemas)] = (schemas, n)
+    return n
 
 
 def describe_state(s: st.ShardState) -> dict[str, Any]:

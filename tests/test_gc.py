@@ -263,6 +263,31 @@ def test_sweeper_respects_grace(grace_ms: int) -> None:
     assert len(found) == (1 if grace_ms == 0 else 0)
 
 
+def test_a_wide_schema_shard_is_not_rolled_up_early_forever() -> None:
+    """Issue 26 defect 8: a 1,500-column shard's schemas are most of its rollup (~110 KB).
+    The size estimate used to leave them out, so the state always looked like it had
+    shrunk to a fifth of its latest rollup and the rollup was replaced every
+    ``interval // 8`` commits: 60 rollups per 1,024 commits instead of 8."""
+    interval = 128
+    commits = 1024
+    wide = pa.schema([(f"c{i}", pa.int64()) for i in range(1500)])
+    clock = iter(range(1_700_000_000_000, 1_800_000_000_000, 1000))
+    client = mem_client(rollup_interval=interval, now_ms=lambda: next(clock))
+    shard = ShardId.new()
+    w = client.open_writer(shard, KEY, wide)
+    m = client.machine(shard)
+    start = m.fetch_latest().seqno
+    for _ in range(commits):
+        w.heartbeat()  # one commit each (the clock moves), nothing else changes
+    s = m.fetch_latest()
+    latest = s.latest_rollup()
+    assert latest is not None and latest[1].size >= 100_000  # the schemas dominate it
+    # One rollup per ``interval`` seqnos (each rollup's link is a seqno too).
+    due = (s.seqno - start) // interval
+    assert due - 1 <= m.metrics.rollups_written <= due + 1, (m.metrics.rollups_written, due)
+    client.close()
+
+
 def test_rollup_is_replaced_early_after_a_large_state_shrinks() -> None:
     """A rollup written while many inline parts were pending is replaced soon after a
     merge shrinks the state (cold opens would otherwise decode the large one)."""

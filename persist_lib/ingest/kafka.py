@@ -380,9 +380,23 @@ def _gc_hold() -> None:
 def _gc_release() -> None:
     global _gc_depth
     with _gc_lock:
-        _gc_depth -= 1
+        _gc_depth = max(0, _gc_depth - 1)  # (>= 0: a forked child starts again from 0)
         if _gc_depth == 0 and _gc_was_enabled:
             gc.enable()
+
+
+def _gc_reset_in_child() -> None:
+    """After ``fork``: the threads holding the collector paused did not survive, so their
+    releases will never come; the child starts unheld, with the collector as it was."""
+    global _gc_lock, _gc_depth
+    _gc_lock = threading.Lock()
+    if _gc_depth > 0:
+        _gc_depth = 0
+        if _gc_was_enabled:
+            gc.enable()
+
+
+os.register_at_fork(after_in_child=_gc_reset_in_child)
 
 
 @contextmanager

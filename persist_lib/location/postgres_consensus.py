@@ -82,6 +82,31 @@ it is down they fall back to polling with backoff.
 **Connections**: psycopg_pool is not installed, so each thread gets its own autocommit
 connection (cached thread-locally, re-created when broken or after ``fork``); ``close()``
 closes them all and stops the listener.
+
+**Bounded waits** (``op_timeout_s``, URI parameter ``persist_op_timeout_s``, default
+15 s). No call may wait on a connection forever: the caller (``Machine.apply``) holds the
+shard's apply lock across a CAS, and a CAS stuck on a dead connection used to stall every
+change of that shard in the process, heartbeats included. Three layers, each for a
+different failure:
+
+* a *client-side* bound on every wait for the server (``_BoundedConnection.wait``,
+  psycopg's own wait timeout): a statement that has not been answered within
+  ``op_timeout_s`` is abandoned and its connection closed. This is the one that holds
+  whatever the network does (a silent peer, a proxy or NAT that stopped forwarding but
+  still acknowledges TCP, a stopped server process), where the kernel sees nothing wrong.
+  A write abandoned this way is ``Indeterminate`` (it may have committed: the machine
+  re-reads the head and its transition recognises its own effect); a read is
+  ``Determinate``;
+* ``statement_timeout`` at 3/4 of the bound (sent as a startup ``options``), so that a
+  statement the server is merely slow with (waiting on a lock, an overloaded disk) is
+  cancelled by the server first: a definite "it did not happen" (``Determinate``);
+* TCP keepalives (idle 10 s, interval 5 s, 3 probes) and ``tcp_user_timeout`` (the
+  bound): a dead host or network is noticed by the kernel, also on the idle LISTEN
+  connection, which has no statement in flight.
+
+libpq options in the URI win over these defaults (``?keepalives_idle=60``,
+``?options=-c%20statement_timeout%3D0``...). Connecting has its own bound,
+``connect_timeout`` (10 s).
 """
 
 from __future__ import annotations
@@ -135,6 +160,44 @@ def _target_number(ident: dict[str, str]) -> int:
     key = tuple(sorted(ident.items()))
     with _TARGET_NUMBERS_LOCK:
         return _TARGET_NUMBERS.setdefault(key, len(_TARGET_NUMBERS) + 1)
+
+
+# Defaults for libpq's TCP liveness settings; the URI's own values win.
+_KEEPALIVE_DEFAULTS = {
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+}
+DEFAULT_OP_TIMEOUT_S = 15.0
+
+
+class _BoundedConnection(psycopg.Connection[Any]):
+    """A psycopg connection whose every wait for the server is bounded.
+
+    psycopg runs each statement as a generator that ``wait`` drives over the socket;
+    ``wait`` takes a timeout (``notifies(timeout=...)`` uses it), and a wait without
+    one here gets ``op_timeout_s``. A wait that ran out leaves the protocol mid-way, so
+    the connection is closed (``timed_out`` says why) and the error re-raised."""
+
+    op_timeout_s: float | None = None
+    timed_out: bool = False
+
+    def wait(self, gen: Any, interval: float = 0.1, timeout: float | None = None) -> Any:
+        bound = self.op_timeout_s
+        if timeout is not None or bound is None:
+            return super().wait(gen, interval, timeout)
+        start = time.monotonic()
+        try:
+            return super().wait(gen, interval, bound)
+        except psycopg.OperationalError:
+            if time.monotonic() - start >= bound:
+                self.timed_out = True
+                try:
+                    self.close()
+                except Exception:  # noqa: BLE001 - closing a dead connection
+                    pass
+            raise
 
 
 class _Listener:
@@ -239,6 +302,7 @@ class PostgresConsensus(Consensus):
         table: str = "consensus",
         schema: str | None = None,
         connect_timeout_s: int = 10,
+        op_timeout_s: float | None = DEFAULT_OP_TIMEOUT_S,
         notify: bool = True,
         application_name: str = "persist",
     ) -> None:
@@ -251,6 +315,12 @@ class PostgresConsensus(Consensus):
         self.schema = schema
         self.notify = notify
         self.connect_timeout_s = connect_timeout_s
+        if op_timeout_s is not None and not op_timeout_s > 0:
+            raise InvalidUsage(
+                f"postgres consensus: op_timeout_s (persist_op_timeout_s) must be a positive "
+                f"number of seconds, got {op_timeout_s!r}"
+            )
+        self.op_timeout_s = op_timeout_s
         self.application_name = application_name
         self._table = sql.Identifier(schema, table) if schema else sql.Identifier(table)
         self._secrets = self._find_secrets(self.url.raw)
@@ -363,12 +433,15 @@ class PostgresConsensus(Consensus):
         """A new autocommit connection; raises ``Determinate`` (redacted) on failure."""
         err: Exception | None = None
         try:
-            return psycopg.connect(
-                self.url.raw,
+            conninfo = psycopg.conninfo.make_conninfo(self.url.raw, **self._liveness_params())
+            conn = _BoundedConnection.connect(
+                conninfo,
                 autocommit=True,
                 connect_timeout=self.connect_timeout_s,
                 application_name=self.application_name,
             )
+            conn.op_timeout_s = self.op_timeout_s
+            return conn
         except Exception as e:  # noqa: BLE001 - psycopg.Error and bad conninfo alike
             err = Determinate(
                 self._redact(
@@ -378,6 +451,22 @@ class PostgresConsensus(Consensus):
                 )
             )
         raise err
+
+    def _liveness_params(self) -> dict[str, str]:
+        """Keepalives, ``tcp_user_timeout`` and ``statement_timeout`` (module docstring:
+        bounded waits), each unless the URI sets it."""
+        given = _target(self.url.raw) or {}
+        out = {k: v for k, v in _KEEPALIVE_DEFAULTS.items() if k not in given}
+        bound = self.op_timeout_s
+        if bound is None:
+            return out
+        if "tcp_user_timeout" not in given:
+            out["tcp_user_timeout"] = str(int(bound * 1000))
+        options = given.get("options", "")
+        if "statement_timeout" not in options:
+            stmt = f"-c statement_timeout={max(1, int(bound * 750))}"
+            out["options"] = f"{options} {stmt}".strip()
+        return out
 
     def _conn(self) -> psycopg.Connection[Any]:
         if self._closed:
@@ -502,6 +591,23 @@ class PostgresConsensus(Consensus):
             f" of key {key!r}" if key is not None else ""
         )
         detail = f"{type(e).__name__}: {e}"
+        if getattr(conn, "timed_out", False):
+            bound = f"{self.op_timeout_s:g}s (persist_op_timeout_s)"
+            if write:
+                msg = (
+                    f"{where} failed: no answer from the server within {bound}; the "
+                    "connection was closed while the write was in flight: it may or may not "
+                    "have been applied; re-read the head"
+                )
+                return Indeterminate(self._redact(msg))
+            msg = f"{where} failed: no answer from the server within {bound}; retry"
+            return Determinate(self._redact(msg))
+        if state == "57014" and "statement timeout" in str(e):
+            msg = (
+                f"{where} failed: the server cancelled it after statement_timeout "
+                f"(3/4 of persist_op_timeout_s); it did not happen; retry"
+            )
+            return Determinate(self._redact(msg))
         if state in ("40001", "40P01"):
             msg = f"{where} failed: {detail} (serialization failure/deadlock); it did not happen; retry"
             return Determinate(self._redact(msg))

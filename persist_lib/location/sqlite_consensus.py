@@ -24,7 +24,8 @@ Why it looks the way it does (research/reliability.md section 5):
   lock hands over as soon as the holder is done; other processes still meet SQLite's
   lock and busy timeout as before. Reads never take it (WAL readers don't block).
 - One connection per thread (created lazily, re-created after ``fork``), all closed
-  by ``close()``. "database is locked" after the busy timeout is ``Determinate``
+  by ``close()``. A forked child gets fresh write locks (``os.register_at_fork``): one
+  held by another thread of the parent at the fork would never be released. "database is locked" after the busy timeout is ``Determinate``
   (the single statement did not run); an I/O error while writing is ``Indeterminate``.
 - **Opening** runs ``PRAGMA journal_mode=WAL``, ``PRAGMA synchronous`` and ``CREATE
   TABLE IF NOT EXISTS`` on each new connection. On a brand-new file, switching to WAL
@@ -46,6 +47,7 @@ import random
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -102,6 +104,25 @@ def _write_lock(path: str) -> threading.Lock:
         return lock
 
 
+_INSTANCES: weakref.WeakSet[SqliteConsensus] = weakref.WeakSet()
+
+
+def _reset_locks_in_child() -> None:
+    """After ``fork``, in the child: a write lock (or an instance's connection-list lock)
+    held by another thread of the parent at the fork would never be released (that thread
+    does not exist here), and every write of the child would fail after the busy timeout.
+    Fresh locks for everything; the child opens its own connections anyway."""
+    global _WRITE_LOCKS, _WRITE_LOCKS_GUARD
+    _WRITE_LOCKS = {}
+    _WRITE_LOCKS_GUARD = threading.Lock()
+    for c in list(_INSTANCES):
+        c._lock = threading.Lock()
+        c._write = _write_lock(c.path)
+
+
+os.register_at_fork(after_in_child=_reset_locks_in_child)
+
+
 class SqliteConsensus(Consensus):
     """Consensus in a SQLite database file; safe across threads and local processes."""
 
@@ -129,6 +150,7 @@ class SqliteConsensus(Consensus):
         self._conns: list[tuple[int, threading.Thread, sqlite3.Connection]] = []
         self._closed = False
         self._write = _write_lock(self.path)
+        _INSTANCES.add(self)
         try:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         except OSError as e:

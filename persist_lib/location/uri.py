@@ -24,7 +24,9 @@ Accepted consensus URIs::
     sqlite:///rel/path/db        relative to the working directory (3 slashes)
                                  [?synchronous=FULL|NORMAL|EXTRA&busy_timeout_ms=N]
     postgresql://user:pass@host:port/db[?libpq options]   (also postgres://)
-                                 libpq options are passed through to psycopg
+                                 libpq options are passed through to psycopg, except
+                                 persist_op_timeout_s=N: the bound on every wait for
+                                 the server (default 15; PostgresConsensus docstring)
     mem://name                   in-process (tests)
     unreliable+<consensus-uri>   as for blobs
 
@@ -310,6 +312,7 @@ def open_consensus(uri: str) -> Consensus:
 
         return SqliteConsensus(p, synchronous=sync, busy_timeout_ms=busy_ms)
     if scheme in ("postgresql", "postgres"):
+        uri, query, op_timeout_s = _take_pg_op_timeout(uri, query, forms)
         host = netloc.rpartition("@")[2]
         if not host and "host=" not in query:
             raise _invalid(
@@ -335,8 +338,41 @@ def open_consensus(uri: str) -> Consensus:
             raise _invalid("consensus", uri, f"libpq rejects it: {redact(str(e))}", forms) from None
         from persist_lib.location.postgres_consensus import PostgresConsensus
 
-        return PostgresConsensus(uri)
+        if op_timeout_s is None:
+            return PostgresConsensus(uri)
+        return PostgresConsensus(uri, op_timeout_s=op_timeout_s)
     raise _invalid("consensus", uri, f"unknown scheme {scheme!r}", forms)
+
+
+_PG_OP_TIMEOUT = "persist_op_timeout_s"
+
+
+def _take_pg_op_timeout(
+    uri: str, query: str, forms: tuple[str, ...]
+) -> tuple[str, str, float | None]:
+    """Removes persist's own ``persist_op_timeout_s=N`` from a Postgres URI (libpq would
+    refuse it): (the URI without it, its query without it, N or None)."""
+    pieces = query.split("&") if query else []
+    mine = [p for p in pieces if p.partition("=")[0] == _PG_OP_TIMEOUT]
+    if not mine:
+        return uri, query, None
+    if len(mine) > 1:
+        raise _invalid("consensus", uri, f"parameter {_PG_OP_TIMEOUT!r} given twice", forms)
+    raw = unquote(mine[0].partition("=")[2])
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise _invalid(
+            "consensus", uri,
+            f"{_PG_OP_TIMEOUT} must be a positive number of seconds, got {raw!r}", forms,
+        )
+    rest = "&".join(p for p in pieces if p.partition("=")[0] != _PG_OP_TIMEOUT)
+    base, _, tail = uri.partition("?")
+    fragment = tail.partition("#")[2]
+    new_uri = base + (f"?{rest}" if rest else "") + (f"#{fragment}" if fragment else "")
+    return new_uri, rest, value
 
 
 def default_uris(home: str | None = None) -> tuple[str, str]:
