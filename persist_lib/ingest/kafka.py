@@ -422,7 +422,7 @@ def _consume(
             size, batch = len(msgs), convert(msgs)
             del msgs  # (the Message objects go before the collector is back)
             if hold:
-                _gc_hold()
+                _gc_hold()  # (only once ``convert`` returned: see below)
             return size, batch
     if timeout <= 0:
         return 0, convert([])
@@ -430,9 +430,15 @@ def _consume(
         msgs = consumer.consume(n, timeout)
         if not msgs:
             return 0, convert([])
-        if hold:
-            _gc_hold()
-        return len(msgs), convert(msgs)
+        with _gc_paused():
+            size, batch = len(msgs), convert(msgs)
+            del msgs
+            # The hold is taken after ``convert`` returned, never before: a conversion
+            # that raises must leave no hold behind -- nobody would release it, and the
+            # collector would stay off for the whole process.
+            if hold:
+                _gc_hold()
+            return size, batch
 
 
 def _split(msgs: list[Any]) -> tuple[list[Any], list[tuple[int, _Msgs]]]:
@@ -506,6 +512,22 @@ def _extend(b: _Held, ms: _Held) -> int:
     if isinstance(b, _Msgs) and isinstance(ms, _Msgs):
         return b.extend(ms)
     raise IngestInvariantError(f"a partition buffer holds {type(b).__name__}, got {type(ms).__name__}")
+
+
+def _buffer(buf: dict[int, _Held], p: int, pos: int, ms: _Held) -> int:
+    """Adds messages of partition ``p`` just fetched (``ms``, offsets ascending) to its
+    buffer ``buf[p]``; returns how many it added. Only offsets at or past ``pos`` (the
+    partition's position: everything below it was cut into chunks already) and past the
+    last one held: a re-fetch after a reconnect, a seek or an offset reset hands some
+    over again, also when the buffer is empty (then nothing but ``pos`` tells what was
+    taken already)."""
+    if ms.offs and ms.offs[0] < pos:
+        ms = ms.slice(bisect.bisect_left(ms.offs, pos), len(ms))
+    b = buf.get(p)
+    if b is None or not len(b):
+        buf[p] = ms
+        return len(ms)
+    return _extend(b, ms)
 
 
 def _split_materialized(msgs: list[Any]) -> _Batch:
@@ -651,6 +673,14 @@ class KafkaSource:
             raise IngestConfigError(f"Kafka reader {self.reader!r} is not supported: use one of {', '.join(READERS)}")
         self._servers, self._conf = _bootstrap_of(self.bootstrap_url)
         self._meta = _parse_include(self.include)
+        iso = {**self._conf, **dict(self.config or {})}.get("isolation.level", "read_committed")
+        if str(iso).lower() != "read_committed":
+            raise IngestConfigError(
+                f"Kafka topic {self.topic!r}: isolation.level={iso!r} is not supported: an ingestion "
+                "reads committed messages only (read_committed), so a binding never holds messages of "
+                "an open or aborted transaction and binds at most up to the last stable offset; drop "
+                "the setting"
+            )
 
     def __repr__(self) -> str:  # the bootstrap URL may hold a SASL password
         return redacted_dataclass_repr(self)
@@ -1458,12 +1488,7 @@ class KafkaReader:
         got = 0
         for (_, groups), _at in batches:
             for p, ms in groups:
-                b = self._buf.get(p)
-                if b is None or not len(b):
-                    self._buf[p] = ms
-                    got += len(ms)
-                else:
-                    got += _extend(b, ms)
+                got += _buffer(self._buf, p, self._pos.get(p, 0), ms)
                 self._fetched.add(p)
                 if ms.offs:
                     self._seen[p] = max(self._seen.get(p, 0), ms.offs[-1] + 1)
