@@ -401,6 +401,76 @@ def test_the_collector_is_paused_while_messages_wait_for_decoding_and_back_after
     assert gc.isenabled() and kafka_mod._gc_depth == 0
 
 
+
+class _Late:
+    """A consumer stand-in whose batch arrives while ``consume`` waits: nothing for a
+    zero timeout (the local queue is empty), the batch once it is asked to wait."""
+
+    def __init__(self, batch: list[Any]) -> None:
+        self.batch = batch
+
+    def consume(self, n: int, timeout: float) -> list[Any]:
+        if timeout <= 0 or not self.batch:
+            return []
+        b, self.batch = self.batch, []
+        return b
+
+
+def test_a_conversion_that_raises_leaves_the_collector_on() -> None:
+    """A batch's conversion raising (in ``_consume``, queued or waited for; on the
+    prefetch thread, where the error reaches the reader) must not leave a hold on the
+    collector behind: nobody would release it and the process would run without cyclic
+    garbage collection from then on."""
+    msgs = [Message(topic="t", partition=0, offset=o, value=b"{}") for o in range(5)]
+
+    def convert(ms: list[Any]) -> Any:
+        if not ms:
+            return ([], [])
+        raise ValueError("converting the batch failed")
+
+    try:
+        for consumer in (_Batches([msgs]), _Late(msgs)):
+            with pytest.raises(ValueError, match="converting the batch failed"):
+                kafka_mod._consume(consumer, 10, 0.5, convert, hold=True)
+            assert gc.isenabled() and kafka_mod._gc_depth == 0, type(consumer).__name__
+        pf = _Prefetcher(_Late(msgs), 10**6, "test", convert, lambda sp: sp)
+        try:
+            with pytest.raises(ValueError, match="converting the batch failed"):
+                pf.take(10**9, 5.0)
+        finally:
+            pf.close()
+        assert gc.isenabled() and kafka_mod._gc_depth == 0
+    finally:  # (a leaked hold must not turn the collector off for the tests after this one)
+        if kafka_mod._gc_depth:
+            kafka_mod._gc_depth = 0
+            gc.enable()
+
+
+@pytest.mark.parametrize("decoded", [False, True], ids=["messages", "decoded"])
+def test_a_refetch_into_an_empty_buffer_keeps_only_offsets_at_or_past_the_position(decoded: bool) -> None:
+    """``_buffer`` (the reader's ``_poll``): offsets 0..9 buffered and cut (the buffer
+    empty, the position 10), then a re-fetch of 5..14 arrives: only 10..14 are buffered;
+    a later re-fetch into the non-empty buffer adds only what is past its last offset."""
+    src, spec = _source(False)
+
+    def fetched(offs: range) -> Any:
+        ms = [Message(topic="t", partition=0, offset=o, value=json.dumps({"id": o}).encode(), timestamp=(0, -1)) for o in offs]
+        sp = split_batch(src, ms)
+        groups = decode_split(src, sp)[1] if decoded else sp[1]
+        assert len(groups) == 1
+        return groups[0][1]
+
+    buf: dict[int, Any] = {}
+    assert kafka_mod._buffer(buf, 0, 0, fetched(range(10))) == 10
+    buf[0] = buf[0].slice(10, 10)  # (what ``_cut`` leaves: everything was cut)
+    assert kafka_mod._buffer(buf, 0, 10, fetched(range(5, 15))) == 5
+    assert buf[0].offs == list(range(10, 15))
+    assert kafka_mod._buffer(buf, 0, 10, fetched(range(12, 17))) == 2
+    assert buf[0].offs == list(range(10, 17))
+    d = buf[0].decode(src, "0", spec)
+    assert [r["kafka_offset"] for r in d.rows.to_pylist()] == list(range(10, 17))
+    assert kafka_mod._buffer(buf, 0, 10, fetched(range(3, 9))) == 0 and buf[0].offs == list(range(10, 17))
+
 def _native_module() -> Any:
     try:
         from persist_lib.ingest import _kafka_split  # type: ignore[attr-defined]
