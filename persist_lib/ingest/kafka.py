@@ -623,7 +623,7 @@ class KafkaSource:
     ``group_id`` (default ``persist_NAME``): the consumer group whose offsets are
     committed at the durable frontier. ``timeout_s``: how long an unreachable broker is
     retried (with backoff) before ``SourceTimeout``. ``ranges``: the reader binds offset
-    ranges up to each partition's high watermark without fetching them (``KafkaRangeReader``;
+    ranges up to each partition's last stable offset without fetching them (``KafkaRangeReader``;
     Spark ingestion decodes them on executors). ``prefetch``: messages the reader may
     consume and decode ahead of the ingestion (so fetching overlaps decoding and
     appending; 0: fetch only when asked, on the ingestion's thread). ``reader``: where
@@ -1420,6 +1420,11 @@ class KafkaReader:
             log.info("%s: partitions %s appeared; assigned at offsets %s", self.src._where(), parts, [self._pos[p] for p in parts])
 
     def _watermarks(self, p: int) -> tuple[int, int]:
+        """(low watermark, end) of ``p``, asked from the broker. The consumer is
+        read_committed (pinned, see ``KafkaSource``), and librdkafka (since 1.8) asks
+        ListOffsets with that isolation level, so the end is the *last stable offset*: the
+        first offset of the oldest open transaction, the high watermark when none is open
+        (Tansu: 0 while one is open, see docs/ingestion.md)."""
         from confluent_kafka import KafkaException, TopicPartition
 
         deadline = time.monotonic() + self.src.timeout_s
@@ -1780,11 +1785,11 @@ def _log_end(src: KafkaSource, partition: int) -> int | None:
 class KafkaRangeReader(KafkaReader):
     """A ``KafkaReader`` that binds offset ranges instead of messages (``ranges=True``).
 
-    While a partition's high watermark is ahead of the position, ``read`` returns a
-    ``KafkaRangeChunk`` up to it and fetches nothing: the backlog is read where it is
-    decoded (Spark executors), and the partition is not assigned to the consumer, so it
-    doesn't prefetch it either. Only when every partition is at its watermark does the
-    reader fetch, like ``KafkaReader``: messages past a watermark that under-reports
+    While a partition's last stable offset (``_watermarks``: never inside an open
+    transaction) is ahead of the position, ``read`` returns a ``KafkaRangeChunk`` up to it
+    and fetches nothing: the backlog is read where it is decoded (Spark executors), and
+    the partition is not assigned to the consumer, so it doesn't prefetch it either. Only
+    when every partition is at its watermark does the reader fetch, like ``KafkaReader``: messages past a watermark that under-reports
     (Tansu) or that just arrived. Replays of bound offsets are ranges as well, except for
     messages this reader has fetched already.
     """
@@ -1845,7 +1850,7 @@ class KafkaRangeReader(KafkaReader):
                 left -= c.num_records
                 if left <= 0:
                     break
-            hi = self._watermarks(p)[1]
+            hi = self._watermarks(p)[1]  # (the last stable offset)
             self._high[p] = hi
             pos = self._pos.get(p, 0)
             if hi > pos:
