@@ -24,17 +24,17 @@ import pytest
 confluent_kafka = pytest.importorskip("confluent_kafka")
 
 from persist_lib.ingest import kafka as kafka_mod  # noqa: E402
+from persist_lib.ingest import kafka_prefetch as prefetch_mod  # noqa: E402
 from persist_lib.ingest.decode import DecodeSpec, ErrorRecord, decode_json_lines  # noqa: E402
 from persist_lib.ingest.kafka import (  # noqa: E402
     KafkaSource,
     _Decoded,
-    _gc_paused,
     _Msgs,
-    _Prefetcher,
     _split,
     decode_split,
     split_batch,
 )
+from persist_lib.ingest.kafka_prefetch import _gc_paused, _Prefetcher  # noqa: E402
 
 Message = confluent_kafka.Message
 KafkaError = confluent_kafka.KafkaError
@@ -326,7 +326,7 @@ def test_prefetcher_hands_batches_over_in_consume_order_whichever_decoding_ends_
         assert _result([d.rows for d in decs], [e for d in decs for e in d.errors], [d.raw for d in decs]) == (
             _result([whole.rows], whole.errors, [whole.raw])
         )
-    assert gc.isenabled() and kafka_mod._gc_depth == 0
+    assert gc.isenabled() and prefetch_mod._gc_depth == 0
 
 
 def test_a_failing_decoding_comes_after_the_batches_before_it_and_stays() -> None:
@@ -354,7 +354,7 @@ def test_a_failing_decoding_comes_after_the_batches_before_it_and_stays() -> Non
                 pf.take(10**9, 1.0)
     finally:
         pf.close()
-    assert gc.isenabled() and kafka_mod._gc_depth == 0
+    assert gc.isenabled() and prefetch_mod._gc_depth == 0
 
 
 def test_the_collector_is_paused_while_messages_wait_for_decoding_and_back_after_close() -> None:
@@ -386,7 +386,7 @@ def test_the_collector_is_paused_while_messages_wait_for_decoding_and_back_after
     finally:
         release.set()
         pf.close()
-    assert gc.isenabled() and kafka_mod._gc_depth == 0
+    assert gc.isenabled() and prefetch_mod._gc_depth == 0
     # closed while batches wait for decoding
     release.clear()
     started.clear()
@@ -398,7 +398,7 @@ def test_the_collector_is_paused_while_messages_wait_for_decoding_and_back_after
     assert not gc.isenabled()
     threading.Timer(0.2, release.set).start()  # (the decoding in progress ends; close drops the rest)
     pf.close()
-    assert gc.isenabled() and kafka_mod._gc_depth == 0
+    assert gc.isenabled() and prefetch_mod._gc_depth == 0
 
 
 
@@ -431,18 +431,18 @@ def test_a_conversion_that_raises_leaves_the_collector_on() -> None:
     try:
         for consumer in (_Batches([msgs]), _Late(msgs)):
             with pytest.raises(ValueError, match="converting the batch failed"):
-                kafka_mod._consume(consumer, 10, 0.5, convert, hold=True)
-            assert gc.isenabled() and kafka_mod._gc_depth == 0, type(consumer).__name__
+                prefetch_mod._consume(consumer, 10, 0.5, convert, hold=True)
+            assert gc.isenabled() and prefetch_mod._gc_depth == 0, type(consumer).__name__
         pf = _Prefetcher(_Late(msgs), 10**6, "test", convert, lambda sp: sp)
         try:
             with pytest.raises(ValueError, match="converting the batch failed"):
                 pf.take(10**9, 5.0)
         finally:
             pf.close()
-        assert gc.isenabled() and kafka_mod._gc_depth == 0
+        assert gc.isenabled() and prefetch_mod._gc_depth == 0
     finally:  # (a leaked hold must not turn the collector off for the tests after this one)
-        if kafka_mod._gc_depth:
-            kafka_mod._gc_depth = 0
+        if prefetch_mod._gc_depth:
+            prefetch_mod._gc_depth = 0
             gc.enable()
 
 
