@@ -1209,7 +1209,7 @@ class KafkaReader:
                 # right after). Any other error, or the end at or before it: it does not.
                 err = m.error()
                 if err is None:
-                    return bool(m.offset() >= off)
+                    return bool((m.offset() or 0) >= off)
                 return bool(err.code() == KafkaError._PARTITION_EOF and (m.offset() or 0) > off)
             return False
         finally:
