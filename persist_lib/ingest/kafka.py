@@ -5,6 +5,9 @@ Why it is definite: a Kafka partition is an ordered, replayable log, so the mess
 binding (as long as the broker still serves them; if not, a typed
 ``KafkaOffsetOutOfRange`` names topic, partition and offset instead of skipping).
 Partitions that appear while running are assigned at offset 0 and bound like the rest.
+Consumers are read_committed (pinned): a binding ends at most at a partition's last
+stable offset, so it never holds an aborted transaction's messages or part of an open
+one; offsets fetched again below a partition's position are dropped (``_buffer``).
 
 The consumer uses manual assignment (no group rebalancing: every instance reads every
 partition) and never commits on its own. ``release`` -- called by the driver only
