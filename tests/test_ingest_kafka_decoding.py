@@ -24,17 +24,17 @@ import pytest
 confluent_kafka = pytest.importorskip("confluent_kafka")
 
 from persist_lib.ingest import kafka as kafka_mod  # noqa: E402
+from persist_lib.ingest import kafka_prefetch as prefetch_mod  # noqa: E402
 from persist_lib.ingest.decode import DecodeSpec, ErrorRecord, decode_json_lines  # noqa: E402
 from persist_lib.ingest.kafka import (  # noqa: E402
     KafkaSource,
     _Decoded,
-    _gc_paused,
     _Msgs,
-    _Prefetcher,
     _split,
     decode_split,
     split_batch,
 )
+from persist_lib.ingest.kafka_prefetch import _gc_paused, _Prefetcher  # noqa: E402
 
 Message = confluent_kafka.Message
 KafkaError = confluent_kafka.KafkaError
@@ -326,7 +326,7 @@ def test_prefetcher_hands_batches_over_in_consume_order_whichever_decoding_ends_
         assert _result([d.rows for d in decs], [e for d in decs for e in d.errors], [d.raw for d in decs]) == (
             _result([whole.rows], whole.errors, [whole.raw])
         )
-    assert gc.isenabled() and kafka_mod._gc_depth == 0
+    assert gc.isenabled() and prefetch_mod._gc_depth == 0
 
 
 def test_a_failing_decoding_comes_after_the_batches_before_it_and_stays() -> None:
@@ -354,7 +354,7 @@ def test_a_failing_decoding_comes_after_the_batches_before_it_and_stays() -> Non
                 pf.take(10**9, 1.0)
     finally:
         pf.close()
-    assert gc.isenabled() and kafka_mod._gc_depth == 0
+    assert gc.isenabled() and prefetch_mod._gc_depth == 0
 
 
 def test_the_collector_is_paused_while_messages_wait_for_decoding_and_back_after_close() -> None:
@@ -386,7 +386,7 @@ def test_the_collector_is_paused_while_messages_wait_for_decoding_and_back_after
     finally:
         release.set()
         pf.close()
-    assert gc.isenabled() and kafka_mod._gc_depth == 0
+    assert gc.isenabled() and prefetch_mod._gc_depth == 0
     # closed while batches wait for decoding
     release.clear()
     started.clear()
@@ -398,8 +398,78 @@ def test_the_collector_is_paused_while_messages_wait_for_decoding_and_back_after
     assert not gc.isenabled()
     threading.Timer(0.2, release.set).start()  # (the decoding in progress ends; close drops the rest)
     pf.close()
-    assert gc.isenabled() and kafka_mod._gc_depth == 0
+    assert gc.isenabled() and prefetch_mod._gc_depth == 0
 
+
+
+class _Late:
+    """A consumer stand-in whose batch arrives while ``consume`` waits: nothing for a
+    zero timeout (the local queue is empty), the batch once it is asked to wait."""
+
+    def __init__(self, batch: list[Any]) -> None:
+        self.batch = batch
+
+    def consume(self, n: int, timeout: float) -> list[Any]:
+        if timeout <= 0 or not self.batch:
+            return []
+        b, self.batch = self.batch, []
+        return b
+
+
+def test_a_conversion_that_raises_leaves_the_collector_on() -> None:
+    """A batch's conversion raising (in ``_consume``, queued or waited for; on the
+    prefetch thread, where the error reaches the reader) must not leave a hold on the
+    collector behind: nobody would release it and the process would run without cyclic
+    garbage collection from then on."""
+    msgs = [Message(topic="t", partition=0, offset=o, value=b"{}") for o in range(5)]
+
+    def convert(ms: list[Any]) -> Any:
+        if not ms:
+            return ([], [])
+        raise ValueError("converting the batch failed")
+
+    try:
+        for consumer in (_Batches([msgs]), _Late(msgs)):
+            with pytest.raises(ValueError, match="converting the batch failed"):
+                prefetch_mod._consume(consumer, 10, 0.5, convert, hold=True)
+            assert gc.isenabled() and prefetch_mod._gc_depth == 0, type(consumer).__name__
+        pf = _Prefetcher(_Late(msgs), 10**6, "test", convert, lambda sp: sp)
+        try:
+            with pytest.raises(ValueError, match="converting the batch failed"):
+                pf.take(10**9, 5.0)
+        finally:
+            pf.close()
+        assert gc.isenabled() and prefetch_mod._gc_depth == 0
+    finally:  # (a leaked hold must not turn the collector off for the tests after this one)
+        if prefetch_mod._gc_depth:
+            prefetch_mod._gc_depth = 0
+            gc.enable()
+
+
+@pytest.mark.parametrize("decoded", [False, True], ids=["messages", "decoded"])
+def test_a_refetch_into_an_empty_buffer_keeps_only_offsets_at_or_past_the_position(decoded: bool) -> None:
+    """``_buffer`` (the reader's ``_poll``): offsets 0..9 buffered and cut (the buffer
+    empty, the position 10), then a re-fetch of 5..14 arrives: only 10..14 are buffered;
+    a later re-fetch into the non-empty buffer adds only what is past its last offset."""
+    src, spec = _source(False)
+
+    def fetched(offs: range) -> Any:
+        ms = [Message(topic="t", partition=0, offset=o, value=json.dumps({"id": o}).encode(), timestamp=(0, -1)) for o in offs]
+        sp = split_batch(src, ms)
+        groups = decode_split(src, sp)[1] if decoded else sp[1]
+        assert len(groups) == 1
+        return groups[0][1]
+
+    buf: dict[int, Any] = {}
+    assert kafka_mod._buffer(buf, 0, 0, fetched(range(10))) == 10
+    buf[0] = buf[0].slice(10, 10)  # (what ``_cut`` leaves: everything was cut)
+    assert kafka_mod._buffer(buf, 0, 10, fetched(range(5, 15))) == 5
+    assert buf[0].offs == list(range(10, 15))
+    assert kafka_mod._buffer(buf, 0, 10, fetched(range(12, 17))) == 2
+    assert buf[0].offs == list(range(10, 17))
+    d = buf[0].decode(src, "0", spec)
+    assert [r["kafka_offset"] for r in d.rows.to_pylist()] == list(range(10, 17))
+    assert kafka_mod._buffer(buf, 0, 10, fetched(range(3, 9))) == 0 and buf[0].offs == list(range(10, 17))
 
 def _native_module() -> Any:
     try:

@@ -5,6 +5,9 @@ Why it is definite: a Kafka partition is an ordered, replayable log, so the mess
 binding (as long as the broker still serves them; if not, a typed
 ``KafkaOffsetOutOfRange`` names topic, partition and offset instead of skipping).
 Partitions that appear while running are assigned at offset 0 and bound like the rest.
+Consumers are read_committed (pinned): a binding ends at most at a partition's last
+stable offset, so it never holds an aborted transaction's messages or part of an open
+one; offsets fetched again below a partition's position are dropped (``_buffer``).
 
 The consumer uses manual assignment (no group rebalancing: every instance reads every
 partition) and never commits on its own. ``release`` -- called by the driver only
@@ -24,19 +27,16 @@ from __future__ import annotations
 import base64
 import bisect
 import dataclasses
-import gc
 import json
 import logging
 import operator
 import os
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import numpy as np
@@ -60,6 +60,7 @@ from persist_lib.ingest.errors import (
     SourceTimeout,
     SourceUnavailable,
 )
+from persist_lib.ingest.kafka_prefetch import _consume, _Prefetcher
 from persist_lib.ingest.kafka_proc import ReaderProcess
 from persist_lib.ingest.source import Address, Chunk, Frontier, Lag, Note
 from persist_lib.location.redaction import SensitiveUrl, is_secret_name, redacted_dataclass_repr
@@ -151,7 +152,7 @@ class _Msgs:
     (``materialize``, rebuilds).
 
     ``Message`` objects are GC-tracked, so the reader never keeps them past the batch
-    they came in (see ``_Decoded`` and ``_gc_paused``): holding a binding's worth of
+    they came in (see ``_Decoded`` and ``kafka_prefetch._gc_paused``): holding a binding's worth of
     them made every full garbage collection walk them all, about a second of CPU per
     million messages."""
 
@@ -358,97 +359,6 @@ _Batch = tuple[list[Any], list[tuple[int, _Held]]]  # (error/event messages, [(p
 _Fetched = tuple[_Batch, float]  # a batch and when ``consume`` returned it (time.monotonic)
 
 
-_BATCH = 20_000  # messages per ``consume()`` call of a prefetcher (at most)
-_B = TypeVar("_B")  # what a ``_consume`` conversion makes of a batch
-
-_gc_lock = threading.Lock()
-_gc_depth = 0
-_gc_was_enabled = False
-
-
-def _gc_hold() -> None:
-    """Python's cyclic garbage collector off until the matching ``_gc_release`` (holds
-    nest, across threads; the state the first one found is restored by the last one)."""
-    global _gc_depth, _gc_was_enabled
-    with _gc_lock:
-        if _gc_depth == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_depth += 1
-
-
-def _gc_release() -> None:
-    global _gc_depth
-    with _gc_lock:
-        _gc_depth = max(0, _gc_depth - 1)  # (>= 0: a forked child starts again from 0)
-        if _gc_depth == 0 and _gc_was_enabled:
-            gc.enable()
-
-
-def _gc_reset_in_child() -> None:
-    """After ``fork``: the threads holding the collector paused did not survive, so their
-    releases will never come; the child starts unheld, with the collector as it was."""
-    global _gc_lock, _gc_depth
-    _gc_lock = threading.Lock()
-    if _gc_depth > 0:
-        _gc_depth = 0
-        if _gc_was_enabled:
-            gc.enable()
-
-
-os.register_at_fork(after_in_child=_gc_reset_in_child)
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block (nested and concurrent uses
-    nest; the state the first one found is restored by the last one).
-
-    Why: ``consume()`` creates one GC-tracked ``Message`` per message, so building a
-    batch of 20,000 triggers dozens of collections that walk the batch again and again,
-    though a ``Message`` can't be part of a reference cycle. With the batch converted
-    (decoded, or pulled into lists) and dropped inside the block, its messages are never
-    walked at all. Collections are only postponed (allocations still count), and the
-    block never waits for the broker (``_consume``): it lasts as long as converting one
-    batch."""
-    _gc_hold()
-    try:
-        yield
-    finally:
-        _gc_release()
-
-
-def _consume(
-    consumer: Any, n: int, timeout: float, convert: Callable[[list[Any]], _B],
-    io: AbstractContextManager[Any] | None = None, hold: bool = False,
-) -> tuple[int, _B]:
-    """Up to ``n`` messages and events from ``consumer`` as (how many, ``convert``-ed
-    batch): what is queued already, consumed and converted with the garbage collector
-    paused; if nothing is, waits up to ``timeout`` for some (the collector on: it is never
-    paused while waiting). ``io``: held around the consumer calls (and the conversion).
-    ``hold``: a converted batch comes with the collector still paused (``_gc_hold``) for
-    a stage that still reads its ``Message`` objects; that stage calls ``_gc_release``.
-    Nothing consumed: (0, ``convert([])``), never held."""
-    lock = io if io is not None else nullcontext()
-    with lock, _gc_paused():
-        msgs = consumer.consume(n, 0)
-        if msgs:
-            size, batch = len(msgs), convert(msgs)
-            del msgs  # (the Message objects go before the collector is back)
-            if hold:
-                _gc_hold()
-            return size, batch
-    if timeout <= 0:
-        return 0, convert([])
-    with lock:
-        msgs = consumer.consume(n, timeout)
-        if not msgs:
-            return 0, convert([])
-        if hold:
-            _gc_hold()
-        return len(msgs), convert(msgs)
-
-
 def _split(msgs: list[Any]) -> tuple[list[Any], list[tuple[int, _Msgs]]]:
     """One ``consume()`` batch -> (its error/event messages in order, [(partition, its
     messages)] for each run of one partition with ascending offsets, in the order
@@ -520,6 +430,22 @@ def _extend(b: _Held, ms: _Held) -> int:
     if isinstance(b, _Msgs) and isinstance(ms, _Msgs):
         return b.extend(ms)
     raise IngestInvariantError(f"a partition buffer holds {type(b).__name__}, got {type(ms).__name__}")
+
+
+def _buffer(buf: dict[int, _Held], p: int, pos: int, ms: _Held) -> int:
+    """Adds messages of partition ``p`` just fetched (``ms``, offsets ascending) to its
+    buffer ``buf[p]``; returns how many it added. Only offsets at or past ``pos`` (the
+    partition's position: everything below it was cut into chunks already) and past the
+    last one held: a re-fetch after a reconnect, a seek or an offset reset hands some
+    over again, also when the buffer is empty (then nothing but ``pos`` tells what was
+    taken already)."""
+    if ms.offs and ms.offs[0] < pos:
+        ms = ms.slice(bisect.bisect_left(ms.offs, pos), len(ms))
+    b = buf.get(p)
+    if b is None or not len(b):
+        buf[p] = ms
+        return len(ms)
+    return _extend(b, ms)
 
 
 def _split_materialized(msgs: list[Any]) -> _Batch:
@@ -615,7 +541,7 @@ class KafkaSource:
     ``group_id`` (default ``persist_NAME``): the consumer group whose offsets are
     committed at the durable frontier. ``timeout_s``: how long an unreachable broker is
     retried (with backoff) before ``SourceTimeout``. ``ranges``: the reader binds offset
-    ranges up to each partition's high watermark without fetching them (``KafkaRangeReader``;
+    ranges up to each partition's last stable offset without fetching them (``KafkaRangeReader``;
     Spark ingestion decodes them on executors). ``prefetch``: messages the reader may
     consume and decode ahead of the ingestion (so fetching overlaps decoding and
     appending; 0: fetch only when asked, on the ingestion's thread). ``reader``: where
@@ -665,6 +591,14 @@ class KafkaSource:
             raise IngestConfigError(f"Kafka reader {self.reader!r} is not supported: use one of {', '.join(READERS)}")
         self._servers, self._conf = _bootstrap_of(self.bootstrap_url)
         self._meta = _parse_include(self.include)
+        iso = {**self._conf, **dict(self.config or {})}.get("isolation.level", "read_committed")
+        if str(iso).lower() != "read_committed":
+            raise IngestConfigError(
+                f"Kafka topic {self.topic!r}: isolation.level={iso!r} is not supported: an ingestion "
+                "reads committed messages only (read_committed), so a binding never holds messages of "
+                "an open or aborted transaction and binds at most up to the last stable offset; drop "
+                "the setting"
+            )
 
     def __repr__(self) -> str:  # the bootstrap URL may hold a SASL password
         return redacted_dataclass_repr(self)
@@ -1105,187 +1039,6 @@ def _headers_json(h: Any) -> str | None:
     return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
 
 
-class _Slot:
-    """One consumed batch in a prefetcher's queue: decoded (``batch``) or failing
-    (``error``) once ``done``."""
-
-    __slots__ = ("size", "at", "batch", "error", "done")
-
-    def __init__(self, size: int, at: float) -> None:
-        self.size, self.at = size, at
-        self.batch: _Batch = ([], [])
-        self.error: BaseException | None = None
-        self.done = False
-
-
-class _Prefetcher:
-    """Calls ``consume()`` on a thread, ahead of the reader, and converts each batch in
-    two stages, holding at most ``limit`` messages: the consuming thread splits a batch
-    by partition (``split``: the fields every message needs, read off the ``Message``
-    objects), and one of ``_DECODERS`` decoding threads decodes it (``decode``: mostly
-    pyarrow's JSON parser, which releases the GIL). So consuming, decoding (two batches
-    at once) and the ingestion's appending overlap. Batches come out in the order
-    ``consume`` returned them, whichever decoding finished first, so the reader sees
-    exactly what it would have fetched itself.
-
-    Why two stages on three threads: the one prefetch thread that consumed and decoded
-    (sessions 8-9) was the critical path of an ingestion (~1.1 s of CPU per 1M messages:
-    consume + split ~0.45 s, decoding ~0.65 s). Measured on 1M JSON messages (A/B in one
-    process, medians of 6, docs/ingestion.md section 9): one decoding thread 1.35 s, two
-    1.23 s.
-
-    The garbage collector stays paused from a batch's ``consume`` until its decoding
-    dropped its ``Message`` objects (``_consume(hold=True)``, see ``_gc_paused``): at most
-    ``_MAX_PENDING`` batches wait for or are in decoding, and about every
-    ``_GC_WINDOW_S`` the consuming thread lets the decoding finish them all before it
-    consumes again, so collections still run while messages stream in. (The pause is
-    process-wide: several readers streaming in one process at once only leave a window
-    when all of their decodings are drained together.)"""
-
-    _MAX_PENDING = 4
-    _GC_WINDOW_S = 0.25
-    _DECODERS = 2
-
-    def __init__(
-        self, consumer: Any, limit: int, where: str, split: Callable[[list[Any]], _Split],
-        decode: Callable[[_Split], _Batch],
-    ) -> None:
-        self._consumer = consumer
-        self._split = split
-        self._decode = decode
-        self._limit = max(1, limit)
-        self._batches: deque[_Slot] = deque()  # consumed, in order; decoded when ``done``
-        self._pending: deque[tuple[_Slot, _Split]] = deque()  # waiting for a decoding thread
-        self._undecoded = 0  # batches consumed and not decoded yet (pending or decoding)
-        self._held = 0
-        self._cv = threading.Condition()
-        self._io = threading.Lock()  # held around every call on the consumer
-        self._waiting = 0  # reader-thread calls waiting for the consumer
-        self._stop = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"kafka-prefetch {where}", daemon=True)
-        self._decoders = [
-            threading.Thread(target=self._run_decode, name=f"kafka-decode{i} {where}", daemon=True)
-            for i in range(self._DECODERS)
-        ]
-        self._thread.start()
-        for t in self._decoders:
-            t.start()
-
-    def _run(self) -> None:
-        try:
-            window = time.monotonic()
-            while True:
-                with self._cv:
-                    while (
-                        self._held >= self._limit or self._waiting or self._undecoded >= self._MAX_PENDING
-                    ) and not self._stop:
-                        self._cv.wait(0.1)
-                    if self._stop:
-                        return
-                    if time.monotonic() - window > self._GC_WINDOW_S:
-                        while self._undecoded and not self._stop:  # (decoding lets go of the collector)
-                            self._cv.wait(0.1)
-                    if not self._undecoded:
-                        window = time.monotonic()
-                    n = max(1, min(_BATCH, self._limit - self._held))
-                size, sp = _consume(self._consumer, n, 0.05, self._split, self._io, hold=True)
-                if size:
-                    slot = _Slot(size, time.monotonic())
-                    with self._cv:
-                        if self._stop:  # (closed meanwhile: nobody decodes it)
-                            del sp
-                            _gc_release()
-                            return
-                        self._batches.append(slot)
-                        self._pending.append((slot, sp))
-                        self._undecoded += 1
-                        self._held += size
-                        self._cv.notify_all()
-                    del sp
-        except BaseException as e:  # noqa: BLE001 - handed to the reader's thread
-            with self._cv:
-                self._error = e
-                self._cv.notify_all()
-
-    def _run_decode(self) -> None:
-        while True:
-            with self._cv:
-                while not self._pending and not self._stop:
-                    self._cv.wait(0.1)
-                if self._stop:
-                    return  # (``close`` lets go of what is pending)
-                slot, sp = self._pending.popleft()
-            try:
-                try:
-                    slot.batch = self._decode(sp)
-                except BaseException as e:  # noqa: BLE001 - handed to the reader's thread
-                    slot.error = e
-                del sp  # (the last reference to the Message objects)
-            finally:
-                _gc_release()  # (the hold ``_consume`` took for this batch)
-            with self._cv:
-                slot.done = True
-                self._undecoded -= 1
-                self._cv.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """The consumer for a call from the reader's thread (librdkafka calls on one
-        consumer from two threads at once can hang: a cached watermark read did)."""
-        with self._cv:
-            self._waiting += 1
-        try:
-            with self._io:
-                yield
-        finally:
-            with self._cv:
-                self._waiting -= 1
-                self._cv.notify_all()
-
-    def take(self, max_n: int, timeout: float) -> list[_Fetched]:
-        """Up to about ``max_n`` messages (whole batches), waiting up to ``timeout`` for one."""
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while not (self._batches and self._batches[0].done):
-                if not self._batches and self._error is not None:
-                    raise self._error  # (after every batch consumed before it)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return []
-                self._cv.wait(left)
-            out: list[_Fetched] = []
-            got = 0
-            while self._batches and self._batches[0].done and got < max_n:
-                slot = self._batches[0]
-                if slot.error is not None:
-                    if out:
-                        break  # (the batches before it first)
-                    raise slot.error
-                self._batches.popleft()
-                out.append((slot.batch, slot.at))
-                got += slot.size
-                self._held -= slot.size
-            self._cv.notify_all()
-            return out
-
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join(30)
-        for t in self._decoders:
-            t.join(30)
-        if any(t.is_alive() for t in self._decoders):
-            log.warning("a Kafka decoding thread did not stop within 30 s (a batch's decoding hangs)")
-        with self._cv:
-            # never decoded (a decoding thread takes a batch only while not stopped, under
-            # the lock): their holds on the collector go with them
-            while self._pending:
-                self._pending.popleft()
-                _gc_release()
-
-
 class KafkaReader:
     """Reads a topic from per-partition offsets with one manually assigned consumer."""
 
@@ -1404,6 +1157,11 @@ class KafkaReader:
             log.info("%s: partitions %s appeared; assigned at offsets %s", self.src._where(), parts, [self._pos[p] for p in parts])
 
     def _watermarks(self, p: int) -> tuple[int, int]:
+        """(low watermark, end) of ``p``, asked from the broker. The consumer is
+        read_committed (pinned, see ``KafkaSource``), and librdkafka (since 1.8) asks
+        ListOffsets with that isolation level, so the end is the *last stable offset*: the
+        first offset of the oldest open transaction, the high watermark when none is open
+        (Tansu: 0 while one is open, see docs/ingestion.md)."""
         from confluent_kafka import KafkaException, TopicPartition
 
         deadline = time.monotonic() + self.src.timeout_s
@@ -1435,7 +1193,10 @@ class KafkaReader:
             self._out_of_range(p, o, lo, hi, "the log ends before it (the topic was recreated or truncated)")
 
     def _last_exists(self, p: int, off: int) -> bool:
-        from confluent_kafka import Consumer, TopicPartition
+        """The log of ``p`` reaches offset ``off``: read, as the end offset the broker
+        reports may be short of it (Tansu: its high watermark under-reports, and its last
+        stable offset is 0 while a transaction is open)."""
+        from confluent_kafka import Consumer, KafkaError, TopicPartition
 
         c = Consumer(self.src._consumer_conf(**{"group.id": f"{self.src.group_id}-probe"}))
         try:
@@ -1445,8 +1206,14 @@ class KafkaReader:
                 m = c.poll(0.2)
                 if m is None:
                     continue
-                # a message at the offset: it exists; an error (EOF: the log ends earlier): not
-                return m.error() is None and bool(m.offset() == off)
+                # A message at or past the offset, or the end of the partition past it: the
+                # log reaches it (the offset itself may hold no message -- a transaction's
+                # commit marker, which a binding up to the last stable offset can end
+                # right after). Any other error, or the end at or before it: it does not.
+                err = m.error()
+                if err is None:
+                    return bool((m.offset() or 0) >= off)
+                return bool(err.code() == KafkaError._PARTITION_EOF and (m.offset() or 0) > off)
             return False
         finally:
             c.close()
@@ -1472,12 +1239,7 @@ class KafkaReader:
         got = 0
         for (_, groups), _at in batches:
             for p, ms in groups:
-                b = self._buf.get(p)
-                if b is None or not len(b):
-                    self._buf[p] = ms
-                    got += len(ms)
-                else:
-                    got += _extend(b, ms)
+                got += _buffer(self._buf, p, self._pos.get(p, 0), ms)
                 self._fetched.add(p)
                 if ms.offs:
                     self._seen[p] = max(self._seen.get(p, 0), ms.offs[-1] + 1)
@@ -1769,11 +1531,11 @@ def _log_end(src: KafkaSource, partition: int) -> int | None:
 class KafkaRangeReader(KafkaReader):
     """A ``KafkaReader`` that binds offset ranges instead of messages (``ranges=True``).
 
-    While a partition's high watermark is ahead of the position, ``read`` returns a
-    ``KafkaRangeChunk`` up to it and fetches nothing: the backlog is read where it is
-    decoded (Spark executors), and the partition is not assigned to the consumer, so it
-    doesn't prefetch it either. Only when every partition is at its watermark does the
-    reader fetch, like ``KafkaReader``: messages past a watermark that under-reports
+    While a partition's last stable offset (``_watermarks``: never inside an open
+    transaction) is ahead of the position, ``read`` returns a ``KafkaRangeChunk`` up to it
+    and fetches nothing: the backlog is read where it is decoded (Spark executors), and
+    the partition is not assigned to the consumer, so it doesn't prefetch it either. Only
+    when every partition is at its watermark does the reader fetch, like ``KafkaReader``: messages past a watermark that under-reports
     (Tansu) or that just arrived. Replays of bound offsets are ranges as well, except for
     messages this reader has fetched already.
     """
@@ -1834,7 +1596,7 @@ class KafkaRangeReader(KafkaReader):
                 left -= c.num_records
                 if left <= 0:
                     break
-            hi = self._watermarks(p)[1]
+            hi = self._watermarks(p)[1]  # (the last stable offset)
             self._high[p] = hi
             pos = self._pos.get(p, 0)
             if hi > pos:

@@ -1,6 +1,6 @@
 """The Kafka reader process: consuming and decoding on another core than the ingestion.
 
-Why: a reader's prefetch thread (``kafka._Prefetcher``) and the ingestion's own thread
+Why: a reader's prefetch thread (``kafka_prefetch._Prefetcher``) and the ingestion's own thread
 both need the GIL for most of their work (confluent-kafka builds a Python ``Message``
 per message, splitting and decoding orchestrate Arrow from Python, reclocking and
 appends are Python), so on one interpreter they barely overlap. A spawned child process
@@ -342,7 +342,8 @@ def _serve(conn: Connection) -> None:
 
     from confluent_kafka import TopicPartition
 
-    from persist_lib.ingest.kafka import KafkaSource, _consume, convert_batch
+    from persist_lib.ingest.kafka import KafkaSource, convert_batch
+    from persist_lib.ingest.kafka_prefetch import _consume
 
     msg = _recv(conn)
     if msg[0] != "init":
