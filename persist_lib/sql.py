@@ -46,6 +46,16 @@ Table references are recognised after ``FROM``, ``JOIN``, a comma of a ``FROM`` 
 DuckDB table function such as ``read_parquet``) are left to DuckDB. The same table may
 appear at several times in one query (``orders AS OF t1 JOIN orders AS OF t2``).
 
+**Read-only.** A session's own DuckDB connection is opened with external access off
+(no file or network access: ``COPY ... TO/FROM``, ``ATTACH``, ``INSTALL``/``LOAD``,
+``read_text``/``read_csv``/``read_parquet``/... on paths or URLs, secrets), extension
+auto-install/auto-load off, and its configuration locked, so no statement (``SET``,
+``RESET``, ``PRAGMA``) can turn any of it back on. The only directory DuckDB may use is
+its own spill directory, a fresh private (0700) one removed on ``close()``. A refused
+statement raises ``SqlReadOnly`` (an ``InvalidUsage``). To export rows, read a source
+yourself (``pyarrow.parquet.ParquetWriter`` over ``snapshot(...).batches()``) or use
+``persist sql --json``.
+
 DuckDB and polars are optional dependencies (``pip install persist-platform[sql]``),
 imported when first used.
 """
@@ -55,6 +65,8 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import re
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -266,6 +278,54 @@ class ArrowSource:
         return f"ArrowSource({self.description})"
 
 
+# ----- read-only DuckDB ------------------------------------------------------------------
+
+
+class SqlReadOnly(InvalidUsage):
+    """A statement tried to read or write a file, reach the network, install or load an
+    extension, or change DuckDB's settings: ``persist sql`` only reads collections and
+    shards."""
+
+
+def read_only_connection(scratch_dir: str) -> Any:
+    """A new in-memory DuckDB connection that can touch no file but its own spill
+    directory ``scratch_dir`` and no network, and whose settings no statement can change
+    (external access off, extension auto-install/auto-load off, configuration locked).
+    Arrow sources can still be registered on it."""
+    import duckdb
+
+    return duckdb.connect(
+        config={
+            "enable_external_access": False,
+            "autoinstall_known_extensions": False,
+            "autoload_known_extensions": False,
+            "temp_directory": scratch_dir,
+            "lock_configuration": True,  # last: after it nothing can be set
+        }
+    )
+
+
+_LOCKED = "the configuration has been locked"
+
+
+def read_only_error(e: BaseException) -> SqlReadOnly | None:
+    """The ``SqlReadOnly`` a DuckDB error stands for (a refused file, network, extension
+    or settings access), or None for any other error."""
+    import duckdb
+
+    text = str(e).strip()
+    if not (isinstance(e, duckdb.PermissionException) or (isinstance(e, duckdb.Error) and _LOCKED in text)):
+        return None
+    first = text.splitlines()[0] if text else type(e).__name__
+    return SqlReadOnly(
+        f"persist sql is read-only: it reads collections and shards only, and DuckDB refused this "
+        f"statement ({first}): no file or network access (COPY, ATTACH, read_csv/read_text/"
+        "read_parquet on a path or URL, ...), no extensions (INSTALL/LOAD) and no settings "
+        "(SET/RESET/PRAGMA). To export rows use `persist sql --json`, or in Python write "
+        "SqlSession.snapshot(...).batches() with pyarrow"
+    )
+
+
 # ----- the session -----------------------------------------------------------------------
 
 
@@ -276,7 +336,9 @@ class SqlSession:
     ``sql``; ``memory_budget`` bounds each streaming read (``ReadHandle.snapshot_batches``);
     ``timeout_s`` is how long a read waits for a time at or past the upper (default:
     the client's ``snapshot_timeout_s``, as for reads). ``connection`` is the DuckDB
-    connection to use (default: a new in-memory one, closed with the session).
+    connection to use (default: a new in-memory, read-only one -- ``read_only_connection``
+    -- closed with the session; a connection you pass is used as it is, with whatever
+    file and network access you gave it).
     """
 
     def __init__(
@@ -295,6 +357,7 @@ class SqlSession:
         self.timeout_s = timeout_s
         self._con = connection
         self._owns_con = connection is None
+        self._scratch: str | None = None  # the own connection's spill directory
         self._owns_client = owns_client
         self._ctl: StorageController | None = None
         self._tables: dict[str, Table] = {}
@@ -321,6 +384,9 @@ class SqlSession:
         if self._con is not None and self._owns_con:
             self._con.close()
             self._con = None
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
         if self._owns_client:
             self.client.close()
 
@@ -336,12 +402,17 @@ class SqlSession:
 
     @property
     def connection(self) -> Any:
-        """The DuckDB connection (``duckdb.DuckDBPyConnection``)."""
+        """The DuckDB connection (``duckdb.DuckDBPyConnection``): by default a
+        read-only one (``read_only_connection``)."""
         self._check_open()
         if self._con is None:
-            import duckdb
-
-            self._con = duckdb.connect()
+            self._scratch = tempfile.mkdtemp(prefix="persist-sql-")  # private: 0700
+            try:
+                self._con = read_only_connection(self._scratch)
+            except BaseException:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None
+                raise
         return self._con
 
     # ----- tables ------------------------------------------------------------------
@@ -438,11 +509,22 @@ class SqlSession:
     def sql(self, query: str, *, as_of: TimeLike | None = None) -> Any:
         """Runs ``query`` (the syntax of the module docstring) in DuckDB and returns its
         relation (``None`` for a statement without a result). ``as_of`` overrides the
-        session's default time for table references without ``AS OF``."""
+        session's default time for table references without ``AS OF``. A statement that
+        touches a file, the network, an extension or a setting raises ``SqlReadOnly``;
+        other DuckDB errors are DuckDB's own."""
+        import duckdb
+
         default = self.as_of if as_of is None else parse_time(as_of, "as_of")
         latest: dict[str, int] = {}  # one "latest" time per table within a query
         text = rewrite_sql(query, lambda ref: self._view_for(ref, default, latest))
-        return self.connection.sql(text)
+        con = self.connection
+        try:
+            return con.sql(text)
+        except duckdb.Error as e:
+            refused = read_only_error(e)
+            if refused is not None:
+                raise refused from None
+            raise
 
     def _view_for(self, ref: TableRef, default: int | None, latest: dict[str, int]) -> str | None:
         key = self.resolve(ref.name)
