@@ -46,15 +46,10 @@ Table references are recognised after ``FROM``, ``JOIN``, a comma of a ``FROM`` 
 DuckDB table function such as ``read_parquet``) are left to DuckDB. The same table may
 appear at several times in one query (``orders AS OF t1 JOIN orders AS OF t2``).
 
-**Read-only.** A session's own DuckDB connection is opened with external access off
-(no file or network access: ``COPY ... TO/FROM``, ``ATTACH``, ``INSTALL``/``LOAD``,
-``read_text``/``read_csv``/``read_parquet``/... on paths or URLs, secrets), extension
-auto-install/auto-load off, and its configuration locked, so no statement (``SET``,
-``RESET``, ``PRAGMA``) can turn any of it back on. The only directory DuckDB may use is
-its own spill directory, a fresh private (0700) one removed on ``close()``. A refused
-statement raises ``SqlReadOnly`` (an ``InvalidUsage``). To export rows, read a source
-yourself (``pyarrow.parquet.ParquetWriter`` over ``snapshot(...).batches()``) or use
-``persist sql --json``.
+**Read-only.** A session's own DuckDB connection can touch no file (but its private
+spill directory), no network, no extension and no setting (``sql_guard``): such a
+statement raises ``SqlReadOnly`` (an ``InvalidUsage``). To export rows, write
+``snapshot(...).batches()`` with pyarrow, or use ``persist sql --json``.
 
 DuckDB and polars are optional dependencies (``pip install persist-platform[sql]``),
 imported when first used.
@@ -78,6 +73,8 @@ from persist_lib.errors import InvalidUsage, ShardTombstoned, Timeout
 from persist_lib.frontier import Antichain, check_time
 from persist_lib.ids import ShardId
 from persist_lib.read import BatchStream, ReadHandle
+from persist_lib.sql_guard import SqlReadOnly as SqlReadOnly
+from persist_lib.sql_guard import read_only_connection, read_only_error
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.client import PersistClient
@@ -276,54 +273,6 @@ class ArrowSource:
 
     def __repr__(self) -> str:
         return f"ArrowSource({self.description})"
-
-
-# ----- read-only DuckDB ------------------------------------------------------------------
-
-
-class SqlReadOnly(InvalidUsage):
-    """A statement tried to read or write a file, reach the network, install or load an
-    extension, or change DuckDB's settings: ``persist sql`` only reads collections and
-    shards."""
-
-
-def read_only_connection(scratch_dir: str) -> Any:
-    """A new in-memory DuckDB connection that can touch no file but its own spill
-    directory ``scratch_dir`` and no network, and whose settings no statement can change
-    (external access off, extension auto-install/auto-load off, configuration locked).
-    Arrow sources can still be registered on it."""
-    import duckdb
-
-    return duckdb.connect(
-        config={
-            "enable_external_access": False,
-            "autoinstall_known_extensions": False,
-            "autoload_known_extensions": False,
-            "temp_directory": scratch_dir,
-            "lock_configuration": True,  # last: after it nothing can be set
-        }
-    )
-
-
-_LOCKED = "the configuration has been locked"
-
-
-def read_only_error(e: BaseException) -> SqlReadOnly | None:
-    """The ``SqlReadOnly`` a DuckDB error stands for (a refused file, network, extension
-    or settings access), or None for any other error."""
-    import duckdb
-
-    text = str(e).strip()
-    if not (isinstance(e, duckdb.PermissionException) or (isinstance(e, duckdb.Error) and _LOCKED in text)):
-        return None
-    first = text.splitlines()[0] if text else type(e).__name__
-    return SqlReadOnly(
-        f"persist sql is read-only: it reads collections and shards only, and DuckDB refused this "
-        f"statement ({first}): no file or network access (COPY, ATTACH, read_csv/read_text/"
-        "read_parquet on a path or URL, ...), no extensions (INSTALL/LOAD) and no settings "
-        "(SET/RESET/PRAGMA). To export rows use `persist sql --json`, or in Python write "
-        "SqlSession.snapshot(...).batches() with pyarrow"
-    )
 
 
 # ----- the session -----------------------------------------------------------------------

@@ -142,7 +142,7 @@ def _rows(rel: Any) -> Iterator[tuple[Any, ...]]:
     """The relation's rows, streamed (the query stops when the iteration does)."""
     import duckdb
 
-    from persist_lib.sql import read_only_error
+    from persist_lib.sql_guard import read_only_error
 
     try:
         with rel.to_arrow_reader(batch_size=1024) as reader:
