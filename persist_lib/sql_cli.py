@@ -140,19 +140,9 @@ def _cmd_sql(client: PersistClient, ns: argparse.Namespace) -> Any:
 
 def _rows(rel: Any) -> Iterator[tuple[Any, ...]]:
     """The relation's rows, streamed (the query stops when the iteration does)."""
-    import duckdb
-
-    from persist_lib.sql_guard import read_only_error
-
-    try:
-        with rel.to_arrow_reader(batch_size=1024) as reader:
-            for b in reader:
-                yield from zip(*(c.to_pylist() for c in b.columns), strict=True)
-    except duckdb.Error as e:  # refused while running (not when the query was bound)
-        refused = read_only_error(e)
-        if refused is not None:
-            raise refused from None
-        raise
+    with rel.to_arrow_reader(batch_size=1024) as reader:
+        for b in reader:
+            yield from zip(*(c.to_pylist() for c in b.columns), strict=True)
 
 
 def _run(s: Any, query: str) -> Any:

@@ -346,9 +346,11 @@ def _kafka_source(x: _World) -> list[Any]:
     enc = quote(x.pw, safe="")
     url = f"kafka://alice:{enc}@127.0.0.1:9?security_protocol=SASL_PLAINTEXT&sasl_mechanism=PLAIN"
     src = KafkaSource(url, "t", config={"sasl.password": x.pw})
-    # librdkafka's other secret-bearing settings, in the URL (not the userinfo password)
-    # and in config: hidden because they are not on the allow-list, whatever their name
-    in_url = "&".join(f"{k.replace('.', '_')}={enc}" for k in KAFKA_SECRET_SETTINGS)
+    # librdkafka's other secret-bearing settings, in config and (those whose names say
+    # nothing of a password or secret) in the URL: hidden because they are not on the
+    # allow-list, whatever their name
+    unnamed = ("ssl.key.pem", "sasl.oauthbearer.config", "sasl.oauthbearer.extensions", "ssl.certificate.pem")
+    in_url = "&".join(f"{k.replace('.', '_')}={enc}" for k in unnamed)
     other = KafkaSource(
         f"kafka://alice:userinfo-pw@127.0.0.1:9?security_protocol=SASL_SSL&{in_url}",
         "t",
