@@ -46,6 +46,11 @@ Table references are recognised after ``FROM``, ``JOIN``, a comma of a ``FROM`` 
 DuckDB table function such as ``read_parquet``) are left to DuckDB. The same table may
 appear at several times in one query (``orders AS OF t1 JOIN orders AS OF t2``).
 
+**Read-only.** A session's own DuckDB connection can touch no file (but its private
+spill directory), no network, no extension and no setting (``sql_guard``): such a
+statement raises ``SqlReadOnly`` (an ``InvalidUsage``). To export rows, write
+``snapshot(...).batches()`` with pyarrow, or use ``persist sql --json``.
+
 DuckDB and polars are optional dependencies (``pip install persist-platform[sql]``),
 imported when first used.
 """
@@ -55,6 +60,8 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import re
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -66,6 +73,8 @@ from persist_lib.errors import InvalidUsage, ShardTombstoned, Timeout
 from persist_lib.frontier import Antichain, check_time
 from persist_lib.ids import ShardId
 from persist_lib.read import BatchStream, ReadHandle
+from persist_lib.sql_guard import SqlReadOnly as SqlReadOnly
+from persist_lib.sql_guard import read_only_connection, read_only_error
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.client import PersistClient
@@ -276,7 +285,9 @@ class SqlSession:
     ``sql``; ``memory_budget`` bounds each streaming read (``ReadHandle.snapshot_batches``);
     ``timeout_s`` is how long a read waits for a time at or past the upper (default:
     the client's ``snapshot_timeout_s``, as for reads). ``connection`` is the DuckDB
-    connection to use (default: a new in-memory one, closed with the session).
+    connection to use (default: a new in-memory, read-only one -- ``read_only_connection``
+    -- closed with the session; a connection you pass is used as it is, with whatever
+    file and network access you gave it).
     """
 
     def __init__(
@@ -295,6 +306,7 @@ class SqlSession:
         self.timeout_s = timeout_s
         self._con = connection
         self._owns_con = connection is None
+        self._scratch: str | None = None  # the own connection's spill directory
         self._owns_client = owns_client
         self._ctl: StorageController | None = None
         self._tables: dict[str, Table] = {}
@@ -321,6 +333,9 @@ class SqlSession:
         if self._con is not None and self._owns_con:
             self._con.close()
             self._con = None
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
         if self._owns_client:
             self.client.close()
 
@@ -336,12 +351,17 @@ class SqlSession:
 
     @property
     def connection(self) -> Any:
-        """The DuckDB connection (``duckdb.DuckDBPyConnection``)."""
+        """The DuckDB connection (``duckdb.DuckDBPyConnection``): by default a
+        read-only one (``read_only_connection``)."""
         self._check_open()
         if self._con is None:
-            import duckdb
-
-            self._con = duckdb.connect()
+            self._scratch = tempfile.mkdtemp(prefix="persist-sql-")  # private: 0700
+            try:
+                self._con = read_only_connection(self._scratch)
+            except BaseException:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None
+                raise
         return self._con
 
     # ----- tables ------------------------------------------------------------------
@@ -438,11 +458,22 @@ class SqlSession:
     def sql(self, query: str, *, as_of: TimeLike | None = None) -> Any:
         """Runs ``query`` (the syntax of the module docstring) in DuckDB and returns its
         relation (``None`` for a statement without a result). ``as_of`` overrides the
-        session's default time for table references without ``AS OF``."""
+        session's default time for table references without ``AS OF``. A statement that
+        touches a file, the network, an extension or a setting raises ``SqlReadOnly``;
+        other DuckDB errors are DuckDB's own."""
+        import duckdb
+
         default = self.as_of if as_of is None else parse_time(as_of, "as_of")
         latest: dict[str, int] = {}  # one "latest" time per table within a query
         text = rewrite_sql(query, lambda ref: self._view_for(ref, default, latest))
-        return self.connection.sql(text)
+        con = self.connection
+        try:
+            return con.sql(text)
+        except duckdb.Error as e:
+            refused = read_only_error(e)
+            if refused is not None:
+                raise refused from None
+            raise
 
     def _view_for(self, ref: TableRef, default: int | None, latest: dict[str, int]) -> str | None:
         key = self.resolve(ref.name)

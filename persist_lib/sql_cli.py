@@ -1,7 +1,8 @@
 """``persist sql QUERY``: SQL (DuckDB) over collections and shards, as of any time.
 
 Registered by ``persist_lib.cli``; the syntax is ``persist_lib.sql``'s. Read-only: it
-registers one reader per table it reads and expires them all before it exits.
+registers one reader per table it reads and expires them all before it exits, and its
+DuckDB connection can touch no file, network, extension or setting (``SqlReadOnly``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ since the epoch) or ISO 8601 timestamps in quotes (no offset = UTC).
   FROM orders AS OF '2024-05-01 12:00:00'
   FROM changes(orders, T1, T2)         the updates after T1 up to T2 (T1 < ts <= T2):
                                        orders AS OF T1 plus these is orders AS OF T2
+
+Read-only: no file or network access (COPY, ATTACH, read_csv/read_text/read_parquet
+on a path or URL), no INSTALL/LOAD, no SET/RESET/PRAGMA of settings; export rows
+with --json.
 
 A time must be readable: since <= time < upper (`persist describe NAME` shows both;
 `persist sql --tables` too). Before the since it is an error (that history was

@@ -341,12 +341,24 @@ def _pg_cdc(x: _World) -> list[Any]:
 
 def _kafka_source(x: _World) -> list[Any]:
     from persist_lib.ingest.kafka import KafkaSource
+    from tests.test_kafka_secrets import KAFKA_SECRET_SETTINGS
 
     enc = quote(x.pw, safe="")
     url = f"kafka://alice:{enc}@127.0.0.1:9?security_protocol=SASL_PLAINTEXT&sasl_mechanism=PLAIN"
     src = KafkaSource(url, "t", config={"sasl.password": x.pw})
-    src.attach(x.client, "nasty")
-    return [src]
+    # librdkafka's other secret-bearing settings, in config and (those whose names say
+    # nothing of a password or secret) in the URL: hidden because they are not on the
+    # allow-list, whatever their name
+    unnamed = ("ssl.key.pem", "sasl.oauthbearer.config", "sasl.oauthbearer.extensions", "ssl.certificate.pem")
+    in_url = "&".join(f"{k.replace('.', '_')}={enc}" for k in unnamed)
+    other = KafkaSource(
+        f"kafka://alice:userinfo-pw@127.0.0.1:9?security_protocol=SASL_SSL&{in_url}",
+        "t",
+        config={k: x.pw for k in KAFKA_SECRET_SETTINGS},
+    )
+    for s in (src, other):
+        s.attach(x.client, "nasty")
+    return [src, other]
 
 
 def _splits(x: _World, kind: str) -> list[Any]:

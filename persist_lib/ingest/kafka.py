@@ -63,7 +63,12 @@ from persist_lib.ingest.errors import (
 from persist_lib.ingest.kafka_prefetch import _consume, _Prefetcher
 from persist_lib.ingest.kafka_proc import ReaderProcess
 from persist_lib.ingest.source import Address, Chunk, Frontier, Lag, Note
-from persist_lib.location.redaction import SensitiveUrl, is_secret_name, redacted_dataclass_repr
+from persist_lib.location.redaction import (
+    SensitiveUrl,
+    redacted_dataclass_repr,
+    scrub,
+    settings_secrets,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.client import PersistClient
@@ -670,10 +675,10 @@ class KafkaSource:
             ) from None
 
     def _scrub(self, text: str) -> str:
-        conf = {**self._conf, **dict(self.config or {})}
-        for k, v in conf.items():
-            if v and is_secret_name(k):
-                text = text.replace(str(v), "****")
+        """``text`` without the settings' values that are not known to be harmless
+        (``redaction.HARMLESS_SETTINGS``: a private key, an OAuth config, a password
+        under any name) nor the bootstrap URL's secrets."""
+        text = scrub(text, settings_secrets({**self._conf, **dict(self.config or {})}))
         return SensitiveUrl(self.bootstrap_url).scrub(text) if "://" in self.bootstrap_url else text
 
     def topic_partitions(self, consumer: Any) -> int | None:

@@ -4,11 +4,19 @@ A URI or DSN that may carry a secret is held as a ``SensitiveUrl``; its ``repr``
 is a *redacted* form built by parsing the URI, not by pattern-matching its text:
 
 * the userinfo password (``scheme://user:PASSWORD@host``) becomes ``****``;
-* the value of every secret-named query parameter (``password``, ``secret_access_key``,
-  ``session_token``, ``*secret*``, ``*token*``, ...) becomes ``****``;
-* a URL nested in a query parameter (``endpoint_url=http://u:p@minio``) is redacted
-  the same way;
-* a libpq conninfo string (``host=h password=x``) is parsed with libpq's own parser.
+* the value of every query parameter becomes ``****`` unless the parameter is one of
+  ``HARMLESS_SETTINGS``, an allow-list of settings known to hold no secret (host names,
+  ports, regions, modes, timeouts: ``region``, ``sslmode``, ``security_protocol``,
+  ``group_id``, ...). Redacting by *name* (``password``, ``*secret*``, ``*token*``) let
+  ``ssl_key_pem`` (a private key) and ``sasl_oauthbearer_config`` through; a secret
+  under a name nobody thought of is now hidden too;
+* a URL nested in an allowed query parameter (``endpoint_url=http://u:p@minio``) is
+  redacted the same way;
+* a libpq conninfo string (``host=h password=x``) is parsed with libpq's own parser,
+  and its values shown by the same allow-list.
+
+``redacted_settings`` / ``settings_secrets`` apply the same allow-list to a settings
+mapping (a Kafka source's librdkafka configuration).
 
 Correct by construction, also for hostile input: a URI is parsed three ways (as
 ``urllib`` splits it, as libpq splits it -- the userinfo ends at the first ``@`` unless
@@ -39,19 +47,29 @@ from typing import Any, NamedTuple
 from urllib.parse import quote, quote_plus, unquote, unquote_plus, urlsplit
 
 __all__ = [
+    "HARMLESS_SETTINGS",
     "REDACTED",
     "SensitiveUrl",
+    "is_harmless_name",
     "is_secret_name",
     "redact",
     "redacted_dataclass_repr",
+    "redacted_settings",
     "scrub",
     "secret_forms",
+    "settings_secrets",
 ]
 
 REDACTED = "****"
 
-# Parameter names whose value is a secret (case-insensitive, anywhere in the name).
-_SECRET_WORDS = r"password|passwd|pwd|passfile|secret|token|signature|credential"
+# Parameter names whose value is a secret (case-insensitive, anywhere in the name):
+# scrubbed from messages whatever their length, and never shown even if allow-listed.
+# (librdkafka: sasl.password, sasl.oauthbearer.config / .client.secret, ssl.key.pem,
+# ssl.key.password, ssl.keystore.password, ssl.certificate.pem, sasl.kerberos.keytab.)
+_SECRET_WORDS = (
+    r"password|passwd|pwd|passfile|passphrase|secret|token|signature|credential|"
+    r"pem|keytab|private|jaas|oauthbearer[._\-]config|api[._\-]?key|ssl[._\-]?key"
+)
 _SECRET_NAME_RE = re.compile(rf"[A-Za-z0-9_.\-]*(?:{_SECRET_WORDS})[A-Za-z0-9_.\-]*", re.I)
 
 # Parameters some URI form accepts: an '&' inside a secret value that is followed by
@@ -71,6 +89,123 @@ _STATIC_PARAMS = frozenset(
 )  # fmt: skip
 
 
+# librdkafka's secret-bearing settings, as kafka:// URL parameters ('_' for '.').
+_KAFKA_SECRET_PARAMS = frozenset(
+    {
+        "sasl_username", "sasl_password", "sasl_oauthbearer_config",
+        "sasl_oauthbearer_client_id", "sasl_oauthbearer_client_secret",
+        "sasl_oauthbearer_token_endpoint_url", "sasl_oauthbearer_extensions",
+        "sasl_kerberos_keytab", "sasl_kerberos_principal", "ssl_key_pem", "ssl_key_location",
+        "ssl_key_password", "ssl_keystore_location", "ssl_keystore_password",
+        "ssl_certificate_pem", "ssl_certificate_location", "ssl_ca_pem", "ssl_ca_location",
+    }
+)  # fmt: skip
+
+# Settings whose values are shown in reprs, ``describe()`` and error messages: known to
+# hold no secret. Everything else is ``****``. Names are compared lower-case with '.'
+# and '-' read as '_' (``bootstrap.servers`` = ``bootstrap_servers``).
+HARMLESS_SETTINGS = frozenset(
+    {
+        # s3 blob / landing zone (endpoint_url: a nested URL, itself redacted)
+        "endpoint_url", "region",
+        # sqlite consensus
+        "synchronous", "busy_timeout_ms",
+        # unreliable+ wrappers
+        "unreliable_seed", "unreliable_rate", "unreliable_stall", "unreliable_stall_s",
+        # libpq: where to connect, as whom, how (never a password, a key or a file)
+        "host", "hostaddr", "port", "dbname", "user", "connect_timeout", "sslmode",
+        "sslnegotiation", "sslcompression", "gssencmode", "channel_binding", "require_auth",
+        "ssl_min_protocol_version", "ssl_max_protocol_version", "target_session_attrs",
+        "load_balance_hosts", "application_name", "fallback_application_name",
+        "client_encoding", "keepalives", "keepalives_idle", "keepalives_interval",
+        "keepalives_count", "tcp_user_timeout", "replication", "krbsrvname",
+        # librdkafka: brokers, protocol and mechanism names, group, offsets, fetching,
+        # timeouts (not sasl.username: with API keys it is half a credential)
+        "bootstrap_servers", "metadata_broker_list", "security_protocol", "sasl_mechanism",
+        "sasl_mechanisms", "sasl_kerberos_service_name", "sasl_oauthbearer_method",
+        "ssl_endpoint_identification_algorithm", "enable_ssl_certificate_verification",
+        "client_id", "client_rack", "group_id", "auto_offset_reset", "isolation_level",
+        "enable_auto_commit", "enable_auto_offset_store", "enable_partition_eof",
+        "session_timeout_ms", "heartbeat_interval_ms", "max_poll_interval_ms",
+        "partition_assignment_strategy", "fetch_wait_max_ms", "fetch_min_bytes",
+        "fetch_max_bytes", "fetch_message_max_bytes", "fetch_error_backoff_ms",
+        "fetch_queue_backoff_ms", "queued_min_messages", "queued_max_messages_kbytes",
+        "receive_message_max_bytes", "message_max_bytes", "socket_timeout_ms",
+        "socket_connection_setup_timeout_ms", "socket_keepalive_enable",
+        "socket_nagle_disable", "reconnect_backoff_ms", "reconnect_backoff_max_ms",
+        "retry_backoff_ms", "retry_backoff_max_ms", "metadata_max_age_ms",
+        "topic_metadata_refresh_interval_ms", "api_version_request",
+        "api_version_request_timeout_ms", "broker_version_fallback", "broker_address_family",
+        "allow_auto_create_topics", "check_crcs", "statistics_interval_ms", "log_level",
+        "debug", "client_dns_lookup",
+    }
+)  # fmt: skip
+
+# A value of a setting that is neither allow-listed nor secret-named is hidden in reprs
+# whatever its length, and scrubbed from free text (error messages) from this length on:
+# scrubbing a '1' or a 'true' from every message would garble them, and no key, token,
+# certificate or configuration string is that short.
+_MIN_SCRUBBED = 6
+
+
+def _norm(name: str) -> str:
+    return name.strip().lower().replace(".", "_").replace("-", "_")
+
+
+def is_harmless_name(name: str) -> bool:
+    """Whether a setting/query parameter named ``name`` may be shown (``HARMLESS_SETTINGS``)."""
+    return _norm(name) in HARMLESS_SETTINGS and not is_secret_name(name)
+
+
+def _shown_value(name: str, value: str) -> str:
+    """``value`` as a repr may show the setting ``name``: itself if harmless (a nested
+    URL redacted), else ``****``."""
+    if not is_harmless_name(name):
+        return REDACTED
+    return _parse(value).redacted if "://" in value else value
+
+
+def _hidden_values(items: Iterable[tuple[str, str]]) -> list[str]:
+    """The values to scrub from text among ``(name, value)`` settings: every secret-named
+    one, every other non-harmless one of ``_MIN_SCRUBBED`` characters or more, and the
+    secrets of URLs nested in harmless ones."""
+    out: list[str] = []
+    for name, value in items:
+        if not value:
+            continue
+        if is_harmless_name(name):
+            if "://" in value:
+                out += list(_parse(value).secrets)
+        elif is_secret_name(name) or len(value) >= _MIN_SCRUBBED:
+            out.append(value)
+    return out
+
+
+def _setting_items(settings: Any) -> list[tuple[str, str]]:
+    return [
+        (str(k), v.decode("utf-8", "replace") if isinstance(v, bytes) else v)
+        for k, v in dict(settings or {}).items()
+        if isinstance(v, str | bytes)
+    ]
+
+
+def redacted_settings(settings: Any) -> dict[str, Any]:
+    """A settings mapping (librdkafka configuration, ...) as it may be shown: allow-listed
+    values as they are, every other string ``****`` (numbers and booleans as they are)."""
+    out: dict[str, Any] = {}
+    for k, v in dict(settings or {}).items():
+        if isinstance(v, bytes):
+            v = v.decode("utf-8", "replace")
+        out[str(k)] = _shown_value(str(k), v) if isinstance(v, str) else v
+    return out
+
+
+def settings_secrets(settings: Any) -> tuple[str, ...]:
+    """Every spelling of every value of ``settings`` that must not show in a message
+    (see ``_hidden_values``), longest first, for ``scrub``."""
+    return secret_forms(_hidden_values(_setting_items(settings)))
+
+
 @functools.cache
 def _known_params() -> frozenset[str]:
     try:
@@ -79,7 +214,7 @@ def _known_params() -> frozenset[str]:
         libpq = {o.keyword.decode() for o in Conninfo.get_defaults()}
     except Exception:  # noqa: BLE001 - psycopg missing or broken: the static list will do
         libpq = set()
-    return _STATIC_PARAMS | libpq
+    return _STATIC_PARAMS | HARMLESS_SETTINGS | _KAFKA_SECRET_PARAMS | libpq
 
 
 def is_secret_name(name: str) -> bool:
@@ -248,6 +383,7 @@ def _parse(raw: str) -> _Parsed:
     while i < len(pieces):
         name, eq, value = pieces[i].partition("=")
         secret = bool(eq) and is_secret_name(unquote(name))
+        hidden = bool(eq) and not is_harmless_name(unquote(name))  # not allow-listed
         if secret or (eq and "://" in unquote(value)):
             # a secret, or a URL that may hold one (endpoint_url): an '&' not followed by
             # a known parameter may be part of it
@@ -272,10 +408,18 @@ def _parse(raw: str) -> _Parsed:
                     if nested.problem:
                         problems.append(f"parameter {unquote(name)!r}: {nested.problem}")
                 nested = _parse(unquote(value))
-                out_pieces.append(f"{name}={nested.redacted}" if nested.secrets else pieces[i])
+                if hidden:  # a URL in a setting not known to be harmless: hidden whole
+                    candidates += _hidden_values([(unquote(name), value)])
+                    out_pieces.append(f"{name}={REDACTED}")
+                else:
+                    out_pieces.append(f"{name}={nested.redacted}" if nested.secrets else pieces[i])
             i = j
             continue
-        out_pieces.append(pieces[i])
+        if hidden:
+            candidates += _hidden_values([(unquote(name), value)])
+            out_pieces.append(f"{name}={REDACTED}")
+        else:
+            out_pieces.append(pieces[i])
         i += 1
 
     # -- libpq's own reading, for Postgres URLs -------------------------------------
@@ -294,8 +438,7 @@ def _parse(raw: str) -> _Parsed:
             params = {}
         except Exception:  # noqa: BLE001 - libpq rejects it (the opener says why, scrubbed)
             params = {}
-        libpq_secrets = [str(v) for k, v in params.items() if is_secret_name(k) and v]
-        candidates += libpq_secrets
+        candidates += _hidden_values((k, str(v)) for k, v in params.items())
         if params and pw_std is not None and str(params.get("password", "")) != unquote(pw_std):
             problems.append("libpq reads another password from it: " + _ENCODE_HINT)
 
@@ -331,9 +474,9 @@ def _parse_conninfo(raw: str) -> _Parsed:
         params = conninfo_to_dict(raw)
     except Exception:  # noqa: BLE001 - unparsable: show nothing of it
         return _Parsed(REDACTED, secret_forms(found), "libpq cannot parse it as a conninfo")
-    secrets = [str(v) for k, v in params.items() if is_secret_name(k) and v]
+    secrets = _hidden_values((k, str(v)) for k, v in params.items())
     shown = " ".join(
-        f"{k}={REDACTED}" if is_secret_name(k) else f"{k}={_conninfo_value(str(v))}"
+        f"{k}={REDACTED}" if not is_harmless_name(k) else f"{k}={_conninfo_value(str(v))}"
         for k, v in params.items()
     )
     forms = secret_forms(found + secrets)

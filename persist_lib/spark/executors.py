@@ -14,6 +14,17 @@ version doesn't expect. Two supported set-ups:
   Python workers put ahead of site-packages. Binary dependencies can't be shipped this
   way; a worker that lacks them gets a clear error naming the module and the worker.
 
+**The shipped zip can't be swapped.** The driver builds it in a private directory
+(``{tmp}/persist_lib-code-{uid}``, mode 0700, owned by this user: a directory that is
+not, or a symlink, is never used -- a fresh ``mkdtemp`` is), byte for byte reproducible
+and named after the sha256 of its bytes (``persist_lib-<sha256>.zip``). An existing
+file of that name is reused only if its bytes still hash to its name; otherwise it is
+rebuilt. The digest travels with the job (in the file name, and in the probe, which
+is pickled by value): on each executor the probe hashes the zip it would import
+``persist_lib`` from -- before anything imports it -- and reports a zip whose bytes do
+not hash to its name or to the driver's digest as *refused*; ``prepare_executors`` then
+raises instead of running any task.
+
 ``prepare_executors(spark)`` runs once per Spark application (cached): one small probe
 job — a function pickled by value, so it runs even where persist_lib can't be imported
 — reports every executor's Python, the location and code fingerprint of the persist_lib
@@ -28,8 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import logging
 import os
+import re
+import stat
 import tempfile
 import threading
 import zipfile
@@ -58,8 +72,9 @@ class ExecutorProbe:
     python: str
     executable: str
     persist_lib: str | None  # where it would import from (None: not importable)
-    fingerprint: str | None  # sha256 of its sources (zips: the shipped file's name)
+    fingerprint: str | None  # sha256 of its sources (a zip: "zip:" + sha256 of its bytes)
     missing: tuple[str, ...]
+    refused: str | None = None  # why the zip it would import from failed its sha256 check
 
 
 @dataclass(frozen=True)
@@ -104,23 +119,119 @@ def fingerprint(root: Path | None = None) -> str:
     return h.hexdigest()
 
 
+_ZIP_NAME = re.compile(r"persist_lib-([0-9a-f]{64})\.zip")
+_fallback_dir: Path | None = None
+_fallback_lock = threading.Lock()  # (not _lock: prepare_executors holds that one)
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def zip_digest(path: str | Path) -> str:
+    """The sha256 a shipped zip's name says its bytes have."""
+    m = _ZIP_NAME.fullmatch(os.path.basename(str(path)))
+    if m is None:
+        raise InvalidUsage(f"{path} is not a shipped persist_lib zip (persist_lib-<sha256>.zip)")
+    return m.group(1)
+
+
+def _zip_bytes(root: Path) -> bytes:
+    """The zip of ``root``'s sources, the same bytes for the same sources (fixed
+    timestamps and modes, sorted entries)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for p in _sources(root):
+            info = zipfile.ZipInfo((Path("persist_lib") / p.relative_to(root)).as_posix(), (1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            z.writestr(info, p.read_bytes())
+    return buf.getvalue()
+
+
+def _private(d: Path) -> bool:
+    """Whether ``d`` is a real directory (not a symlink) of this user that no one else
+    can write to (its mode is tightened to 0700 if it is ours)."""
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or (hasattr(os, "geteuid") and st.st_uid != os.geteuid()):
+        return False
+    if st.st_mode & 0o077:
+        os.chmod(d, 0o700)
+    return True
+
+
+def code_dir() -> Path:
+    """The private directory the driver builds its zip in: ``{tmp}/persist_lib-code-{uid}``
+    (0700), or, when that path is someone else's or not a directory, a fresh private one
+    for this process."""
+    global _fallback_dir
+    uid = os.geteuid() if hasattr(os, "geteuid") else "user"
+    d = Path(tempfile.gettempdir()) / f"persist_lib-code-{uid}"
+    try:
+        d.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    if _private(d):
+        return d
+    with _fallback_lock:
+        if _fallback_dir is None or not _private(_fallback_dir):
+            log.warning("%s is not a private directory of this user: building the persist_lib zip elsewhere", d)
+            _fallback_dir = Path(tempfile.mkdtemp(prefix="persist_lib-code-"))
+        return _fallback_dir
+
+
 def build_project_zip(dest_dir: str | None = None) -> str:
-    """A zip of the driver's persist_lib (sources only), named after its fingerprint."""
-    root = package_dir()
-    fp = fingerprint(root)
-    dest = Path(dest_dir or tempfile.gettempdir()) / f"persist_lib-{fp[:16]}.zip"
-    if not dest.exists():
-        tmp = dest.with_suffix(f".tmp{os.getpid()}")
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
-            for p in _sources(root):
-                z.write(p, (Path("persist_lib") / p.relative_to(root)).as_posix())
-        os.replace(tmp, dest)
+    """A zip of the driver's persist_lib (sources only) in ``dest_dir`` (default: the
+    private ``code_dir()``), named after the sha256 of its bytes. A file already there
+    under that name is reused only if its bytes still have that digest."""
+    data = _zip_bytes(package_dir())
+    digest = hashlib.sha256(data).hexdigest()
+    d = Path(dest_dir) if dest_dir else code_dir()
+    dest = d / f"persist_lib-{digest}.zip"
+    if dest.is_file() and not dest.is_symlink() and file_sha256(dest) == digest:
+        return str(dest)
+    if dest.exists() or dest.is_symlink():
+        log.warning("%s does not hold the bytes its name says: rebuilding it", dest)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".persist_lib-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, dest)  # replaces a file, or a symlink itself (never its target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return str(dest)
 
 
 # The probe runs where persist_lib may not be importable: its source is compiled in a
-# namespace that isn't an importable module, so cloudpickle ships it by value.
+# namespace that isn't an importable module, so cloudpickle ships it by value (with
+# REQUIRED, the modules to check, and EXPECTED, the sha256 of the zip the driver
+# shipped, or None). It never imports persist_lib: it checks a zip's bytes first.
 _PROBE_SRC = r'''
+def check_zip(path, expected):
+    """(fingerprint, why it is refused or None) of the zip at path: its bytes must hash
+    to the digest in its name (persist_lib-<sha256>.zip) and to expected (if given)."""
+    import hashlib, os, re
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    got = h.hexdigest()
+    m = re.fullmatch(r"persist_lib-([0-9a-f]{64})\.zip", os.path.basename(path))
+    if m is not None and m.group(1) != got:
+        return "zip:" + got, "%s: its bytes have sha256 %s, not the %s its name says" % (path, got, m.group(1))
+    if expected is not None and got != expected:
+        return "zip:" + got, "%s: its bytes have sha256 %s, not the driver's %s" % (path, got, expected)
+    return "zip:" + got, None
+
+
 def probe(batches):
     import hashlib, importlib.util, os, socket, sys
     import pyarrow as pa
@@ -131,7 +242,7 @@ def probe(batches):
                 missing.append(m)
         except Exception:
             missing.append(m)
-    where = fp = None
+    where = fp = refused = None
     try:
         spec = importlib.util.find_spec("persist_lib")
     except Exception:
@@ -139,7 +250,7 @@ def probe(batches):
     if spec is not None and spec.origin:
         where = os.path.dirname(spec.origin)
         if ".zip" in where:
-            fp = "zip:" + os.path.basename(where.split(".zip")[0] + ".zip")
+            fp, refused = check_zip(where.split(".zip")[0] + ".zip", EXPECTED)
         else:
             h = hashlib.sha256()
             files = []
@@ -161,12 +272,14 @@ def probe(batches):
         "persist_lib": [where],
         "fingerprint": [fp],
         "missing": [",".join(missing)],
+        "refused": [refused],
     })
 '''
 
 
-def _probe_fn(required: tuple[str, ...]) -> Any:
-    ns: dict[str, Any] = {"__name__": "persist_executor_probe", "REQUIRED": required}
+def _probe_fn(required: tuple[str, ...], expected: str | None = None) -> Any:
+    """The probe executors run (``expected``: the sha256 of the zip the driver shipped)."""
+    ns: dict[str, Any] = {"__name__": "persist_executor_probe", "REQUIRED": required, "EXPECTED": expected}
     exec(compile(_PROBE_SRC, "<persist executor probe>", "exec"), ns)
     return ns["probe"]
 
@@ -185,9 +298,13 @@ def _app_key(spark: Any) -> tuple[str, str]:
     return f"{sc.applicationId}:{id(sc)}", str(sc.master)
 
 
-def _probe(spark: Any, required: tuple[str, ...], tasks: int) -> list[ExecutorProbe]:
-    schema = "host string, python string, executable string, persist_lib string, fingerprint string, missing string"
-    df = spark.range(tasks, numPartitions=tasks).mapInArrow(_probe_fn(required), schema)
+def _probe(spark: Any, required: tuple[str, ...], tasks: int, shipped: str | None = None) -> list[ExecutorProbe]:
+    schema = (
+        "host string, python string, executable string, persist_lib string, fingerprint string, "
+        "missing string, refused string"
+    )
+    expected = zip_digest(shipped) if shipped else None
+    df = spark.range(tasks, numPartitions=tasks).mapInArrow(_probe_fn(required, expected), schema)
     try:
         rows = df.collect()
     except Exception as e:
@@ -210,6 +327,7 @@ def _probe(spark: Any, required: tuple[str, ...], tasks: int) -> list[ExecutorPr
             persist_lib=r["persist_lib"],
             fingerprint=r["fingerprint"],
             missing=tuple(m for m in (r["missing"] or "").split(",") if m),
+            refused=r["refused"],
         )
         for r in rows
     ]
@@ -269,7 +387,8 @@ def prepare_executors(
         if mode == "always":
             shipped = build_project_zip()
             _ship(spark, shipped)
-        probes = _probe(spark, required, tasks)
+        probes = _probe(spark, required, tasks, shipped)
+        _raise_refused(probes)
         _raise_missing(probes)
         mine = fingerprint()
         stale = [p for p in probes if not _same_code(p, mine, shipped)]
@@ -283,7 +402,8 @@ def prepare_executors(
             )
             shipped = build_project_zip()
             _ship(spark, shipped)
-            probes = _probe(spark, required, tasks)
+            probes = _probe(spark, required, tasks, shipped)
+            _raise_refused(probes)
             stale = [p for p in probes if not _same_code(p, mine, shipped)]
         if stale:
             p = stale[0]
@@ -305,9 +425,20 @@ def prepare_executors(
 
 
 def _same_code(p: ExecutorProbe, mine: str, shipped: str | None) -> bool:
-    if shipped is not None and p.fingerprint == f"zip:{os.path.basename(shipped)}":
+    if shipped is not None and p.fingerprint == f"zip:{zip_digest(shipped)}" and p.refused is None:
         return True
     return p.fingerprint == mine
+
+
+def _raise_refused(probes: list[ExecutorProbe]) -> None:
+    for p in probes:
+        if p.refused:
+            raise ExecutorEnvironmentError(
+                f"Spark executor {p.host} ({p.executable}) refused the persist_lib zip it would "
+                f"import: {p.refused}. The file was changed after the driver built it (or another "
+                "zip shadows it on the executors' Python path); nothing was run. Check who can "
+                "write to the driver's code directory and the workers' Spark directories, then rerun"
+            )
 
 
 def _raise_missing(probes: list[ExecutorProbe]) -> None:
