@@ -44,7 +44,8 @@ client = PersistClient.open(p["blob"], p["consensus"], PersistConfig.for_tests()
 K = pa.schema([(p["key"], pa.int32())])
 V = pa.schema([("bid", pa.int32()), (p["bal"], pa.int32()), ("filler", pa.string())])
 ing = Ingestion(client, p["name"], PgCdcSource(p["dsn"], p["table"]), K, V, envelope="upsert",
-                config=IngestConfig(max_records_per_binding=5000, poll_interval_s=0.05))
+                config=IngestConfig(max_records_per_binding=200, poll_interval_s=0.05))
+ing.run_once()  # this life has bound (and applied) what was there: kills land mid-stream
 print("started", flush=True)
 s = ing.run(max_duration_s=p["seconds"])
 ing.close()
