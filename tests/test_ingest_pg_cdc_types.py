@@ -328,36 +328,50 @@ def test_type_matrix_identical_through_every_path_and_equal_to_the_table(pg_serv
     conn.close()
 
 
-@pytest.mark.parametrize(
-    "pgtype,atype,suggest",
-    [
-        ("numeric", pa.decimal128(38, 10), "pa.string()"),
-        ("numeric(20,2)", pa.float64(), r"pa.decimal128\(20, 2\)"),
-        ("numeric(10,2)", pa.decimal128(10, 3), r"pa.decimal128\(10, 2\)"),
-        ("float4", pa.float64(), r"pa.float32\(\)"),
-        ("timetz", pa.time64("us"), r"pa.string\(\)"),
-        ("interval", pa.duration("us"), r"pa.string\(\)"),
-        ("timestamptz", pa.timestamp("us"), "tz='UTC'"),
-        ("timestamp", pa.timestamp("ms"), r"pa.timestamp\('us'\)"),
-        ("int8", pa.int32(), r"pa.int64\(\)"),
-        ("char(3)", pa.int32(), r"pa.string\(\)"),
-        ("uuid", pa.binary(), r"pa.string\(\)"),
-        ("int4[]", pa.list_(pa.int32()), r"pa.string\(\)"),
-        ("jsonb", pa.struct([("a", pa.int64())]), r"pa.string\(\)"),
-    ],
-)
-def test_unrepresentable_column_types_are_refused_up_front(
-    pg_server: Any, pgtype: str, atype: pa.DataType, suggest: str
-) -> None:
+REFUSED: list[tuple[str, pa.DataType, str]] = [
+    ("numeric", pa.decimal128(38, 10), r"pa.string\(\)"),
+    ("numeric", pa.float64(), r"pa.string\(\)"),
+    ("numeric(20,2)", pa.float64(), r"pa.decimal128\(20, 2\)"),
+    ("numeric(10,2)", pa.decimal128(10, 3), r"pa.decimal128\(10, 2\)"),
+    ("float4", pa.float64(), r"pa.float32\(\)"),
+    ("float8", pa.float32(), r"pa.float64\(\)"),
+    ("timetz", pa.time64("us"), r"pa.string\(\)"),
+    ("time", pa.time32("ms"), r"pa.time64\('us'\)"),
+    ("interval", pa.duration("us"), r"pa.string\(\)"),
+    ("timestamptz", pa.timestamp("us"), "tz='UTC'"),
+    ("timestamp", pa.timestamp("ms"), r"pa.timestamp\('us'\)"),
+    ("timestamp", pa.timestamp("us", tz="UTC"), r"pa.timestamp\('us'\)"),
+    ("int8", pa.int32(), r"pa.int64\(\)"),
+    ("char(3)", pa.int32(), r"pa.string\(\)"),
+    ("uuid", pa.binary(), r"pa.string\(\)"),
+    ("int4[]", pa.list_(pa.int32()), r"pa.string\(\)"),
+    ("jsonb", pa.struct([("a", pa.int64())]), r"pa.string\(\)"),
+    ("mood", pa.int32(), r"pa.string\(\)"),
+    ("posint", pa.int16(), r"pa.int32\(\)"),
+]
+
+
+def test_unrepresentable_column_types_are_refused_up_front(pg_server: Any) -> None:
     src = pg_server.create_database()
     conn = psycopg.connect(src, autocommit=True)
-    conn.execute(f"CREATE TABLE r (id int PRIMARY KEY, x {pgtype})")
-    conn.execute("INSERT INTO r VALUES (1, NULL)")
+    conn.execute("CREATE TYPE mood AS ENUM ('sad', 'ok', 'happy')")
+    conn.execute("CREATE DOMAIN posint AS int4 CHECK (VALUE > 0)")
+    cols = ", ".join(f"x{i} {t}" for i, (t, _, _) in enumerate(REFUSED))
+    conn.execute(f"CREATE TABLE r (id int PRIMARY KEY, {cols})")
+    conn.execute("INSERT INTO r (id) VALUES (1)")
     client = _client()
-    ing = Ingestion(client, "refuse", PgCdcSource(src, "r"), pa.schema([("id", pa.int32())]), pa.schema([("x", atype)]), envelope="upsert")
-    with pytest.raises(UnsupportedColumnType, match=f"column 'x' of public.r is .*use .*{suggest}"):
-        ing.run_once()
-    ing.close()
-    # refused before anything was created: no slot, nothing ingested
+    key = pa.schema([("id", pa.int32())])
+    for i, (_pgtype, atype, suggest) in enumerate(REFUSED):
+        ing = Ingestion(client, f"refuse{i}", PgCdcSource(src, "r"), key, pa.schema([(f"x{i}", atype)]), envelope="upsert")
+        with pytest.raises(UnsupportedColumnType, match=f"column 'x{i}' of public.r is .*use .*{suggest}"):
+            ing.run_once()
+        ing.close()
+    # refused before anything was created: no slot, no publication
     assert conn.execute("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()").fetchone()[0] == 0
+    assert conn.execute("SELECT count(*) FROM pg_publication").fetchone()[0] == 0
+    # and the same columns as their text form are accepted
+    val = pa.schema([(f"x{i}", pa.string()) for i in range(len(REFUSED))])
+    with Ingestion(client, "text_form", PgCdcSource(src, "r"), key, val, envelope="upsert") as ing:
+        s = ing.run_once()
+    assert s["records"] == 1
     conn.close()
