@@ -348,6 +348,7 @@ REFUSED: list[tuple[str, pa.DataType, str]] = [
     ("jsonb", pa.struct([("a", pa.int64())]), r"pa.string\(\)"),
     ("mood", pa.int32(), r"pa.string\(\)"),
     ("posint", pa.int16(), r"pa.int32\(\)"),
+    ("text", pa.list_(pa.string()), r"pa.string\(\)"),
 ]
 
 

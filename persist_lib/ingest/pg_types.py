@@ -25,8 +25,8 @@ time                   ``time64("us")``
 timestamp              ``timestamp("us")`` (no zone)
 timestamptz            ``timestamp("us", tz=...)`` (any zone: the instant is kept)
 a domain               as its base type
-text / varchar         any type: the text is *parsed* (a value that doesn't parse is an
-                       error record, like a CSV field)
+text / varchar         any scalar type: the text is *parsed* (a value that doesn't parse
+                       is an error record, like a CSV field)
 =====================  ===================================================================
 
 Everything else (char(n) except as text, unconstrained numeric, timetz, interval, uuid,
@@ -113,8 +113,8 @@ _INTS = {"int2": 16, "int4": 32, "int8": 64}
 def _exact(pg: PgType, t: pa.DataType) -> bool:
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return True  # the text form
-    if pg.name in _TEXT_TYPES:
-        return True  # parsed (errors per value)
+    if pg.name in _TEXT_TYPES:  # parsed into a scalar (errors per value)
+        return not pa.types.is_nested(t) and not pa.types.is_duration(t) and not pa.types.is_interval(t)
     n = pg.name
     if n == "bool":
         return pa.types.is_boolean(t)
