@@ -17,6 +17,7 @@ import decimal
 import math
 import random
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,38 @@ def _client() -> PersistClient:
     return PersistClient.open(f"mem://b-{tag}", f"mem://c-{tag}", PersistConfig.for_tests())
 
 
+@pytest.fixture
+def src(pg_server: Any) -> Iterator[str]:
+    """A fresh database; its replication slots are dropped afterwards (the test server
+    has 10 for the whole session)."""
+    dsn = pg_server.create_database()
+    yield dsn
+    drop_slots(dsn)
+
+
+def drop_slots(dsn: str) -> None:
+    """Drops every replication slot of the database (ending the sessions still on one)."""
+    import time
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        deadline = time.monotonic() + 30
+        while True:
+            conn.execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                "WHERE database = current_database() AND active"
+            )
+            conn.execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                "WHERE database = current_database() AND NOT active"
+            )
+            left = conn.execute(
+                "SELECT count(*) FROM pg_replication_slots WHERE database = current_database()"
+            ).fetchone()[0]
+            if left == 0 or time.monotonic() > deadline:
+                return
+            time.sleep(0.05)  # a terminated session releases its slot as it exits
+
+
 def _rows(ing: Ingestion, role: str, t: int) -> list[dict[str, Any]]:
     rows = ing._outs[role].snapshot(t).to_pylist()
     assert all(r["diff"] == 1 for r in rows)
@@ -50,10 +83,9 @@ def test_ingest_package_exports_pg_cdc_source() -> None:
     assert {"PgCdcSource", "LandingZoneSource", "KafkaSource"} <= set(ingest.__all__)
 
 
-def test_char_n_padding_bool_and_inet_same_through_snapshot_and_stream(pg_server: Any) -> None:
+def test_char_n_padding_bool_and_inet_same_through_snapshot_and_stream(src: str) -> None:
     """Regression: the snapshot read ``col::text``, which trims char(n), spells booleans
     ``true`` and shows an inet's /32, while pgoutput sends the output function's text."""
-    src = pg_server.create_database()
     conn = psycopg.connect(src, autocommit=True)
     conn.execute("CREATE TABLE t (id int PRIMARY KEY, c char(5), b bool, ip inet)")
     conn.execute("INSERT INTO t VALUES (1, 'a', true, '10.0.0.1')")
@@ -248,8 +280,7 @@ def _setup(conn: Any) -> None:
     )
 
 
-def test_type_matrix_identical_through_every_path_and_equal_to_the_table(pg_server: Any) -> None:
-    src = pg_server.create_database()
+def test_type_matrix_identical_through_every_path_and_equal_to_the_table(src: str) -> None:
     conn = psycopg.connect(src, autocommit=True)
     _setup(conn)
     conn.close()
@@ -352,8 +383,7 @@ REFUSED: list[tuple[str, pa.DataType, str]] = [
 ]
 
 
-def test_unrepresentable_column_types_are_refused_up_front(pg_server: Any) -> None:
-    src = pg_server.create_database()
+def test_unrepresentable_column_types_are_refused_up_front(src: str) -> None:
     conn = psycopg.connect(src, autocommit=True)
     conn.execute("CREATE TYPE mood AS ENUM ('sad', 'ok', 'happy')")
     conn.execute("CREATE DOMAIN posint AS int4 CHECK (VALUE > 0)")
@@ -375,4 +405,26 @@ def test_unrepresentable_column_types_are_refused_up_front(pg_server: Any) -> No
     with Ingestion(client, "text_form", PgCdcSource(src, "r"), key, val, envelope="upsert") as ing:
         s = ing.run_once()
     assert s["records"] == 1
+    conn.close()
+
+
+def test_pinned_settings_win_over_the_dsn_and_the_database(src: str) -> None:
+    """A DSN's own ``options`` are kept, but the settings that shape values are pinned:
+    a timestamptz arrives in UTC through the snapshot and the stream alike."""
+    from urllib.parse import quote
+
+    conn = psycopg.connect(src, autocommit=True)
+    conn.execute("CREATE TABLE z (id int PRIMARY KEY, at timestamptz)")
+    conn.execute("INSERT INTO z VALUES (1, '2024-06-01 12:00:00+00')")
+    dsn = f"{src}?options={quote('-c TimeZone=Asia/Tokyo -c application_name=cdc_opts')}"
+    k = pa.schema([("id", pa.int32())])
+    v = pa.schema([("at", pa.string())])
+    with Ingestion(_client(), "opts", PgCdcSource(dsn, "z"), k, v, envelope="upsert") as ing:
+        ing.run_once()
+        conn.execute("INSERT INTO z VALUES (2, '2024-06-01 12:00:00+00')")
+        s = ing.run_once()
+        got = {r["id"]: r["at"] for r in _rows(ing, "data", s["upper"] - 1)}
+        names = {r[0] for r in conn.execute("SELECT application_name FROM pg_stat_activity").fetchall()}
+    assert got == {1: "2024-06-01 12:00:00+00", 2: "2024-06-01 12:00:00+00"}
+    assert "cdc_opts" in names  # the DSN's own option was applied
     conn.close()

@@ -93,7 +93,11 @@ def _connect(dsn: str, **kw: Any) -> Any:
     # every CDC session has the same settings: the text form of a value (pgoutput's, the
     # snapshot's) depends on them (pg_types.SESSION_SETTINGS)
     try:
-        return psycopg.connect(url.raw, autocommit=True, connect_timeout=10, options=SESSION_OPTIONS, **kw)
+        from psycopg.conninfo import conninfo_to_dict
+
+        own = conninfo_to_dict(url.raw).get("options")  # the DSN's options= come first
+        opts = f"{own} {SESSION_OPTIONS}" if own else SESSION_OPTIONS
+        return psycopg.connect(url.raw, autocommit=True, connect_timeout=10, options=opts, **kw)
     except psycopg.OperationalError as e:
         msg = url.scrub(str(e)).strip()
         if "does not exist" in msg or "password authentication failed" in msg or "invalid" in msg:
