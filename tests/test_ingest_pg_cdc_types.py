@@ -138,6 +138,7 @@ COLUMNS: dict[str, tuple[str, pa.DataType]] = {
     "dm": ("posint", pa.int32()),
     "ip": ("inet", pa.string()),
     "cd": ("cidr", pa.string()),
+    "mo": ("money", pa.string()),
     "big": ("text", pa.string()),
 }
 
@@ -157,7 +158,7 @@ VARIANTS: list[dict[str, str]] = [
         "iv": "'1 year 2 mons 3 days 04:05:06.789'", "u": "'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11'",
         "j": "'{\"b\": 1,  \"a\": [1, 2.50]}'", "jb": "'{\"b\": 1,  \"a\": [1, 2.50]}'",
         "ai": "'{1,NULL,-3}'", "at": "ARRAY['a b', NULL, '\"', '']", "en": "'happy'", "dm": "7",
-        "ip": "'192.168.1.5'", "cd": "'10.1.0.0/16'", "big": _BIG,
+        "ip": "'192.168.1.5'", "cd": "'10.1.0.0/16'", "mo": "'1234567.89'", "big": _BIG,
     },
     {
         "_zone": "America/St_Johns",
@@ -168,7 +169,7 @@ VARIANTS: list[dict[str, str]] = [
         "tz": "'2024-11-03 01:30:00'", "tzs": "'-infinity'", "iv": "'-1 days +02:03:00'",
         "u": "'00000000-0000-0000-0000-000000000000'", "j": "'[]'", "jb": "'null'",
         "ai": "'{}'", "at": "'{}'", "en": "'sad'", "dm": "1", "ip": "'2001:db8::1/64'",
-        "cd": "'2001:db8::/32'", "big": _BIG,
+        "cd": "'2001:db8::/32'", "mo": "'-0.01'", "big": _BIG,
     },
     {
         "_zone": "Asia/Kathmandu",

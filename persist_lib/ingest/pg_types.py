@@ -55,13 +55,14 @@ from persist_lib.ingest.decode import (
 from persist_lib.ingest.errors import IngestConfigError
 
 #: Session settings of every CDC connection (the snapshot's, the peeks'): the output
-#: functions of timestamptz, date, interval, float and bytea depend on them.
+#: functions of timestamptz, date, interval, float, bytea and money depend on them.
 SESSION_SETTINGS = {
     "TimeZone": "UTC",
     "DateStyle": "ISO, YMD",
     "IntervalStyle": "postgres",
     "extra_float_digits": "1",
     "bytea_output": "hex",
+    "lc_monetary": "C",
 }
 SESSION_OPTIONS = " ".join(f"-c {k}={v.replace(' ', '')}" for k, v in SESSION_SETTINGS.items())
 
