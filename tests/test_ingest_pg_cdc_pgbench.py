@@ -209,7 +209,7 @@ def test_pgbench_cdc_with_kill9_equals_the_tables_at_every_bound_lsn(
     try:
         _pgbench_run(src, tmp_path, seconds, kills, min_checked)
     finally:
-        drop_slots(src)  # (the test server has 10 slots for the whole session)
+        drop_slots(src)  # (the test server has a fixed number for the session)
 
 
 def _pgbench_run(src: str, tmp_path: Any, seconds: int, kills: int, min_checked: int) -> None:

@@ -40,7 +40,7 @@ def _client() -> PersistClient:
 @pytest.fixture
 def src(pg_server: Any) -> Iterator[str]:
     """A fresh database; its replication slots are dropped afterwards (the test server
-    has 10 for the whole session)."""
+    has a fixed number for the whole session)."""
     dsn = pg_server.create_database()
     yield dsn
     drop_slots(dsn)
