@@ -25,6 +25,8 @@ from persist_lib.ingest.errors import (
 from persist_lib.ingest.kafka import KafkaSource
 from persist_lib.ingest.landing_zone import LandingZoneSource
 from persist_lib.ingest.outputs import ShardOutputs, StorageOutputs, shard_id_for
+from persist_lib.ingest.pg_cdc import PgCdcSource
+from persist_lib.ingest.pg_types import UnsupportedColumnType
 from persist_lib.ingest.progress import IngestProgress, ProgressBar, ProgressCallback, ProgressLog
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "KafkaTopicGone",
     "LandingZoneSource",
     "NeedsNewRendition",
+    "PgCdcSource",
     "ProgressBar",
     "ProgressCallback",
     "ProgressLog",
@@ -49,6 +52,7 @@ __all__ = [
     "SourceTimeout",
     "SourceUnavailable",
     "StorageOutputs",
+    "UnsupportedColumnType",
     "run_once",
     "shard_id_for",
 ]

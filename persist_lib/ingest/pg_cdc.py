@@ -40,18 +40,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+from psycopg.adapt import Loader
 
 from persist_lib.ingest.decode import (
-    DELETE_COL,
-    TRUNCATE_COL,
-    UNCHANGED_COL,
     Decoded,
     DecodeSpec,
     ErrorRecord,
-    decode_text_columns,
     raw_table,
 )
 from persist_lib.ingest.errors import IngestConfigError, SourceDataGone, SourceUnavailable
+from persist_lib.ingest.pg_types import (
+    SESSION_OPTIONS,
+    check_column_types,
+    column_types,
+    decode_change_records,
+)
 from persist_lib.ingest.pgoutput import (
     UNCHANGED,
     Relation,
@@ -87,8 +90,14 @@ def _connect(dsn: str, **kw: Any) -> Any:
     if url.problem:  # refused before libpq, whose errors would quote a piece of it
         raise IngestConfigError(f"the CDC source DSN {url} is ambiguous: {url.problem}")
     err: Exception | None = None
+    # every CDC session has the same settings: the text form of a value (pgoutput's, the
+    # snapshot's) depends on them (pg_types.SESSION_SETTINGS)
     try:
-        return psycopg.connect(url.raw, autocommit=True, connect_timeout=10, **kw)
+        from psycopg.conninfo import conninfo_to_dict
+
+        own = conninfo_to_dict(url.raw).get("options")  # the DSN's options= come first
+        opts = f"{own} {SESSION_OPTIONS}" if own else SESSION_OPTIONS
+        return psycopg.connect(url.raw, autocommit=True, connect_timeout=10, options=opts, **kw)
     except psycopg.OperationalError as e:
         msg = url.scrub(str(e)).strip()
         if "does not exist" in msg or "password authentication failed" in msg or "invalid" in msg:
@@ -102,6 +111,13 @@ def _connect(dsn: str, **kw: Any) -> Any:
             f"the CDC source DSN {url} is not valid: {url.scrub(str(e)).strip()}; fix the DSN"
         )
     raise err
+
+
+class _RawText(Loader):
+    """A psycopg loader: a text-format value as the server sent it (no parsing)."""
+
+    def load(self, data: Any) -> str:
+        return bytes(data).decode("utf-8")
 
 
 def _fetch_chunks(cur: Any, n: int) -> Iterator[list[tuple[str | None, ...]]]:
@@ -365,6 +381,8 @@ class PgCdcSource:
                     f"table {self.table} has no column(s) {missing} (columns: {sorted(cols)}); fix the "
                     "key/value schema"
                 )
+            fields = list(spec.key_schema) + list(spec.val_schema)
+            check_column_types(f"{self._schema}.{self._relname}", column_types(c, oid), fields)
             if self._key_names and sorted(spec.key_names) != self._key_names:
                 what = "primary key" if ident == "d" else "replica identity index"
                 raise IngestConfigError(
@@ -463,8 +481,13 @@ class PgCdcSource:
                         (f"{self._schema}.{self._relname}",),
                     ).fetchall()
                 ]
+                # Each value as its type's output function writes it -- what pgoutput sends
+                # -- not a ::text cast (which trims char(n), spells booleans out, and
+                # shows an inet's netmask): every type is loaded as the raw text.
+                for (toid,) in c2.execute("SELECT oid FROM pg_type").fetchall():
+                    c2.adapters.register_loader(toid, _RawText)
                 q = sql.SQL("SELECT {} FROM {}").format(
-                    sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(col)) for col in columns),
+                    sql.SQL(", ").join(sql.Identifier(col) for col in columns),
                     sql.Identifier(self._schema, self._relname),
                 )
                 # A server-side (named) cursor: the table is fetched and staged in chunks.
@@ -642,60 +665,6 @@ class PgCdcSource:
 
     def _is_ours(self, rel: Relation) -> bool:
         return rel.namespace == self._schema and rel.name == self._relname
-
-
-def decode_change_records(
-    spec: DecodeSpec,
-    recs: list[dict[str, Any]],
-    deletes: list[bool],
-    truncs: list[bool],
-    unchanged: list[list[str] | None],
-) -> tuple[pa.Table, list[tuple[int, str, str]]]:
-    """Text-format row changes -> typed rows (with delete/unchanged/truncate columns).
-
-    Returns the rows of the good records (in order) and ``(index, kind, reason)`` for
-    the others. Row-wise, so the rebuild from the raw collection decodes identically.
-    """
-    import pyarrow.compute as pc
-
-    n = len(recs)
-    keys = spec.key_names
-    columns: dict[str, pa.Array] = {}
-    for f in list(spec.key_schema) + list(spec.val_schema):
-        vals = [r.get(f.name) for r in recs]
-        if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type):
-            # bytea's text form is \x + hex
-            columns[f.name] = pa.array(
-                [bytes.fromhex(v[2:]) if isinstance(v, str) and v.startswith("\\x") else v for v in vals],
-                pa.binary(),
-            )
-        else:
-            columns[f.name] = pa.array(vals, pa.string())
-    table, bad = decode_text_columns(spec, columns, n, empty_is_null=False)
-    bad_idx = {i for i, _, _ in bad}
-    keep = [i for i in range(n) if i not in bad_idx]
-    out_bad = list(bad)
-    rows_cols: dict[str, pa.Array] = {}
-    for f in list(spec.key_schema) + list(spec.val_schema):
-        rows_cols[f.name] = table.column(f.name).combine_chunks().cast(f.type)
-    rows = pa.table(rows_cols) if rows_cols else pa.table({})
-    rows = rows.append_column(DELETE_COL, pa.array([deletes[i] for i in keep], pa.bool_()))
-    rows = rows.append_column(UNCHANGED_COL, pa.array([unchanged[i] for i in keep], pa.list_(pa.string())))
-    rows = rows.append_column(TRUNCATE_COL, pa.array([truncs[i] for i in keep], pa.bool_()))
-    key_null: Any = None
-    for k in keys:
-        m = rows.column(k).is_null()
-        key_null = m if key_null is None else pc.or_(key_null, m)
-    if key_null is not None:
-        bad_key = pc.and_(key_null, pc.invert(rows.column(TRUNCATE_COL)))
-        mask = bad_key.to_pylist()
-        if any(mask):
-            for j, b in enumerate(mask):
-                if b:
-                    out_bad.append((keep[j], "missing_key", f"key column(s) {keys} null"))
-            rows = rows.filter(pc.invert(bad_key))
-    out_bad.sort()
-    return rows, out_bad
 
 
 class PgCdcReader:

@@ -149,7 +149,7 @@ class PgServer:
                     f"-c unix_socket_directories={self.sockdir}",
                     "-c wal_level=logical",
                     "-c max_wal_senders=10",
-                    "-c max_replication_slots=10",
+                    "-c max_replication_slots=40",  # the CDC tests leave slots behind
                     "-c fsync=on",
                     "-c max_connections=200",
                     "-c shared_buffers=32MB",
