@@ -30,6 +30,7 @@ import gzip
 import io
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -376,10 +377,10 @@ class _Csv(_Parsed):
 
     def __init__(self, data: bytes, size: int, delimiter: str) -> None:
         self.size = size
-        try:
-            text = data.decode("utf-8-sig")
-        except UnicodeDecodeError as e:
-            raise Unreadable(f"the CSV file is not valid UTF-8: {e}") from e
+        # Bytes that are not UTF-8 become lone surrogates (U+DC80-U+DCFF, which valid
+        # UTF-8 never decodes to): the records holding them go to errors as invalid_utf8,
+        # the others are ingested (decode_csv_records).
+        text = data.decode("utf-8-sig", errors="surrogateescape")
         try:
             records = list(csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True))
         except csv.Error as e:
@@ -399,7 +400,7 @@ class _Csv(_Parsed):
     def _raw(self, rec: list[str]) -> bytes:
         buf = io.StringIO()
         csv.writer(buf, delimiter=self.delimiter, lineterminator="").writerow(rec)
-        return buf.getvalue().encode()
+        return buf.getvalue().encode("utf-8", errors="surrogateescape")  # the bytes as read
 
     def decode(self, spec: DecodeSpec, file: str, r0: int, r1: int) -> Decoded:
         recs = self.records[r0:r1]
@@ -428,6 +429,17 @@ class _Csv(_Parsed):
         return Decoded(rows, errors, raw)
 
 
+# What ``bytes.decode("utf-8", "surrogateescape")`` turns bytes that are not UTF-8 into.
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
+def _not_utf8(header: list[str], rec: list[str]) -> str:
+    j = next(j for j, v in enumerate(rec) if _NOT_UTF8.search(v))
+    b = rec[j].encode("utf-8", errors="surrogateescape")
+    name = repr(header[j]) if j < len(header) else f"#{j + 1}"
+    return f"field {name} is not valid UTF-8 (bytes {b[:60]!r})"
+
+
 def decode_csv_records(
     spec: DecodeSpec, header: list[str], recs: list[list[str]]
 ) -> tuple[pa.Table, list[tuple[int, str, str]]]:
@@ -436,12 +448,14 @@ def decode_csv_records(
     Blank records yield nothing. Row-wise: a record decodes the same in any batch.
     """
     width = len(header)
-    ok_idx = [i for i, r in enumerate(recs) if len(r) == width]
+    bad_text = {i: _not_utf8(header, r) for i, r in enumerate(recs) if _NOT_UTF8.search("".join(r))}
+    ok_idx = [i for i, r in enumerate(recs) if len(r) == width and i not in bad_text]
     bad_width = [
         (i, "wrong_field_count", f"expected {width} fields (header {header}), got {len(r)}")
         for i, r in enumerate(recs)
-        if len(r) != width and len(r) != 0
+        if len(r) != width and len(r) != 0 and i not in bad_text
     ]
+    bad_width += [(i, "invalid_utf8", reason) for i, reason in bad_text.items()]
     good = [recs[i] for i in ok_idx]
     cols: dict[str, pa.Array] = {}
     wanted = {f.name for f in spec.input_fields()}
