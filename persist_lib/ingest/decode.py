@@ -293,10 +293,10 @@ def check_rows(
     reasons: dict[int, tuple[str, str]] = {}
     for f in list(spec.key_schema) + list(spec.val_schema):
         col = table.column(f.name)
-        for i in invalid_rows(col):  # (no invalid string may reach a part)
-            if not bad_mask[i]:
-                reasons[i] = ("invalid_utf8", f"field {f.name!r} is not valid UTF-8 ({describe_value(col, i)})")
-                bad_mask[i] = True
+        for j in invalid_rows(col):  # (no invalid string may reach a part)
+            if not bad_mask[j]:
+                reasons[j] = ("invalid_utf8", f"field {f.name!r} is not valid UTF-8 ({describe_value(col, j)})")
+                bad_mask[j] = True
     for f in spec.key_schema:
         nulls = table.column(f.name).is_null().to_numpy(zero_copy_only=False).astype(bool)
         for i in np.flatnonzero(nulls & ~bad_mask):
@@ -406,11 +406,40 @@ def decode_json_lines(
         t = pj.read_json(pa.BufferReader(buf), read_options=ropts, parse_options=opts)
         return t.select(schema.names).cast(schema)
 
-    good, bad = bisect_blocks(lines, block)
+    not_objects = _not_objects(lines, joined)
+    if not_objects:  # never handed to pyarrow (see _not_objects)
+        skip = set(not_objects)
+        keep = [i for i in range(len(lines)) if i not in skip]
+        lines_in: Sequence[bytes] = [lines[i] for i in keep]
+        joined = None
+    else:
+        keep, lines_in = [], lines
+    good, bad = bisect_blocks(lines_in, block)
+    if not_objects:
+        bad = sorted([(keep[i], e) for i, e in bad] + [(i, None) for i in not_objects], key=lambda b: b[0])
     bad_out = [(i, *_json_failure(spec, lines[i], e)) for i, e in bad]
     tables = [t for _, t in good]
     table = pa.concat_tables(tables).combine_chunks() if tables else schema.empty_table()
     return table, bad_out
+
+
+def _not_objects(lines: Sequence[bytes], joined: bytes | None) -> list[int]:
+    """Indices of the lines that don't start with ``{`` (after whitespace): they can't
+    be records, and pyarrow's JSON reader must never see one at the start of a block: a
+    block starting with ``null`` crashes the process (pyarrow 26, a null pointer in
+    ``HandlerBase::Null``, apache/arrow#47409), so one such Kafka message or file line
+    would kill the ingestion at every restart. Vectorized over the joined lines."""
+    if not lines:
+        return []
+    buf = joined if joined is not None else b"\n".join(lines)
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    starts = np.concatenate(([0], np.flatnonzero(arr == 10) + 1))
+    if len(starts) != len(lines):  # a line holds a line break: line by line
+        return [i for i, ln in enumerate(lines) if ln.lstrip()[:1] != b"{"]
+    first = np.full(len(starts), -1, dtype=np.int64)
+    inside = starts < len(arr)
+    first[inside] = arr[starts[inside]]
+    return [int(i) for i in np.flatnonzero(first != 0x7B) if lines[int(i)].lstrip()[:1] != b"{"]
 
 
 # ---------------------------------------------------------------------------------------

@@ -381,10 +381,10 @@ class _Csv(_Parsed):
         # UTF-8 never decodes to): the records holding them go to errors as invalid_utf8,
         # the others are ingested (decode_csv_records).
         text = data.decode("utf-8-sig", errors="surrogateescape")
-        try:
-            records = list(csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True))
-        except csv.Error as e:
-            raise Unreadable(f"the CSV file can't be parsed: {e}") from e
+        records, self.unparsed = _read_csv(text, delimiter)
+        if 0 in self.unparsed:
+            raise Unreadable(f"the CSV header can't be parsed: {self.unparsed[0][0]}")
+        self.unparsed = {i - 1: v for i, v in self.unparsed.items()}
         if not records:
             self.header: list[str] = []
             self.records: list[list[str]] = []
@@ -394,8 +394,8 @@ class _Csv(_Parsed):
         self.delimiter = delimiter
         self.rows = len(self.records)
 
-    def _blank_rows(self) -> np.ndarray:
-        return np.array([not r for r in self.records], dtype=bool)  # decode skips these
+    def _blank_rows(self) -> np.ndarray:  # decode skips these
+        return np.array([not r and i not in self.unparsed for i, r in enumerate(self.records)], dtype=bool)
 
     def _raw(self, rec: list[str]) -> bytes:
         buf = io.StringIO()
@@ -404,12 +404,20 @@ class _Csv(_Parsed):
 
     def decode(self, spec: DecodeSpec, file: str, r0: int, r1: int) -> Decoded:
         recs = self.records[r0:r1]
+        unparsed = {i - r0: v for i, v in self.unparsed.items() if r0 <= i < r1}
         raw = None
         if spec.keep_raw:  # self-describing: the header with the fields (blank records have none)
-            nb = [i for i, r in enumerate(recs) if r]
+            nb = [i for i, r in enumerate(recs) if r or i in unparsed]
             raw = raw_table(
                 PARTITION, [(file, r0 + i) for i in nb], "csv-json",
-                [json.dumps({"h": self.header, "f": recs[i]}).encode() for i in nb],
+                [
+                    json.dumps(
+                        {"h": self.header, "f": recs[i]}
+                        if i not in unparsed
+                        else {"h": self.header, "f": [], "e": unparsed[i][0]}
+                    ).encode()
+                    for i in nb
+                ],
             )
         missing = [k for k in spec.key_names if k not in self.header]
         if missing:
@@ -424,9 +432,38 @@ class _Csv(_Parsed):
                     )
                 )
             return Decoded(empty_rows(spec), errs, raw)
-        rows, all_bad = decode_csv_records(spec, self.header, recs)
-        errors = [ErrorRecord(PARTITION, (file, r0 + i), k, reason, self._raw(recs[i])) for i, k, reason in all_bad]
+        rows, all_bad = decode_csv_records(spec, self.header, recs, {i: v[0] for i, v in unparsed.items()})
+        errors = [
+            ErrorRecord(PARTITION, (file, r0 + i), k, reason, unparsed[i][1] if i in unparsed else self._raw(recs[i]))
+            for i, k, reason in all_bad
+        ]
         return Decoded(rows, errors, raw)
+
+
+def _read_csv(text: str, delimiter: str) -> tuple[list[list[str]], dict[int, tuple[str, bytes]]]:
+    """The records of a CSV text (the header first), and the ones that don't parse:
+    ``{index: (reason, raw bytes)}``, each standing as an empty record in the list. A
+    quoting error costs only its record; an unterminated quote takes the rest of the
+    file with it (CSV can't tell where its field would end)."""
+    lines = list(io.StringIO(text, newline=""))
+    reader = csv.reader(iter(lines), delimiter=delimiter, strict=True)
+    records: list[list[str]] = []
+    unparsed: dict[int, tuple[str, bytes]] = {}
+    while True:
+        start = reader.line_num
+        try:
+            rec = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as e:
+            raw = "".join(lines[start : reader.line_num]).rstrip("\r\n")
+            unparsed[len(records)] = (
+                f"the CSV record can't be parsed (line {start + 1}): {e}",
+                raw.encode("utf-8", errors="surrogateescape"),
+            )
+            rec = []
+        records.append(rec)
+    return records, unparsed
 
 
 # What ``bytes.decode("utf-8", "surrogateescape")`` turns bytes that are not UTF-8 into.
@@ -441,11 +478,12 @@ def _not_utf8(header: list[str], rec: list[str]) -> str:
 
 
 def decode_csv_records(
-    spec: DecodeSpec, header: list[str], recs: list[list[str]]
+    spec: DecodeSpec, header: list[str], recs: list[list[str]], unparsed: dict[int, str] | None = None
 ) -> tuple[pa.Table, list[tuple[int, str, str]]]:
     """Rows for the well-formed CSV records, ``(index, kind, reason)`` for the others.
 
-    Blank records yield nothing. Row-wise: a record decodes the same in any batch.
+    Blank records yield nothing; ``unparsed`` records (empty in ``recs``) are
+    ``invalid_csv`` with their reason. Row-wise: a record decodes the same in any batch.
     """
     width = len(header)
     bad_text = {i: _not_utf8(header, r) for i, r in enumerate(recs) if _NOT_UTF8.search("".join(r))}
@@ -456,6 +494,7 @@ def decode_csv_records(
         if len(r) != width and len(r) != 0 and i not in bad_text
     ]
     bad_width += [(i, "invalid_utf8", reason) for i, reason in bad_text.items()]
+    bad_width += [(i, "invalid_csv", reason) for i, reason in (unparsed or {}).items()]
     good = [recs[i] for i in ok_idx]
     cols: dict[str, pa.Array] = {}
     wanted = {f.name for f in spec.input_fields()}

@@ -100,7 +100,9 @@ def decode_raw(spec: DecodeSpec, raw: pa.Table, envelope: str = "append_only") -
             rows, bad_all = merge_good_and_bad(spec, len(raws), table, bad)
         elif fmt == "csv-json":
             assert header is not None
-            rows, bad_all = decode_csv_records(spec, header, [json.loads(x)["f"] for x in raws])
+            objs = [json.loads(x) for x in raws]
+            unparsed = {k: o["e"] for k, o in enumerate(objs) if "e" in o}
+            rows, bad_all = decode_csv_records(spec, header, [o["f"] for o in objs], unparsed)
         elif fmt == "pgoutput-json":
             objs = [json.loads(x) for x in raws]
             rows, bad_all = decode_change_records(
