@@ -22,6 +22,7 @@ import csv
 import io
 import json
 import random
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -31,11 +32,14 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from persist_lib import PersistClient, PersistConfig
 from persist_lib.ingest import IngestConfig, Ingestion, LandingZoneSource
 from persist_lib.ingest.decode import ERRORS_KEY, ERRORS_VAL, RAW_KEY, RAW_VAL
 from persist_lib.ingest.outputs import ShardOutputs, shard_id_for
+
+pytest_plugins = ["tests.spark_fixtures"]
 
 SEED = 26
 KEY = pa.schema([("id", pa.int64())])
@@ -328,13 +332,12 @@ def read_everything(client: PersistClient, name: str, roles: dict[str, tuple[pa.
     return counts
 
 
-def test_hostile_corpus_in_landing_zone_files(tmp_path: Path) -> None:
+def ingest_zone(tmp_path: Path, client: PersistClient) -> tuple[Corpus, int]:
+    """Makes the landing-zone corpus and ingests it to the end; returns it and the upper."""
     nxt = iter(range(1, 10**9))
     corpus = Corpus()
     make_zone(tmp_path / "zone", corpus, lambda: next(nxt))
     assert len(corpus.recs) >= 10_000
-    tag = uuid.uuid4().hex
-    client = PersistClient.open(f"mem://b-{tag}", f"mem://c-{tag}", PersistConfig.for_tests())
     ing = Ingestion(client, "hostile", LandingZoneSource(str(tmp_path / "zone")), KEY, VAL,
                     envelope="append_only", config=IngestConfig(max_records_per_binding=1500, keep_raw=True))
     with ing:
@@ -342,8 +345,19 @@ def test_hostile_corpus_in_landing_zone_files(tmp_path: Path) -> None:
         while s["records"]:
             s = ing.run_once()
         assert ing.run_once()["records"] == 0  # it went through to the end
+    return corpus, s["upper"]
+
+
+def _zone_source(e: dict[str, Any]) -> str:
+    f = json.loads(e["address"])[0]
+    return {"jsonl": "jsonl", "csv": "csv", "parquet": "parquet"}[f.rsplit(".", 1)[1]]
+
+
+def test_hostile_corpus_in_landing_zone_files(tmp_path: Path) -> None:
+    tag = uuid.uuid4().hex
+    client = PersistClient.open(f"mem://b-{tag}", f"mem://c-{tag}", PersistConfig.for_tests())
+    corpus, upper = ingest_zone(tmp_path, client)
     counts = read_everything(client, "hostile", ROLES)
-    upper = client.inspect(shard_id_for("hostile", "data"))["upper"][0]
     r = client.open_leased_reader(shard_id_for("hostile", "data"), KEY, VAL)
     data = r.snapshot(upper - 1).to_pylist()
     r.expire()
@@ -351,12 +365,7 @@ def test_hostile_corpus_in_landing_zone_files(tmp_path: Path) -> None:
     errors = r.snapshot(upper - 1).to_pylist()
     r.expire()
     assert counts["data"] == len(data) and counts["errors"] == len(errors)
-
-    def source_of(e: dict[str, Any]) -> str:
-        f = json.loads(e["address"])[0]
-        return {"jsonl": "jsonl", "csv": "csv", "parquet": "parquet"}[f.rsplit(".", 1)[1]]
-
-    tally = check_landed(corpus, [d["id"] for d in data], errors, source_of)
+    tally = check_landed(corpus, [d["id"] for d in data], errors, _zone_source)
     assert tally["invalid_utf8"] >= 500 and tally["invalid_csv"] >= 20
     # the raw collection rebuilds the same data and errors
     from persist_lib.ingest.rebuild import rebuild_from_raw
@@ -369,4 +378,121 @@ def test_hostile_corpus_in_landing_zone_files(tmp_path: Path) -> None:
     rebuilt = {(e["address"], e["kind"]) for e in r.snapshot(upper - 1).to_pylist()}
     r.expire()
     assert rebuilt == {(e["address"], e["kind"]) for e in errors if e["kind"] != "unreadable_file"}
+    client.close()
+
+
+@pytest.mark.spark
+@pytest.mark.slow  # (a Spark session: ~25 s to start, ~30 s for its first jobs)
+def test_hostile_corpus_read_by_spark(tmp_path: Path, spark: Any) -> None:
+    """The landing-zone corpus's outputs, read on Spark executors (every string of the
+    data, errors and raw collections goes through Spark's Arrow conversion)."""
+    from persist_lib.spark.read import read_snapshot
+    from tests.test_ingest_support import file_location
+
+    blob, consensus = file_location(tmp_path, "s")
+    client = PersistClient.open(blob, consensus, PersistConfig.for_tests())
+    corpus, upper = ingest_zone(tmp_path, client)
+    got: dict[str, list[Any]] = {}
+    for role, (k, v) in ROLES.items():
+        r = client.open_leased_reader(shard_id_for("hostile", role), k, v)
+        want = r.snapshot(upper - 1).to_pylist()
+        got[role] = read_snapshot(spark, r, upper - 1, num_splits=2).collect()
+        assert len(got[role]) == len(want), role
+        r.expire()
+    errors = [row.asDict() for row in got["errors"]]
+    check_landed(corpus, [row["id"] for row in got["data"]], errors, _zone_source)
+    client.close()
+
+
+# ----- Kafka keys and values ---------------------------------------------------------------
+
+
+KKEY = pa.schema([("k", pa.string())])
+TVAL = pa.schema([("v", pa.string())])
+HOSTILE_JSON_KEYS: list[tuple[bytes, tuple[str, ...]]] = [
+    (b'"k\xe9"', ("invalid_utf8",)),
+    (b'"\xed\xa0\x80"', ("invalid_utf8",)),
+    (b'"\\ud800"', ("invalid_utf8",)),
+    (b"{oops", ("invalid_json",)),
+    (b"null", ("missing_key",)),
+    (b"5", ("type_mismatch",)),
+    (b"[1]", ("type_mismatch",)),
+]
+
+
+def kafka_json_messages(rng: random.Random, corpus: Corpus, n: int) -> list[tuple[int, bytes, bytes, int, None]]:
+    """Upsert with JSON keys (one message per key) and hostile JSON keys and values."""
+    out = []
+    for off in range(n):
+        value, expect, kinds = json_record(rng, off, with_id=False)
+        key = json.dumps(f"k{off}").encode()
+        if rng.random() < 0.15:  # (a bad value may be the one reported)
+            key, key_kinds = rng.choice(HOSTILE_JSON_KEYS + [(_junk(rng, 30), ("invalid_utf8",))])
+            kinds, expect = key_kinds + (kinds if expect != "good" else ()), "bad"
+        elif expect == "good" and rng.random() < 0.03:
+            key = b'"k' + str(off).encode() + b'\\u0000"'  # a NUL in the key: valid text
+        out.append((0, key, value, 1_700_000_000_000 + off, None))
+        corpus.add("kafka-json", (off,), off if expect != "bad" else None, expect, *kinds)
+    return out
+
+
+def kafka_text_messages(rng: random.Random, corpus: Corpus, n: int) -> list[tuple[int, bytes, bytes, int, None]]:
+    """Upsert with text keys and values: random text, NUL, long values, bytes that are
+    not UTF-8 in either."""
+    out = []
+    for off in range(n):
+        key, value, expect = f"t{off}".encode(), _text(rng).encode(), "good"
+        r = rng.random()
+        if r < 0.1:
+            key, expect = rng.choice([*NOT_UTF8, _junk(rng, 20)]), "bad"
+        elif r < 0.25:
+            value, expect = b"pre" + rng.choice([*NOT_UTF8, _junk(rng, 100, b"")]), "bad"
+        elif r < 0.3:
+            value = b"V" * rng.randrange(10_000, 100_000) + b"\x00\n\r\t"
+        out.append((0, key, value, 1_700_000_000_000 + off, None))
+        corpus.add("kafka-text", (off,), off if expect == "good" else None, expect, "invalid_utf8")
+    return out
+
+
+@pytest.mark.kafka
+def test_hostile_corpus_in_kafka_keys_and_values(kafka_broker: Any) -> None:
+    from persist_lib.ingest.kafka import KafkaSource
+
+    rng = random.Random(SEED + 1)
+    tag = uuid.uuid4().hex
+    client = PersistClient.open(f"mem://b-{tag}", f"mem://c-{tag}", PersistConfig.for_tests())
+    total = Counter[str]()
+    for name, make, key_format, value_format, val, n in (
+        ("hk", kafka_json_messages, "json", "json", VAL, 1500),
+        ("ht", kafka_text_messages, "text", "text", TVAL, 1000),
+    ):
+        corpus = Corpus()
+        t0 = time.perf_counter()
+        topic = f"t{uuid.uuid4().hex[:10]}"
+        kafka_broker.create_topic(topic, 1)
+        kafka_broker.produce(topic, make(rng, corpus, n))
+        src = KafkaSource(kafka_broker.bootstrap, topic, key_format=key_format, value_format=value_format,
+                          key_field="k", poll_s=0.1)
+        with Ingestion(client, name, src, KKEY, val, envelope="upsert",
+                       config=IngestConfig(max_records_per_binding=400, keep_raw=True)) as ing:
+            s = ing.run_once()
+            while s["frontier"].get("0") != [n]:
+                assert s["records"], f"{name}: the ingestion stopped at {s['frontier']}"
+                s = ing.run_once()
+        print(f"{name}: produced and ingested in {time.perf_counter() - t0:.1f} s")
+        t0 = time.perf_counter()
+        roles = {"data": (KKEY, val), "errors": ROLES["errors"], "state": (KKEY, val), "raw": ROLES["raw"]}
+        counts = read_everything(client, name, roles)
+        print(f"{name}: snapshot, listen, compaction, SQL in {time.perf_counter() - t0:.1f} s")
+        out: dict[str, list[dict[str, Any]]] = {}
+        for role in ("data", "errors"):
+            r = client.open_leased_reader(shard_id_for(name, role), *roles[role])
+            out[role] = r.snapshot(s["upper"] - 1).to_pylist()
+            assert len(out[role]) == counts[role]
+            r.expire()
+        ids = [int(d["k"][1:].split("\x00")[0]) for d in out["data"]]
+        for e in out["errors"]:
+            e["address"] = json.dumps(json.loads(e["address"]))
+        total.update(check_landed(corpus, ids, out["errors"], lambda e, n=name: f"kafka-{'json' if n == 'hk' else 'text'}"))
+    assert total["invalid_utf8"] >= 300
     client.close()
