@@ -496,3 +496,25 @@ def test_hostile_corpus_in_kafka_keys_and_values(kafka_broker: Any) -> None:
         total.update(check_landed(corpus, ids, out["errors"], lambda e, n=name: f"kafka-{'json' if n == 'hk' else 'text'}"))
     assert total["invalid_utf8"] >= 300
     client.close()
+
+
+def test_a_json_null_line_is_an_error_record_not_a_crash(tmp_path: Path) -> None:
+    """pyarrow's JSON reader segfaults on a block that starts with ``null``
+    (apache/arrow#47409): such lines (any line that is not an object) never reach it."""
+    from persist_lib.ingest.decode import DecodeSpec, decode_json_lines
+
+    lines = [b"null", b'{"id":1,"name":"a"}', b"  null", b"\tnull  ", b'{"id":2}', b"[null]", b"nul"]
+    table, bad = decode_json_lines(DecodeSpec(KEY, VAL), lines)
+    assert table.column("id").to_pylist() == [1, 2]
+    assert [(i, k) for i, k, _ in bad] == [
+        (0, "not_an_object"), (2, "not_an_object"), (3, "not_an_object"), (5, "not_an_object"), (6, "invalid_json")
+    ]
+    zone = tmp_path / "z"
+    zone.mkdir()
+    (zone / "a.jsonl").write_bytes(b"null\n" + b'{"id":7,"name":"x"}\n')
+    tag = uuid.uuid4().hex
+    client = PersistClient.open(f"mem://b-{tag}", f"mem://c-{tag}", PersistConfig.for_tests())
+    with Ingestion(client, "nl", LandingZoneSource(str(zone)), KEY, VAL, envelope="append_only") as ing:
+        s = ing.run_once()
+    assert s["records"] == 2 and s["errors"] == 1
+    client.close()
