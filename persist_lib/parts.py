@@ -260,11 +260,11 @@ def _decode_verified(data: bytes, schemas: Schemas, shard: str, key: str) -> pa.
     result.validate(full=False)
     if result.column(T_COL).null_count or result.column(D_COL).null_count:
         raise _corrupt(shard, key, "null times or diffs")
-    _check_strings(result, schemas, shard, key)
+    check_part_strings(result, schemas, shard, key)
     return result
 
 
-def _check_strings(result: pa.Table, schemas: Schemas, shard: str, key: str) -> None:
+def check_part_strings(result: pa.Table, schemas: Schemas, shard: str, key: str) -> None:
     """Parts written before the write-time UTF-8 check may hold invalid strings: name
     the part instead of letting a reader fail later with a bare ``UnicodeDecodeError``."""
     names = [f.name for f in schemas.key] + [f.name for f in schemas.val]

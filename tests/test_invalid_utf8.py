@@ -143,6 +143,13 @@ def test_a_part_holding_invalid_bytes_is_a_typed_error_naming_shard_and_part(mon
     assert "rebuild" in str(ei.value) and "new rendition" in str(ei.value)
     # the part before it still reads
     assert r.snapshot(0).to_pylist() == [{"id": 1, "name": "tea", "qty": 1.0, "ts": 0, "diff": 1}]
+    with pytest.raises(InvalidUtf8InPart, match=r"column 'name'"):
+        r.listen(0).read_until(2)
+    # compaction never merges the bad bytes into a new part: the merge fails, typed
+    r.downgrade_since([2])
+    w.compare_and_append([(((3,), ("cake", 3.0)), 2, 1)], [2], [3])
+    with pytest.raises(InvalidUtf8InPart):
+        client.compact(sid(4))
     client.close()
 
 
