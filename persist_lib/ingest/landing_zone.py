@@ -380,7 +380,10 @@ class _Csv(_Parsed):
         # Bytes that are not UTF-8 become lone surrogates (U+DC80-U+DCFF, which valid
         # UTF-8 never decodes to): the records holding them go to errors as invalid_utf8,
         # the others are ingested (decode_csv_records).
-        text = data.decode("utf-8-sig", errors="surrogateescape")
+        try:
+            text, self.not_utf8 = data.decode("utf-8-sig"), False
+        except UnicodeDecodeError:
+            text, self.not_utf8 = data.decode("utf-8-sig", errors="surrogateescape"), True
         records, self.unparsed = _read_csv(text, delimiter)
         if 0 in self.unparsed:
             raise Unreadable(f"the CSV header can't be parsed: {self.unparsed[0][0]}")
@@ -432,7 +435,9 @@ class _Csv(_Parsed):
                     )
                 )
             return Decoded(empty_rows(spec), errs, raw)
-        rows, all_bad = decode_csv_records(spec, self.header, recs, {i: v[0] for i, v in unparsed.items()})
+        rows, all_bad = decode_csv_records(
+            spec, self.header, recs, {i: v[0] for i, v in unparsed.items()}, not_utf8=self.not_utf8
+        )
         errors = [
             ErrorRecord(PARTITION, (file, r0 + i), k, reason, unparsed[i][1] if i in unparsed else self._raw(recs[i]))
             for i, k, reason in all_bad
@@ -478,15 +483,24 @@ def _not_utf8(header: list[str], rec: list[str]) -> str:
 
 
 def decode_csv_records(
-    spec: DecodeSpec, header: list[str], recs: list[list[str]], unparsed: dict[int, str] | None = None
+    spec: DecodeSpec,
+    header: list[str],
+    recs: list[list[str]],
+    unparsed: dict[int, str] | None = None,
+    *,
+    not_utf8: bool = True,
 ) -> tuple[pa.Table, list[tuple[int, str, str]]]:
     """Rows for the well-formed CSV records, ``(index, kind, reason)`` for the others.
 
     Blank records yield nothing; ``unparsed`` records (empty in ``recs``) are
-    ``invalid_csv`` with their reason. Row-wise: a record decodes the same in any batch.
+    ``invalid_csv`` with their reason; records holding bytes that are not UTF-8 (as
+    lone surrogates) are ``invalid_utf8`` (``not_utf8=False``: the caller knows there
+    are none, the search is skipped). Row-wise: a record decodes the same in any batch.
     """
     width = len(header)
-    bad_text = {i: _not_utf8(header, r) for i, r in enumerate(recs) if _NOT_UTF8.search("".join(r))}
+    bad_text = (
+        {i: _not_utf8(header, r) for i, r in enumerate(recs) if _NOT_UTF8.search("".join(r))} if not_utf8 else {}
+    )
     ok_idx = [i for i, r in enumerate(recs) if len(r) == width and i not in bad_text]
     bad_width = [
         (i, "wrong_field_count", f"expected {width} fields (header {header}), got {len(r)}")
