@@ -518,3 +518,25 @@ def test_a_json_null_line_is_an_error_record_not_a_crash(tmp_path: Path) -> None
         s = ing.run_once()
     assert s["records"] == 2 and s["errors"] == 1
     client.close()
+
+
+def test_a_csv_quoting_error_costs_only_its_record(tmp_path: Path) -> None:
+    zone = tmp_path / "z"
+    zone.mkdir()
+    (zone / "a.csv").write_bytes(b'id,name,qty,n\n1,a,1,1\n2,"b"c,2,2\n3,"multi\nline",3,3\n4,d,4,4\n5,"open,5,5\n6,e,6,6\n')
+    tag = uuid.uuid4().hex
+    client = PersistClient.open(f"mem://b-{tag}", f"mem://c-{tag}", PersistConfig.for_tests())
+    with Ingestion(client, "q", LandingZoneSource(str(zone)), KEY, VAL, envelope="append_only",
+                   config=IngestConfig(keep_raw=True)) as ing:
+        s = ing.run_once()
+    r = client.open_leased_reader(shard_id_for("q", "data"), KEY, VAL)
+    assert sorted((d["id"], d["name"]) for d in r.snapshot(s["upper"] - 1).to_pylist()) == [
+        (1, "a"), (3, "multi\nline"), (4, "d")
+    ]
+    r.expire()
+    r = client.open_leased_reader(shard_id_for("q", "errors"), ERRORS_KEY, ERRORS_VAL)
+    errs = sorted((json.loads(e["address"])[1], e["kind"], e["raw"]) for e in r.snapshot(s["upper"] - 1).to_pylist())
+    r.expire()
+    # the unterminated quote at record 4 runs to the end of the file (record 5 is in it)
+    assert errs == [(1, "invalid_csv", b'2,"b"c,2,2'), (4, "invalid_csv", b'5,"open,5,5\n6,e,6,6')]
+    client.close()
