@@ -71,7 +71,7 @@ def _full_rows(spec: DecodeSpec, rows: pa.Table) -> pa.Table:
 def decode_raw(spec: DecodeSpec, raw: pa.Table, envelope: str = "append_only") -> tuple[pa.Table, list[ErrorRecord]]:
     """Decodes the raw records of one time (any order) with ``spec``: rows + errors
     (``envelope``: Kafka tombstones are deletes only for ``upsert``)."""
-    from persist_lib.ingest.landing_zone import decode_csv_records
+    from persist_lib.ingest.csv_records import decode_csv_records
     from persist_lib.ingest.pg_cdc import decode_change_records
 
     recs = raw.to_pylist()
