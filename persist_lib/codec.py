@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from persist_lib import utf8
 from persist_lib.errors import InvalidUsage
 
 TS = "ts"
@@ -567,13 +568,22 @@ def normalize_updates(updates: Any, schemas: Schemas, *, shard: str) -> pa.Table
         except (pa.ArrowException, TypeError, ValueError) as e:
             raise InvalidUsage(f"shard {shard}: cannot convert the DataFrame to Arrow: {e}") from e
     if isinstance(updates, pa.Table):
-        return _normalize_table(updates, schemas, shard)
+        return _checked_strings(_normalize_table(updates, schemas, shard), schemas, shard)
     if isinstance(updates, str | bytes | dict) or not isinstance(updates, Iterable):
         raise InvalidUsage(
             f"shard {shard}: updates must be a pyarrow Table/RecordBatch or a list of "
             f"((key_tuple, val_tuple), time, diff), got {type(updates).__name__}"
         )
-    return _normalize_tuples(updates, schemas, shard)
+    return _checked_strings(_normalize_tuples(updates, schemas, shard), schemas, shard)
+
+
+def _checked_strings(table: pa.Table, schemas: Schemas, shard: str) -> pa.Table:
+    """``table`` (internal layout) once every string in it is valid UTF-8; else
+    ``InvalidUtf8`` names the field and row. No invalid string may reach a part: readers
+    would fail on it for good (``persist_lib.utf8``)."""
+    names = [f.name for f in schemas.key] + [f.name for f in schemas.val]
+    utf8.check_table(table, names, shard=shard)
+    return table
 
 
 def check_update_table(table: Any, schemas: Schemas, *, shard: str) -> pa.Table:
@@ -585,7 +595,7 @@ def check_update_table(table: Any, schemas: Schemas, *, shard: str) -> pa.Table:
         table = pa.Table.from_batches([table])
     if isinstance(table, pa.Table):
         if table.schema.equals(target):
-            return table
+            return _checked_strings(table, schemas, shard)
         if table.column_names == target.names:
             fields = list(schemas.key) + list(schemas.val)
             cols = [
@@ -595,5 +605,5 @@ def check_update_table(table: Any, schemas: Schemas, *, shard: str) -> pa.Table:
             t = _time_or_diff_column(table.column(T_COL), T_COL, shard)
             _check_times(t, shard)
             cols += [t, _time_or_diff_column(table.column(D_COL), D_COL, shard)]
-            return pa.Table.from_arrays(cols, schema=target)
+            return _checked_strings(pa.Table.from_arrays(cols, schema=target), schemas, shard)
     return normalize_updates(table, schemas, shard=shard)

@@ -89,6 +89,7 @@ from persist_lib.parts import (
     FORMAT_VERSION,
     META_FORMAT,
     META_SCHEMAS,
+    check_part_strings,
     part_blob_key,
     verify_part_bytes,
 )
@@ -422,7 +423,9 @@ def decode_whole(
         raw = pf.read(use_threads=use_threads)
     except Exception as e:
         raise _corrupt(shard, part.location, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
-    return _raw_to_internal(raw, schemas, internal_schema(schemas), shard, part.location)
+    table = _raw_to_internal(raw, schemas, internal_schema(schemas), shard, part.location)
+    check_part_strings(table, schemas, shard, part.location)  # (never merged into a new part)
+    return table
 
 
 def _consolidate_sorted_equal(t: pa.Table) -> pa.Table:

@@ -55,6 +55,21 @@ class StateFormatTooNew(InvalidUsage):
     """Shard state written by a newer major state format: upgrade persist_lib."""
 
 
+class InvalidUtf8(InvalidUsage):
+    """A string column of an update holds bytes that are not valid UTF-8: nothing was
+    written. ``column`` is the field name, ``row`` the row of the updates as passed."""
+
+    def __init__(self, shard: str, column: str, row: int, detail: str) -> None:
+        self.shard = shard
+        self.column = column
+        self.row = row
+        super().__init__(
+            f"shard {shard}: column {column!r} row {row} is not valid UTF-8 ({detail}); nothing "
+            "was written. Decode the source bytes with their real encoding, drop or repair the "
+            "row, or declare the field as binary if it holds arbitrary bytes"
+        )
+
+
 class UpperMismatch(PersistError):
     """``compare_and_append`` lost: the shard upper is not the expected one.
 
@@ -90,6 +105,26 @@ class BlobNotFound(Determinate):
 
 class CorruptionError(PersistError):
     """A blob failed its checksum or could not be decoded: stop; nothing wrong is returned."""
+
+
+class InvalidUtf8InPart(CorruptionError):
+    """A part (checksum intact) holds a string that is not valid UTF-8: it was written by
+    a persist_lib without the write-time UTF-8 check. Nothing is returned from it."""
+
+    def __init__(self, shard: str, part: str, column: str, row: int, detail: str) -> None:
+        self.shard = shard
+        self.part = part
+        self.column = column
+        self.row = row
+        super().__init__(
+            f"shard {shard}: part {part}: column {column!r} row {row} is not valid UTF-8 "
+            f"({detail}); the part was written by a persist_lib version that did not check "
+            "strings on write, and its data can't be read as text; nothing was returned. Way "
+            "out: rebuild the collection in a new rendition from its raw collection "
+            "(persist_lib.ingest.rebuild.rebuild_rendition; the invalid records then go to the "
+            "errors collection as invalid_utf8) and hand over to it, or rewrite the data from "
+            "its source into a new shard (docs/ingestion.md, 'Invalid UTF-8')"
+        )
 
 
 class Timeout(PersistError):

@@ -23,8 +23,15 @@ import pyarrow.parquet as pq
 from persist_lib.batch_meta import PartMeta
 from persist_lib.codec import D_COL, T_COL, Schemas, internal_schema
 from persist_lib.consolidate import estimated_distinct, to_numpy
-from persist_lib.errors import BlobNotFound, CorruptionError, InvalidBlobKey, InvalidUsage
+from persist_lib.errors import (
+    BlobNotFound,
+    CorruptionError,
+    InvalidBlobKey,
+    InvalidUsage,
+    InvalidUtf8InPart,
+)
 from persist_lib.location.base import Blob
+from persist_lib.utf8 import describe_value, first_invalid
 
 FORMAT_VERSION = "1"
 META_FORMAT = b"persist.format"
@@ -253,7 +260,18 @@ def _decode_verified(data: bytes, schemas: Schemas, shard: str, key: str) -> pa.
     result.validate(full=False)
     if result.column(T_COL).null_count or result.column(D_COL).null_count:
         raise _corrupt(shard, key, "null times or diffs")
+    check_part_strings(result, schemas, shard, key)
     return result
+
+
+def check_part_strings(result: pa.Table, schemas: Schemas, shard: str, key: str) -> None:
+    """Parts written before the write-time UTF-8 check may hold invalid strings: name
+    the part instead of letting a reader fail later with a bare ``UnicodeDecodeError``."""
+    names = [f.name for f in schemas.key] + [f.name for f in schemas.val]
+    for name, col in zip(names, result.columns, strict=False):
+        row = first_invalid(col)
+        if row is not None:
+            raise InvalidUtf8InPart(shard, key, name, row, describe_value(col, row))
 
 
 def part_meta_for(
@@ -327,5 +345,7 @@ def fetch_part(blob: Blob, part: PartMeta, schemas: Schemas, shard: str) -> pa.T
         expected_sha256=part.sha256,
         expected_size=part.size,
         shard=shard,
-        key=part.location,
+        key=part.location
+        if part.inline is None
+        else f"<inline in state, sha256 {part.sha256[:12]}, times [{part.tmin}, {part.tmax}]>",
     )

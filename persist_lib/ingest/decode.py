@@ -28,6 +28,7 @@ from persist_lib.codec import Schemas
 from persist_lib.errors import InvalidUsage
 from persist_lib.ingest.errors import IngestConfigError
 from persist_lib.ingest.source import Address, encode_address
+from persist_lib.utf8 import describe_value, invalid_rows
 
 T = TypeVar("T")
 
@@ -277,8 +278,10 @@ def check_rows(
     """Checks decoded input rows (``spec.input_schema()`` layout) row by row.
 
     Returns ``(rows, bad)``: ``rows`` in the ``spec.rows_schema()`` layout for the good
-    rows only, and ``bad`` as ``(row index, kind, reason)`` for rows missing a key
-    field or a required (non-nullable) value field (deletes need only the key).
+    rows only, and ``bad`` as ``(row index, kind, reason)`` for rows holding a string
+    that is not valid UTF-8 (``invalid_utf8``: pyarrow's JSON and Parquet readers don't
+    check), missing a key field or a required (non-nullable) value field (deletes need
+    only the key).
     """
     n = table.num_rows
     if spec.delete_field is not None and spec.delete_field in table.column_names:
@@ -288,6 +291,12 @@ def check_rows(
         is_delete = np.zeros(n, dtype=bool)
     bad_mask = np.zeros(n, dtype=bool)
     reasons: dict[int, tuple[str, str]] = {}
+    for f in list(spec.key_schema) + list(spec.val_schema):
+        col = table.column(f.name)
+        for j in invalid_rows(col):  # (no invalid string may reach a part)
+            if not bad_mask[j]:
+                reasons[j] = ("invalid_utf8", f"field {f.name!r} is not valid UTF-8 ({describe_value(col, j)})")
+                bad_mask[j] = True
     for f in spec.key_schema:
         nulls = table.column(f.name).is_null().to_numpy(zero_copy_only=False).astype(bool)
         for i in np.flatnonzero(nulls & ~bad_mask):
@@ -348,9 +357,17 @@ def _json_failure(spec: DecodeSpec, line: bytes, err: Exception | None) -> tuple
     try:
         obj = json.loads(line)
     except UnicodeDecodeError as e:
-        return "invalid_json", f"the line is not valid UTF-8: {e}"
+        return "invalid_utf8", f"the line is not valid UTF-8: {e}"
     except json.JSONDecodeError as e:
         return "invalid_json", f"invalid JSON: {e}"
+    except RecursionError:
+        return "invalid_json", "invalid JSON: nested too deeply"
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:  # a "\ud800" escape: a lone surrogate is no text
+        return "invalid_utf8", f"the line escapes a lone UTF-16 surrogate, which is not text: {e}"
+    except RecursionError:
+        return "invalid_json", "invalid JSON: nested too deeply"
     if not isinstance(obj, dict):
         return "not_an_object", f"expected a JSON object, got {_JSON_KIND.get(type(obj), type(obj).__name__)}"
     for f in spec.input_fields():
@@ -389,11 +406,40 @@ def decode_json_lines(
         t = pj.read_json(pa.BufferReader(buf), read_options=ropts, parse_options=opts)
         return t.select(schema.names).cast(schema)
 
-    good, bad = bisect_blocks(lines, block)
+    not_objects = _not_objects(lines, joined)
+    if not_objects:  # never handed to pyarrow (see _not_objects)
+        skip = set(not_objects)
+        keep = [i for i in range(len(lines)) if i not in skip]
+        lines_in: Sequence[bytes] = [lines[i] for i in keep]
+        joined = None
+    else:
+        keep, lines_in = [], lines
+    good, bad = bisect_blocks(lines_in, block)
+    if not_objects:
+        bad = sorted([(keep[i], e) for i, e in bad] + [(i, None) for i in not_objects], key=lambda b: b[0])
     bad_out = [(i, *_json_failure(spec, lines[i], e)) for i, e in bad]
     tables = [t for _, t in good]
     table = pa.concat_tables(tables).combine_chunks() if tables else schema.empty_table()
     return table, bad_out
+
+
+def _not_objects(lines: Sequence[bytes], joined: bytes | None) -> list[int]:
+    """Indices of the lines that don't start with ``{`` (after whitespace): they can't
+    be records, and pyarrow's JSON reader must never see one at the start of a block: a
+    block starting with ``null`` crashes the process (pyarrow 26, a null pointer in
+    ``HandlerBase::Null``, apache/arrow#47409), so one such Kafka message or file line
+    would kill the ingestion at every restart. Vectorized over the joined lines."""
+    if not lines:
+        return []
+    buf = joined if joined is not None else b"\n".join(lines)
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    starts = np.concatenate(([0], np.flatnonzero(arr == 10) + 1))
+    if len(starts) != len(lines):  # a line holds a line break: line by line
+        return [i for i, ln in enumerate(lines) if ln.lstrip()[:1] != b"{"]
+    first = np.full(len(starts), -1, dtype=np.int64)
+    inside = starts < len(arr)
+    first[inside] = arr[starts[inside]]
+    return [int(i) for i in np.flatnonzero(first != 0x7B) if lines[int(i)].lstrip()[:1] != b"{"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -507,11 +553,53 @@ def conform_typed(
 
 
 def rows_to_json_lines(table: pa.Table) -> list[bytes]:
-    """Row-wise JSON of a typed table (the raw form of Parquet rows)."""
-    return [
-        json.dumps(r, default=str, sort_keys=True, separators=(",", ":")).encode()
-        for r in table.to_pylist()
-    ]
+    """Row-wise JSON of a typed table (the raw form of Parquet rows).
+
+    A string that is not valid UTF-8 is kept as its bytes decoded with
+    ``surrogateescape``, which JSON writes as ``\\udcXX`` escapes: decoding the raw
+    form again (a rebuild) finds the same record invalid (``invalid_utf8``)."""
+    try:
+        rows = table.to_pylist()
+    except UnicodeDecodeError:
+        types = [f.type for f in table.schema]
+        binary = pa.schema([pa.field(f.name, _text_as_binary(f.type)) for f in table.schema])
+        rows = [
+            {k: _escaped_text(v, t) for (k, v), t in zip(r.items(), types, strict=True)}
+            for r in table.cast(binary).to_pylist()
+        ]
+    return [json.dumps(r, default=str, sort_keys=True, separators=(",", ":")).encode() for r in rows]
+
+
+def _text_as_binary(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_string(t):
+        return pa.binary()
+    if pa.types.is_large_string(t):
+        return pa.large_binary()
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _text_as_binary(f.type), f.nullable) for f in t])
+    if pa.types.is_list(t):
+        return pa.list_(_text_as_binary(t.value_type))
+    if pa.types.is_large_list(t):
+        return pa.large_list(_text_as_binary(t.value_type))
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(_text_as_binary(t.value_type), t.list_size)
+    return t
+
+
+def _escaped_text(v: object, t: pa.DataType) -> object:
+    """``v`` (read with ``_text_as_binary(t)``) with its text fields back as ``str``."""
+    if v is None:
+        return None
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        assert isinstance(v, bytes)
+        return v.decode("utf-8", errors="surrogateescape")
+    if pa.types.is_struct(t):
+        assert isinstance(v, dict)
+        return {f.name: _escaped_text(v.get(f.name), f.type) for f in t}
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        assert isinstance(v, list)
+        return [_escaped_text(x, t.value_type) for x in v]
+    return v
 
 
 def merge_good_and_bad(

@@ -957,8 +957,14 @@ class KafkaSource:
                     if b"\n" in b or b"\r" in b:
                         try:
                             b = json.dumps(json.loads(b), separators=(",", ":")).encode()
+                        except UnicodeDecodeError as e:
+                            pre_bad[j] = ("invalid_utf8", f"the message {what} is not valid UTF-8: {e}")
+                            b = b"\x00"
                         except ValueError as e:
                             pre_bad[j] = ("invalid_json", f"the message {what} is not valid JSON: {e}")
+                            b = b"\x00"
+                        except RecursionError:
+                            pre_bad[j] = ("invalid_json", f"the message {what} is not valid JSON: nested too deeply")
                             b = b"\x00"
                     lines.append(b)
             table, jbad = decode_json_lines(spec, lines, schema=pa.schema(fields), joined=joined)

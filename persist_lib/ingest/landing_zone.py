@@ -39,13 +39,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from persist_lib.ingest.csv_records import decode_csv_records, read_csv_records
 from persist_lib.ingest.decode import (
     Decoded,
     DecodeSpec,
     ErrorRecord,
     conform_typed,
     decode_json_lines,
-    decode_text_columns,
     empty_rows,
     merge_good_and_bad,
     raw_table,
@@ -376,14 +376,17 @@ class _Csv(_Parsed):
 
     def __init__(self, data: bytes, size: int, delimiter: str) -> None:
         self.size = size
+        # Bytes that are not UTF-8 become lone surrogates (U+DC80-U+DCFF, which valid
+        # UTF-8 never decodes to): the records holding them go to errors as invalid_utf8,
+        # the others are ingested (decode_csv_records).
         try:
-            text = data.decode("utf-8-sig")
-        except UnicodeDecodeError as e:
-            raise Unreadable(f"the CSV file is not valid UTF-8: {e}") from e
-        try:
-            records = list(csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True))
-        except csv.Error as e:
-            raise Unreadable(f"the CSV file can't be parsed: {e}") from e
+            text, self.not_utf8 = data.decode("utf-8-sig"), False
+        except UnicodeDecodeError:
+            text, self.not_utf8 = data.decode("utf-8-sig", errors="surrogateescape"), True
+        records, self.unparsed = read_csv_records(text, delimiter)
+        if 0 in self.unparsed:
+            raise Unreadable(f"the CSV header can't be parsed: {self.unparsed[0][0]}")
+        self.unparsed = {i - 1: v for i, v in self.unparsed.items()}
         if not records:
             self.header: list[str] = []
             self.records: list[list[str]] = []
@@ -393,22 +396,30 @@ class _Csv(_Parsed):
         self.delimiter = delimiter
         self.rows = len(self.records)
 
-    def _blank_rows(self) -> np.ndarray:
-        return np.array([not r for r in self.records], dtype=bool)  # decode skips these
+    def _blank_rows(self) -> np.ndarray:  # decode skips these
+        return np.array([not r and i not in self.unparsed for i, r in enumerate(self.records)], dtype=bool)
 
     def _raw(self, rec: list[str]) -> bytes:
         buf = io.StringIO()
         csv.writer(buf, delimiter=self.delimiter, lineterminator="").writerow(rec)
-        return buf.getvalue().encode()
+        return buf.getvalue().encode("utf-8", errors="surrogateescape")  # the bytes as read
 
     def decode(self, spec: DecodeSpec, file: str, r0: int, r1: int) -> Decoded:
         recs = self.records[r0:r1]
+        unparsed = {i - r0: v for i, v in self.unparsed.items() if r0 <= i < r1}
         raw = None
         if spec.keep_raw:  # self-describing: the header with the fields (blank records have none)
-            nb = [i for i, r in enumerate(recs) if r]
+            nb = [i for i, r in enumerate(recs) if r or i in unparsed]
             raw = raw_table(
                 PARTITION, [(file, r0 + i) for i in nb], "csv-json",
-                [json.dumps({"h": self.header, "f": recs[i]}).encode() for i in nb],
+                [
+                    json.dumps(
+                        {"h": self.header, "f": recs[i]}
+                        if i not in unparsed
+                        else {"h": self.header, "f": [], "e": unparsed[i][0]}
+                    ).encode()
+                    for i in nb
+                ],
             )
         missing = [k for k in spec.key_names if k not in self.header]
         if missing:
@@ -423,36 +434,14 @@ class _Csv(_Parsed):
                     )
                 )
             return Decoded(empty_rows(spec), errs, raw)
-        rows, all_bad = decode_csv_records(spec, self.header, recs)
-        errors = [ErrorRecord(PARTITION, (file, r0 + i), k, reason, self._raw(recs[i])) for i, k, reason in all_bad]
+        rows, all_bad = decode_csv_records(
+            spec, self.header, recs, {i: v[0] for i, v in unparsed.items()}, not_utf8=self.not_utf8
+        )
+        errors = [
+            ErrorRecord(PARTITION, (file, r0 + i), k, reason, unparsed[i][1] if i in unparsed else self._raw(recs[i]))
+            for i, k, reason in all_bad
+        ]
         return Decoded(rows, errors, raw)
-
-
-def decode_csv_records(
-    spec: DecodeSpec, header: list[str], recs: list[list[str]]
-) -> tuple[pa.Table, list[tuple[int, str, str]]]:
-    """Rows for the well-formed CSV records, ``(index, kind, reason)`` for the others.
-
-    Blank records yield nothing. Row-wise: a record decodes the same in any batch.
-    """
-    width = len(header)
-    ok_idx = [i for i, r in enumerate(recs) if len(r) == width]
-    bad_width = [
-        (i, "wrong_field_count", f"expected {width} fields (header {header}), got {len(r)}")
-        for i, r in enumerate(recs)
-        if len(r) != width and len(r) != 0
-    ]
-    good = [recs[i] for i in ok_idx]
-    cols: dict[str, pa.Array] = {}
-    wanted = {f.name for f in spec.input_fields()}
-    for j, h in enumerate(header):
-        if h in wanted and h not in cols:
-            cols[h] = pa.array([r[j] for r in good], pa.string())
-    table, bad = decode_text_columns(spec, cols, len(good))
-    rows, bad2 = merge_good_and_bad(spec, len(good), table, bad)
-    all_bad = [(ok_idx[i], k, r) for i, k, r in bad2] + bad_width
-    all_bad.sort()
-    return rows, all_bad
 
 
 class _Parquet(_Parsed):

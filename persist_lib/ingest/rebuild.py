@@ -71,7 +71,7 @@ def _full_rows(spec: DecodeSpec, rows: pa.Table) -> pa.Table:
 def decode_raw(spec: DecodeSpec, raw: pa.Table, envelope: str = "append_only") -> tuple[pa.Table, list[ErrorRecord]]:
     """Decodes the raw records of one time (any order) with ``spec``: rows + errors
     (``envelope``: Kafka tombstones are deletes only for ``upsert``)."""
-    from persist_lib.ingest.landing_zone import decode_csv_records
+    from persist_lib.ingest.csv_records import decode_csv_records
     from persist_lib.ingest.pg_cdc import decode_change_records
 
     recs = raw.to_pylist()
@@ -100,7 +100,9 @@ def decode_raw(spec: DecodeSpec, raw: pa.Table, envelope: str = "append_only") -
             rows, bad_all = merge_good_and_bad(spec, len(raws), table, bad)
         elif fmt == "csv-json":
             assert header is not None
-            rows, bad_all = decode_csv_records(spec, header, [json.loads(x)["f"] for x in raws])
+            objs = [json.loads(x) for x in raws]
+            unparsed = {k: o["e"] for k, o in enumerate(objs) if "e" in o}
+            rows, bad_all = decode_csv_records(spec, header, [o["f"] for o in objs], unparsed)
         elif fmt == "pgoutput-json":
             objs = [json.loads(x) for x in raws]
             rows, bad_all = decode_change_records(
