@@ -183,6 +183,9 @@ def _venv_imports_this_checkout() -> bool:
 # -- the data plane on spark:// --------------------------------------------------------
 
 
+# (slow tier: the default suite's time; the killed-worker tests below write, read and
+# compact on the cluster too)
+@pytest.mark.slow
 def test_write_read_and_compact_on_the_cluster(sessions: Sessions, tmp_path: Path) -> None:
     from persist_lib.spark import compact_shard, read_snapshot, write_batch
     from persist_lib.spark.executors import prepare_executors
@@ -573,6 +576,9 @@ def bare_pythons(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return out
 
 
+# (slow tier: the default suite's time; tests/test_spark_code_shipping.py checks the
+# shipped zip, its digest and the executors' check in the default suite)
+@pytest.mark.slow
 def test_workers_without_the_project_get_the_drivers_copy(
     sessions: Sessions, bare_pythons: dict[str, str], tmp_path: Path
 ) -> None:
