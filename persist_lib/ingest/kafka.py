@@ -1063,6 +1063,9 @@ class KafkaReader:
         # consumed); it holds while no message at or past that offset was fetched (``_seen``)
         self._eof: dict[int, tuple[int, float]] = {}
         self._run_start: float | None = None  # begin_run: answers consumed since count
+        # begin_run: each partition's end (last stable offset) asked from the broker at the
+        # run's first read; an "end of partition" answer short of it is stale
+        self._run_ends: dict[int, int] | None = None
         self._seen: dict[int, int] = {}  # partition -> 1 + the last offset fetched
         self._consumer = src.new_consumer()
         self._next_meta = 0.0
@@ -1103,15 +1106,23 @@ class KafkaReader:
         consumed during the run stand until a message past them arrives, so the run's last
         reads don't wait ``poll_s`` each for answers an earlier read already took (the
         end-of-partition events usually come with the last messages). Without
-        ``begin_run`` only answers consumed during the read itself count."""
+        ``begin_run`` only answers consumed during the read itself count.
+
+        The time an answer was consumed does not date the fetch it answers: a prefetching
+        thread that lags (a loaded machine) hands over, after the run began, an "end of
+        partition" that librdkafka queued before the messages the run is for were
+        produced. So the run's first read also asks the broker where each partition ends
+        now, and only an answer at or past that end counts."""
         self._eof.clear()
         self._run_start = time.monotonic()
+        self._run_ends = None
 
     def _at_end(self, p: int, since: float) -> bool:
         """The last answer for ``p``, consumed at ``since`` or later, was its end, and
         nothing was fetched past it."""
         e = self._eof.get(p)
-        return e is not None and e[1] >= since and e[0] >= self._seen.get(p, 0)
+        ends = self._run_ends or {}
+        return e is not None and e[1] >= since and e[0] >= max(self._seen.get(p, 0), ends.get(p, 0))
 
     # ----- partitions -----------------------------------------------------------------
 
@@ -1306,6 +1317,8 @@ class KafkaReader:
         if upto is not None:
             return self._replay({int(p): int(a[0]) for p, a in upto.items()}, max_records)
         self._refresh()
+        if self._run_start is not None and self._run_ends is None:
+            self._run_ends = {p: self._watermarks(p)[1] for p in sorted(self._assigned)}
         deadline = time.monotonic() + self.src.timeout_s
         since = self._run_start if self._run_start is not None else time.monotonic()
         got = 1
