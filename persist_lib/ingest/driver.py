@@ -437,7 +437,8 @@ class Ingestion:
         self._report(done=False)
 
     def _heartbeat(self, every_s: float = 60.0) -> None:
-        """Keeps the leases alive on clients without background heartbeats (the CLI's)."""
+        """Keeps the leases alive on clients without background heartbeats
+        (``PersistConfig(background_heartbeats=False)``; the CLI heartbeats in the background)."""
         if self.client.config.background_heartbeats:
             return
         now = time.monotonic()
