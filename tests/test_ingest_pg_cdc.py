@@ -197,6 +197,22 @@ def test_replica_identity_and_schema_are_checked(pg_server: Any) -> None:
         run("missing_table")
     with pytest.raises(IngestConfigError, match="DSN"):
         PgCdcSource("mysql://x", "t")
+    # a database that is not UTF8 (SQL_ASCII holds any bytes): refused up front, nothing made
+    admin = psycopg.connect(pg_server.url, autocommit=True)
+    ascii_db = f"ascii_{uuid.uuid4().hex[:8]}"
+    admin.execute(f"CREATE DATABASE {ascii_db} ENCODING 'SQL_ASCII' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'")
+    admin.close()
+    ascii_src = src.rsplit("/", 1)[0] + "/" + ascii_db
+    with psycopg.connect(ascii_src, autocommit=True) as ac:
+        ac.execute("CREATE TABLE ok (id bigint PRIMARY KEY, name text)")
+    with pytest.raises(IngestConfigError, match="server encoding SQL_ASCII; CDC needs a UTF8 database"):
+        with Ingestion(client, "chk_ascii", PgCdcSource(ascii_src, "ok"), k, v, envelope="upsert") as ing:
+            ing.run_once()
+    with psycopg.connect(ascii_src, autocommit=True) as ac:
+        assert ac.execute("SELECT count(*) FROM pg_replication_slots").fetchone()[0] == ac.execute(
+            "SELECT count(*) FROM pg_replication_slots WHERE database <> current_database()"
+        ).fetchone()[0]
+        assert ac.execute("SELECT count(*) FROM pg_publication").fetchone()[0] == 0
     # FULL: deletes carry the whole old row
     conn.execute("INSERT INTO full_ident VALUES (1, 'a'), (2, 'b')")
     s = run("full_ident")

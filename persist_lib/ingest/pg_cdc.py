@@ -318,6 +318,18 @@ class PgCdcSource:
     def check(self) -> None:
         spec = self._spec
         c = self.conn()
+        enc = c.execute(
+            "SELECT pg_encoding_to_char(encoding) FROM pg_database WHERE datname = current_database()"
+        ).fetchone()[0]
+        enc = enc.decode("ascii", "replace") if isinstance(enc, bytes) else str(enc)
+        if enc != "UTF8":
+            # pgoutput sends text in the server's encoding; a non-UTF8 database's bytes would
+            # be read as UTF-8 (SQL_ASCII: any bytes at all), so it is refused up front.
+            raise IngestConfigError(
+                f"the source database has server encoding {enc}; CDC needs a UTF8 database "
+                "(create one with CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0 and move "
+                "the table there, or ingest the table's rows through a landing zone)"
+            )
         wal = c.execute("SHOW wal_level").fetchone()[0]
         if wal != "logical":
             raise IngestConfigError(
