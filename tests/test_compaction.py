@@ -54,6 +54,7 @@ def inline_batch(schemas: Schemas, shard: str, updates: list, lo: int, hi: int) 
     return HollowBatch(Antichain([lo]), Antichain([hi]), Antichain([lo]), (part_meta_for(data, t, None, inline=True),))
 
 
+@pytest.mark.slow  # (~25-35 s: the default suite's budget; test_spine and the stateful tier cover the rule)
 def test_10k_single_update_appends_keep_batches_logarithmic() -> None:
     """Compaction driven after every append keeps batches <= 2*log2(N) + 2."""
     n = 10_000

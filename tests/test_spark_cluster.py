@@ -211,6 +211,7 @@ def test_write_read_and_compact_on_the_cluster(sessions: Sessions, tmp_path: Pat
     client.close()
 
 
+@pytest.mark.slow  # (the default suite's budget: test_spark_ingest runs it on local[2])
 def test_landing_zone_ingestion_on_the_cluster(sessions: Sessions, tmp_path: Path) -> None:
     from persist_lib import PersistClient, PersistConfig
     from persist_lib.ingest import IngestConfig, Ingestion, LandingZoneSource
