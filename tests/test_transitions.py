@@ -13,12 +13,9 @@ import uuid
 import pyarrow as pa
 import pytest
 
-from persist_lib import Antichain, PersistClient, PersistConfig, ShardId
-from persist_lib import transitions as tr
-from persist_lib.codec import Schemas
-from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned
+from persist_lib import PersistClient, PersistConfig, ShardId
+from persist_lib.errors import LeaseExpired
 from persist_lib.part_writers import PartWriter
-from persist_lib.state import ShardState
 
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])
