@@ -103,11 +103,24 @@ def test_routing_is_balanced_and_one_shard_is_trivial() -> None:
     assert route(t, ["k"], 1).tolist() == [0] * 10_000
 
 
-def test_split_by_shard_keeps_every_row_in_order() -> None:
-    t = pa.table({"k": [5, 3, 5, 9, 1, 3, 7], "v": list("abcdefg")})
-    parts = split_by_shard(t, ["k"], 3)
-    routes = route(t, ["k"], 3).tolist()
-    assert len(parts) == 3
+def test_nested_keys_hash_their_canonical_json() -> None:
+    """Nested values hash as BLAKE2b-64 of their JSON with sorted keys and no spaces."""
+    t = pa.table({"n": pa.array([{"b": 1, "a": [1, 2]}, None, {"b": None, "a": []}],
+                                pa.struct([("b", pa.int64()), ("a", pa.list_(pa.int64()))]))})
+    col = [
+        int.from_bytes(hashlib.blake2b(b'{"a":[1,2],"b":1}', digest_size=8).digest(), "little"),
+        NULL,
+        int.from_bytes(hashlib.blake2b(b'{"a":[],"b":null}', digest_size=8).digest(), "little"),
+    ]
+    assert key_hashes(t, ["n"]).tolist() == [splitmix(h) for h in col]  # one column: splitmix(0 * 31 ^ h)
+
+
+@pytest.mark.parametrize("num_shards", [2, 3, 64])
+def test_split_by_shard_keeps_every_row_in_order(num_shards: int) -> None:
+    t = pa.table({"k": [i % 7 for i in range(1000)], "v": list(range(1000))})
+    parts = split_by_shard(t, ["k"], num_shards)
+    routes = route(t, ["k"], num_shards).tolist()
+    assert len(parts) == num_shards
     for shard, part in enumerate(parts):
         assert part.to_pylist() == [r for r, s in zip(t.to_pylist(), routes, strict=True) if s == shard]
     assert split_by_shard(t, ["k"], 1) == [t]

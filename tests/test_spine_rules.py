@@ -59,7 +59,12 @@ def test_level_and_healthy_count() -> None:
         ([64, 4, 2, 1, 1], [("merge", (2, 3, 4, 5))]),  # ... which stops below a bigger level
         ([1] * 6, [("merge", (1, 2, 3, 4, 5, 6))]),
         ([5, 0, 0, 3], [("empty", (1, 2, 3))]),  # empties absorbed into the older neighbour
+        ([5, 0, 0], [("empty", (1, 2, 3))]),
+        ([8, 4, 0], [("empty", (2, 3))]),
         ([0, 5], [("empty", (1, 2))]),  # ... or the newer one for the first batch
+        ([0, 8, 3], [("empty", (1, 2))]),
+        ([4, 4, 8, 0], [("merge", (1, 2)), ("empty", (3, 4))]),
+        ([5, 0, 2, 2], [("empty", (1, 2)), ("merge", (3, 4))]),
         ([0], []),
         ([], []),
     ],
@@ -74,6 +79,13 @@ def test_claimed_and_quarantined_batches_are_barriers() -> None:
     # Around a claimed batch, the rules run on the batches on either side.
     assert plan(state([4, 4, 1, 1]), claimed={2}) == [("merge", (3, 4))]
     assert plan(state([4, 4, 1, 1]), claimed={3}) == [("merge", (1, 2))]
+    # Empties are absorbed only when no batch of the merge is claimed.
+    assert plan(state([5, 0, 3]), claimed={1}) == [("merge", (2, 3))]  # (the level rule)
+    assert plan(state([5, 0]), claimed={2}) == []
+    assert plan(state([5, 0, 3]), claimed={3}) == [("empty", (1, 2))]
+    assert plan(state([5, 7, 0]), claimed={1}) == [("empty", (2, 3))]
+    # A merge does not extend into a claimed batch.
+    assert plan(state([2, 2, 2]), claimed={3}) == [("merge", (1, 2))]
     q = {"1-2": QuarantineEntry((1, 2), "corrupt", 3, 0, 0)}
     assert plan(state([4, 4], quarantined_merges=q)) == []
     assert plan(state([4, 4], quarantined_merges=q), include_quarantined=True) == [("merge", (1, 2))]
@@ -88,6 +100,8 @@ def test_logical_rewrites_and_sorts() -> None:
         assert plan(s) == want, since
     one_time = {1: b(0, 8, tmin=2, tmax=2)}
     assert plan(ShardState(since=Antichain([5]), batches=one_time, **base)) == []  # type: ignore[arg-type]
+    two = {1: b(0, 2, tmin=0, tmax=1)}
+    assert plan(ShardState(since=Antichain([5]), batches=two, **base)) == [("logical", (1,))]  # type: ignore[arg-type]
     single = {1: b(0, 1, tmin=0, tmax=3)}
     assert plan(ShardState(since=Antichain([5]), batches=single, **base)) == []  # type: ignore[arg-type]
     assert plan(ShardState(since=Antichain(), batches=hist, **base)) == []  # type: ignore[arg-type]
@@ -107,8 +121,8 @@ def test_request_description() -> None:
         "updates": 8, "bytes": 20,
     }
     assert r.rewrites_data and r.num_updates == 8 and r.num_bytes == 20
-    (e,) = compaction_requests(state([5, 0]))
-    assert not e.rewrites_data and e.kind == "empty"
+    (e,) = compaction_requests(state([5, 0], since=1))
+    assert not e.rewrites_data and e.kind == "empty" and e.since == Antichain([1])
 
 
 def test_compaction_debt() -> None:

@@ -133,14 +133,14 @@ def batch(lower: int, upper: int | None, *parts: PartMeta, since: int = 0) -> Ho
 
 
 def test_register_records_schemas_writer_and_reader_and_is_idempotent() -> None:
-    s0 = fresh(seqno=1, since=Antichain([4]))
+    s0 = fresh(seqno=1, since=Antichain([4]), upper=Antichain([9]))
     s, res = tr.register(
         s0, T0, schemas=SCHEMAS, writer_id=W, writer_lease_ms=LEASE,
         reader_id="r1", reader_lease_ms=2 * LEASE, purpose="job",
     )
     assert s is not None and res is None
     assert Schemas.from_json(s.schemas) == SCHEMAS  # type: ignore[arg-type]
-    assert s.writers[W] == WriterState(T0, LEASE, None, Antichain([0]), "job")
+    assert s.writers[W] == WriterState(T0, LEASE, None, Antichain([9]), "job")
     assert s.leased_readers["r1"] == LeasedReaderState(Antichain([4]), 2, T0, 2 * LEASE, "job")
     assert s0.writers == {} and s0.leased_readers == {}, "the input state is not modified"
     assert tr.register(
@@ -186,6 +186,11 @@ def test_critical_reader_registration_and_fenced_downgrade() -> None:
             st, T0, reader_id="c", expected_opaque=exp, new_opaque=new, new_since=Antichain([since])
         )
 
+    # The same since with a new opaque applies; a wrong opaque never does, even when the
+    # since matches.
+    same, ok = cads(s1, "o0", "oX", 2)
+    assert same is not None and ok == tr.CriticalDowngradeResult(True, "oX", Antichain([2]))
+    assert cads(s1, "wrong", "o9", 2) == (None, tr.CriticalDowngradeResult(False, "o0", Antichain([2])))
     s3, ok = cads(s1, "o0", "o1", 6)
     assert s3 is not None and ok == tr.CriticalDowngradeResult(True, "o1", Antichain([6]))
     assert s3.critical_readers["c"] == CriticalReaderState(Antichain([6]), "o1", "p")
@@ -273,8 +278,9 @@ def test_part_writers_register_and_only_registered_writers_parts_link() -> None:
     s = registered()
     with pytest.raises(InvalidUsage, match="does not exist"):
         tr.register_part_writer(fresh(), T0, writer_id="pw", lease_ms=5, purpose="x")
-    s1, _ = tr.register_part_writer(s, T0, writer_id="pw", lease_ms=5, purpose="spark")
-    assert s1 is not None and s1.writers["pw"] == WriterState(T0, 5, None, Antichain([0]), "spark")
+    s1, _ = tr.register_part_writer(s.evolve(upper=Antichain([3])), T0, writer_id="pw", lease_ms=5, purpose="spark")
+    assert s1 is not None and s1.writers["pw"] == WriterState(T0, 5, None, Antichain([3]), "spark")
+    s1 = s1.evolve(upper=Antichain([0]))
     assert tr.register_part_writer(s1, T0 + 1, writer_id="pw", lease_ms=9, purpose="y") == (None, None)
     with pytest.raises(ShardTombstoned):
         tr.register_part_writer(s1.evolve(tombstone=True), T0, writer_id="p2", lease_ms=5, purpose="x")
@@ -285,6 +291,10 @@ def test_part_writers_register_and_only_registered_writers_parts_link() -> None:
         tr.compare_and_append(s1, T0, writer_id=W, batch=batch(0, 1, bad), token="t")
     s2, res = tr.compare_and_append(s1, T0, writer_id=W, batch=batch(0, 1, ok), token="t", release_writer="pw")
     assert res.outcome is tr.CaaOutcome.APPLIED and s2 is not None and set(s2.writers) == {W}
+    # Releasing oneself, or a writer that is gone, releases nothing.
+    for rel in (W, "never-registered"):
+        s3, res = tr.compare_and_append(s1, T0, writer_id=W, batch=batch(0, 1), token="u", release_writer=rel)
+        assert res.outcome is tr.CaaOutcome.APPLIED and s3 is not None and set(s3.writers) == {W, "pw"}
 
 
 def test_compare_and_append_outcomes() -> None:
