@@ -9,6 +9,7 @@ a change to either the recipe or the code fails.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import struct
 from collections import Counter
@@ -113,6 +114,17 @@ def test_nested_keys_hash_their_canonical_json() -> None:
         int.from_bytes(hashlib.blake2b(b'{"a":[],"b":null}', digest_size=8).digest(), "little"),
     ]
     assert key_hashes(t, ["n"]).tolist() == [splitmix(h) for h in col]  # one column: splitmix(0 * 31 ^ h)
+
+
+def test_binary_all_null_and_non_json_values_hash_by_the_recipe() -> None:
+    t = pa.table({"b": pa.array([b"\x00", b"", None, b"\x00"], pa.binary())})
+    assert key_hashes(t, ["b"]).tolist() == [ref_hash((v,)) for v in t["b"].to_pylist()]
+    nulls = pa.table({"s": pa.array([None, None], pa.string())})
+    assert key_hashes(nulls, ["s"]).tolist() == [ref_hash((None,))] * 2
+    # Values JSON has no form for hash by their str().
+    d = pa.table({"n": pa.array([[datetime.date(2024, 1, 2)]], pa.list_(pa.date32()))})
+    want = int.from_bytes(hashlib.blake2b(b'["2024-01-02"]', digest_size=8).digest(), "little")
+    assert key_hashes(d, ["n"]).tolist() == [splitmix(want)]
 
 
 @pytest.mark.parametrize("num_shards", [2, 3, 64])

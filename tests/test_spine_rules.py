@@ -57,6 +57,7 @@ def test_level_and_healthy_count() -> None:
         ([3, 2, 8], [("merge", (1, 2, 3))]),  # 1 1 3: the bigger newer one joins too
         ([4, 2, 1, 1], [("merge", (1, 2, 3, 4))]),  # the binary-counter cascade in one merge
         ([64, 4, 2, 1, 1], [("merge", (2, 3, 4, 5))]),  # ... which stops below a bigger level
+        ([4, 1, 1, 2], [("merge", (1, 2, 3, 4))]),  # newer ones joined count towards the cascade
         ([1] * 6, [("merge", (1, 2, 3, 4, 5, 6))]),
         ([5, 0, 0, 3], [("empty", (1, 2, 3))]),  # empties absorbed into the older neighbour
         ([5, 0, 0], [("empty", (1, 2, 3))]),
@@ -108,6 +109,17 @@ def test_logical_rewrites_and_sorts() -> None:
     unsorted = {1: b(0, 8), 2: b(1, 2, sorted_=False)}
     s = ShardState(since=Antichain([0]), batches=unsorted, **base)  # type: ignore[arg-type]
     assert plan(s) == [("sort", (2,))]
+    # A batch that needs both a logical rewrite and a sort gets one request; requests
+    # carry the shard since.
+    both = {1: b(0, 8), 2: b(1, 4, tmin=0, tmax=1, sorted_=False)}
+    s = ShardState(since=Antichain([3]), batches=both, **base)  # type: ignore[arg-type]
+    assert [(r.kind, r.batch_ids, r.since) for r in compaction_requests(s)] == [("logical", (2,), Antichain([3]))]
+    srt = {1: b(0, 8), 2: b(1, 4, sorted_=False)}
+    s = ShardState(since=Antichain([0]), batches=srt, **base)  # type: ignore[arg-type]
+    assert [(r.kind, r.batch_ids, r.since) for r in compaction_requests(s)] == [("sort", (2,), Antichain([0]))]
+    first = {1: b(0, 16, sorted_=False), 2: b(1, 4), 3: b(2, 4)}
+    s = ShardState(since=Antichain([0]), batches=first, **base)  # type: ignore[arg-type]
+    assert plan(s) == [("sort", (1,)), ("merge", (2, 3))]
     # The requests come out oldest first whatever rule made them.
     mixed = {1: b(0, 8, tmin=0, tmax=1), 2: b(1, 4, sorted_=False), 3: b(2, 1), 4: b(3, 1)}
     s = ShardState(since=Antichain([1]), batches=mixed, **base)  # type: ignore[arg-type]
