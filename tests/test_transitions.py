@@ -156,7 +156,7 @@ def test_register_records_schemas_writer_and_reader_and_is_idempotent() -> None:
     with pytest.raises(SchemaMismatch, match="was created with schemas"):
         tr.register(s, T0, schemas=other, writer_id="w3", writer_lease_ms=1, reader_id=None,
                     reader_lease_ms=1, purpose="")
-    with pytest.raises(ShardTombstoned):
+    with pytest.raises(ShardTombstoned, match=f"shard {SHARD} was finalized"):
         tr.register(s.evolve(tombstone=True), T0, schemas=SCHEMAS, writer_id="w3",
                     writer_lease_ms=1, reader_id=None, reader_lease_ms=1, purpose="")
     closed = s.evolve(since=Antichain())
