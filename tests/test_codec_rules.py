@@ -61,3 +61,48 @@ def test_schema_json_round_trip_and_bad_input() -> None:
     for bad in ({"key": d["key"]}, {"key": d["key"], "val": "not base64 ipc"}, {"key": 1, "val": 2}, "x"):
         with pytest.raises(InvalidUsage, match="cannot decode schemas from"):
             Schemas.from_json(bad)  # type: ignore[arg-type]
+
+
+NN_STRUCT = pa.struct([pa.field("a", pa.int64(), nullable=False), ("l", pa.list_(pa.field("e", pa.int64(), nullable=False)))])
+NN_LIST = pa.list_(pa.struct([pa.field("x", pa.int64(), nullable=False)]))
+NESTED = Schemas.create(pa.schema([("k", pa.int64())]), pa.schema([("s", NN_STRUCT), ("ls", NN_LIST)]))
+
+
+def _nested(s: list[object], ls: list[object], chunks: int = 1) -> pa.Table:
+    n = len(s)
+    cut = n // 2 if chunks == 2 else n
+    def col(vals: list[object], t: pa.DataType) -> pa.ChunkedArray:
+        parts = [vals[:cut], vals[cut:]] if chunks == 2 else [vals]
+        return pa.chunked_array([pa.array(p, t) for p in parts], t)
+    return pa.table({"k": list(range(n)), "s": col(s, NN_STRUCT), "ls": col(ls, NN_LIST),
+                     "ts": [0] * n, "diff": [1] * n})
+
+
+OK_S = {"a": 1, "l": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    ("s", "ls", "chunks", "error"),
+    [
+        ([OK_S, None, OK_S], [[{"x": 1}], None, []], 1, None),  # a null parent may hide its children
+        ([OK_S, {"a": None, "l": []}], [[], []], 1, r"column s\.a is null in row 1 but the field is not nullable \(rows counted from 0\)"),
+        ([OK_S, {"a": 2, "l": [1, None]}], [[], []], 1, r"column s\.l contains a null list element"),
+        ([OK_S, OK_S], [[{"x": 1}], [{"x": None}]], 1, r"column ls\[\]\.x is null in row 1 but"),
+        ([OK_S, OK_S, OK_S, {"a": None, "l": []}], [[]] * 4, 2, r"column s\.a is null in row 1 .*\(rows counted from 2\)"),
+    ],
+)
+def test_non_nullable_nested_fields_are_enforced(s: list[object], ls: list[object], chunks: int, error: str | None) -> None:
+    t = _nested(s, ls, chunks)
+    if error is None:
+        assert check_update_table(t, NESTED, shard="s1").num_rows == len(s)
+    else:
+        with pytest.raises(InvalidUsage, match=rf"^shard s1: {error}"):
+            check_update_table(t, NESTED, shard="s1")
+
+
+def test_a_narrowing_cast_that_loses_values_is_a_typed_error() -> None:
+    schemas = Schemas.create(pa.schema([("k", pa.int8())]), pa.schema([("v", pa.string())]))
+    ok = check_update_table(pa.table({"k": [1, -128], "v": ["a", "b"], "ts": [0, 0], "diff": [1, 1]}), schemas, shard="s1")
+    assert ok.column(0).type == pa.int8() and ok.column(0).to_pylist() == [1, -128]
+    with pytest.raises(InvalidUsage, match=r"^shard s1: column 'k' of type int64 cannot be cast safely to the schema type int8"):
+        check_update_table(pa.table({"k": [1, 300], "v": ["a", "b"], "ts": [0, 0], "diff": [1, 1]}), schemas, shard="s1")
