@@ -68,12 +68,13 @@ NN_LIST = pa.list_(pa.struct([pa.field("x", pa.int64(), nullable=False)]))
 NESTED = Schemas.create(pa.schema([("k", pa.int64())]), pa.schema([("s", NN_STRUCT), ("ls", NN_LIST)]))
 
 
-def _nested(s: list[object], ls: list[object], chunks: int = 1) -> pa.Table:
+def _nested(s: list[object], ls: list[object], chunk: int) -> pa.Table:
+    """The rows in chunks of ``chunk`` rows."""
     n = len(s)
-    cut = n // 2 if chunks == 2 else n
+
     def col(vals: list[object], t: pa.DataType) -> pa.ChunkedArray:
-        parts = [vals[:cut], vals[cut:]] if chunks == 2 else [vals]
-        return pa.chunked_array([pa.array(p, t) for p in parts], t)
+        return pa.chunked_array([pa.array(vals[i : i + chunk], t) for i in range(0, n, chunk)], t)
+
     return pa.table({"k": list(range(n)), "s": col(s, NN_STRUCT), "ls": col(ls, NN_LIST),
                      "ts": [0] * n, "diff": [1] * n})
 
@@ -82,17 +83,18 @@ OK_S = {"a": 1, "l": [1, 2]}
 
 
 @pytest.mark.parametrize(
-    ("s", "ls", "chunks", "error"),
+    ("s", "ls", "chunk", "error"),
     [
-        ([OK_S, None, OK_S], [[{"x": 1}], None, []], 1, None),  # a null parent may hide its children
-        ([OK_S, {"a": None, "l": []}], [[], []], 1, r"column s\.a is null in row 1 but the field is not nullable \(rows counted from 0\)"),
-        ([OK_S, {"a": 2, "l": [1, None]}], [[], []], 1, r"column s\.l contains a null list element"),
-        ([OK_S, OK_S], [[{"x": 1}], [{"x": None}]], 1, r"column ls\[\]\.x is null in row 1 but"),
-        ([OK_S, OK_S, OK_S, {"a": None, "l": []}], [[]] * 4, 2, r"column s\.a is null in row 1 .*\(rows counted from 2\)"),
+        ([OK_S, None, OK_S], [[{"x": 1}], None, []], 9, None),  # a null parent may hide its children
+        ([{"a": None, "l": []}, OK_S], [[], []], 9, r"column s\.a is null in row 0 but"),
+        ([OK_S, {"a": None, "l": []}], [[], []], 9, r"column s\.a is null in row 1 but the field is not nullable \(rows counted from 0\)"),
+        ([OK_S, {"a": 2, "l": [1, None]}], [[], []], 9, r"column s\.l contains a null list element"),
+        ([OK_S, OK_S], [[{"x": 1}], [{"x": None}]], 9, r"column ls\[\]\.x is null in row 1 but"),
+        ([OK_S] * 5 + [{"a": None, "l": []}], [[]] * 6, 2, r"column s\.a is null in row 1 .*\(rows counted from 4\)"),
     ],
 )
-def test_non_nullable_nested_fields_are_enforced(s: list[object], ls: list[object], chunks: int, error: str | None) -> None:
-    t = _nested(s, ls, chunks)
+def test_non_nullable_nested_fields_are_enforced(s: list[object], ls: list[object], chunk: int, error: str | None) -> None:
+    t = _nested(s, ls, chunk)
     if error is None:
         assert check_update_table(t, NESTED, shard="s1").num_rows == len(s)
     else:
