@@ -10,6 +10,7 @@ a change to either the recipe or the code fails.
 from __future__ import annotations
 
 import datetime
+import decimal
 import hashlib
 import struct
 from collections import Counter
@@ -125,6 +126,17 @@ def test_binary_all_null_and_non_json_values_hash_by_the_recipe() -> None:
     d = pa.table({"n": pa.array([[datetime.date(2024, 1, 2)]], pa.list_(pa.date32()))})
     want = int.from_bytes(hashlib.blake2b(b'["2024-01-02"]', digest_size=8).digest(), "little")
     assert key_hashes(d, ["n"]).tolist() == [splitmix(want)]
+
+
+def test_decimal_fixed_binary_and_uint64_keys_hash_by_the_recipe() -> None:
+    dec = pa.array([decimal.Decimal("1.50"), None, decimal.Decimal("-3.00")], pa.decimal128(6, 2))
+    # Decimals hash as the bytes of their string form.
+    assert key_hashes(pa.table({"d": dec}), ["d"]).tolist() == [ref_hash(("1.50",)), ref_hash((None,)), ref_hash(("-3.00",))]
+    fsb = pa.array([b"ab", None, b"\x00\x01"], pa.binary(2))
+    assert key_hashes(pa.table({"f": fsb}), ["f"]).tolist() == [ref_hash((v,)) for v in fsb.to_pylist()]
+    # uint64 values past 2^63 hash by their 64 bits, like the int64 of the same bits.
+    u = pa.array([1, (1 << 64) - 1, None], pa.uint64())
+    assert key_hashes(pa.table({"u": u}), ["u"]).tolist() == [ref_hash((1,)), ref_hash((-1,)), ref_hash((None,))]
 
 
 @pytest.mark.parametrize("num_shards", [2, 3, 64])
