@@ -27,7 +27,7 @@ test-races: setup
 	N=$(N) bash scripts/loop_race_tests.sh
 
 # Mutation testing of the pure core modules against their fast tests ([tool.mutmut] in
-# pyproject.toml; about 40 minutes on 2 cores). Prints the score and the survivors;
+# pyproject.toml; about 15 minutes on 2 cores). Prints the score and the survivors;
 # docs/reliability.md ("Mutation testing") lists the survivors and why each is left.
 MUTATE_CHILDREN ?= 2
 mutate: setup
