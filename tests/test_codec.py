@@ -528,6 +528,43 @@ def test_consolidate_big_tables_with_nulls_and_ties() -> None:
     _check(table, ["k.id", "k.name", "v.f"])
 
 
+@pytest.mark.parametrize("lead", ["int", "str"])
+def test_consolidate_above_the_split_threshold_matches_counter(lead: str) -> None:
+    """At ``PARALLEL_PLAN_ROWS`` rows an integer (null-free: with nulls it is not split)
+    or string leading key is split at a sampled median into two key ranges summed on two
+    threads: the result is still the Counter model's, with nulls (strings; sorted first),
+    many ties on the pivot and cancelling diffs."""
+    rng = np.random.default_rng(17)
+    n = consolidate_mod.PARALLEL_PLAN_ROWS
+    ids = rng.integers(0, 60_000, n).astype(object)
+    if lead == "str":
+        ids[rng.random(n) < 0.02] = None
+    ids[rng.random(n) < 0.05] = 30_000  # a heavy key at about the median
+    lead_col = (
+        pa.array(list(ids), pa.int64())
+        if lead == "int"
+        else pa.array([None if i is None else f"u{i:06d}" for i in ids], pa.string())
+    )
+    table = pa.table(
+        {
+            "k.id": lead_col,
+            "k.tag": pa.array(np.array(["a", "b", None], dtype=object)[rng.integers(0, 3, n)], pa.string()),
+            "t": rng.integers(0, 2, n),
+            "d": rng.choice([-1, 1, 2], n),
+        }
+    )
+    assert table.num_rows == consolidate_mod.PARALLEL_PLAN_ROWS
+    cols = ["k.id", "k.tag", "t"]
+    model: Counter[tuple[Any, ...]] = Counter()
+    for *key, d in zip(*(table.column(c).to_pylist() for c in [*cols, "d"]), strict=True):
+        model[tuple(key)] += d
+    out = consolidate(table)
+    assert out.schema == table.schema and is_consolidated(out)
+    got = list(zip(*(out.column(c).to_pylist() for c in [*cols, "d"]), strict=True))
+    assert len({g[:-1] for g in got}) == len(got)
+    assert {g[:-1]: g[-1] for g in got} == {k: d for k, d in model.items() if d != 0}
+
+
 def test_consolidate_all_supported_scalar_types() -> None:
     t = pa.table(
         {

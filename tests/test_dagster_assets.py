@@ -9,6 +9,7 @@ collection.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from dagster_project.assets import SOURCE_ASSETS, persist_shard
 from dagster_project.checks import validate_frame
 from dagster_project.definitions import build_resources, defs
 from dagster_project.resources import LandingZoneResource, PersistResource, SparkResource
-from dagster_project.sample import write_orders_file
+from dagster_project.sample import order_rows, write_orders_file
 from dagster_project.sources import ORDERS
 
 pytestmark = pytest.mark.dagster
@@ -212,14 +213,30 @@ def test_summary_and_shard_assets(
 ) -> None:
     write_orders_file(landing_dir, 0, 200)
     assert ingest(resources, instance).success
+    # The expected summary, from the generator's records: the upsert envelope keeps the
+    # last record of each order id.
+    latest = {r["order_id"]: r for r in order_rows(0, 200)}
+    by_status = Counter(r["status"] for r in latest.values())
     res = dg.materialize(
         [ORDERS_ASSETS.summary], resources=resources, instance=instance, selection=None
     )
     meta = metadata_of(res, "orders_summary")
-    assert meta["rows"] > 0 and meta["amount_total"] > 0
-    assert str(meta["by_status"]).startswith("| status | rows |")
+    assert meta["rows"] == len(latest)
+    assert meta["amount_total"] == pytest.approx(sum(r["amount"] for r in latest.values()))
+    assert meta["by_status"] == "\n".join(
+        ["| status | rows |", "|---|---|"] + [f"| {k} | {by_status[k]} |" for k in sorted(by_status)]
+    )
 
-    shard = instance.get_dynamic_partitions("persist_shards")[0]
+    # The shard asset of the orders data shard: the engine follows from the debt it had
+    # (threshold 0: any debt is compacted in process), and the metadata is the shard's.
+    persist = resources["persist"]
+    assert isinstance(persist, PersistResource)
+    with persist.read_only_controller() as ro:
+        d = ro.describe("orders")
+    shard = d["renditions"][d["active_rendition"]]["shards"][0]
+    assert shard in instance.get_dynamic_partitions("persist_shards")
+    client = persist.client()
+    debt_before = int(client.inspect(shard)["compaction_debt"])
     res = dg.materialize(
         [persist_shard],
         resources=resources,
@@ -228,9 +245,15 @@ def test_summary_and_shard_assets(
         run_config={"ops": {"persist_shard": {"config": {"debt_threshold": 0}}}},
     )
     meta = metadata_of(res, "persist_shard")
+    after = client.inspect(shard)
     assert meta["shard"] == shard
-    assert {"upper", "since", "batches", "bytes", "compaction_debt", "spine"} <= set(meta)
-    assert meta["compaction_engine"] in ("in-process", "skipped")
+    assert meta["compaction_engine"] == ("in-process" if debt_before > 0 else "skipped")
+    assert meta["compaction_debt_before"] == debt_before
+    assert (meta["batches"], meta["bytes"], meta["compaction_debt"]) == (
+        after["num_batches"], after["bytes"], after["compaction_debt"]
+    )
+    assert meta["upper"] == after["upper"][0] and meta["since"] == after["since"][0]
+    assert meta["updates"] == after["num_updates"] > 0
 
 
 def test_rendition_backfill_hands_over_under_a_reader(

@@ -9,8 +9,6 @@ import json
 import subprocess
 from pathlib import Path
 
-import pyarrow as pa
-
 from persist_lib import PersistClient, PersistConfig
 from persist_lib.ingest.outputs import shard_id_for
 from persist_lib.ingest.remap import REMAP_KEY, REMAP_VAL
@@ -105,7 +103,3 @@ def test_two_processes_one_definite_output(tmp_path: Path) -> None:
     contention = sum(s["lost_races"] + s["appends_verified"] + s["bindings_adopted"] for s in summaries)
     assert contention > 0
     client.close()
-
-
-def test_schema_helpers_agree() -> None:
-    assert KEY.names == ["id"] and isinstance(VAL, pa.Schema)

@@ -216,10 +216,3 @@ def compare_locations(a: tuple[str, str], b: tuple[str, str], name: str, roles: 
         ca.close()
         cb.close()
     return uppers
-
-
-def test_make_zone_is_deterministic(tmp_path: Path) -> None:
-    a = make_zone(tmp_path / "a", seed=3, files=4, rows=10)
-    b = make_zone(tmp_path / "b", seed=3, files=4, rows=10)
-    assert a.final == b.final and a.bad == b.bad
-    assert sorted(os.listdir(a.path)) == sorted(os.listdir(b.path))

@@ -47,6 +47,7 @@ from persist_lib.location import (
     open_consensus,
     retry_external,
 )
+from tests.support.threads import run_threads
 
 COMMITTED = CaSResult.COMMITTED
 MISMATCH = CaSResult.EXPECTATION_MISMATCH
@@ -145,27 +146,39 @@ def test_blob_values_10kib_and_20mib(blob: Blob) -> None:
 
 
 def test_blob_concurrent_sets_never_torn(blob: Blob) -> None:
+    """A reader racing overwrites sees the old value or the new one, never a mix. The
+    reader's failures fail the test (``run_threads``); the writer overwrites 40 times
+    and, every other write, waits for the reader to have read again, so reads and writes
+    interleave on every backend (on the in-memory one too, where no I/O lets go of the GIL)."""
     a, b = b"A" * 200_000, b"B" * 300_000
-    stop = threading.Event()
-    seen: set[int] = set()
+    done = threading.Event()
+    progress = threading.Condition()
+    reads = [0]
 
     def reader() -> None:
-        while not stop.is_set():
+        while not done.is_set():
             v = blob.get("k")
-            if v is not None:
-                assert v in (a, b)
-                seen.add(len(v))
+            assert v is None or v == a or v == b, (
+                f"torn read: {len(v)} bytes, {v.count(b'A')} A and {v.count(b'B')} B"
+            )
+            with progress:
+                reads[0] += 1
+                progress.notify_all()
 
-    t = threading.Thread(target=reader)
-    t.start()
-    try:
-        for i in range(10):
-            blob.set("k", a if i % 2 else b)
-    finally:
-        stop.set()
-        t.join()
+    def writer() -> None:
+        try:
+            for i in range(40):
+                blob.set("k", a if i % 2 else b)
+                if i % 2:
+                    with progress:
+                        seen = reads[0]
+                        assert progress.wait_for(lambda seen=seen: reads[0] > seen, timeout=30), "reader stalled"
+        finally:
+            done.set()
+
+    run_threads([reader, writer])
+    assert reads[0] >= 20
     assert blob.get("k") == a
-    assert seen <= {len(a), len(b)}
 
 
 # -- Consensus contract ---------------------------------------------------------------
@@ -331,30 +344,32 @@ def test_consensus_wait_for_change(consensus_uri: str) -> None:
 
 
 def test_consensus_concurrent_threads_single_winner(consensus_uri: str) -> None:
+    """Four racers, 15 attempts each: every seqno has exactly one winner, the stored data
+    is the winner's, and a racer that raises fails the test (``run_threads``)."""
     c = open_consensus(consensus_uri)
     c.compare_and_set("k", None, _v(0))
     wins: list[tuple[int, int]] = []
     lock = threading.Lock()
 
-    def worker(wid: int) -> None:
+    def worker(wid: int) -> int:
+        attempts = 0
         for _ in range(15):
             h = c.head("k")
             assert h is not None
+            attempts += 1
             if c.compare_and_set("k", h.seqno, _v(h.seqno + 1, f"w{wid}".encode())) == COMMITTED:
                 with lock:
                     wins.append((h.seqno + 1, wid))
+        return attempts
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert run_threads([lambda i=i: worker(i) for i in range(4)]) == [15, 15, 15, 15]
     head = c.head("k")
     assert head is not None
     seqnos = sorted(s for s, _ in wins)
     assert seqnos == list(range(1, head.seqno + 1))  # gapless, one winner per seqno
+    assert 15 <= len(wins) <= 60
     stored = {e.seqno: e.data for e in c.scan("k", 1, 1000)}
-    assert all(stored[s] == f"w{w}".encode() for s, w in wins)
+    assert {s: stored[s] for s, _ in wins} == {s: f"w{w}".encode() for s, w in wins}
     c.close()
 
 

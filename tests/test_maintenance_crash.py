@@ -12,10 +12,10 @@ import os
 import random
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -55,13 +55,34 @@ CHILD = textwrap.dedent(
     for t in range(3):
         w.compare_and_append([(((i,), ("x",)), t, 1) for i in range(400)], t, t + 1)
     mn.compact(warm, ws)
+    # Every durable operation on the shard's locations prints "op N" once it returned:
+    # the parent kills after a chosen one, so each kill lands after work started.
+    from persist_lib.location.file_blob import FileBlob
+    from persist_lib.location.sqlite_consensus import SqliteConsensus
+    import threading
+    ops = [0]
+    lock = threading.Lock()  # (uploads run on several threads)
+    def counted(cls, name):
+        real = getattr(cls, name)
+        def op(self, *a, **kw):
+            out = real(self, *a, **kw)
+            with lock:
+                ops[0] += 1
+                sys.stdout.write(f"op {ops[0]}\\n")
+                sys.stdout.flush()
+            return out
+        setattr(cls, name, op)
+    for cls, name in ((FileBlob, "set"), (FileBlob, "delete"),
+                      (SqliteConsensus, "compare_and_set"), (SqliteConsensus, "truncate")):
+        counted(cls, name)
     client = PersistClient.open(blob, cons, cfg)
     client.machine(shard).fetch_latest()
     print("ready", flush=True)
     if mode == "compact":
         mn.compact(client, shard)
     mn.gc(client, shard)
-    print("done", flush=True)
+    with lock:
+        print("done", ops[0], flush=True)
     """
 )
 
@@ -121,10 +142,14 @@ def verify(client: PersistClient, shard: ShardId, expected: dict[int, dict]) -> 
         r.expire()
 
 
-def kill_trial(tmp: Path, template: Path, shard: ShardId, mode: str, delay: float, expected: dict[int, dict]) -> dict[str, Any]:
+def kill_trial(tmp: Path, template: Path, shard: ShardId, mode: str, kill_after: int, expected: dict[int, dict]) -> dict[str, Any]:
+    """Runs the maintenance child on a copy of ``template`` and ``kill -9``s it right
+    after its ``kill_after``-th durable operation (blob set/delete, consensus CAS or
+    truncate), then checks that recovery loses nothing and leaves nothing behind."""
     d = tmp / f"trial-{uuid.uuid4().hex[:8]}"
     shutil.copytree(template, d)
     blob, cons = uris(d)
+    before = _durable(d)
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     p = subprocess.Popen(
         [sys.executable, "-c", CHILD, blob, cons, str(shard), mode],
@@ -133,16 +158,24 @@ def kill_trial(tmp: Path, template: Path, shard: ShardId, mode: str, delay: floa
     assert p.stdout is not None
     line = p.stdout.readline()
     assert line.strip() == "ready", (line, p.stderr.read() if p.stderr else "")
-    time.sleep(delay)
+    seen = 0
+    while seen < kill_after:
+        line = p.stdout.readline()
+        if not line.startswith("op "):
+            break  # "done" (or EOF): it finished before the chosen operation
+        seen = int(line.split()[1])
     try:
         os.kill(p.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass  # it had already exited
     p.wait(30)
-    out = p.stdout.read()
-    finished = "done" in out  # it completed its work before the kill (or exited)
+    out = line + p.stdout.read()
+    finished = "done" in out  # it completed its work before the kill landed
     if p.returncode != -signal.SIGKILL:
         assert p.returncode == 0, p.stderr.read() if p.stderr else ""
+    if not finished:
+        assert seen == kill_after >= 1
+        assert _durable(d) != before, "killed after a durable operation, yet nothing changed"
     client = PersistClient.open(blob, cons, config())
     try:
         # A killed compactor's part-writer registration protects its output from the
@@ -180,10 +213,21 @@ def kill_trial(tmp: Path, template: Path, shard: ShardId, mode: str, delay: floa
         assert listed <= gcmod.live_blob_keys(client.blob, client.consensus, str(shard)), (
             listed - gcmod.live_blob_keys(client.blob, client.consensus, str(shard))
         )
-        return {"mode": mode, "delay": round(delay, 3), "finished": finished, "leaked": len(leaked)}
+        return {"mode": mode, "kill_after": kill_after, "finished": finished, "leaked": len(leaked)}
     finally:
         client.close()
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _durable(d: Path) -> tuple[frozenset[str], int, int]:
+    """What a maintenance process changes durably: the blob files and the consensus log."""
+    blobs = frozenset(str(f.relative_to(d)) for f in (d / "blob").rglob("*") if f.is_file())
+    con = sqlite3.connect(d / "consensus.db")
+    try:
+        n, top = con.execute("SELECT count(*), coalesce(max(seqno), 0) FROM consensus").fetchone()
+    finally:
+        con.close()
+    return blobs, int(n), int(top)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +237,8 @@ def templates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     exp = build_template(base / "raw", shard, compacted=False)
     exp2 = build_template(base / "compacted", shard, compacted=True)
     assert exp == exp2
-    # Calibrate: how long an uninterrupted child runs (kill points are drawn from it).
+    # Calibrate: how many durable operations an uninterrupted child does (kill points
+    # are drawn among them).
     out: dict[str, Any] = {"shard": shard, "expected": exp, "raw": base / "raw", "compacted": base / "compacted"}
     for mode, tpl in (("compact", base / "raw"), ("gc", base / "compacted")):
         d = base / f"calibrate-{mode}"
@@ -205,54 +250,46 @@ def templates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         )
         assert p.stdout is not None
         assert p.stdout.readline().strip() == "ready"
-        t0 = time.monotonic()
         rest, err = p.communicate(timeout=120)
-        out[f"duration_{mode}"] = time.monotonic() - t0
         assert p.returncode == 0 and "done" in rest, err
+        out[f"ops_{mode}"] = int(rest.split("done")[1].split()[0])
+        assert out[f"ops_{mode}"] >= 5, (mode, rest)
     return out
 
 
 def _run_trials(
-    tmp_path: Path, templates: dict[str, Any], n_killed: int, seed: int, max_trials: int
+    tmp_path: Path, templates: dict[str, Any], n_trials: int, seed: int
 ) -> list[dict[str, Any]]:
-    """Trials until ``n_killed`` processes were killed mid-run (or ``max_trials``).
-
-    Kill points are drawn uniformly from [0, D) with D the calibrated run time of each
-    mode; D shrinks whenever a run finished before its kill (the machine got faster).
-    """
+    """``n_trials`` kills (two compactions to one GC), each right after a durable
+    operation drawn uniformly from the first N-1 of an uninterrupted run's N."""
     rng = random.Random(seed)
-    span = {m: templates[f"duration_{m}"] for m in ("compact", "gc")}
     results: list[dict[str, Any]] = []
-    killed = 0
-    i = 0
-    while killed < n_killed and i < max_trials:
+    for i in range(n_trials):
         mode = "compact" if i % 3 != 2 else "gc"
-        i += 1
         tpl = templates["raw"] if mode == "compact" else templates["compacted"]
-        res = kill_trial(tmp_path, tpl, templates["shard"], mode, rng.uniform(0, span[mode]), templates["expected"])
-        results.append(res)
-        if res["finished"]:
-            span[mode] *= 0.8
-        else:
-            killed += 1
+        k = rng.randint(1, templates[f"ops_{mode}"] - 1)
+        results.append(kill_trial(tmp_path, tpl, templates["shard"], mode, k, templates["expected"]))
     return results
 
 
 def test_kill_9_during_compaction_and_gc(tmp_path: Path, templates: dict[str, Any]) -> None:
-    results = _run_trials(tmp_path, templates, 3, seed=1, max_trials=5)
-    print("calibration:", templates["duration_compact"], templates["duration_gc"])
+    results = _run_trials(tmp_path, templates, 3, seed=1)
+    print("durable operations:", templates["ops_compact"], templates["ops_gc"])
     print("kill -9 trials:", results)
-    assert 3 <= len(results) <= 5
+    # Each kill landed mid-operation (after its chosen durable operation, before the end);
+    # a kill that came too late would be a trial that tested nothing.
+    assert [r["finished"] for r in results] == [False, False, False], results
+    assert [r["mode"] for r in results] == ["compact", "compact", "gc"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_kill_9_soak(tmp_path: Path, templates: dict[str, Any]) -> None:
-    results = _run_trials(tmp_path, templates, 55, seed=2, max_trials=150)
+    results = _run_trials(tmp_path, templates, 60, seed=2)
     killed = [r for r in results if not r["finished"]]
     print(f"kill -9 soak: {len(results)} trials, {len(killed)} killed mid-run, "
           f"{sum(r['leaked'] for r in results)} leaked blobs swept")
-    assert len(killed) >= 50
+    assert len(killed) >= 55
 
 
 # ----- crashes injected between GC steps ---------------------------------------------------

@@ -11,6 +11,7 @@ Also here: regression tests for real bugs the harness found.
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 from urllib.parse import quote
@@ -260,9 +261,12 @@ def test_leak_sweep_retries_when_rollups_vanish_under_it() -> None:
             return self.inner.list_keys_and_metadata(prefix)
 
     class Scans(_TruncateDuringSweep):
+        attempts = 0
+
         def scan(self, key: str, from_seqno: int, limit: int) -> list[VersionedData]:
             if from_seqno == 0 and limit == 1:
                 blob.vanish = not blob.vanish  # on for the first attempt, off for the retry
+                Scans.attempts += 1
             return self.inner.scan(key, from_seqno, limit)
 
     name = uuid.uuid4().hex
@@ -275,8 +279,21 @@ def test_leak_sweep_retries_when_rollups_vanish_under_it() -> None:
     r.heartbeat()  # moves its seqno hold up, so GC may truncate
     client.gc(w.shard_id)  # truncates: the sweeper must start from a rollup
     assert cons.inner.scan(w.shard_id, 0, 1)[0].seqno > 1
-    got = gcmod.unreferenced_blobs(blob, client.consensus, w.shard_id, now_ms=0, older_than_ms=-1)
-    assert isinstance(got, list)
+    # A part of a writer that never registered: the one blob the sweep must report.
+    leaked = f"{w.shard_id}/w{uuid.uuid4()}/p{uuid.uuid4()}"
+    blob.set(leaked, b"leaked part")
+    live_before = {m.key for m in blob.list_keys_and_metadata(f"{w.shard_id}/")} - {leaked}
+    Scans.attempts = 0
+    now = int(time.time() * 1000) + 3_600_000
+    got = gcmod.unreferenced_blobs(blob, client.consensus, w.shard_id, now_ms=now, older_than_ms=0)
+    assert Scans.attempts == 2, "the first attempt saw the rollups vanish and started over"
+    assert [g["key"] for g in got] == [leaked]
+    # Deleting what it reports removes the leak and nothing the shard still reads.
+    gcmod.unreferenced_blobs(blob, client.consensus, w.shard_id, now_ms=now, older_than_ms=0, delete=True)
+    assert {m.key for m in blob.list_keys_and_metadata(f"{w.shard_id}/")} == live_before
+    assert sorted(r.snapshot(11).to_pylist(), key=lambda x: x["k"]) == sorted(
+        ({"k": f"k{t}", "v": t, "ts": 11, "diff": 1} for t in range(12)), key=lambda x: x["k"]
+    )
 
 
 def test_a_skipped_append_is_never_credited_with_a_commit_its_caa_made() -> None:

@@ -418,18 +418,28 @@ def test_round_trip_on_every_location(location: tuple[str, str]) -> None:
 
 def test_close_waits_for_a_background_rollup(tmp_path: object) -> None:
     """A rollup written off the writer's path is still using blob and consensus when the
-    client closes: close waits for it (it used to die in its thread on a closed SQLite)."""
+    client closes: close waits for it (it used to die in its thread on a closed SQLite).
+
+    The rollup's upload is held at a gate: close must still be running while it is held
+    (a close that returned then would not have waited), and once released, the rollup
+    finishes before close returns, without an error in its thread."""
     import threading
-    import time as _time
     from pathlib import Path
 
     from persist_lib.location.file_blob import FileBlob
     from persist_lib.location.sqlite_consensus import SqliteConsensus
 
-    class SlowRollupBlob(FileBlob):
+    started, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    class GatedRollupBlob(FileBlob):
         def set(self, key: str, value: bytes) -> None:
-            if "/rollup/" in key:
-                _time.sleep(0.3)
+            if "/rollup/" in key and not started.is_set():
+                started.set()
+                assert release.wait(60), "the test never released the rollup"
+                super().set(key, value)
+                order.append("rollup written")
+                return
             super().set(key, value)
 
     root = Path(str(tmp_path))
@@ -438,14 +448,29 @@ def test_close_waits_for_a_background_rollup(tmp_path: object) -> None:
     threading.excepthook = lambda a: errors.append(a.exc_value)
     try:
         c = PersistClient(
-            SlowRollupBlob(root / "blob"), SqliteConsensus(root / "c.db"),
+            GatedRollupBlob(root / "blob"), SqliteConsensus(root / "c.db"),
             PersistConfig.for_tests(rollup_interval=2, rollup_in_background=True),
         )
         w = c.open_writer(ShardId.new(), KEY, VAL)
         for t in range(3):
             w.compare_and_append([((("a",), (t,)), t, 1)], t, t + 1)
-        c.close()
-        _time.sleep(0.5)
+        assert started.wait(30), "no background rollup started"
+        assert order == [], "the rollup is held at the gate"
+
+        def close() -> None:
+            c.close()
+            order.append("closed")
+
+        closer = threading.Thread(target=close)
+        closer.start()
+        closer.join(1.0)  # a close that does not wait returns well within this
+        alive = closer.is_alive()
+        release.set()
+        closer.join(60)
+        assert alive, f"close returned while the rollup was still running: {order}"
+        assert not closer.is_alive()
     finally:
+        release.set()
         threading.excepthook = old_hook
+    assert order == ["rollup written", "closed"]
     assert errors == []

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -30,6 +30,26 @@ WORKLOAD = textwrap.dedent(
     from persist_lib import PersistClient, PersistConfig
     from persist_lib.storage import StorageController
     blob, cons, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    # Every durable operation prints "op N" once it returned: the parent kills right
+    # after a chosen one, inside whichever command is running then.
+    import threading
+    from persist_lib.location.file_blob import FileBlob
+    from persist_lib.location.sqlite_consensus import SqliteConsensus
+    ops = [0]
+    lock = threading.Lock()
+    def counted(cls, name):
+        real = getattr(cls, name)
+        def op(self, *a, **kw):
+            out = real(self, *a, **kw)
+            with lock:
+                ops[0] += 1
+                sys.stdout.write(f"op {ops[0]}\\n")
+                sys.stdout.flush()
+            return out
+        setattr(cls, name, op)
+    for cls, name in ((FileBlob, "set"), (FileBlob, "delete"),
+                      (SqliteConsensus, "compare_and_set"), (SqliteConsensus, "truncate")):
+        counted(cls, name)
     client = PersistClient.open(blob, cons, PersistConfig.for_tests())
     ctl = StorageController(client)
     K = pa.schema([("k", pa.int64())]); V = pa.schema([("v", pa.string())])
@@ -41,7 +61,7 @@ WORKLOAD = textwrap.dedent(
         w.append([(((j,), ("x",)), 0, 1) for j in range(10)], 0, 2)
         ctl.create_rendition(name, "r1", 3)
         w1 = ctl.open_writer(name, "r1")
-        w1.append([(((j,), ("x",)), 0, 1) for j in range(10)], 0, 3)
+        w1.append([(((j,), ("y",)), 0, 1) for j in range(10)], 0, 3)
         ctl.handover(name, to="r1", at=2)
         if i % 2 == 0:
             ctl.delete_collection(name)
@@ -57,6 +77,7 @@ def _check_consistent(blob: str, cons: str) -> dict[str, int]:
     cat, _ = ctl.catalog.load()
     assert all(s["status"] == "ready" for s in cat.values()), cat
     live_shards = {str(default_catalog_shard())}
+    checked = 0
     for name in ctl.list_collections():
         d = ctl.describe(name)
         live_shards.add(d["metadata_shard"])
@@ -68,7 +89,15 @@ def _check_consistent(blob: str, cons: str) -> dict[str, int]:
         # readable where both the metadata and the active rendition are complete
         upper = min(d["metadata_upper"][0], d["renditions"][d["active_rendition"]]["upper"][0])
         for t in range(upper):
-            reader.snapshot(t)  # readable at every decided time
+            # Rendition r0 holds (j, "x") and is active before the handover at 2; r1
+            # holds (j, "y") and is active from 2 on: readable, and right, at every
+            # decided time.
+            got: Counter = Counter()
+            for row in reader.snapshot(t).to_pylist():
+                got[(row["k"], row["v"])] += row["diff"]
+            v = "x" if t < 2 else "y"
+            assert +got == Counter({(j, v): 1 for j in range(10)}), (name, t, got)
+            checked += 1
         reader.expire()
     leftovers = 0
     for shard in client.list_shards():
@@ -79,7 +108,7 @@ def _check_consistent(blob: str, cons: str) -> dict[str, int]:
         blobs = [m.key for m in client.blob.list_keys_and_metadata(shard + "/") if "/rollup/" not in m.key]
         assert blobs == [], blobs
         leftovers += 1
-    return {"collections": len(ctl.list_collections()), "finalized_shards": leftovers}
+    return {"collections": len(ctl.list_collections()), "finalized_shards": leftovers, "snapshots": checked}
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -87,14 +116,30 @@ def test_kill_controller_mid_command(tmp_path: Path, seed: int) -> None:
     (tmp_path / "blob").mkdir()
     blob, cons = f"file://{tmp_path / 'blob'}", f"sqlite:///{tmp_path / 'c.db'}"
     rng = random.Random(seed)
+    total_cycles = 0
     for round_ in range(2):
+        kill_after = rng.randint(60, 400)
         proc = subprocess.Popen(
             [sys.executable, "-c", WORKLOAD, blob, cons, str(seed * 10 + round_)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
-        time.sleep(rng.uniform(1.5, 4.0))
+        assert proc.stdout is not None
+        seen, cycles = 0, 0
+        while seen < kill_after:
+            line = proc.stdout.readline()
+            if not line:
+                break  # it exited: the assertion below reports why
+            if line.startswith("op "):
+                seen = int(line.split()[1])
+            elif line.startswith("cycle"):
+                cycles += 1
         os.kill(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         assert "Traceback" not in err, err
+        assert seen == kill_after, f"the workload stopped after {seen} operations: {err}"
+        total_cycles += cycles + out.count("cycle")
         figures = _check_consistent(blob, cons)
-        print(f"seed {seed} round {round_}: killed after {out.count('cycle')} cycles; {figures}")
+        print(f"seed {seed} round {round_}: killed after op {kill_after}, {cycles} cycles; {figures}")
+    # The commands ran before the kills: some collections were made and read back.
+    assert total_cycles >= 1
+    assert figures["snapshots"] >= 1, figures

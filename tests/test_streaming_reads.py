@@ -252,6 +252,32 @@ def test_bad_arguments_raise_before_iteration() -> None:
         r.snapshot_batches(3)
 
 
+def test_reads_at_the_upper_wait_instead_of_returning_incomplete_data() -> None:
+    """The boundary of the upper check: with upper 5, time 5 is not complete yet, so a
+    snapshot at ``as_of == 5`` (and a range reaching past 5) must wait (here: time out),
+    while ``as_of == 4`` is complete and returns at once."""
+    client = mem_client()
+    shard = ShardId.new()
+    w, r = client.open(shard, KEY, VAL)
+    w.compare_and_append([(((1,), ("a",)), 0, 1), (((2,), ("b",)), 4, 1)], 0, 5)
+    assert r.upper == Antichain([5])
+    for read in (
+        lambda: r.snapshot(5, timeout_s=0.05),
+        lambda: r.snapshot_batches(5, timeout_s=0.05),
+        lambda: r.updates_between(0, 6, timeout_s=0.05),
+        lambda: r.updates_between_batches(0, 6, timeout_s=0.05),
+    ):
+        with pytest.raises(Timeout, match="upper to pass 5"):
+            read()
+    assert r._held_seqnos() == {}, "a timed-out read leaves no hold behind"
+    assert rows(r.snapshot(4, timeout_s=0.05)) == [(1, "a", 4, 1), (2, "b", 4, 1)]
+    assert rows(r.snapshot_batches(4, timeout_s=0.05).read_all()) == [(1, "a", 4, 1), (2, "b", 4, 1)]
+    assert sorted(rows(r.updates_between(0, 5, timeout_s=0.05))) == [(1, "a", 0, 1), (2, "b", 4, 1)]
+    # Once the upper passes 5, the snapshot at 5 sees the update at 5.
+    w.compare_and_append([(((3,), ("c",)), 5, 1)], 5, 6)
+    assert rows(r.snapshot(5, timeout_s=0.05)) == [(1, "a", 5, 1), (2, "b", 5, 1), (3, "c", 5, 1)]
+
+
 def test_listen_hands_a_large_range_out_in_bounded_chunks() -> None:
     f = Fixture(9, batches=16)
     as_of = f.since

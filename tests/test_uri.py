@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from persist_lib.errors import InvalidUri
@@ -77,17 +78,46 @@ def test_s3_uris(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_postgres_uris() -> None:
-    for uri in (
-        "postgresql://user:pw@localhost:5432/db",
-        "postgres://user:pw@localhost/db?sslmode=disable&connect_timeout=3",
-        "postgresql://localhost/db",
-        "postgresql:///db?host=/var/run/postgresql",
-    ):
+    # (uri, what repr/describe show, where libpq connects)
+    cases = [
+        (
+            "postgresql://user:pw@localhost:5432/db",
+            'postgresql://user:****@localhost:5432/db (table "consensus")',
+            {"user": "user", "password": "pw", "host": "localhost", "port": "5432", "dbname": "db"},
+        ),
+        (
+            "postgres://user:pw@localhost/db?sslmode=disable&connect_timeout=3",
+            'postgres://user:****@localhost/db?sslmode=disable&connect_timeout=3 (table "consensus")',
+            {"user": "user", "password": "pw", "host": "localhost", "dbname": "db",
+             "sslmode": "disable", "connect_timeout": "3"},
+        ),
+        (
+            "postgresql://localhost/db",
+            'postgresql://localhost/db (table "consensus")',
+            {"host": "localhost", "dbname": "db"},
+        ),
+        (
+            "postgresql:///db?host=/var/run/postgresql",
+            'postgresql:///db?host=/var/run/postgresql (table "consensus")',
+            {"host": "/var/run/postgresql", "dbname": "db"},
+        ),
+    ]
+    for uri, shown, conninfo in cases:
         c = open_consensus(uri)  # lazy: nothing connects until the first call
         assert isinstance(c, PostgresConsensus)
         assert c.url.raw == uri
-        assert "pw@" not in repr(c)
+        assert psycopg.conninfo.conninfo_to_dict(c.url.raw) == conninfo
+        assert (c.describe(), repr(c)) == (shown, f"PostgresConsensus({shown!r})")
+        assert ":pw@" not in str(c.url) and ":pw@" not in f"{c.url}"
         c.close()
+    for bad, why in (
+        ("postgresql://user:pw@/db", "missing host"),
+        ("postgresql://localhost/", "missing database name"),
+        ("postgresql://localhost:54x2/db", "port '54x2' is not a number"),
+    ):
+        with pytest.raises(InvalidUri, match=why) as e:
+            open_consensus(bad)
+        assert "pw" not in str(e.value)
 
 
 def test_unreliable_uris() -> None:
