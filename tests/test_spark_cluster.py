@@ -35,7 +35,10 @@ import pytest
 
 from tests.test_spark_support import df_counter, file_location, open_client, table_counter
 
-pytestmark = pytest.mark.spark
+# The standalone-cluster tests run in the slow tier (`make test-long`): the default suite's
+# 10-minute budget; local[2] runs the same data plane, kills and exactly-once checks in
+# tests/test_spark_write.py, test_spark_compact.py, test_spark_ingest.py, test_spark_kafka.py.
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 KEY = pa.schema([("id", pa.int64())])
 VAL = pa.schema([("name", pa.string()), ("amount", pa.float64())])
@@ -183,9 +186,6 @@ def _venv_imports_this_checkout() -> bool:
 # -- the data plane on spark:// --------------------------------------------------------
 
 
-# (slow tier: the default suite's time; the killed-worker tests below write, read and
-# compact on the cluster too)
-@pytest.mark.slow
 def test_write_read_and_compact_on_the_cluster(sessions: Sessions, tmp_path: Path) -> None:
     from persist_lib.spark import compact_shard, read_snapshot, write_batch
     from persist_lib.spark.executors import prepare_executors
@@ -211,7 +211,6 @@ def test_write_read_and_compact_on_the_cluster(sessions: Sessions, tmp_path: Pat
     client.close()
 
 
-@pytest.mark.slow  # (the default suite's budget: test_spark_ingest runs it on local[2])
 def test_landing_zone_ingestion_on_the_cluster(sessions: Sessions, tmp_path: Path) -> None:
     from persist_lib import PersistClient, PersistConfig
     from persist_lib.ingest import IngestConfig, Ingestion, LandingZoneSource
@@ -577,9 +576,6 @@ def bare_pythons(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return out
 
 
-# (slow tier: the default suite's time; tests/test_spark_code_shipping.py checks the
-# shipped zip, its digest and the executors' check in the default suite)
-@pytest.mark.slow
 def test_workers_without_the_project_get_the_drivers_copy(
     sessions: Sessions, bare_pythons: dict[str, str], tmp_path: Path
 ) -> None:

@@ -138,6 +138,7 @@ def test_connect_session_kind_and_parallelism(remote: Any) -> None:
         compact_shard(object(), None, SHARD)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # (the default suite's budget: the same paths run on local[2] in the default suite)
 def test_bucket_partition_keys_match_sparks_hash_partitioning(remote: Any) -> None:
     """``partition_keys(n)[b]`` lands in partition ``b`` of ``repartition(n, key)``: each
     compaction bucket gets its own merge task."""
@@ -188,6 +189,7 @@ def test_write_batch_and_read_back_through_connect(remote: Any, tmp_path: Path) 
     client.close()
 
 
+@pytest.mark.slow  # (the default suite's budget: the same paths run on local[2] in the default suite)
 def test_compact_shard_through_connect_keeps_every_snapshot(remote: Any, tmp_path: Path) -> None:
     from persist_lib.spark import compact_shard
 
@@ -238,6 +240,7 @@ def test_failed_merge_through_connect_applies_and_leaves_nothing(remote: Any, tm
     client.close()
 
 
+@pytest.mark.slow  # (the default suite's budget: the same paths run on local[2] in the default suite)
 def test_ingest_landing_zone_through_connect(remote: Any, tmp_path: Path) -> None:
     from persist_lib.ingest import IngestConfig, Ingestion, LandingZoneSource
     from persist_lib.spark import SparkIngestion, ingest_landing_zone
