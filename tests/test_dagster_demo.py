@@ -22,6 +22,7 @@ pytestmark = pytest.mark.dagster
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # (~17 s: the whole demo pipeline; `make demo` is the README's first command)
 def test_demo_leaves_sensor_cursors_so_the_daemon_launches_nothing_new(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -72,6 +72,7 @@ def test_history_catches_sqlite_cas_race(tmp_path: Path) -> None:
     assert res.report.by_kind().keys() & RACE_KINDS, res.describe()
 
 
+@pytest.mark.slow  # (default suite's budget; test_reliability_long::test_planted_bugs_all_caught runs every planted bug)
 @pytest.mark.postgres
 def test_history_catches_pg_cas_not_exists(tmp_path: Path, pg_server: object) -> None:
     url = pg_server.create_database()  # type: ignore[attr-defined]
@@ -79,6 +80,7 @@ def test_history_catches_pg_cas_not_exists(tmp_path: Path, pg_server: object) ->
     assert res.report.by_kind().keys() & RACE_KINDS, res.describe()
 
 
+@pytest.mark.slow  # (default suite's budget; test_reliability_long::test_planted_bugs_all_caught runs every planted bug)
 def test_history_catches_gc_ignoring_holds(tmp_path: Path) -> None:
     res = _caught(9, tmp_path, None, "gc_ignores_holds", GC_KINDS, inline_threshold=0)
     assert res.report.by_kind().keys() & GC_KINDS, res.describe()
@@ -87,6 +89,7 @@ def test_history_catches_gc_ignoring_holds(tmp_path: Path) -> None:
 # ----- issue 13: interrupts, skewed sweeps vs long writes, heartbeats, failing merges -----
 
 
+@pytest.mark.slow  # (default suite's budget; test_reliability_long::test_planted_bugs_all_caught runs every planted bug)
 def test_history_catches_sweeper_without_the_in_flight_guard(tmp_path: Path) -> None:
     kinds = GC_KINDS | {"part_missing"}
     res = _caught(
@@ -96,12 +99,14 @@ def test_history_catches_sweeper_without_the_in_flight_guard(tmp_path: Path) -> 
     assert res.report.by_kind().keys() & kinds, res.describe()
 
 
+@pytest.mark.slow  # (default suite's budget; test_reliability_long::test_planted_bugs_all_caught runs every planted bug)
 def test_history_catches_a_heartbeat_thread_that_dies(tmp_path: Path) -> None:
     kinds = {"heartbeat_thread_dead"}
     res = _caught(12, tmp_path, None, "heartbeat_thread_dies", kinds, heartbeat_fault_rate=0.5)
     assert res.report.by_kind().keys() & kinds, res.describe()
 
 
+@pytest.mark.slow  # (default suite's budget; test_reliability_long::test_planted_bugs_all_caught runs every planted bug)
 def test_history_catches_delete_on_any_exception(tmp_path: Path) -> None:
     kinds = GC_KINDS | {"part_missing", "snapshot_mismatch", "trace_contents_wrong"}
     res = _caught(13, tmp_path, None, "delete_on_any_exception", kinds, interrupt_rate=0.08, inline_threshold=0)
