@@ -28,6 +28,7 @@ from persist_lib import PersistClient, PersistConfig, ShardId
 from persist_lib import gc as gcmod
 from persist_lib import maintenance as mn
 from persist_lib.compactor import COMPACTOR_WRITER_PREFIX
+from tests.support.durable_ops import with_durable_op_counter
 
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])
@@ -35,7 +36,7 @@ SINCE = 10
 UPPER = 30
 ROOT = str(Path(__file__).resolve().parents[1])
 
-CHILD = textwrap.dedent(
+CHILD = with_durable_op_counter(textwrap.dedent(
     """
     import sys
     from persist_lib import PersistClient, PersistConfig
@@ -57,24 +58,7 @@ CHILD = textwrap.dedent(
     mn.compact(warm, ws)
     # Every durable operation on the shard's locations prints "op N" once it returned:
     # the parent kills after a chosen one, so each kill lands after work started.
-    from persist_lib.location.file_blob import FileBlob
-    from persist_lib.location.sqlite_consensus import SqliteConsensus
-    import threading
-    ops = [0]
-    lock = threading.Lock()  # (uploads run on several threads)
-    def counted(cls, name):
-        real = getattr(cls, name)
-        def op(self, *a, **kw):
-            out = real(self, *a, **kw)
-            with lock:
-                ops[0] += 1
-                sys.stdout.write(f"op {ops[0]}\\n")
-                sys.stdout.flush()
-            return out
-        setattr(cls, name, op)
-    for cls, name in ((FileBlob, "set"), (FileBlob, "delete"),
-                      (SqliteConsensus, "compare_and_set"), (SqliteConsensus, "truncate")):
-        counted(cls, name)
+    # @COUNT_DURABLE_OPS
     client = PersistClient.open(blob, cons, cfg)
     client.machine(shard).fetch_latest()
     print("ready", flush=True)
@@ -84,7 +68,7 @@ CHILD = textwrap.dedent(
     with lock:
         print("done", ops[0], flush=True)
     """
-)
+))
 
 
 def config() -> PersistConfig:

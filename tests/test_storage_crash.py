@@ -23,8 +23,9 @@ import pytest
 from persist_lib import PersistClient, PersistConfig
 from persist_lib.storage import StorageController
 from persist_lib.storage.catalog import default_catalog_shard
+from tests.support.durable_ops import with_durable_op_counter
 
-WORKLOAD = textwrap.dedent(
+WORKLOAD = with_durable_op_counter(textwrap.dedent(
     """
     import sys, pyarrow as pa
     from persist_lib import PersistClient, PersistConfig
@@ -33,23 +34,7 @@ WORKLOAD = textwrap.dedent(
     # Every durable operation prints "op N" once it returned: the parent kills right
     # after a chosen one, inside whichever command is running then.
     import threading
-    from persist_lib.location.file_blob import FileBlob
-    from persist_lib.location.sqlite_consensus import SqliteConsensus
-    ops = [0]
-    lock = threading.Lock()
-    def counted(cls, name):
-        real = getattr(cls, name)
-        def op(self, *a, **kw):
-            out = real(self, *a, **kw)
-            with lock:
-                ops[0] += 1
-                sys.stdout.write(f"op {ops[0]}\\n")
-                sys.stdout.flush()
-            return out
-        setattr(cls, name, op)
-    for cls, name in ((FileBlob, "set"), (FileBlob, "delete"),
-                      (SqliteConsensus, "compare_and_set"), (SqliteConsensus, "truncate")):
-        counted(cls, name)
+    # @COUNT_DURABLE_OPS
     client = PersistClient.open(blob, cons, PersistConfig.for_tests())
     ctl = StorageController(client)
     K = pa.schema([("k", pa.int64())]); V = pa.schema([("v", pa.string())])
@@ -68,7 +53,7 @@ WORKLOAD = textwrap.dedent(
         print("cycle", i, flush=True)
         i += 1
     """
-)
+))
 
 
 def _check_consistent(blob: str, cons: str) -> dict[str, int]:
