@@ -365,8 +365,8 @@ def summarize_raw_profile(path: Path, top: int = 40) -> str:
 
 def compaction_available() -> bool:
     """Whether the library has in-process background compaction (issue: compaction)."""
-    from persist_lib.client import PersistClient
     from persist_lib.config import PersistConfig
+    from persist_lib.handles.client import PersistClient
 
     return (
         hasattr(PersistClient, "compact")
@@ -395,7 +395,7 @@ def persist_file_client(d: Path, *, fsync: bool = True, **cfg: Any) -> Any:
     """A client on file blob + SQLite consensus in ``d``. ``fsync=False`` turns off the
     blob's fsyncs and uses SQLite ``synchronous=NORMAL``: the durability delta-rs has on
     a local disk (it never fsyncs), for an apples-to-apples comparison."""
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
 
     blob_uri, cons_uri = file_location(d)
     if fsync:
@@ -429,7 +429,7 @@ def compactor_stats(client: Any) -> dict[str, Any]:
 
 def fresh_process_state() -> None:
     """Forgets persist's per-process state cache and collects garbage between phases."""
-    from persist_lib.machine import clear_state_cache
+    from persist_lib.shard.machine import clear_state_cache
 
     clear_state_cache()
     gc.collect()

@@ -44,10 +44,10 @@ import numpy as np
 import pyarrow as pa
 
 from persist_lib import Antichain, PersistClient, PersistConfig, ShardId
-from persist_lib import maintenance as mn
-from persist_lib.batch_meta import HollowBatch
-from persist_lib.codec import Schemas, internal_schema, normalize_updates
-from persist_lib.parts import encode_part, part_meta_for
+from persist_lib.handles import maintenance as mn
+from persist_lib.shard.batch_meta import HollowBatch
+from persist_lib.shard.codec import Schemas, internal_schema, normalize_updates
+from persist_lib.shard.parts import encode_part, part_meta_for
 
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])
@@ -275,7 +275,7 @@ CHILD = textwrap.dedent(
         assert configure_bounded_allocator()
     import pyarrow as pa
     from persist_lib import PersistClient, PersistConfig, ShardId
-    from persist_lib import maintenance as mn
+    from persist_lib.handles import maintenance as mn
     blob, cons, shard, budget, target = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     cfg = PersistConfig.for_tests(compaction_memory_budget=budget, blob_target_size=target)
     # Warm-up merge on a throwaway shard: loads kernels and pools (the fixed overhead).

@@ -15,8 +15,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from persist_lib import maintenance_transitions as mt
-from persist_lib import state as st
+from persist_lib.shard import maintenance_transitions as mt
+from persist_lib.shard import state as st
 
 
 def _old_remove_garbage(state: st.ShardState, keys: tuple[str, ...], gc_seqno: int) -> Any:

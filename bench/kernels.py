@@ -45,7 +45,7 @@ def table(n: int, kind: str, seed: int = 1) -> pa.Table:
 
 
 def _persist(engine: str) -> Callable[[pa.Table], pa.Table]:
-    from persist_lib.consolidate import consolidate
+    from persist_lib.shard.consolidate import consolidate
 
     def run(t: pa.Table) -> pa.Table:
         old = os.environ.get("PERSIST_KERNELS")

@@ -40,8 +40,8 @@ ROWS = 10
 
 
 def child(blob: str, cons: str, shard: str, n: int) -> None:
-    from persist_lib.client import PersistClient
-    from persist_lib.read import ListenUpdates
+    from persist_lib.handles.client import PersistClient
+    from persist_lib.handles.read import ListenUpdates
 
     client = PersistClient.open(blob, cons, persist_config())
     r = client.open_leased_reader(shard, KEY_SCHEMA, VAL_SCHEMA)
@@ -65,7 +65,7 @@ def child(blob: str, cons: str, shard: str, n: int) -> None:
 
 
 def _measure(ctx: Ctx, blob: str, cons: str, n: int, label: str) -> dict[str, Any]:
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
     from persist_lib.ids import ShardId
 
     client = PersistClient.open(blob, cons, persist_config())

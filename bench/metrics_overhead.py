@@ -1,4 +1,4 @@
-"""What the metrics hooks (``persist_lib.metrics``) cost: the same operations with
+"""What the metrics hooks (``persist_lib.shard.metrics``) cost: the same operations with
 ``PersistConfig(metrics=False)`` (no counting at all) and with metrics on (the
 default), interleaved in one process.
 
@@ -29,7 +29,7 @@ import pyarrow as pa
 from persist_lib import PersistClient, PersistConfig, ShardId
 from persist_lib.location.mem import MemBlob
 from persist_lib.location.retry import RetryingBlob
-from persist_lib.metrics import PersistMetrics
+from persist_lib.shard.metrics import PersistMetrics
 
 K = pa.schema([("k", pa.int64())])
 V = pa.schema([("v", pa.string())])

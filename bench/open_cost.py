@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib.machine import clear_state_cache
+from persist_lib.shard.machine import clear_state_cache
 
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.int64())])

@@ -23,7 +23,7 @@ ROWS = 10
 
 
 def _persist(ctx: Ctx, blob_uri: str, pg_url: str, n: int, *, inline: bool) -> dict[str, Any]:
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
     from persist_lib.ids import ShardId
 
     cfg = persist_config() if inline else persist_config(inline_threshold=0)

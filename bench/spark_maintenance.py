@@ -101,10 +101,10 @@ def _zone(path: Path, files: int, rows: int) -> None:
 
 
 def bench_merge(spark: Any, root: Path, rows: int, repeat: int) -> dict[str, Any]:
-    from persist_lib.codec import Schemas
-    from persist_lib.compactor import merge_batches
+    from persist_lib.shard.codec import Schemas
+    from persist_lib.shard.compactor import merge_batches
+    from persist_lib.shard.spine import CompactionRequest
     from persist_lib.spark import spark_merge
-    from persist_lib.spine import CompactionRequest
 
     client = _client(root, "merge")
     shard = "s00000000-0000-4000-8000-00000000b001"

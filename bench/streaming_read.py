@@ -48,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib.codec import Schemas, internal_schema
+from persist_lib.shard.codec import Schemas, internal_schema
 
 MiB = 1 << 20
 

@@ -62,7 +62,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     from deltalake import DeltaTable
 
     from persist_lib.ids import ShardId
-    from persist_lib.machine import clear_state_cache
+    from persist_lib.shard.machine import clear_state_cache
 
     src = ctx.shared.get("small_appends") or _build(ctx)
     d = Path(src["persist_dir"])

@@ -4,7 +4,7 @@ The stream, identical on both sides: 200 appends of 1,000 rows (full: 1,000) wit
 bulk append of 250,000 rows (full: 1M) after every 50th. Write amplification = bytes
 written to storage in total / bytes the appends themselves wrote.
 - persist: background compaction on (the default), so merges run while the stream goes
-  on; bytes = the client's blob bytes written (``persist_lib.metrics``: parts and
+  on; bytes = the client's blob bytes written (``persist_lib.shard.metrics``: parts and
   rollups), after the compactor went idle; the appends' own bytes = the Parquet bytes of
   the parts of the batches the writer committed, inline ones included (a small append's
   part lives in state until a merge moves its rows to blob; the merge's bytes count).

@@ -20,8 +20,8 @@ from typing import Any
 
 import dagster as dg
 
-from persist_lib.client import PersistClient
 from persist_lib.errors import InvalidUsage
+from persist_lib.handles.client import PersistClient
 from persist_lib.timefmt import epoch_seconds, is_epoch_ms, iso_utc
 
 
@@ -222,7 +222,7 @@ def collection_metadata(
 
 
 def blob_requests(client: PersistClient) -> dict[str, float]:
-    """The client's request counters so far (``persist_lib.metrics``: blob requests by
+    """The client's request counters so far (``persist_lib.shard.metrics``: blob requests by
     operation, their S3 cost, bytes moved, commits); empty when metrics are off. Take
     one at the start of a step and pass it to ``request_metadata`` at the end."""
     m = client.metrics

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from persist_lib.client import PersistClient
 from persist_lib.errors import InvalidUsage, PersistError
+from persist_lib.handles.client import PersistClient
 from persist_lib.storage import StorageController
 
 log = logging.getLogger(__name__)

@@ -28,11 +28,11 @@ from dagster_pyspark import PySparkResource
 from dagster_pyspark.resources import spark_session_from_config
 from pydantic import PrivateAttr
 
-from persist_lib.client import PersistClient, default_home, default_uris
 from persist_lib.config import PersistConfig
+from persist_lib.handles.client import PersistClient, default_home, default_uris
 from persist_lib.ingest.landing_zone import format_of
+from persist_lib.location.check import missing_parts, require_existing_location
 from persist_lib.location.redaction import redacted_value
-from persist_lib.location_check import missing_parts, require_existing_location
 from persist_lib.storage import StorageController
 
 

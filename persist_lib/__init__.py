@@ -20,14 +20,14 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Antichain": "persist_lib.frontier",
     "ShardId": "persist_lib.ids",
-    "PersistClient": "persist_lib.client",
+    "PersistClient": "persist_lib.handles.client",
     "PersistConfig": "persist_lib.config",
-    "ReadHandle": "persist_lib.read",
-    "SinceHandle": "persist_lib.read",
-    "SnapshotSplit": "persist_lib.read",
-    "ListenUpdates": "persist_lib.read",
-    "ListenProgress": "persist_lib.read",
-    "WriteHandle": "persist_lib.write",
+    "ReadHandle": "persist_lib.handles.read",
+    "SinceHandle": "persist_lib.handles.read",
+    "SnapshotSplit": "persist_lib.handles.read",
+    "ListenUpdates": "persist_lib.handles.read",
+    "ListenProgress": "persist_lib.handles.read",
+    "WriteHandle": "persist_lib.handles.write",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -15,7 +15,7 @@ the pool pyarrow's Python calls pass down: Arrow's C++ (Parquet decoding, kernel
 allocating from the default one. Switching at run time was measured *worse* (2.35-2.67x:
 two allocators keep pages). So the choice must be made before pyarrow is imported.
 
-persist's own processes make it: the ``persist`` CLI (``persist_lib/cli.py``) and the
+persist's own processes make it: the ``persist`` CLI (``persist_lib/cli/main.py``) and the
 Dagster code location (``dagster_project/__init__.py``: the code server and every run
 process) call :func:`configure_bounded_allocator` before anything imports pyarrow. It
 leaves an operator's choice alone (``ARROW_DEFAULT_MEMORY_POOL`` or

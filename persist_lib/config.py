@@ -84,11 +84,11 @@ class PersistConfig:
     compaction_retry_backoff_max_s: float = 300.0
     compaction_quarantine_after: int = 2
     # Leaked-blob sweeper: an extra guard on top of the registered-writer rule
-    # (``persist_lib.part_writers``): blobs younger than this are never reported.
+    # (``persist_lib.shard.part_writers``): blobs younger than this are never reported.
     leak_grace_ms: int = 60 * 60 * 1000
     # Shard machines a client keeps (least recently used dropped first).
     max_cached_shards: int = 256
-    # Metrics (persist_lib.metrics): per-shard counters of commits, blob requests and
+    # Metrics (persist_lib.shard.metrics): per-shard counters of commits, blob requests and
     # their S3 cost; off = no counting at all. ``metrics_port`` (else
     # $PERSIST_METRICS_PORT) serves them to Prometheus from this process.
     metrics: bool = True

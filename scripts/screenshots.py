@@ -129,7 +129,7 @@ def wait_for_webserver(base: str, proc: subprocess.Popen[bytes], log: Path, time
 
 def demo_state(persist_home: Path) -> dict[str, Any]:
     """The active rendition of ``orders`` after the demo's handover, and its shard 0."""
-    from persist_lib.client import PersistClient, default_uris
+    from persist_lib.handles.client import PersistClient, default_uris
     from persist_lib.storage import StorageController
 
     blob, consensus = default_uris(persist_home)

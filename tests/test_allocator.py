@@ -19,14 +19,14 @@ def _run(code: str, **env: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("entry", ["persist_lib.cli", "dagster_project.definitions"])
+@pytest.mark.parametrize("entry", ["persist_lib.cli.main", "dagster_project.definitions"])
 def test_entry_points_choose_the_system_allocator_before_pyarrow_loads(entry: str) -> None:
     assert _run(f"import {entry}; {PROBE}") == "system 2"
 
 
 def test_an_operators_choice_is_kept() -> None:
-    assert _run(f"import persist_lib.cli; {PROBE}", ARROW_DEFAULT_MEMORY_POOL="mimalloc") == "mimalloc 2"
-    assert _run(f"import persist_lib.cli; {PROBE}", MALLOC_ARENA_MAX="4") == "system 4"
+    assert _run(f"import persist_lib.cli.main; {PROBE}", ARROW_DEFAULT_MEMORY_POOL="mimalloc") == "mimalloc 2"
+    assert _run(f"import persist_lib.cli.main; {PROBE}", MALLOC_ARENA_MAX="4") == "system 4"
 
 
 def test_too_late_after_pyarrow_is_imported_and_says_so() -> None:

@@ -11,15 +11,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from persist_lib.batch_builder import BatchBuilder, build_batch, delete_batch_blobs
-from persist_lib.batch_meta import HollowBatch
-from persist_lib.codec import Schemas, internal_schema, normalize_updates
-from persist_lib.consolidate import consolidate, is_consolidated, merge_sorted
 from persist_lib.errors import Determinate, InvalidUsage
 from persist_lib.frontier import Antichain
 from persist_lib.location.base import Blob
 from persist_lib.location.mem import MemBlob
-from persist_lib.parts import fetch_part
+from persist_lib.shard.batch_builder import BatchBuilder, build_batch, delete_batch_blobs
+from persist_lib.shard.batch_meta import HollowBatch
+from persist_lib.shard.codec import Schemas, internal_schema, normalize_updates
+from persist_lib.shard.consolidate import consolidate, is_consolidated, merge_sorted
+from persist_lib.shard.parts import fetch_part
 
 S = Schemas.create(
     pa.schema([("id", pa.int64()), ("name", pa.string())]), pa.schema([("amount", pa.float64())])
@@ -112,7 +112,7 @@ def test_multi_part_batch_equals_consolidated_input() -> None:
 def test_large_chunk_is_split_across_upload_threads() -> None:
     """A chunk of >= 16 MiB is cut into max_inflight_uploads parts (sorted and encoded in
     parallel) even below the part target; each part is a sorted, consolidated run."""
-    from persist_lib.batch_builder import MIN_PARALLEL_PART_BYTES
+    from persist_lib.shard.batch_builder import MIN_PARALLEL_PART_BYTES
 
     blob = SlowBlob(delay=0.3)
     data = updates(700_000, distinct=1_000_000)

@@ -13,7 +13,7 @@ import pytest
 
 from persist_lib import PersistClient, PersistConfig, ShardId
 
-PERSIST = [sys.executable, "-m", "persist_lib.cli"]
+PERSIST = [sys.executable, "-m", "persist_lib.cli.main"]
 
 
 def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:

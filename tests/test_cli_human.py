@@ -23,7 +23,7 @@ from persist_lib import PersistClient, PersistConfig, ShardId
 from persist_lib.storage import StorageController
 from persist_lib.timefmt import frontier_text, is_epoch_ms, iso_utc, parse_time, time_text
 
-PERSIST = [sys.executable, "-m", "persist_lib.cli"]
+PERSIST = [sys.executable, "-m", "persist_lib.cli.main"]
 REPO = Path(__file__).resolve().parents[1]
 K = pa.schema([("id", pa.int64())])
 V = pa.schema([("name", pa.string()), ("amount", pa.float64())])
@@ -116,7 +116,7 @@ def _all_help(p: argparse.ArgumentParser) -> list[str]:
 
 
 def test_help_has_no_rst_markup_and_every_command_takes_json() -> None:
-    from persist_lib.cli import build_parser
+    from persist_lib.cli.main import build_parser
 
     texts = _all_help(build_parser())
     assert len(texts) > 15  # every command and the ingest subcommands
@@ -234,7 +234,7 @@ def test_snapshot_of_a_collection_and_a_shard(tmp_path: Path) -> None:
 def test_snapshot_prints_progressively_from_the_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows go out (and are flushed) batch by batch as ``snapshot_batches`` yields them,
     not after reading everything: here one shard stream after the other."""
-    from persist_lib import cli
+    from persist_lib.cli.main import main as cli
 
     home = tmp_path / "home"
     client = PersistClient.default(home, PersistConfig.for_tests())

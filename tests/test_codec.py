@@ -16,8 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from persist_lib import consolidate as consolidate_mod
-from persist_lib.codec import (
+from persist_lib.errors import InvalidUsage
+from persist_lib.shard import consolidate as consolidate_mod
+from persist_lib.shard.codec import (
     Schemas,
     check_update_table,
     empty_updates,
@@ -26,7 +27,7 @@ from persist_lib.codec import (
     to_user_table,
     user_schema,
 )
-from persist_lib.consolidate import (
+from persist_lib.shard.consolidate import (
     advance_to_since,
     consolidate,
     forward_and_filter,
@@ -35,7 +36,6 @@ from persist_lib.consolidate import (
     snapshot_at,
     time_range,
 )
-from persist_lib.errors import InvalidUsage
 
 KEY = pa.schema([("id", pa.int64()), ("name", pa.string())])
 VAL = pa.schema([("amount", pa.float64())])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from persist_lib.codec import Schemas, _castable, check_update_table
 from persist_lib.errors import InvalidUsage
+from persist_lib.shard.codec import Schemas, _castable, check_update_table
 
 TS, TSZ = pa.timestamp("ms"), pa.timestamp("ms", tz="UTC")
 ST_AB = pa.struct([("a", pa.int32()), ("b", pa.string())])

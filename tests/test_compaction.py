@@ -13,22 +13,22 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import Antichain, PersistClient, PersistConfig, ShardId
-from persist_lib import maintenance as mn
-from persist_lib import maintenance_transitions as mt
-from persist_lib.batch_builder import build_batch
-from persist_lib.batch_meta import HollowBatch
-from persist_lib.codec import Schemas, internal_schema, normalize_updates
-from persist_lib.compactor import (
+from persist_lib.errors import CorruptionError, LeaseExpired
+from persist_lib.handles import maintenance as mn
+from persist_lib.shard import maintenance_transitions as mt
+from persist_lib.shard.batch_builder import build_batch
+from persist_lib.shard.batch_meta import HollowBatch
+from persist_lib.shard.codec import Schemas, internal_schema, normalize_updates
+from persist_lib.shard.compactor import (
     COMPACTOR_WRITER_PREFIX,
     compact_request,
     merge_batches,
     new_compactor_writer_id,
 )
-from persist_lib.consolidate import advance_to_since, consolidate
-from persist_lib.errors import CorruptionError, LeaseExpired
-from persist_lib.part_writers import PartWriter
-from persist_lib.parts import encode_part, fetch_part, part_meta_for
-from persist_lib.spine import compaction_requests
+from persist_lib.shard.consolidate import advance_to_since, consolidate
+from persist_lib.shard.part_writers import PartWriter
+from persist_lib.shard.parts import encode_part, fetch_part, part_meta_for
+from persist_lib.shard.spine import compaction_requests
 
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])
@@ -515,8 +515,8 @@ def test_merges_stay_within_budget_when_parts_compress_far_more_than_assumed(in_
     ~300:1 decode ~75x larger than that, and the merge folded and held far past its
     budget. Writers now record each part's decoded size and the estimate never goes
     below it: many small parts of such strings merge within the budget, exactly."""
-    from persist_lib.compactor import estimate_decoded_bytes
     from persist_lib.location.mem import MemBlob
+    from persist_lib.shard.compactor import estimate_decoded_bytes
 
     schemas = Schemas.create(KEY, VAL)
     blob = MemBlob(uuid.uuid4().hex)

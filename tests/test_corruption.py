@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from persist_lib import PersistClient, PersistConfig, ShardId
 from persist_lib.errors import CorruptionError
-from persist_lib.machine import clear_state_cache
+from persist_lib.shard.machine import clear_state_cache
 from persist_lib.testing.corruption import KEY, VAL, CorruptionFixture, flip_bit, truncate_to
 
 EXAMPLES = int(os.environ.get("CORRUPTION_EXAMPLES", "300"))

@@ -8,11 +8,11 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import Antichain, PersistClient, PersistConfig, ShardId
-from persist_lib import maintenance as mn
 from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned
-from persist_lib.machine import clear_state_cache
-from persist_lib.read import ReadHandle
-from persist_lib.write import WriteHandle
+from persist_lib.handles import maintenance as mn
+from persist_lib.handles.read import ReadHandle
+from persist_lib.handles.write import WriteHandle
+from persist_lib.shard.machine import clear_state_cache
 
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])

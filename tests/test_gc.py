@@ -11,11 +11,11 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib import gc as gcmod
-from persist_lib import maintenance as mn
-from persist_lib import state as st
 from persist_lib.errors import BlobNotFound
-from persist_lib.machine import SCAN_LIMIT, clear_state_cache, unframe
+from persist_lib.handles import maintenance as mn
+from persist_lib.shard import gc as gcmod
+from persist_lib.shard import state as st
+from persist_lib.shard.machine import SCAN_LIMIT, clear_state_cache, unframe
 
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])

@@ -3,7 +3,7 @@ in every landing-zone format (JSON lines, CSV, Parquet) and for Kafka keys and v
 (JSON and text). Each record lands exactly once, in the data or in the errors
 collection (with the kind it must get), the ingestion never stops, and every output
 collection stays readable from start to end: snapshot, listen, compaction, SQL
-(``persist_lib.sql``), a rebuild from the raw collection, and Spark.
+(``persist_lib.sql.engine``), a rebuild from the raw collection, and Spark.
 
 Random bytes, truncated and overlong UTF-8, CESU-style surrogates, escaped lone
 surrogates, code points past U+10FFFF, NUL (raw and escaped), very long lines, deeply
@@ -308,7 +308,7 @@ def check_landed(
 def read_everything(client: PersistClient, name: str, roles: dict[str, tuple[pa.Schema, pa.Schema]]) -> dict[str, int]:
     """Every output collection, from its since to its upper: snapshot, listen, SQL,
     then compaction and a snapshot again. Returns the row count per role."""
-    from persist_lib.sql import SqlSession
+    from persist_lib.sql.engine import SqlSession
 
     counts = {}
     for role, (k, v) in roles.items():

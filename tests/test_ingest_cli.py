@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from persist_lib.ingest.cli import parse_fields
+from persist_lib.cli.ingest import parse_fields
 from persist_lib.ingest.errors import IngestConfigError
 
-PERSIST = [sys.executable, "-m", "persist_lib.cli"]
+PERSIST = [sys.executable, "-m", "persist_lib.cli.main"]
 
 
 def run(args: list[str], home: Path) -> subprocess.CompletedProcess[str]:

@@ -743,7 +743,7 @@ def test_cli_ingest_kafka(kafka_broker: KafkaBroker, tmp_path: Path) -> None:
     env = {**os.environ, "PERSIST_HOME": str(tmp_path / "home"), "PYTHONPATH": worker_env()["PYTHONPATH"]}
     env.pop("PERSIST_BLOB_URI", None)
     env.pop("PERSIST_CONSENSUS_URI", None)
-    args = [sys.executable, "-m", "persist_lib.cli", "ingest", "kafka", "orders", kafka_broker.bootstrap, topic,
+    args = [sys.executable, "-m", "persist_lib.cli.main", "ingest", "kafka", "orders", kafka_broker.bootstrap, topic,
             "--key", "id:int64", "--value", "name:string,qty:float64", "--key-format", "json",
             "--envelope", "upsert", "--records-per-binding", "50"]
     out = subprocess.run([*args, "--json"], env=env, capture_output=True, text=True, timeout=120)

@@ -18,11 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from persist_lib import PersistClient, PersistConfig
-from persist_lib import codec as codec_mod
 from persist_lib.errors import InvalidUtf8, InvalidUtf8InPart
 from persist_lib.ingest import IngestConfig, Ingestion, LandingZoneSource
 from persist_lib.ingest.decode import ERRORS_KEY, ERRORS_VAL
 from persist_lib.ingest.outputs import shard_id_for
+from persist_lib.shard import codec as codec_mod
 
 KEY = pa.schema([("id", pa.int64())])
 VAL = pa.schema([("name", pa.string()), ("qty", pa.float64())])

@@ -1,4 +1,4 @@
-"""The sort and gather kernels (``consolidate.sort_order``, ``persist_lib.kernels``) against
+"""The sort and gather kernels (``consolidate.sort_order``, ``persist_lib.shard.kernels``) against
 the ranking they replace, on tables large enough to take the fast paths (packed integer
 sorts, polars), with ties, nulls, floats' total order and nested columns — through
 polars and through numpy/pyarrow alone."""
@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from persist_lib import kernels
-from persist_lib.consolidate import consolidate, consolidation_plan, row_keys, sort_order
+from persist_lib.shard import kernels
+from persist_lib.shard.consolidate import consolidate, consolidation_plan, row_keys, sort_order
 
 
 @pytest.fixture(params=["polars", "numpy"])
@@ -157,8 +157,8 @@ def test_consolidation_plan_split_in_two_key_ranges(value_kind: str, engine: str
     sampled median and the halves sorted on two threads: the same rows and sums as the
     ranking, including keys equal to the pivot (all on one side), null keys (sorted first:
     in the lower half) and a shard of one key or of nulls only (no split)."""
-    from persist_lib.consolidate import PARALLEL_PLAN_ROWS
-    from persist_lib.kernels import RowSource
+    from persist_lib.shard.consolidate import PARALLEL_PLAN_ROWS
+    from persist_lib.shard.kernels import RowSource
 
     rng = np.random.default_rng(11)
     n = PARALLEL_PLAN_ROWS + 50_000

@@ -19,10 +19,10 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib import cli as cli_mod
-from persist_lib import compactor as compactor_mod
+from persist_lib.cli.main import main as cli_mod
+from persist_lib.handles.read import ReadHandle
 from persist_lib.location.uri import open_blob, open_consensus
-from persist_lib.read import ReadHandle
+from persist_lib.shard import compactor as compactor_mod
 from persist_lib.testing.hooks import InterruptingConsensus, InterruptPlan
 
 KEY = pa.schema([("k", pa.int64())])

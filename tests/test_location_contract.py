@@ -930,7 +930,7 @@ def test_postgres_clients_on_other_tables_do_not_share_cached_state(
 
     from persist_lib import Antichain, PersistClient, PersistConfig, ShardId
     from persist_lib.location.postgres_consensus import PostgresConsensus
-    from persist_lib.machine import clear_state_cache
+    from persist_lib.shard.machine import clear_state_cache
 
     key_schema = pa.schema([("k", pa.string())])
     val_schema = pa.schema([("v", pa.int64())])
@@ -1045,7 +1045,7 @@ def _check_all_written(consensus_uri: str, n: int) -> None:
 
 
 def test_sqlite_many_threads_open_a_fresh_location_at_once(tmp_path: Path) -> None:
-    import persist_lib.client  # noqa: F401 - slow imports before the start, not after
+    import persist_lib.handles.client  # noqa: F401 - slow imports before the start, not after
 
     blob_uri, consensus_uri = _fresh_location(tmp_path)
     start = threading.Barrier(FIRST_OPEN_THREADS)
@@ -1070,7 +1070,7 @@ def test_sqlite_many_threads_open_a_fresh_location_at_once(tmp_path: Path) -> No
 def first_open_worker(blob_uri: str, consensus_uri: str, i: int, start: Any, out: Any) -> None:
     """Module level: spawned children import this module."""
     try:
-        import persist_lib.client  # noqa: F401 - slow imports before the start, not after
+        import persist_lib.handles.client  # noqa: F401 - slow imports before the start, not after
 
         start.wait(timeout=120)
         _open_and_cas(blob_uri, consensus_uri, i)

@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from persist_lib import Antichain, PersistClient, PersistConfig, ShardId
 
-PERSIST = [sys.executable, "-m", "persist_lib.cli"]
+PERSIST = [sys.executable, "-m", "persist_lib.cli.main"]
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])
 

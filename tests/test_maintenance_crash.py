@@ -25,9 +25,9 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib import gc as gcmod
-from persist_lib import maintenance as mn
-from persist_lib.compactor import COMPACTOR_WRITER_PREFIX
+from persist_lib.handles import maintenance as mn
+from persist_lib.shard import gc as gcmod
+from persist_lib.shard.compactor import COMPACTOR_WRITER_PREFIX
 from tests.support.durable_ops import with_durable_op_counter
 
 KEY = pa.schema([("k", pa.int64())])
@@ -40,7 +40,7 @@ CHILD = with_durable_op_counter(textwrap.dedent(
     """
     import sys
     from persist_lib import PersistClient, PersistConfig
-    from persist_lib import maintenance as mn
+    from persist_lib.handles import maintenance as mn
     blob, cons, shard, mode = sys.argv[1:5]
     cfg = PersistConfig.for_tests(
         blob_target_size=8192, inline_threshold=0, rollup_interval=4,

@@ -15,16 +15,18 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import Antichain
-from persist_lib.batch_builder import build_batch
-from persist_lib.batch_meta import HollowBatch
-from persist_lib.codec import Schemas, internal_schema
-from persist_lib.compactor import (
+from persist_lib.errors import CorruptionError
+from persist_lib.location.mem import MemBlob
+from persist_lib.shard.batch_builder import build_batch
+from persist_lib.shard.batch_meta import HollowBatch
+from persist_lib.shard.codec import Schemas, internal_schema
+from persist_lib.shard.compactor import (
     COMPACTOR_WRITER_PREFIX,
     MergeStats,
     merge_batches,
     stream_merge,
 )
-from persist_lib.consolidate import (
+from persist_lib.shard.consolidate import (
     SORTED_STRICT,
     SORTED_WITH_TIES,
     UNSORTED,
@@ -36,9 +38,7 @@ from persist_lib.consolidate import (
     snapshot_at,
     sorted_state,
 )
-from persist_lib.errors import CorruptionError
-from persist_lib.location.mem import MemBlob
-from persist_lib.parts import encode_part, fetch_part, part_blob_key, part_meta_for
+from persist_lib.shard.parts import encode_part, fetch_part, part_blob_key, part_meta_for
 
 
 def _col(rng: np.random.Generator, kind: str, n: int, card: int) -> pa.Array:

@@ -1,4 +1,4 @@
-"""Metrics (``persist_lib.metrics``): per-shard counters and gauges, scraped over HTTP
+"""Metrics (``persist_lib.shard.metrics``): per-shard counters and gauges, scraped over HTTP
 from the Prometheus endpoint after real writes and reads, ``persist metrics``, and the
 blob request counts (and their S3 cost) in Dagster metadata."""
 
@@ -18,7 +18,7 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib import metrics as pm
+from persist_lib.shard import metrics as pm
 
 pytest.importorskip("prometheus_client")
 
@@ -185,7 +185,7 @@ def test_env_port_serves_a_process_and_persist_metrics_reads_it(tmp_path: Path) 
 
 def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "persist_lib.cli", *args], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "persist_lib.cli.main", *args], env=env, capture_output=True, text=True, timeout=120
     )
 
 

@@ -17,9 +17,6 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import Antichain, PersistClient, PersistConfig, ShardId
-from persist_lib import machine as machine_mod
-from persist_lib import maintenance_transitions as mt
-from persist_lib import state as st
 from persist_lib.errors import (
     CorruptionError,
     Indeterminate,
@@ -28,7 +25,10 @@ from persist_lib.errors import (
     UpperMismatch,
 )
 from persist_lib.location.base import CaSResult, Consensus, VersionedData
-from persist_lib.machine import frame
+from persist_lib.shard import machine as machine_mod
+from persist_lib.shard import maintenance_transitions as mt
+from persist_lib.shard import state as st
+from persist_lib.shard.machine import frame
 from persist_lib.testing.hooks import Cancelled, Interrupt, clock_skew
 
 KEY = pa.schema([("k", pa.int64())])
@@ -304,7 +304,7 @@ def test_quiescent_sweep_waits_for_this_processs_background_rollup() -> None:
 
 
 def test_add_rollup_refuses_a_rollup_outside_the_link_window() -> None:
-    from persist_lib import transitions as tr
+    from persist_lib.shard import transitions as tr
 
     s = st.ShardState("s", seqno=tr.ROLLUP_LINK_WINDOW + 10)
     new, linked = tr.add_rollup(s, 0, seqno=5, key="s/rollup/5-x", size=1)

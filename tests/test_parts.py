@@ -14,12 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from persist_lib.batch_meta import PartMeta
-from persist_lib.codec import Schemas, internal_schema, normalize_updates
-from persist_lib.consolidate import consolidate
 from persist_lib.errors import BlobNotFound, CorruptionError, InvalidBlobKey, InvalidUsage
 from persist_lib.location.mem import MemBlob
-from persist_lib.parts import (
+from persist_lib.shard.batch_meta import PartMeta
+from persist_lib.shard.codec import Schemas, internal_schema, normalize_updates
+from persist_lib.shard.consolidate import consolidate
+from persist_lib.shard.parts import (
     BLOB_KEY_RE,
     decode_part,
     encode_part,

@@ -145,7 +145,7 @@ def test_leak_sweep_survives_a_concurrent_truncation() -> None:
     ``gc.live_blob_keys`` replayed consensus from where it first saw the log start; a GC
     truncating meanwhile left a gap, and ``apply_diff`` reported it as *corruption*
     ("consensus entry 59 does not follow state 32"), failing the sweep with a false alarm."""
-    from persist_lib import gc as gcmod
+    from persist_lib.shard import gc as gcmod
 
     name = uuid.uuid4().hex
     cons = _TruncateDuringSweep(MemConsensus(name))
@@ -239,8 +239,8 @@ def test_leak_sweep_retries_when_rollups_vanish_under_it() -> None:
     sweeper replayed, a concurrent GC (background GC in a writer) deleted the rollups it
     was about to load; ``live_blob_keys`` then raised a bare ``ExternalError`` ("no rollup
     to replay the live state versions from") instead of starting over."""
-    from persist_lib import gc as gcmod
     from persist_lib.location.base import Blob
+    from persist_lib.shard import gc as gcmod
 
     class Rollups(Blob):
         """Rollup blobs read as missing during the sweeper's first attempt."""

@@ -38,12 +38,12 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib import state as st
-from persist_lib.batch_meta import PartMeta
 from persist_lib.errors import InvalidUri, InvalidUsage, PersistError
 from persist_lib.location.base import CaSResult, VersionedData
 from persist_lib.location.sqlite_consensus import SqliteConsensus
-from persist_lib.machine import clear_state_cache, frame, unframe
+from persist_lib.shard import state as st
+from persist_lib.shard.batch_meta import PartMeta
+from persist_lib.shard.machine import clear_state_cache, frame, unframe
 from tests.support.secrets import CANARY, NASTY_PASSWORDS, assert_no_leak
 
 KEY = pa.schema([("k", pa.string())])
@@ -368,16 +368,16 @@ def _splits(x: _World, kind: str) -> list[Any]:
 
 
 def _merger(x: _World) -> list[Any]:
-    from persist_lib.codec import Schemas
-    from persist_lib.compactor import MemoryPlan, MergeStats, _Merger
+    from persist_lib.shard.codec import Schemas
+    from persist_lib.shard.compactor import MemoryPlan, MergeStats, _Merger
 
     plan = MemoryPlan(1 << 24, 1 << 20, 1 << 22, 1 << 20)
     return [_Merger(x.client.blob, Schemas.create(KEY, VAL), str(x.shard), None, plan, MergeStats())]
 
 
 def _merge_ctx(x: _World) -> list[Any]:
-    from persist_lib.codec import Schemas
-    from persist_lib.compactor import MergeStats, _MergeCtx
+    from persist_lib.shard.codec import Schemas
+    from persist_lib.shard.compactor import MergeStats, _MergeCtx
 
     return [
         _MergeCtx(
@@ -421,15 +421,14 @@ def _invalid_uris(x: _World) -> list[Any]:
 
 
 def _sql_session(x: _World) -> list[Any]:
-    from persist_lib.sql import SqlSession
+    from persist_lib.sql.engine import SqlSession
 
     return [SqlSession(x.client, as_of=0)]
 
 
 def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
     """How to build each credential-holding class on a hostile world."""
-    from persist_lib.batch_builder import BatchBuilder
-    from persist_lib.codec import Schemas
+    from persist_lib.handles.maintenance import BackgroundCompactor
     from persist_lib.ingest.driver import Ingestion
     from persist_lib.ingest.landing_zone import LandingZoneSource, LocalStore, S3Store
     from persist_lib.ingest.outputs import ShardOutput, ShardOutputs
@@ -445,8 +444,9 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
     )
     from persist_lib.location.postgres_consensus import PostgresConsensus
     from persist_lib.location.redaction import SensitiveUrl, _parse
-    from persist_lib.maintenance import BackgroundCompactor
-    from persist_lib.part_writers import PartWriter
+    from persist_lib.shard.batch_builder import BatchBuilder
+    from persist_lib.shard.codec import Schemas
+    from persist_lib.shard.part_writers import PartWriter
     from persist_lib.spark.ingest import SparkIngestion
     from persist_lib.storage.controller import StorageController
     from persist_lib.testing.actors import HistoryConfig
@@ -477,19 +477,19 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
         "dagster_project.resources.LandingZoneResource": _landing_resource,
         "dagster_project.sources.SourceSpec": _dagster_source_spec,
         # clients, handles, machines, splits
-        "persist_lib.client.PersistClient": lambda x: [x.client],
-        "persist_lib.sql.SqlSession": _sql_session,
-        "persist_lib.write.WriteHandle": lambda x: [x.w],
-        "persist_lib.read.ReadHandle": lambda x: [x.r],
-        "persist_lib.machine.Machine": lambda x: [x.client.machine(x.shard)],
-        "persist_lib.read.SnapshotSplit": lambda x: _splits(x, "snapshot"),
-        "persist_lib.read.RangeSplit": lambda x: _splits(x, "range"),
-        "persist_lib.batch_builder.BatchBuilder": lambda x: [
+        "persist_lib.handles.client.PersistClient": lambda x: [x.client],
+        "persist_lib.sql.engine.SqlSession": _sql_session,
+        "persist_lib.handles.write.WriteHandle": lambda x: [x.w],
+        "persist_lib.handles.read.ReadHandle": lambda x: [x.r],
+        "persist_lib.shard.machine.Machine": lambda x: [x.client.machine(x.shard)],
+        "persist_lib.handles.read.SnapshotSplit": lambda x: _splits(x, "snapshot"),
+        "persist_lib.handles.read.RangeSplit": lambda x: _splits(x, "range"),
+        "persist_lib.shard.batch_builder.BatchBuilder": lambda x: [
             BatchBuilder(x.client.blob, Schemas.create(KEY, VAL), shard=str(x.shard), writer="w", lower=0)
         ],
-        "persist_lib.compactor._Merger": _merger,
-        "persist_lib.compactor._MergeCtx": _merge_ctx,
-        "persist_lib.maintenance.BackgroundCompactor": lambda x: [x.keep(BackgroundCompactor(x.client))],
+        "persist_lib.shard.compactor._Merger": _merger,
+        "persist_lib.shard.compactor._MergeCtx": _merge_ctx,
+        "persist_lib.handles.maintenance.BackgroundCompactor": lambda x: [x.keep(BackgroundCompactor(x.client))],
         "persist_lib.storage.controller.StorageController": lambda x: [x.keep(StorageController(x.client))],
         # blob and consensus backends and their wrappers
         "persist_lib.location.s3_blob.S3Blob": lambda x: [x.client.raw_blob, x.keep(open_blob(x.blob_uri))],
@@ -528,7 +528,7 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
         "persist_lib.testing.hooks.InterruptingConsensus": lambda x: [
             InterruptingConsensus(x.client.raw_consensus, InterruptPlan(1, 0.0))
         ],
-        "persist_lib.part_writers.PartWriter": lambda x: [
+        "persist_lib.shard.part_writers.PartWriter": lambda x: [
             PartWriter.register(x.client.machine(x.shard), purpose="canary", client=x.client)
         ],
         "persist_lib.testing.planted.HeadDeletingConsensus": lambda x: [

@@ -17,10 +17,10 @@ from persist_lib.errors import (
     SchemaMismatch,
     UpperMismatch,
 )
+from persist_lib.handles.read import ListenProgress, ListenUpdates
 from persist_lib.location.base import CaSResult, Consensus, VersionedData
 from persist_lib.location.mem import MemBlob, MemConsensus
-from persist_lib.machine import clear_state_cache
-from persist_lib.read import ListenProgress, ListenUpdates
+from persist_lib.shard.machine import clear_state_cache
 
 KEY = pa.schema([("k", pa.string())])
 VAL = pa.schema([("v", pa.int64())])

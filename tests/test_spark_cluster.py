@@ -389,8 +389,8 @@ def test_a_killed_python_worker_mid_compaction_is_retried_and_applied_once(
 ) -> None:
     """The merge task of bucket 0 kills its own Python worker after uploading its parts
     (first attempt only): Spark retries the task, the driver applies one output batch."""
-    from persist_lib.codec import Schemas
-    from persist_lib.maintenance_transitions import MergeOutcome
+    from persist_lib.shard.codec import Schemas
+    from persist_lib.shard.maintenance_transitions import MergeOutcome
     from persist_lib.spark import apply_merge, spark_merge
     from tests.test_spark_compact import KEY as CKEY
     from tests.test_spark_compact import VAL as CVAL
@@ -439,8 +439,8 @@ def test_a_worker_killed_mid_compaction_links_each_output_part_once(
     """The merge stage's task for bucket 1 uploads its parts and stalls; its worker is
     killed (shuffle outputs on it are lost too): Spark recomputes what it must, the
     driver applies one output batch, the lost attempt's parts stay unlinked and sweepable."""
-    from persist_lib.codec import Schemas
-    from persist_lib.maintenance_transitions import MergeOutcome
+    from persist_lib.shard.codec import Schemas
+    from persist_lib.shard.maintenance_transitions import MergeOutcome
     from persist_lib.spark import apply_merge, spark_merge
     from tests.test_spark_compact import KEY as CKEY
     from tests.test_spark_compact import VAL as CVAL

@@ -10,11 +10,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from persist_lib.codec import Schemas
-from persist_lib.compactor import merge_batches
-from persist_lib.maintenance_transitions import MergeOutcome
-from persist_lib.parts import fetch_part
-from persist_lib.spine import CompactionRequest, compaction_requests
+from persist_lib.shard.codec import Schemas
+from persist_lib.shard.compactor import merge_batches
+from persist_lib.shard.maintenance_transitions import MergeOutcome
+from persist_lib.shard.parts import fetch_part
+from persist_lib.shard.spine import CompactionRequest, compaction_requests
 from tests.test_spark_support import file_location, open_client, table_counter
 
 pytest_plugins = ["tests.spark_fixtures"]

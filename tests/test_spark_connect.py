@@ -23,8 +23,8 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import PersistClient, PersistConfig
-from persist_lib.codec import Schemas
-from persist_lib.spine import compaction_requests
+from persist_lib.shard.codec import Schemas
+from persist_lib.shard.spine import compaction_requests
 from tests.test_ingest_support import DELETE, compare_locations, make_zone
 from tests.test_ingest_support import KEY as ING_KEY
 from tests.test_ingest_support import VAL as ING_VAL

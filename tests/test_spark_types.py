@@ -11,8 +11,8 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from persist_lib.codec import Schemas
 from persist_lib.errors import InvalidUsage
+from persist_lib.shard.codec import Schemas
 from persist_lib.spark.types import UnsupportedSparkType, spark_schema
 from tests.test_spark_support import file_location, open_client
 

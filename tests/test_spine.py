@@ -7,9 +7,9 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as stg
 
-from persist_lib.batch_meta import HollowBatch, PartMeta
 from persist_lib.frontier import Antichain
-from persist_lib.spine import (
+from persist_lib.shard.batch_meta import HollowBatch, PartMeta
+from persist_lib.shard.spine import (
     CompactionRequest,
     compaction_debt,
     compaction_requests,
@@ -17,7 +17,7 @@ from persist_lib.spine import (
     healthy_batch_count,
     level,
 )
-from persist_lib.state import ShardState
+from persist_lib.shard.state import ShardState
 
 
 def part(count: int, tmin: int = 0, tmax: int = 0) -> PartMeta:

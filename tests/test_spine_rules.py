@@ -1,4 +1,4 @@
-"""The spine's compaction rules (``persist_lib.spine``) on hand-built traces, with the
+"""The spine's compaction rules (``persist_lib.shard.spine``) on hand-built traces, with the
 merges each rule must ask for worked out by hand from the rules in its docstring:
 levels (``floor(log2(len))``) strictly decreasing from oldest to newest, empty batches
 absorbed into a neighbour, logical rewrites below the since, sorts of unsorted parts,
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from persist_lib import Antichain
-from persist_lib.batch_meta import HollowBatch, PartMeta
-from persist_lib.spine import (
+from persist_lib.shard.batch_meta import HollowBatch, PartMeta
+from persist_lib.shard.spine import (
     BATCH_DEBT_WEIGHT,
     compaction_debt,
     compaction_requests,
@@ -20,7 +20,7 @@ from persist_lib.spine import (
     healthy_batch_count,
     level,
 )
-from persist_lib.state import QuarantineEntry, ShardState
+from persist_lib.shard.state import QuarantineEntry, ShardState
 
 
 def b(lower: int, n: int, *, tmin: int | None = None, tmax: int | None = None, sorted_: bool = True,

@@ -1,4 +1,4 @@
-"""SQL time travel (``persist_lib.sql``, ``persist sql``): DuckDB relations and polars
+"""SQL time travel (``persist_lib.sql.engine``, ``persist sql``): DuckDB relations and polars
 frames of collections and shards as of any time in ``[since, upper)``, streamed."""
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import pytest
 
 from persist_lib import PersistClient, PersistConfig, ShardId
 from persist_lib.errors import InvalidUsage, Timeout
-from persist_lib.sql import SqlSession, TableRef, format_time, parse_time, rewrite_sql
+from persist_lib.sql.engine import SqlSession, TableRef, format_time, parse_time, rewrite_sql
 from persist_lib.storage import StorageController
 
 pytest.importorskip("duckdb")
 pytest.importorskip("polars")
 
 REPO = Path(__file__).resolve().parents[1]
-PERSIST = [sys.executable, "-m", "persist_lib.cli"]
+PERSIST = [sys.executable, "-m", "persist_lib.cli.main"]
 K = pa.schema([("order_id", pa.int64())])
 V = pa.schema([("status", pa.string()), ("amount", pa.float64())])
 T0 = 1714564800000  # 2024-05-01T12:00:00Z: ingested times are ms since the epoch

@@ -11,7 +11,7 @@ import pytest
 
 from persist_lib import PersistClient, PersistConfig
 from persist_lib.errors import InvalidUsage
-from persist_lib.sql import SqlReadOnly, SqlSession
+from persist_lib.sql.engine import SqlReadOnly, SqlSession
 from tests.test_sql import T0, orders_like, run
 
 pytest.importorskip("duckdb")

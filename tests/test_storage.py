@@ -11,7 +11,7 @@ import pytest
 
 from persist_lib import PersistClient, PersistConfig
 from persist_lib.errors import InvalidUsage
-from persist_lib.read import ListenUpdates
+from persist_lib.handles.read import ListenUpdates
 from persist_lib.storage import CollectionDeleted, StorageController, UnknownCollection
 
 K = pa.schema([("k", pa.int64())])
@@ -197,13 +197,13 @@ def test_cli_collections_and_describe(tmp_path) -> None:  # type: ignore[no-unty
     ctl.create_collection("events", K, V, num_shards=2)
     ctl.open_writer("events").append([(((1,), ("a",)), 0, 1)], 0, 1)
     env = {**os.environ, "PERSIST_HOME": str(home)}
-    out = subprocess.run([sys.executable, "-m", "persist_lib.cli", "collections", "--json"], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "persist_lib.cli.main", "collections", "--json"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [{"name": "events", "active_rendition": "r0", "renditions": ["r0"]}]
-    out = subprocess.run([sys.executable, "-m", "persist_lib.cli", "describe", "events", "--json"], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "persist_lib.cli.main", "describe", "events", "--json"], env=env, capture_output=True, text=True)
     d = json.loads(out.stdout)
     assert d["renditions"]["r0"]["num_shards"] == 2 and d["renditions"]["r0"]["upper"] == [1]
-    out = subprocess.run([sys.executable, "-m", "persist_lib.cli", "describe", "nope"], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "persist_lib.cli.main", "describe", "nope"], env=env, capture_output=True, text=True)
     assert out.returncode == 2 and "does not exist" in out.stderr
 
 
@@ -255,7 +255,7 @@ def test_inspection_leaves_no_holds_so_retired_renditions_are_collected_right_af
     reads += [["snapshot", "c", "--as-of", "5"], ["tail", "c", "--from", "4", "--until", "7"]]
     for args in reads + [[*a, "--json"] for a in reads]:  # tables (extra reads) and JSON
         out = subprocess.run(
-            [sys.executable, "-m", "persist_lib.cli", *args], env=env, capture_output=True, text=True
+            [sys.executable, "-m", "persist_lib.cli.main", *args], env=env, capture_output=True, text=True
         )
         assert out.returncode == 0, out.stderr
     other = StorageController(client)  # a read-write controller: describe leaves nothing

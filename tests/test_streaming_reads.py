@@ -20,18 +20,18 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import Antichain, PersistClient, PersistConfig, ShardId
-from persist_lib import maintenance as mn
-from persist_lib.compactor import MergeStats, batch_runs, stream_merge
-from persist_lib.consolidate import consolidate, forward_and_filter, is_consolidated
 from persist_lib.errors import CorruptionError, InvalidUsage, Timeout
-from persist_lib.parts import fetch_part
-from persist_lib.read import (
+from persist_lib.handles import maintenance as mn
+from persist_lib.handles.read import (
     BatchStream,
     ListenProgress,
     ListenUpdates,
     ReadHandle,
     _whole_read_bytes,
 )
+from persist_lib.shard.compactor import MergeStats, batch_runs, stream_merge
+from persist_lib.shard.consolidate import consolidate, forward_and_filter, is_consolidated
+from persist_lib.shard.parts import fetch_part
 from persist_lib.storage import StorageController
 
 KEY = pa.schema([("k", pa.int64())])

@@ -1,4 +1,4 @@
-"""Boundaries of the pure state transitions (``persist_lib.transitions``), through the
+"""Boundaries of the pure state transitions (``persist_lib.shard.transitions``), through the
 public client API where there is one, on an injected clock.
 
 A lease of ``L`` ms heartbeated at ``t0`` is alive up to and including ``t0 + L`` and
@@ -15,12 +15,12 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import Antichain, PersistClient, PersistConfig, ShardId
-from persist_lib import transitions as tr
-from persist_lib.batch_meta import HollowBatch, PartMeta
-from persist_lib.codec import Schemas
 from persist_lib.errors import InvalidUsage, LeaseExpired, SchemaMismatch, ShardTombstoned
-from persist_lib.part_writers import PartWriter
-from persist_lib.state import (
+from persist_lib.shard import transitions as tr
+from persist_lib.shard.batch_meta import HollowBatch, PartMeta
+from persist_lib.shard.codec import Schemas
+from persist_lib.shard.part_writers import PartWriter
+from persist_lib.shard.state import (
     CriticalReaderState,
     LeasedReaderState,
     RollupRef,

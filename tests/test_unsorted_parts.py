@@ -10,7 +10,7 @@ from collections import Counter
 import pyarrow as pa
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib.batch_meta import PartMeta
+from persist_lib.shard.batch_meta import PartMeta
 
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])
@@ -94,7 +94,7 @@ def test_a_lone_bulk_batch_is_sorted_by_compaction_so_reads_stop_sorting_it() ->
     """One bulk write and nothing after it: no level rule would ever merge the batch, so
     the spine asks for a "sort" rewrite of it; afterwards every part is sorted and the
     contents are unchanged (consolidated at once)."""
-    from persist_lib.spine import compaction_requests
+    from persist_lib.shard.spine import compaction_requests
 
     rng = random.Random(11)
     c = client()

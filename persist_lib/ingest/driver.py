@@ -59,7 +59,7 @@ from persist_lib.ingest.remap import Binding, RemapShard
 from persist_lib.ingest.source import Chunk, Frontier, Note, Source, SourceReader, frontier_text
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
 
 log = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ from persist_lib.location.redaction import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
 
 log = logging.getLogger(__name__)
 

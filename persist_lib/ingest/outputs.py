@@ -33,8 +33,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist_lib.codec import Schemas, normalize_updates
-from persist_lib.consolidate import consolidate
 from persist_lib.errors import InvalidUsage, UpperMismatch
 from persist_lib.frontier import Antichain
 from persist_lib.ids import ShardId
@@ -44,11 +42,13 @@ from persist_lib.ingest.errors import (
     NeedsNewRendition,
     ReplayUnverifiable,
 )
+from persist_lib.shard.codec import Schemas, normalize_updates
+from persist_lib.shard.consolidate import consolidate
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
-    from persist_lib.read import ReadHandle
-    from persist_lib.write import WriteHandle
+    from persist_lib.handles.client import PersistClient
+    from persist_lib.handles.read import ReadHandle
+    from persist_lib.handles.write import WriteHandle
 
 log = logging.getLogger(__name__)
 

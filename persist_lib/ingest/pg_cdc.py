@@ -68,7 +68,7 @@ from persist_lib.ingest.source import Address, Chunk, Frontier, Lag, Note
 from persist_lib.location.redaction import SensitiveUrl, redacted_dataclass_repr
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
 
 log = logging.getLogger(__name__)
 

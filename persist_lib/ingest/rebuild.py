@@ -54,7 +54,7 @@ from persist_lib.ingest.outputs import Output, OutputFactory, ShardOutputs, shar
 from persist_lib.ingest.source import Address, decode_address
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
 
 
 def _full_rows(spec: DecodeSpec, rows: pa.Table) -> pa.Table:

@@ -39,9 +39,9 @@ from persist_lib.ingest.source import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
+    from persist_lib.handles.read import Listen
     from persist_lib.ids import ShardId
-    from persist_lib.read import Listen
 
 REMAP_KEY = pa.schema([("partition", pa.string()), ("address", pa.string())])
 REMAP_VAL = pa.schema([])
@@ -125,7 +125,7 @@ class RemapShard:
 
     def sync(self, timeout_s: float = 0.0) -> list[Binding]:
         """Reads bindings committed since the last sync (waiting up to ``timeout_s`` for one)."""
-        from persist_lib.read import ListenProgress, ListenUpdates
+        from persist_lib.handles.read import ListenProgress, ListenUpdates
 
         if self._listen is None:
             raise IngestInvariantError(f"remap {self.label}: sync before load")

@@ -134,7 +134,7 @@ def _exhausted(e: ExternalError, what: str, attempts: int, elapsed: float) -> Ex
 class RetryingBlob(Blob):
     """A Blob whose operations are retried (both error kinds: blob ops are idempotent).
 
-    With ``metrics`` (a ``persist_lib.metrics.PersistMetrics``) every attempt is counted
+    With ``metrics`` (a ``persist_lib.shard.metrics.PersistMetrics``) every attempt is counted
     as a request of the shard its key starts with, and the bytes moved once it succeeded."""
 
     def __init__(self, inner: Blob, policy: RetryPolicy | None = None, metrics: Any = None) -> None:

@@ -29,7 +29,7 @@ later merges treat it as one run like any compactor output. The driver applies i
 with ``maintenance_transitions.apply_merge_res`` — the in-process compactor's
 transition — which replaces exactly the inputs or, if they changed meanwhile, does
 nothing (and the output is deleted). The job's writer id is registered on the shard
-before any task writes (``persist_lib.part_writers``), so the leaked-blob sweeper
+before any task writes (``persist_lib.shard.part_writers``), so the leaked-blob sweeper
 never deletes output that may still be linked; the transition releases it. A failed
 job leaves only blobs under its ``{shard}/cmp-.../`` prefix, which the driver deletes
 (best effort) and the leaked-blob sweeper otherwise collects once the registration is
@@ -49,12 +49,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from persist_lib import maintenance_transitions as mt
-from persist_lib.batch_meta import HollowBatch, PartMeta
-from persist_lib.codec import D_COL, Schemas, internal_schema
-from persist_lib.compactor import forward_time, new_compactor_writer_id
 from persist_lib.errors import InvalidUsage
-from persist_lib.part_writers import PartWriter
+from persist_lib.shard import maintenance_transitions as mt
+from persist_lib.shard.batch_meta import HollowBatch, PartMeta
+from persist_lib.shard.codec import D_COL, Schemas, internal_schema
+from persist_lib.shard.compactor import forward_time, new_compactor_writer_id
+from persist_lib.shard.part_writers import PartWriter
+from persist_lib.shard.spine import CompactionRequest, compaction_requests
 from persist_lib.spark._common import (
     blob_uri_of,
     check_session,
@@ -64,11 +65,10 @@ from persist_lib.spark._common import (
     task_ids,
     task_partition_id,
 )
-from persist_lib.spine import CompactionRequest, compaction_requests
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
-    from persist_lib.machine import Machine
+    from persist_lib.handles.client import PersistClient
+    from persist_lib.shard.machine import Machine
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +226,8 @@ def _key_cols(schemas: Schemas) -> list[str]:
 
 def _read_part(spec: _MergeSpec, blob: Any, schemas: Schemas, pj: dict[str, Any]) -> pa.Table:
     """Fetches, verifies and decodes one part and forwards its times (still sorted)."""
-    from persist_lib.consolidate import advance_to_since
-    from persist_lib.parts import fetch_part
+    from persist_lib.shard.consolidate import advance_to_since
+    from persist_lib.shard.parts import fetch_part
 
     t = fetch_part(blob, PartMeta.from_json(pj), schemas, spec.shard_id)
     return advance_to_since(t, spec.since_t) if spec.since_t is not None else t
@@ -249,7 +249,7 @@ def _sample_task(spec: _MergeSpec, items: Iterable[tuple[dict[str, Any], int]]) 
 
 def _bucket_of(table: pa.Table, splitters: pa.Table | None, cols: list[str]) -> np.ndarray:
     """The bucket of every row: the number of splitters ``<=`` it (persist row order)."""
-    from persist_lib.consolidate import row_keys
+    from persist_lib.shard.consolidate import row_keys
 
     n = table.num_rows
     if splitters is None or splitters.num_rows == 0:
@@ -353,9 +353,9 @@ def _merge_task(spec: _MergeSpec, bucket: int, tables: list[pa.Table]) -> Iterat
     """
     import json
 
-    from persist_lib.batch_builder import BatchBuilder
-    from persist_lib.consolidate import consolidate
     from persist_lib.frontier import Antichain
+    from persist_lib.shard.batch_builder import BatchBuilder
+    from persist_lib.shard.consolidate import consolidate
 
     schemas = Schemas.from_json(spec.schemas_json)
     if not tables:
@@ -399,7 +399,7 @@ def _groups(parts: list[PartMeta], n: int) -> list[list[PartMeta]]:
 
 def _splitters(samples: list[pa.Table], weights: list[float], buckets: int, cols: list[str]) -> pa.Table | None:
     """``buckets - 1`` splitter rows at evenly spaced weighted ranks of the samples."""
-    from persist_lib.consolidate import row_keys
+    from persist_lib.shard.consolidate import row_keys
 
     if buckets <= 1 or not samples:
         return None
@@ -567,7 +567,7 @@ def _delete_prefix(spec: _MergeSpec) -> None:
 
 
 def _uninline(machine: Machine, batch: HollowBatch, writer: str) -> HollowBatch:
-    from persist_lib.parts import part_blob_key
+    from persist_lib.shard.parts import part_blob_key
 
     parts: list[PartMeta] = []
     for p in batch.parts:
@@ -639,9 +639,9 @@ def compact_shard(
     rest in-process (``compactor.compact_request``), round after round until the spine
     wants nothing more. Returns a JSON-able summary (what a Dagster op records).
     ``spark``: a classic or a Spark Connect session; ``parallelism`` as ``spark_merge``."""
-    from persist_lib import maintenance
-    from persist_lib.compactor import compact_request
-    from persist_lib.spine import compaction_debt
+    from persist_lib.handles import maintenance
+    from persist_lib.shard.compactor import compact_request
+    from persist_lib.shard.spine import compaction_debt
 
     t0 = time.monotonic()
     check_session(spark, f"compact_shard of shard {shard}")

@@ -68,7 +68,7 @@ from persist_lib.spark._common import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
 
 DEFAULT_RECORDS_PER_JOB = 1_000_000
 MIN_PIECE_RECORDS = 20_000  # smaller ranges aren't worth a task of their own

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from persist_lib.codec import DIFF, Schemas
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import check_time
-from persist_lib.read import RangeSplit, SnapshotSplit
+from persist_lib.handles.read import RangeSplit, SnapshotSplit
+from persist_lib.shard.codec import DIFF, Schemas
 from persist_lib.spark._common import (
     blob_uri_of,
     check_session,
@@ -38,7 +38,7 @@ from persist_lib.spark._common import (
 from persist_lib.spark.types import spark_arrow_schema, spark_schema, to_spark_arrow
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.read import ReadHandle
+    from persist_lib.handles.read import ReadHandle
     from persist_lib.storage.reader import CollectionReader
 
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from persist_lib.codec import DIFF, TS, Schemas
 from persist_lib.errors import InvalidUsage
+from persist_lib.shard.codec import DIFF, TS, Schemas
 
 SPARK_MAX_DECIMAL_PRECISION = 38
 
@@ -175,7 +175,7 @@ def check_dataframe_schema(df_schema: Any, schemas: Schemas, what: str) -> list[
     Arrow types, so exactly the executors' casting rules apply and a mismatch is an
     ``InvalidUsage`` before any part is written.
     """
-    from persist_lib.codec import normalize_updates
+    from persist_lib.shard.codec import normalize_updates
 
     names = schemas.key_names + schemas.val_names + [TS, DIFF]
     present = {f.name for f in df_schema.fields}

@@ -16,7 +16,7 @@ compare-and-set (``UpperMismatch``) deletes the batch's parts, as every writer d
 
 Each job mints its own part-writer id (a fresh ``WriterId``) for the blob keys, so a
 failed job's leftovers are one prefix, and registers it on every shard it writes
-before any executor starts (``persist_lib.part_writers``): the leaked-blob sweeper
+before any executor starts (``persist_lib.shard.part_writers``): the leaked-blob sweeper
 never deletes the parts of a registered writer, however long the job runs, and the
 commit links them only while the registration holds. The registration is released
 when the job ends (lease expiry does it if the driver dies). The commit itself goes
@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from persist_lib.batch_meta import HollowBatch, PartMeta
-from persist_lib.codec import DIFF, KEY_PREFIX, TS, Schemas
 from persist_lib.errors import InvalidUsage, UpperMismatch
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.ids import WriterId
-from persist_lib.part_writers import PartWriter
+from persist_lib.shard.batch_meta import HollowBatch, PartMeta
+from persist_lib.shard.codec import DIFF, KEY_PREFIX, TS, Schemas
+from persist_lib.shard.part_writers import PartWriter
 from persist_lib.spark._common import (
     DEFAULT_CHUNK_BYTES,
     blob_uri_of,
@@ -57,8 +57,8 @@ from persist_lib.spark.executors import prepare_executors
 from persist_lib.spark.types import check_dataframe_schema, spark_schema
 
 if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.handles.write import WriteHandle
     from persist_lib.storage.writer import CollectionWriter
-    from persist_lib.write import WriteHandle
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,8 @@ def _partition_writer(
     spec: _WriteSpec, after_upload: AfterUpload | None
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from persist_lib.batch_builder import BatchBuilder
-        from persist_lib.codec import normalize_updates
+        from persist_lib.shard.batch_builder import BatchBuilder
+        from persist_lib.shard.codec import normalize_updates
         from persist_lib.storage.routing import split_by_shard
 
         pid = task_partition_id()

@@ -18,9 +18,9 @@ import pyarrow as pa
 
 from persist_lib.errors import InvalidUsage, PersistError, UpperMismatch
 from persist_lib.frontier import Antichain
+from persist_lib.handles.read import ReadHandle
+from persist_lib.handles.write import WriteHandle
 from persist_lib.ids import ShardId
-from persist_lib.read import ReadHandle
-from persist_lib.write import WriteHandle
 
 CATALOG_KEY = pa.schema([pa.field("name", pa.string(), nullable=False)])
 CATALOG_VAL = pa.schema([pa.field("spec", pa.string(), nullable=False)])

@@ -37,12 +37,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from persist_lib.client import PersistClient
-from persist_lib.codec import Schemas
 from persist_lib.errors import InvalidUsage, PersistError, UpperMismatch
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
+from persist_lib.handles.client import PersistClient
+from persist_lib.handles.read import ReadHandle
 from persist_lib.ids import ShardId
-from persist_lib.read import ReadHandle
+from persist_lib.shard.codec import Schemas
 from persist_lib.storage import shard_ops
 from persist_lib.storage.catalog import Catalog, CatalogStore, Spec, default_catalog_shard
 from persist_lib.storage.metadata import (

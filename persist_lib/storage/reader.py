@@ -21,11 +21,9 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist_lib.codec import Schemas, empty_updates, to_user_table, user_schema
-from persist_lib.consolidate import consolidate
 from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
-from persist_lib.read import (
+from persist_lib.handles.read import (
     BatchStream,
     ListenEvent,
     ListenProgress,
@@ -33,6 +31,8 @@ from persist_lib.read import (
     ReadHandle,
     read_until,
 )
+from persist_lib.shard.codec import Schemas, empty_updates, to_user_table, user_schema
+from persist_lib.shard.consolidate import consolidate
 from persist_lib.storage.metadata import Handover, active_in, timeline_from_updates
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -409,7 +409,7 @@ def _combine(old_snap: pa.Table, new_snap: pa.Table, t: int, schemas: Schemas) -
     )
     both = pa.concat_tables([neg, new_snap])
     both = both.set_column(both.schema.get_field_index("ts"), "ts", pa.array([t] * both.num_rows, pa.int64()))
-    from persist_lib.codec import normalize_updates
+    from persist_lib.shard.codec import normalize_updates
 
     internal = consolidate(normalize_updates(both, schemas, shard="handover"))
     return to_user_table(internal, schemas)

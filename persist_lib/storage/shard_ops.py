@@ -13,10 +13,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from persist_lib.frontier import Antichain
-from persist_lib.state import ShardState
+from persist_lib.shard.state import ShardState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
 
 
 def force_release_transition(state: ShardState, now_ms: int) -> tuple[ShardState | None, Any]:
@@ -55,7 +55,7 @@ def shard_exists(client: PersistClient, shard: str) -> bool:
 
 def release_and_finalize(client: PersistClient, shard: str) -> dict[str, Any]:
     """Drops every handle of ``shard``, empties its frontiers and finalizes it."""
-    from persist_lib import maintenance
+    from persist_lib.handles import maintenance
 
     if not shard_exists(client, shard):
         return {"shard": shard, "existed": False, "blobs_deleted": 0}

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from persist_lib.codec import Schemas, normalize_updates, to_user_table
 from persist_lib.errors import InvalidUsage, UpperMismatch
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
+from persist_lib.handles.write import WriteHandle
+from persist_lib.shard.codec import Schemas, normalize_updates, to_user_table
 from persist_lib.storage.routing import split_by_shard
-from persist_lib.write import WriteHandle
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.storage.controller import StorageController

@@ -210,8 +210,8 @@ def build_location(
     interrupts: Any = None,
 ) -> Location:
     """A ``PersistClient`` on the history's location: audit wrappers under fault injection."""
-    from persist_lib.client import PersistClient
     from persist_lib.config import PersistConfig
+    from persist_lib.handles.client import PersistClient
     from persist_lib.location.file_blob import FileBlob
     from persist_lib.location.unreliable import FaultRates, UnreliableBlob, UnreliableConsensus
     from persist_lib.testing import planted
@@ -526,8 +526,8 @@ class Writer(Actor):
         """A batch built slowly, part by part, then committed with one CAS: through the
         handle's own builder, or Spark-style (parts under a separately registered part
         writer, released by the commit). Sweeps with a clock hours ahead run meanwhile."""
-        from persist_lib.batch_builder import BatchBuilder
-        from persist_lib.part_writers import PartWriter
+        from persist_lib.shard.batch_builder import BatchBuilder
+        from persist_lib.shard.part_writers import PartWriter
 
         w = self.w
         expected, new = upper_t, upper_t + self.rng.randint(1, 3)
@@ -745,7 +745,7 @@ class Reader(Actor):
         frontier = lst.frontier.time
 
         def do() -> Any:
-            from persist_lib.read import ListenUpdates
+            from persist_lib.handles.read import ListenUpdates
 
             out = []
             for ev in lst.next(timeout_s=0.2):
@@ -876,7 +876,7 @@ def _frontier(t: int) -> Any:
 
 
 def _schemas() -> Any:
-    from persist_lib.codec import Schemas
+    from persist_lib.shard.codec import Schemas
 
     return Schemas.create(KEY_SCHEMA, VAL_SCHEMA)
 

@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from persist_lib import state as st
-from persist_lib.batch_meta import PartMeta
 from persist_lib.errors import PersistError
 from persist_lib.location.base import Consensus
 from persist_lib.location.file_blob import FileBlob
-from persist_lib.machine import unframe
+from persist_lib.shard import state as st
+from persist_lib.shard.batch_meta import PartMeta
+from persist_lib.shard.machine import unframe
 from persist_lib.testing import model
 from persist_lib.testing.actors import (
     KEY_SCHEMA,
@@ -212,7 +212,7 @@ class PartReader:
     """Decodes parts from blob or the graveyard, verified, cached by checksum."""
 
     def __init__(self, cfg: HistoryConfig, report: CheckReport) -> None:
-        from persist_lib.codec import Schemas
+        from persist_lib.shard.codec import Schemas
 
         self.blob = FileBlob(cfg.blob_dir)
         self.graveyard = FileBlob(cfg.graveyard_dir)
@@ -226,7 +226,7 @@ class PartReader:
         ck = p.sha256
         if ck in self._cache:
             return self._cache[ck]
-        from persist_lib.parts import decode_part
+        from persist_lib.shard.parts import decode_part
 
         data = p.inline
         if data is None and p.key is not None:

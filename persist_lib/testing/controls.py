@@ -84,8 +84,8 @@ def background_compaction_catches(name: str | None = "immediate_retry", window_s
 
     import pyarrow as pa
 
-    from persist_lib.client import PersistClient
     from persist_lib.config import PersistConfig
+    from persist_lib.handles.client import PersistClient
     from persist_lib.ids import ShardId
 
     key_s, val_s = pa.schema([("k", pa.int64())]), pa.schema([("v", pa.int64())])

@@ -20,13 +20,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from persist_lib.client import PersistClient
 from persist_lib.config import PersistConfig
 from persist_lib.errors import CorruptionError
+from persist_lib.handles.client import PersistClient
 from persist_lib.ids import ShardId
 from persist_lib.location.base import Blob, BlobMetadata, CaSResult, Consensus, VersionedData
 from persist_lib.location.mem import MemBlob, MemConsensus
-from persist_lib.machine import clear_state_cache
+from persist_lib.shard.machine import clear_state_cache
 
 KEY = pa.schema([("k", pa.string())])
 VAL = pa.schema([("v", pa.int64())])

@@ -119,8 +119,8 @@ def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
 
 
 def _gc_ignores_holds() -> contextlib.AbstractContextManager[Any]:
-    from persist_lib import gc as gcmod
-    from persist_lib import state as st
+    from persist_lib.shard import gc as gcmod
+    from persist_lib.shard import state as st
 
     def eligible(state: st.ShardState) -> dict[str, st.GarbageEntry]:
         latest = state.latest_rollup()
@@ -133,7 +133,7 @@ def _gc_ignores_holds() -> contextlib.AbstractContextManager[Any]:
 
 
 def _caa_no_token() -> contextlib.AbstractContextManager[Any]:
-    from persist_lib import transitions as tr
+    from persist_lib.shard import transitions as tr
 
     orig = tr.compare_and_append
 
@@ -145,7 +145,7 @@ def _caa_no_token() -> contextlib.AbstractContextManager[Any]:
 
 
 def _compaction_drops_part() -> contextlib.AbstractContextManager[Any]:
-    from persist_lib import compactor
+    from persist_lib.shard import compactor
 
     orig = compactor.merge_batches
 
@@ -161,7 +161,7 @@ def _compaction_drops_part() -> contextlib.AbstractContextManager[Any]:
 
 
 def _skipped_checksum() -> contextlib.AbstractContextManager[Any]:
-    from persist_lib import compactor, parts
+    from persist_lib.shard import compactor, parts
 
     def no_verify(data: bytes, **kw: Any) -> None:
         return None
@@ -173,8 +173,8 @@ def _skipped_checksum() -> contextlib.AbstractContextManager[Any]:
 
 
 def _lease_expiry_ignores_hb() -> contextlib.AbstractContextManager[Any]:
-    from persist_lib import transitions as tr
-    from persist_lib.state import ShardState
+    from persist_lib.shard import transitions as tr
+    from persist_lib.shard.state import ShardState
 
     def broken(state: ShardState, now_ms: int) -> Any:
         if not state.exists or state.tombstone:
@@ -193,9 +193,9 @@ def _lease_expiry_ignores_hb() -> contextlib.AbstractContextManager[Any]:
 
 
 def _since_regress() -> contextlib.AbstractContextManager[Any]:
-    from persist_lib import transitions as tr
     from persist_lib.frontier import Antichain
-    from persist_lib.state import ShardState
+    from persist_lib.shard import transitions as tr
+    from persist_lib.shard.state import ShardState
 
     def recompute(state: ShardState) -> Antichain:
         sinces = [r.since for r in state.leased_readers.values()]
@@ -221,10 +221,10 @@ def _since_regress() -> contextlib.AbstractContextManager[Any]:
 
 
 def _delete_on_any_exception() -> contextlib.AbstractContextManager[Any]:
-    from persist_lib import write as wmod
-    from persist_lib.batch_builder import delete_batch_blobs
     from persist_lib.errors import Indeterminate as Ind
-    from persist_lib.machine import ApplyProgress
+    from persist_lib.handles import write as wmod
+    from persist_lib.shard.batch_builder import delete_batch_blobs
+    from persist_lib.shard.machine import ApplyProgress
 
     def old(self: Any, batch: Any, expected: Any, new: Any, release: Any = None) -> None:
         try:
@@ -239,14 +239,14 @@ def _delete_on_any_exception() -> contextlib.AbstractContextManager[Any]:
 
 
 def _sweeper_no_inflight_guard() -> contextlib.AbstractContextManager[Any]:
-    from persist_lib import gc as gcmod
+    from persist_lib.shard import gc as gcmod
 
     return _patched(gcmod, "in_flight_reason", lambda key, head: None)
 
 
 def _heartbeat_thread_dies() -> contextlib.AbstractContextManager[Any]:
-    from persist_lib import client as cmod
     from persist_lib.errors import ExternalError, InvalidUsage, LeaseExpired
+    from persist_lib.handles import client as cmod
 
     def loop(self: Any) -> None:
         while not self._hb_stop.wait(self.config.heartbeat_tick_s):
@@ -275,7 +275,7 @@ def _heartbeat_thread_dies() -> contextlib.AbstractContextManager[Any]:
 
 
 def _immediate_retry() -> contextlib.AbstractContextManager[Any]:
-    from persist_lib import maintenance
+    from persist_lib.handles import maintenance
 
     def record(self: Any, m: Any, req: Any, key: Any, e: BaseException) -> None:
         with self._lock:

@@ -28,13 +28,13 @@ import pyarrow as pa
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from persist_lib.client import PersistClient
 from persist_lib.config import PersistConfig
 from persist_lib.errors import InvalidUsage, LeaseExpired, Timeout, UpperMismatch
+from persist_lib.handles.client import PersistClient
+from persist_lib.handles.read import ListenProgress, ListenUpdates
 from persist_lib.ids import ShardId
 from persist_lib.location.mem import MemBlob
-from persist_lib.machine import clear_state_cache
-from persist_lib.read import ListenProgress, ListenUpdates
+from persist_lib.shard.machine import clear_state_cache
 from persist_lib.testing import model
 from persist_lib.testing.audit import AuditConsensus
 from persist_lib.testing.faults import ScriptedConsensus
@@ -436,8 +436,8 @@ class ShardStateMachine(RuleBasedStateMachine):
         live_w = {k for k, v in self.model.writers.items() if not v.expired}
         assert set(s.leased_readers) == live_r, f"readers {set(s.leased_readers)} != model {live_r}"
         assert set(s.writers) == live_w, f"writers {set(s.writers)} != model {live_w}"
-        from persist_lib.codec import Schemas
-        from persist_lib.parts import fetch_part
+        from persist_lib.shard.codec import Schemas
+        from persist_lib.shard.parts import fetch_part
 
         schemas = Schemas.create(KEY, VAL)
         rows: list[model.Row] = []

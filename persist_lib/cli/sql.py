@@ -1,6 +1,6 @@
 """``persist sql QUERY``: SQL (DuckDB) over collections and shards, as of any time.
 
-Registered by ``persist_lib.cli``; the syntax is ``persist_lib.sql``'s. Read-only: it
+Registered by ``persist_lib.cli.main``; the syntax is ``persist_lib.sql.engine``'s. Read-only: it
 registers one reader per table it reads and expires them all before it exits, and its
 DuckDB connection can touch no file, network, extension or setting (``SqlReadOnly``).
 """
@@ -14,9 +14,9 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from persist_lib.cli import command
-from persist_lib.client import PersistClient
+from persist_lib.cli.main import command
 from persist_lib.errors import InvalidUsage
+from persist_lib.handles.client import PersistClient
 
 EPILOG = """\
 Tables are collection names (orders, orders.raw: a dotted name may be written bare;
@@ -92,7 +92,7 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 @command("sql", "query collections and shards with SQL (DuckDB), as of any time", _args)
 def _cmd_sql(client: PersistClient, ns: argparse.Namespace) -> Any:
-    from persist_lib.sql import SqlSession
+    from persist_lib.sql.engine import SqlSession
 
     try:
         import duckdb  # noqa: F401
@@ -164,7 +164,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _tables(s: Any) -> list[dict[str, Any]]:
-    from persist_lib.sql import format_time
+    from persist_lib.sql.engine import format_time
 
     out = []
     for name in s.collections():

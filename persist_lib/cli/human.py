@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from persist_lib.cli_output import human_bytes, kv, render, table
-from persist_lib.client import PersistClient
+from persist_lib.cli.output import human_bytes, kv, render, table
 from persist_lib.errors import InvalidUsage
+from persist_lib.handles.client import PersistClient
 
 
 def shard_roles(client: PersistClient) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Shard state: the small metadata that consensus versions (DESIGN section 5).
 
-``ShardState`` is an immutable value. Transitions (``persist_lib.transitions``) build
+``ShardState`` is an immutable value. Transitions (``persist_lib.shard.transitions``) build
 a new value from an old one; the ``Machine`` commits the *field-level diff* between
 the two at ``seqno + 1``. Two encodings exist, both JSON with an explicit format
 version:
@@ -29,9 +29,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from persist_lib.batch_meta import HollowBatch
 from persist_lib.errors import CorruptionError, StateFormatTooNew
 from persist_lib.frontier import Antichain
+from persist_lib.shard.batch_meta import HollowBatch
 
 # 1.1: quarantined_merges. 2.0: parts may be unsorted (``PartMeta.sorted``): code that
 # assumes every part sorted must not read such a state, hence a major version.

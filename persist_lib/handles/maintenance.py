@@ -29,11 +29,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from persist_lib import gc as gcmod
-from persist_lib import maintenance_transitions as mt
-from persist_lib import state as st
-from persist_lib.codec import Schemas
-from persist_lib.compactor import CompactionResult, compact_request
 from persist_lib.errors import (
     BlobNotFound,
     CorruptionError,
@@ -42,11 +37,16 @@ from persist_lib.errors import (
     PersistError,
 )
 from persist_lib.ids import ShardId
-from persist_lib.machine import Machine, describe_state_quarantine
-from persist_lib.spine import CompactionRequest, compaction_debt, compaction_requests
+from persist_lib.shard import gc as gcmod
+from persist_lib.shard import maintenance_transitions as mt
+from persist_lib.shard import state as st
+from persist_lib.shard.codec import Schemas
+from persist_lib.shard.compactor import CompactionResult, compact_request
+from persist_lib.shard.machine import Machine, describe_state_quarantine
+from persist_lib.shard.spine import CompactionRequest, compaction_debt, compaction_requests
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
 
 log = logging.getLogger(__name__)
 

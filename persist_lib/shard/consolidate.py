@@ -39,9 +39,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist_lib.codec import D_COL, T_COL
 from persist_lib.errors import InvalidUsage
-from persist_lib.kernels import (
+from persist_lib.shard.codec import D_COL, T_COL
+from persist_lib.shard.kernels import (
     MIN_POLARS_ROWS,
     RowSource,
     is_var_binary,

@@ -21,18 +21,18 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist_lib import transitions as tr
-from persist_lib.batch_builder import BatchBuilder, build_batch, delete_batch_blobs
-from persist_lib.batch_meta import HollowBatch, PartMeta
-from persist_lib.codec import Schemas, normalize_updates
 from persist_lib.errors import InvalidUsage, UpperMismatch
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
-from persist_lib.machine import ApplyProgress, Machine
-from persist_lib.parts import part_blob_key
-from persist_lib.state import ShardState
+from persist_lib.shard import transitions as tr
+from persist_lib.shard.batch_builder import BatchBuilder, build_batch, delete_batch_blobs
+from persist_lib.shard.batch_meta import HollowBatch, PartMeta
+from persist_lib.shard.codec import Schemas, normalize_updates
+from persist_lib.shard.machine import ApplyProgress, Machine
+from persist_lib.shard.parts import part_blob_key
+from persist_lib.shard.state import ShardState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
 
 
 class WriteHandle:
@@ -171,7 +171,7 @@ class WriteHandle:
         """Commits a batch built by ``builder`` (or by Spark executors) with one CAS.
 
         Its parts must have been written by a registered writer: this handle, or a part
-        writer (``persist_lib.part_writers``) that the same CAS may release
+        writer (``persist_lib.shard.part_writers``) that the same CAS may release
         (``release_part_writer``)."""
         expected = as_frontier(expected_upper, "expected_upper")
         new = as_frontier(new_upper, "new_upper")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from persist_lib.cli import command
-from persist_lib.client import PersistClient
+from persist_lib.cli.main import command
+from persist_lib.handles.client import PersistClient
 
 
 def _ctl(client: PersistClient) -> Any:
@@ -21,7 +21,7 @@ def _ctl(client: PersistClient) -> Any:
 
 
 def _human_collections(client: PersistClient, ns: argparse.Namespace, doc: Any) -> str:
-    from persist_lib.cli_human import collections_table
+    from persist_lib.cli.human import collections_table
 
     with _ctl(client) as ctl:
         descs = {c["name"]: ctl.describe(c["name"]) for c in doc}
@@ -29,7 +29,7 @@ def _human_collections(client: PersistClient, ns: argparse.Namespace, doc: Any) 
 
 
 def _human_describe(client: PersistClient, ns: argparse.Namespace, doc: Any) -> str:
-    from persist_lib.cli_human import describe_text
+    from persist_lib.cli.human import describe_text
 
     return describe_text(doc)
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from persist_lib.cli import command
-from persist_lib.client import PersistClient
+from persist_lib.cli.main import command
+from persist_lib.handles.client import PersistClient
 from persist_lib.ingest.errors import IngestConfigError
 
 _TYPES: dict[str, pa.DataType] = {
@@ -150,7 +150,7 @@ def _run(client: PersistClient, ns: argparse.Namespace, source: Any, envelope: s
 
 
 def _human(client: PersistClient, ns: argparse.Namespace, doc: Any) -> str:
-    from persist_lib.cli_human import ingest_run_text, ingest_status_text
+    from persist_lib.cli.human import ingest_run_text, ingest_status_text
 
     return ingest_status_text(doc) if ns.ingest_cmd == "status" else ingest_run_text(doc)
 

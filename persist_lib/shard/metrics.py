@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from persist_lib.machine import MachineMetrics
+from persist_lib.shard.machine import MachineMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.config import PersistConfig
@@ -360,8 +360,8 @@ def samples(include_state: bool = True) -> list[Sample]:
 
 def state_samples() -> list[Sample]:
     """Gauges of every shard state this process has cached, and of its live listens."""
-    from persist_lib.machine import cached_states
-    from persist_lib.spine import compaction_debt
+    from persist_lib.shard.machine import cached_states
+    from persist_lib.shard.spine import compaction_debt
 
     out: list[Sample] = []
     latest: dict[str, Any] = {}  # one state per shard (several locations may cache one)

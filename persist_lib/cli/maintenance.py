@@ -1,6 +1,6 @@
 """``persist`` subcommands for maintenance: compact, gc, expire-leases, leaked-blobs, finalize.
 
-Imported by ``persist_lib.cli`` when present. Each prints a summary (a table; ``--json``
+Imported by ``persist_lib.cli.main`` when present. Each prints a summary (a table; ``--json``
 for the JSON document). Long work (compact, gc of every shard, the leaked-blob sweep)
 shows a progress bar on stderr when it is a terminal (``--progress`` / ``--no-progress``).
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from persist_lib import maintenance
-from persist_lib.cli import command, progress_args
-from persist_lib.cli_output import Progress, human_bytes, kv, render, table
-from persist_lib.client import PersistClient
+from persist_lib.cli.main import command, progress_args
+from persist_lib.cli.output import Progress, human_bytes, kv, render, table
+from persist_lib.handles import maintenance
+from persist_lib.handles.client import PersistClient
 
 #: Leaked blob keys listed per shard in the text view (``--json`` lists them all).
 KEYS_SHOWN = 20

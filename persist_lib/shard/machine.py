@@ -25,8 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from persist_lib import state as st
-from persist_lib import transitions as tr
 from persist_lib.config import PersistConfig
 from persist_lib.errors import (
     CorruptionError,
@@ -36,6 +34,8 @@ from persist_lib.errors import (
     PersistError,
 )
 from persist_lib.location.base import Blob, CaSResult, Consensus, VersionedData
+from persist_lib.shard import state as st
+from persist_lib.shard import transitions as tr
 
 log = logging.getLogger(__name__)
 
@@ -627,6 +627,6 @@ def describe_state_quarantine(s: st.ShardState) -> list[dict[str, Any]]:
 
 def _spine_info(s: st.ShardState) -> dict[str, Any]:
     """Compaction debt and the spine's levels/pending merges (for ``persist inspect``)."""
-    from persist_lib.spine import compaction_debt, describe_spine
+    from persist_lib.shard.spine import compaction_debt, describe_spine
 
     return {"compaction_debt": compaction_debt(s), "spine": describe_spine(s)}

@@ -1,4 +1,4 @@
-"""``persist metrics``: persist's metrics per shard (``persist_lib.metrics``).
+"""``persist metrics``: persist's metrics per shard (``persist_lib.shard.metrics``).
 
 Without ``--url`` it reads every shard's state from the location and prints the state
 gauges (frontiers, batches, bytes, compaction debt, readers, writers); counters
@@ -15,10 +15,10 @@ import sys
 import urllib.request
 from typing import Any
 
-from persist_lib import metrics
-from persist_lib.cli import command
-from persist_lib.client import PersistClient
+from persist_lib.cli.main import command
 from persist_lib.errors import InvalidUsage
+from persist_lib.handles.client import PersistClient
+from persist_lib.shard import metrics
 
 EPILOG = """\
 Counters are per process: a process serves its own at http://127.0.0.1:PORT/metrics
@@ -133,7 +133,7 @@ def _cmd_metrics(client: PersistClient, ns: argparse.Namespace) -> Any:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return None
-    from persist_lib.sql_cli import print_table
+    from persist_lib.cli.sql import print_table
 
     order = sorted(rows, key=lambda s: (roles.get(s, "~"), s))
     state = [(s, roles.get(s, ""), *(_num(rows[s].get(c, 0.0), c) for c in STATE)) for s in order]

@@ -34,13 +34,13 @@ from typing import IO, Any
 
 import pyarrow as pa
 
-from persist_lib.cli import command
-from persist_lib.client import PersistClient
-from persist_lib.codec import Schemas
+from persist_lib.cli.main import command
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import Antichain
+from persist_lib.handles.client import PersistClient
+from persist_lib.handles.read import ListenProgress, ListenUpdates
 from persist_lib.ids import ShardId
-from persist_lib.read import ListenProgress, ListenUpdates
+from persist_lib.shard.codec import Schemas
 from persist_lib.timefmt import frontier_text, parse_time, time_text
 
 MiB = 1 << 20

@@ -32,14 +32,14 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from persist_lib import maintenance_transitions as mt
-from persist_lib import transitions as tr
 from persist_lib.errors import ExternalError, LeaseExpired
 from persist_lib.ids import WriterId
+from persist_lib.shard import maintenance_transitions as mt
+from persist_lib.shard import transitions as tr
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
-    from persist_lib.machine import Machine
+    from persist_lib.handles.client import PersistClient
+    from persist_lib.shard.machine import Machine
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ evaluated any number of times and always gives the same rows: times in ``[since,
 upper)`` are definite. The session expires every reader it registered on ``close()``
 (use it as a context manager); nothing is written to the location.
 
-    from persist_lib.sql import SqlSession
+    from persist_lib.sql.engine import SqlSession
     with SqlSession(client) as s:
         s.relation("orders", as_of=1714564800000).aggregate("count(*)").fetchall()
         s.lazy_frame("orders", as_of="2024-05-01T12:00:00Z").filter(...).collect()
@@ -68,16 +68,16 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from persist_lib.codec import Schemas, user_schema
 from persist_lib.errors import InvalidUsage, ShardTombstoned, Timeout
 from persist_lib.frontier import Antichain, check_time
+from persist_lib.handles.read import BatchStream, ReadHandle
 from persist_lib.ids import ShardId
-from persist_lib.read import BatchStream, ReadHandle
-from persist_lib.sql_guard import SqlReadOnly as SqlReadOnly
-from persist_lib.sql_guard import read_only_connection, read_only_error
+from persist_lib.shard.codec import Schemas, user_schema
+from persist_lib.sql.guard import SqlReadOnly as SqlReadOnly
+from persist_lib.sql.guard import read_only_connection, read_only_error
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
     from persist_lib.storage import CollectionReader, StorageController
 
 TimeLike = int | str
@@ -589,8 +589,8 @@ def connect(
     """A session on an existing location (default: the ``PERSIST_*`` variables, else the
     embedded default); it owns its client. A missing local location is a
     ``LocationNotFound`` (nothing is created)."""
-    from persist_lib.client import PersistClient, default_uris
     from persist_lib.config import PersistConfig
+    from persist_lib.handles.client import PersistClient, default_uris
 
     blob, consensus = default_uris()
     client = PersistClient.open_existing(

@@ -31,7 +31,7 @@ which is what makes rows of different chunks comparable. Times below ``since`` a
 forwarded to ``since`` as chunks are read; forwarding is monotone, so runs stay sorted.
 
 **Applying.** The output is written under a part writer registered for the merge
-(``persist_lib.part_writers``), so the leaked-blob sweeper leaves it alone however
+(``persist_lib.shard.part_writers``), so the leaked-blob sweeper leaves it alone however
 long the merge runs. One ``apply_merge_res`` transition replaces exactly the inputs
 and releases that registration. If it doesn't apply (the inputs changed), the
 output's blobs are deleted; if applying fails in a way that leaves its outcome
@@ -59,12 +59,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from persist_lib import maintenance_transitions as mt
-from persist_lib.batch_builder import BatchBuilder
-from persist_lib.batch_meta import HollowBatch, PartMeta
-from persist_lib.codec import D_COL, T_COL, Schemas, internal_schema
 from persist_lib.config import PersistConfig
-from persist_lib.consolidate import (
+from persist_lib.errors import BlobNotFound, CorruptionError, ExternalError, InvalidUsage
+from persist_lib.frontier import Antichain
+from persist_lib.location.base import Blob
+from persist_lib.shard import maintenance_transitions as mt
+from persist_lib.shard.batch_builder import BatchBuilder
+from persist_lib.shard.batch_meta import HollowBatch, PartMeta
+from persist_lib.shard.codec import D_COL, T_COL, Schemas, internal_schema
+from persist_lib.shard.consolidate import (
     SORTED_WITH_TIES,
     UNSORTED,
     advance_to_since,
@@ -79,13 +82,10 @@ from persist_lib.consolidate import (
     time_range,
     to_numpy,
 )
-from persist_lib.errors import BlobNotFound, CorruptionError, ExternalError, InvalidUsage
-from persist_lib.frontier import Antichain
-from persist_lib.kernels import RowSource
-from persist_lib.location.base import Blob
-from persist_lib.machine import Machine
-from persist_lib.part_writers import PartWriter
-from persist_lib.parts import (
+from persist_lib.shard.kernels import RowSource
+from persist_lib.shard.machine import Machine
+from persist_lib.shard.part_writers import PartWriter
+from persist_lib.shard.parts import (
     FORMAT_VERSION,
     META_FORMAT,
     META_SCHEMAS,
@@ -93,10 +93,10 @@ from persist_lib.parts import (
     part_blob_key,
     verify_part_bytes,
 )
-from persist_lib.spine import CompactionRequest
+from persist_lib.shard.spine import CompactionRequest
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
 
 log = logging.getLogger(__name__)
 
@@ -470,7 +470,7 @@ def _has_adjacent_equal_rows(t: pa.Table) -> bool:
 
 
 def _consolidate(t: pa.Table) -> pa.Table:
-    from persist_lib.consolidate import consolidate
+    from persist_lib.shard.consolidate import consolidate
 
     return consolidate(t)
 

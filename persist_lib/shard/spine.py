@@ -34,9 +34,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from persist_lib.batch_meta import HollowBatch
 from persist_lib.frontier import Antichain
-from persist_lib.state import ShardState
+from persist_lib.shard.batch_meta import HollowBatch
+from persist_lib.shard.state import ShardState
 
 # A batch in excess of the healthy count (levels strictly decreasing) weighs as much
 # as this many updates in ``compaction_debt`` (Materialize skips merges under 1024

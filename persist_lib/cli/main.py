@@ -29,11 +29,11 @@ from persist_lib.allocator import configure_bounded_allocator
 # Before anything imports pyarrow: memory budgets hold in RSS too (persist_lib/allocator.py).
 configure_bounded_allocator()
 
-from persist_lib.client import PersistClient, default_uris  # noqa: E402
 from persist_lib.config import PersistConfig  # noqa: E402
 from persist_lib.errors import InvalidUsage, LocationNotFound, PersistError  # noqa: E402
+from persist_lib.handles.client import PersistClient, default_uris  # noqa: E402
+from persist_lib.location.check import require_existing_location  # noqa: E402
 from persist_lib.location.uri import redact  # noqa: E402
-from persist_lib.location_check import require_existing_location  # noqa: E402
 
 Command = Callable[[PersistClient, argparse.Namespace], Any]
 #: Renders a command's JSON document for people: ``(client, ns, doc) -> text``.
@@ -104,13 +104,13 @@ def _shard_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _human_shards(client: PersistClient, ns: argparse.Namespace, doc: Any) -> str:
-    from persist_lib.cli_human import shards_table
+    from persist_lib.cli.human import shards_table
 
     return shards_table(client, list(doc))
 
 
 def _human_inspect(client: PersistClient, ns: argparse.Namespace, doc: Any) -> str:
-    from persist_lib.cli_human import inspect_text
+    from persist_lib.cli.human import inspect_text
 
     return inspect_text(doc)
 
@@ -135,12 +135,12 @@ def _load_plugins() -> None:
     import importlib
 
     for mod in (
-        "persist_lib.maintenance_cli",
-        "persist_lib.storage.cli",
-        "persist_lib.ingest.cli",
-        "persist_lib.read_cli",
-        "persist_lib.sql_cli",
-        "persist_lib.metrics_cli",
+        "persist_lib.cli.maintenance",
+        "persist_lib.cli.storage",
+        "persist_lib.cli.ingest",
+        "persist_lib.cli.read",
+        "persist_lib.cli.sql",
+        "persist_lib.cli.metrics",
     ):
         try:
             importlib.import_module(mod)
@@ -238,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _render(doc: Any) -> str:
-    from persist_lib.cli_output import render
+    from persist_lib.cli.output import render
 
     return render(doc)
 
@@ -255,6 +255,6 @@ def _quiet_stdout() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     # Run the registry of the importable module (plugins register there), not __main__'s.
-    from persist_lib.cli import main as _main
+    from persist_lib.cli.main import main as _main
 
     sys.exit(_main())

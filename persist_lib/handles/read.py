@@ -35,11 +35,14 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import pyarrow as pa
 
-from persist_lib import state as st
-from persist_lib import transitions as tr
-from persist_lib.batch_meta import HollowBatch, PartMeta
-from persist_lib.codec import Schemas, to_user_table, user_schema
-from persist_lib.compactor import (
+from persist_lib.errors import BlobNotFound, InvalidUsage, LeaseExpired, Timeout
+from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
+from persist_lib.location.base import Blob
+from persist_lib.shard import state as st
+from persist_lib.shard import transitions as tr
+from persist_lib.shard.batch_meta import HollowBatch, PartMeta
+from persist_lib.shard.codec import Schemas, to_user_table, user_schema
+from persist_lib.shard.compactor import (
     FEW_RUNS,
     STEP_BYTES_PER_ROW,
     MergeStats,
@@ -49,7 +52,7 @@ from persist_lib.compactor import (
     merges_linearly,
     stream_merge,
 )
-from persist_lib.consolidate import (
+from persist_lib.shard.consolidate import (
     SORTED_STRICT,
     SORTED_WITH_TIES,
     consolidate,
@@ -57,15 +60,12 @@ from persist_lib.consolidate import (
     sorted_state,
     time_range,
 )
-from persist_lib.errors import BlobNotFound, InvalidUsage, LeaseExpired, Timeout
-from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
-from persist_lib.location.base import Blob
-from persist_lib.machine import Machine
-from persist_lib.metrics import track_listen
-from persist_lib.parts import fetch_part
+from persist_lib.shard.machine import Machine
+from persist_lib.shard.metrics import track_listen
+from persist_lib.shard.parts import fetch_part
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.client import PersistClient
+    from persist_lib.handles.client import PersistClient
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def _whole_read_bytes(parts: list[PartMeta], schemas: Schemas) -> int:
 
 def _row_width(schemas: Schemas) -> int:
     """Bytes per row of the internal layout (variable-width fields counted as 32)."""
-    from persist_lib.codec import internal_schema
+    from persist_lib.shard.codec import internal_schema
 
     w = 0
     for f in internal_schema(schemas):
@@ -315,7 +315,7 @@ def _parts_in_range(state: st.ShardState, lower: int, upper: int | None) -> list
 
 
 def _concat(tables: list[pa.Table], schemas: Schemas) -> pa.Table:
-    from persist_lib.codec import empty_updates
+    from persist_lib.shard.codec import empty_updates
 
     if not tables:
         return empty_updates(schemas)
@@ -1042,7 +1042,7 @@ def read_until(listen: Any, schemas: Schemas, upper: int, timeout_s: float, what
             if isinstance(e, ListenUpdates):
                 out.append(e.table)
     if not out:
-        from persist_lib.codec import empty_updates
+        from persist_lib.shard.codec import empty_updates
 
         return to_user_table(empty_updates(schemas), schemas)
     return pa.concat_tables(out)

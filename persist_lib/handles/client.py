@@ -26,18 +26,18 @@ from typing import Any
 
 import pyarrow as pa
 
-from persist_lib import transitions as tr
-from persist_lib.codec import Schemas
 from persist_lib.config import PersistConfig
 from persist_lib.errors import InvalidUsage, LeaseExpired
+from persist_lib.handles.read import ReadHandle, SinceHandle
+from persist_lib.handles.write import WriteHandle
 from persist_lib.ids import CriticalReaderId, ReaderId, ShardId, WriterId
 from persist_lib.location.base import Blob, Consensus
 from persist_lib.location.retry import RetryingBlob, RetryingConsensus, RetryPolicy
 from persist_lib.location.uri import SensitiveUrl, open_blob, open_consensus
-from persist_lib.machine import Machine, MachineMetrics, describe_state
-from persist_lib.metrics import PersistMetrics, serve_if_configured
-from persist_lib.read import ReadHandle, SinceHandle
-from persist_lib.write import WriteHandle
+from persist_lib.shard import transitions as tr
+from persist_lib.shard.codec import Schemas
+from persist_lib.shard.machine import Machine, MachineMetrics, describe_state
+from persist_lib.shard.metrics import PersistMetrics, serve_if_configured
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class PersistClient:
     ) -> None:
         self.config = config or PersistConfig()
         policy = RetryPolicy(deadline_s=self.config.retry_deadline_s)
-        # Per-shard counters (persist_lib.metrics); None: metrics off, nothing counted.
+        # Per-shard counters (persist_lib.shard.metrics); None: metrics off, nothing counted.
         self.metrics: PersistMetrics | None = PersistMetrics() if self.config.metrics else None
         self.raw_blob = blob
         self.raw_consensus = consensus
@@ -122,8 +122,8 @@ class PersistClient:
         cls, blob_uri: str, consensus_uri: str, config: PersistConfig | None = None
     ) -> PersistClient:
         """Like ``open``, for tools that only read: a local location that does not exist
-        is a ``LocationNotFound`` (nothing is created); see ``persist_lib.location_check``."""
-        from persist_lib.location_check import require_existing_location
+        is a ``LocationNotFound`` (nothing is created); see ``persist_lib.location.check``."""
+        from persist_lib.location.check import require_existing_location
 
         require_existing_location(blob_uri, consensus_uri)
         return cls._open_location(blob_uri, consensus_uri, config)
@@ -399,18 +399,18 @@ class PersistClient:
                         h, since, lease_ms / 1000.0, e)
         return failures
 
-    # ----- maintenance (persist_lib.maintenance) --------------------------------------
+    # ----- maintenance (persist_lib.handles.maintenance) --------------------------------------
 
     def compact(self, shard: ShardLike, **kwargs: Any) -> dict[str, Any]:
-        """Runs the shard's pending merges now (see ``persist_lib.maintenance.compact``:
+        """Runs the shard's pending merges now (see ``persist_lib.handles.maintenance.compact``:
         ``retry_quarantined``, ``raise_on_failure``, ``max_rounds``)."""
-        from persist_lib import maintenance
+        from persist_lib.handles import maintenance
 
         return maintenance.compact(self, shard, **kwargs)
 
     def gc(self, shard: ShardLike) -> dict[str, Any]:
-        """One idempotent garbage-collection run (see ``persist_lib.maintenance.gc``)."""
-        from persist_lib import maintenance
+        """One idempotent garbage-collection run (see ``persist_lib.handles.maintenance.gc``)."""
+        from persist_lib.handles import maintenance
 
         return maintenance.gc(self, shard)
 
@@ -423,7 +423,7 @@ class PersistClient:
         quiescent: bool = False,
     ) -> list[dict[str, Any]]:
         """Leaked blobs of ``shard`` (see ``maintenance.unreferenced_blobs``)."""
-        from persist_lib import maintenance
+        from persist_lib.handles import maintenance
 
         return maintenance.unreferenced_blobs(
             self, shard, older_than_ms, delete=delete, quiescent=quiescent
@@ -431,13 +431,13 @@ class PersistClient:
 
     def finalize(self, shard: ShardLike) -> dict[str, Any]:
         """Deletes a shard whose since and upper are empty, leaving a tombstone."""
-        from persist_lib import maintenance
+        from persist_lib.handles import maintenance
 
         return maintenance.finalize(self, shard)
 
     def background_compactor(self) -> Any:
         """This client's in-process compaction pool (created on first use)."""
-        from persist_lib.maintenance import BackgroundCompactor
+        from persist_lib.handles.maintenance import BackgroundCompactor
 
         with _BG_LOCK:
             bg = self.__dict__.get("_bg_compactor")

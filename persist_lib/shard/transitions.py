@@ -14,11 +14,11 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
-from persist_lib.batch_meta import HollowBatch
-from persist_lib.codec import Schemas
 from persist_lib.errors import InvalidUsage, LeaseExpired, SchemaMismatch, ShardTombstoned
 from persist_lib.frontier import Antichain
-from persist_lib.state import (
+from persist_lib.shard.batch_meta import HollowBatch
+from persist_lib.shard.codec import Schemas
+from persist_lib.shard.state import (
     CriticalReaderState,
     LeasedReaderState,
     RollupRef,
@@ -163,7 +163,7 @@ def register_part_writer(
     """Registers a writer that only uploads parts (a compactor, a Spark job's executors).
 
     Its parts can be linked while it is registered, and the leaked-blob sweeper leaves
-    them alone until then (``persist_lib.part_writers``). Idempotent.
+    them alone until then (``persist_lib.shard.part_writers``). Idempotent.
     """
     _check_not_tombstone(state)
     if not state.exists:
@@ -184,9 +184,9 @@ def unregistered_part_writers(state: ShardState, keys: Any) -> list[str]:
     """The writers of ``keys`` (part blob keys) that are not registered in ``state``.
 
     A part may be linked only while its writer is registered: the leaked-blob sweeper
-    deletes unreferenced parts of writers that are not (``persist_lib.part_writers``).
+    deletes unreferenced parts of writers that are not (``persist_lib.shard.part_writers``).
     """
-    from persist_lib.parts import part_writer_of
+    from persist_lib.shard.parts import part_writer_of
 
     missing: list[str] = []
     for k in keys:

@@ -25,7 +25,7 @@ state at all, so GC never sees them. ``unreferenced_blobs`` lists ``{shard}/`` i
 replays every live state version (the earliest live rollup plus every diff up to the
 head) and reports the blobs none of them references — except blobs that may still be
 linked by a write in flight, which it never touches, whatever their age or the
-clocks say (``persist_lib.part_writers`` has the argument):
+clocks say (``persist_lib.shard.part_writers`` has the argument):
 
 * a part ``{shard}/{writer}/p...`` whose writer is registered in the head state it
   read after listing (a live write handle, compactor or Spark job);
@@ -42,13 +42,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from persist_lib import maintenance_transitions as mt
-from persist_lib import state as st
 from persist_lib.errors import Determinate, ExternalError
 from persist_lib.location.base import Blob, Consensus
-from persist_lib.machine import SCAN_LIMIT, Machine, rollup_seqno_of, unframe
-from persist_lib.parts import part_writer_of
-from persist_lib.transitions import ROLLUP_LINK_WINDOW
+from persist_lib.shard import maintenance_transitions as mt
+from persist_lib.shard import state as st
+from persist_lib.shard.machine import SCAN_LIMIT, Machine, rollup_seqno_of, unframe
+from persist_lib.shard.parts import part_writer_of
+from persist_lib.shard.transitions import ROLLUP_LINK_WINDOW
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Pure maintenance transitions: applying merges, GC bookkeeping, finalization.
 
-Same contract as ``persist_lib.transitions``: ``(state, now_ms, args) -> (new state |
+Same contract as ``persist_lib.shard.transitions``: ``(state, now_ms, args) -> (new state |
 None, result)``, no I/O, and each one recognises its own already-applied effect, since
 the ``Machine`` re-runs a transition against fresh state after an indeterminate CAS.
 
@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from persist_lib.batch_meta import HollowBatch, PartMeta
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import Antichain
-from persist_lib.state import GarbageEntry, QuarantineEntry, ShardState, quarantine_key
-from persist_lib.transitions import (
+from persist_lib.shard.batch_meta import HollowBatch, PartMeta
+from persist_lib.shard.state import GarbageEntry, QuarantineEntry, ShardState, quarantine_key
+from persist_lib.shard.transitions import (
     DEFAULT_INLINE_MAX_TOTAL,
     Result,
     inline_bytes,

@@ -34,13 +34,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist_lib.batch_meta import HollowBatch, PartMeta
-from persist_lib.codec import T_COL, Schemas, check_update_table
-from persist_lib.consolidate import consolidate
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.location.base import Blob
-from persist_lib.parts import encode_part, part_blob_key, part_meta_for
+from persist_lib.shard.batch_meta import HollowBatch, PartMeta
+from persist_lib.shard.codec import T_COL, Schemas, check_update_table
+from persist_lib.shard.consolidate import consolidate
+from persist_lib.shard.parts import encode_part, part_blob_key, part_meta_for
 
 log = logging.getLogger(__name__)
 

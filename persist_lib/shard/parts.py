@@ -20,9 +20,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from persist_lib.batch_meta import PartMeta
-from persist_lib.codec import D_COL, T_COL, Schemas, internal_schema
-from persist_lib.consolidate import estimated_distinct, to_numpy
 from persist_lib.errors import (
     BlobNotFound,
     CorruptionError,
@@ -31,6 +28,9 @@ from persist_lib.errors import (
     InvalidUtf8InPart,
 )
 from persist_lib.location.base import Blob
+from persist_lib.shard.batch_meta import PartMeta
+from persist_lib.shard.codec import D_COL, T_COL, Schemas, internal_schema
+from persist_lib.shard.consolidate import estimated_distinct, to_numpy
 from persist_lib.utf8 import describe_value, first_invalid
 
 FORMAT_VERSION = "1"
@@ -315,7 +315,7 @@ def part_writer_of(key: str) -> str | None:
 
     A part is linked only while this writer is registered in shard state, and the
     leaked-blob sweeper never deletes the parts of a registered writer
-    (``persist_lib.part_writers``)."""
+    (``persist_lib.shard.part_writers``)."""
     segs = key.split("/")
     if len(segs) != 3 or not segs[2].startswith("p") or segs[1] == "rollup":
         return None
