@@ -38,6 +38,7 @@ mutate: setup
 lint: setup
 	.venv/bin/ruff check persist_lib dagster_project jobs sensors bench tests
 	.venv/bin/mypy
+	.venv/bin/lint-imports --no-cache
 
 bench: setup
 	$(PY) -m bench --quick

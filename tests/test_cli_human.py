@@ -234,7 +234,7 @@ def test_snapshot_of_a_collection_and_a_shard(tmp_path: Path) -> None:
 def test_snapshot_prints_progressively_from_the_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows go out (and are flushed) batch by batch as ``snapshot_batches`` yields them,
     not after reading everything: here one shard stream after the other."""
-    from persist_lib.cli.main import main as cli
+    import persist_lib.cli.main as cli
 
     home = tmp_path / "home"
     client = PersistClient.default(home, PersistConfig.for_tests())

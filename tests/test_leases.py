@@ -18,8 +18,8 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+import persist_lib.cli.main as cli_mod
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib.cli.main import main as cli_mod
 from persist_lib.handles.read import ReadHandle
 from persist_lib.location.uri import open_blob, open_consensus
 from persist_lib.shard import compactor as compactor_mod
