@@ -9,6 +9,7 @@ thread reruns its own loop, so the leases of the handles already open stay alive
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -19,11 +20,13 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib.cli.main import main as cli_mod
 from persist_lib.handles.read import ReadHandle
 from persist_lib.location.uri import open_blob, open_consensus
 from persist_lib.shard import compactor as compactor_mod
 from persist_lib.testing.hooks import InterruptingConsensus, InterruptPlan
+
+# The module (the package's ``main`` attribute is the entry-point function).
+cli_mod = importlib.import_module("persist_lib.cli.main")
 
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])

@@ -1,6 +1,6 @@
 """Bounded-memory reads: ``snapshot_batches`` / ``updates_between_batches`` (streams that
 hold their seqno hold while open), chunked ``Listen.next``, and the read merge
-(``compactor.stream_merge``) with its local spill files.
+(``read_merge.stream_merge``) with its local spill files.
 
 Budgets here are tiny (1 MiB) and parts small (16 KiB), so every read goes through the
 k-way merge of many runs, with intermediate passes spilled to local files.

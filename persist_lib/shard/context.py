@@ -2,8 +2,8 @@
 
 The compactor, the part writers and the maintenance runs need a location (blob and
 consensus), a configuration, metrics, a machine per shard and someone to heartbeat
-the leases they take. ``PersistClient`` (``persist_lib.handles.client``) provides all
-of it, but the machinery must not depend on the client that hands out the public
+the leases they take. ``PersistClient`` (the public handles' layer) provides all of
+it, but the machinery must not depend on the client that hands out the public
 handles: it would make the shard package import the layer above it (in Materialize,
 too, the internal machinery holds a ``Machine`` and never the client). So the
 machinery takes a ``ShardContext``, a protocol the client satisfies as it is, and the

@@ -4,8 +4,7 @@
 time range, forwarded to a since) under a memory budget, spilling intermediate runs to
 local Arrow IPC files, never to blob. ``merge_decoded_runs`` merges runs a read has
 already decoded without sorting them again. Both share the compactor's engine
-(``kway_merge``) and memory planning (``memory_plan``); the read handle
-(``persist_lib.handles.read``) calls them.
+(``kway_merge``) and memory planning (``memory_plan``); the read handle calls them.
 """
 
 from __future__ import annotations
