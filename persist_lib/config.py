@@ -65,7 +65,7 @@ class PersistConfig:
     compaction_enabled: bool = False
     # Per merge. Materialize's bound (1 GiB, at least 4x the part target size): a merge
     # whose inputs fit decoded runs in memory with one multi-threaded sort of all rows;
-    # larger ones stream (compactor.py).
+    # larger ones stream (in_memory_merge.py, kway_merge.py).
     compaction_memory_budget: int = 1024 * MiB
     # False: every merge streams, even one that fits in memory (the reliability harness
     # runs both ways).

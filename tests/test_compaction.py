@@ -19,15 +19,11 @@ from persist_lib.shard import maintenance_transitions as mt
 from persist_lib.shard.batch_builder import build_batch
 from persist_lib.shard.batch_meta import HollowBatch
 from persist_lib.shard.codec import Schemas, internal_schema, normalize_updates
-from persist_lib.shard.compactor import (
-    COMPACTOR_WRITER_PREFIX,
-    compact_request,
-    merge_batches,
-    new_compactor_writer_id,
-)
+from persist_lib.shard.compactor import compact_request, merge_batches
 from persist_lib.shard.consolidate import advance_to_since, consolidate
 from persist_lib.shard.part_writers import PartWriter
 from persist_lib.shard.parts import encode_part, fetch_part, part_meta_for
+from persist_lib.shard.runs import COMPACTOR_WRITER_PREFIX, new_compactor_writer_id
 from persist_lib.shard.spine import compaction_requests
 
 KEY = pa.schema([("k", pa.int64())])
@@ -438,7 +434,7 @@ def test_long_merge_output_is_protected_from_the_sweeper_until_applied() -> None
 
     client.blob.set = set_then_sweep  # type: ignore[method-assign]
     try:
-        res = compact_request(m, Schemas.create(KEY, VAL), client.config, req, client=client)
+        res = compact_request(m, Schemas.create(KEY, VAL), client.config, req, context=client)
     finally:
         client.blob.set = orig_set  # type: ignore[method-assign]
     assert swept == []
@@ -466,7 +462,7 @@ def test_merge_whose_registration_lapsed_is_not_applied_and_its_output_deleted()
 
     client.blob.set = set_then_expire  # type: ignore[method-assign]
     try:
-        res = compact_request(m, Schemas.create(KEY, VAL), client.config, req, client=client)
+        res = compact_request(m, Schemas.create(KEY, VAL), client.config, req, context=client)
     finally:
         client.blob.set = orig_set  # type: ignore[method-assign]
     assert res.outcome is mt.MergeOutcome.NOT_APPLIED_WRITER_EXPIRED and res.deleted_output
@@ -516,7 +512,7 @@ def test_merges_stay_within_budget_when_parts_compress_far_more_than_assumed(in_
     budget. Writers now record each part's decoded size and the estimate never goes
     below it: many small parts of such strings merge within the budget, exactly."""
     from persist_lib.location.mem import MemBlob
-    from persist_lib.shard.compactor import estimate_decoded_bytes
+    from persist_lib.shard.memory_plan import estimate_decoded_bytes
 
     schemas = Schemas.create(KEY, VAL)
     blob = MemBlob(uuid.uuid4().hex)

@@ -27,7 +27,7 @@ import pytest
 from persist_lib import PersistClient, PersistConfig, ShardId
 from persist_lib.handles import maintenance as mn
 from persist_lib.shard import gc as gcmod
-from persist_lib.shard.compactor import COMPACTOR_WRITER_PREFIX
+from persist_lib.shard.runs import COMPACTOR_WRITER_PREFIX
 from tests.support.durable_ops import with_durable_op_counter
 
 KEY = pa.schema([("k", pa.int64())])

@@ -20,12 +20,7 @@ from persist_lib.location.mem import MemBlob
 from persist_lib.shard.batch_builder import build_batch
 from persist_lib.shard.batch_meta import HollowBatch
 from persist_lib.shard.codec import Schemas, internal_schema
-from persist_lib.shard.compactor import (
-    COMPACTOR_WRITER_PREFIX,
-    MergeStats,
-    merge_batches,
-    stream_merge,
-)
+from persist_lib.shard.compactor import merge_batches
 from persist_lib.shard.consolidate import (
     SORTED_STRICT,
     SORTED_WITH_TIES,
@@ -38,7 +33,10 @@ from persist_lib.shard.consolidate import (
     snapshot_at,
     sorted_state,
 )
+from persist_lib.shard.memory_plan import MergeStats
 from persist_lib.shard.parts import encode_part, fetch_part, part_blob_key, part_meta_for
+from persist_lib.shard.read_merge import stream_merge
+from persist_lib.shard.runs import COMPACTOR_WRITER_PREFIX
 
 
 def _col(rng: np.random.Generator, kind: str, n: int, card: int) -> pa.Array:

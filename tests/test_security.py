@@ -174,7 +174,7 @@ def test_canary_never_leaks_from_blob_failures(s3_server: object, caplog: pytest
 
 _SENSITIVE_NAME = re.compile(r"uri|url|dsn|conninfo|password|passwd|secret|credential", re.I)
 _SENSITIVE_CLASS = re.compile(r"(Uri|Url|URL|Dsn|DSN|Conninfo|Password|Secret|Credential)(?![a-z])")
-_HOLDER_TYPE = re.compile(r"\b(Blob|Consensus|PersistClient)\b")
+_HOLDER_TYPE = re.compile(r"\b(Blob|Consensus|PersistClient|ShardContext)\b")
 _PACKAGES = ("persist_lib", "dagster_project", "jobs", "sensors")
 
 
@@ -369,18 +369,20 @@ def _splits(x: _World, kind: str) -> list[Any]:
 
 def _merger(x: _World) -> list[Any]:
     from persist_lib.shard.codec import Schemas
-    from persist_lib.shard.compactor import MemoryPlan, MergeStats, _Merger
+    from persist_lib.shard.kway_merge import Merger
+    from persist_lib.shard.memory_plan import MemoryPlan, MergeStats
 
     plan = MemoryPlan(1 << 24, 1 << 20, 1 << 22, 1 << 20)
-    return [_Merger(x.client.blob, Schemas.create(KEY, VAL), str(x.shard), None, plan, MergeStats())]
+    return [Merger(x.client.blob, Schemas.create(KEY, VAL), str(x.shard), None, plan, MergeStats())]
 
 
 def _merge_ctx(x: _World) -> list[Any]:
     from persist_lib.shard.codec import Schemas
-    from persist_lib.shard.compactor import MergeStats, _MergeCtx
+    from persist_lib.shard.kway_merge import MergeCtx
+    from persist_lib.shard.memory_plan import MergeStats
 
     return [
-        _MergeCtx(
+        MergeCtx(
             x.client.blob, Schemas.create(KEY, VAL), str(x.shard), None, 1 << 24, 1 << 20,
             1 << 20, MergeStats(), True,
         )
@@ -487,8 +489,8 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
         "persist_lib.shard.batch_builder.BatchBuilder": lambda x: [
             BatchBuilder(x.client.blob, Schemas.create(KEY, VAL), shard=str(x.shard), writer="w", lower=0)
         ],
-        "persist_lib.shard.compactor._Merger": _merger,
-        "persist_lib.shard.compactor._MergeCtx": _merge_ctx,
+        "persist_lib.shard.kway_merge.Merger": _merger,
+        "persist_lib.shard.kway_merge.MergeCtx": _merge_ctx,
         "persist_lib.handles.maintenance.BackgroundCompactor": lambda x: [x.keep(BackgroundCompactor(x.client))],
         "persist_lib.storage.controller.StorageController": lambda x: [x.keep(StorageController(x.client))],
         # blob and consensus backends and their wrappers
@@ -529,7 +531,7 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
             InterruptingConsensus(x.client.raw_consensus, InterruptPlan(1, 0.0))
         ],
         "persist_lib.shard.part_writers.PartWriter": lambda x: [
-            PartWriter.register(x.client.machine(x.shard), purpose="canary", client=x.client)
+            PartWriter.register(x.client.machine(x.shard), purpose="canary", context=x.client)
         ],
         "persist_lib.testing.planted.HeadDeletingConsensus": lambda x: [
             HeadDeletingConsensus(x.client.raw_consensus)

@@ -1,6 +1,6 @@
 """Bounded-memory reads: ``snapshot_batches`` / ``updates_between_batches`` (streams that
 hold their seqno hold while open), chunked ``Listen.next``, and the read merge
-(``compactor.stream_merge``) with its local spill files.
+(``read_merge.stream_merge``) with its local spill files.
 
 Budgets here are tiny (1 MiB) and parts small (16 KiB), so every read goes through the
 k-way merge of many runs, with intermediate passes spilled to local files.
@@ -29,9 +29,11 @@ from persist_lib.handles.read import (
     ReadHandle,
     _whole_read_bytes,
 )
-from persist_lib.shard.compactor import MergeStats, batch_runs, stream_merge
 from persist_lib.shard.consolidate import consolidate, forward_and_filter, is_consolidated
+from persist_lib.shard.memory_plan import MergeStats
 from persist_lib.shard.parts import fetch_part
+from persist_lib.shard.read_merge import stream_merge
+from persist_lib.shard.runs import batch_runs
 from persist_lib.storage import StorageController
 
 KEY = pa.schema([("k", pa.int64())])

@@ -36,6 +36,7 @@ from persist_lib.location.retry import RetryingBlob, RetryingConsensus, RetryPol
 from persist_lib.location.uri import SensitiveUrl, open_blob, open_consensus
 from persist_lib.shard import transitions as tr
 from persist_lib.shard.codec import Schemas
+from persist_lib.shard.context import Lease
 from persist_lib.shard.machine import Machine, MachineMetrics, describe_state
 from persist_lib.shard.metrics import PersistMetrics, serve_if_configured
 
@@ -68,7 +69,10 @@ class _OpenDescriptor:
 
 
 class PersistClient:
-    """Entry point of the library: ``PersistClient.open(blob_uri, consensus_uri)``."""
+    """Entry point of the library: ``PersistClient.open(blob_uri, consensus_uri)``.
+
+    It is the ``ShardContext`` (``persist_lib.shard.context``) the shard machinery runs
+    with: the compactor, part writers and maintenance runs take it as such."""
 
     open = _OpenDescriptor()
 
@@ -323,10 +327,15 @@ class PersistClient:
         self._handles.add(handle)
         self.ensure_heartbeats()
 
-    def track_lease(self, lease: Any) -> None:
+    def track_lease(self, lease: Lease) -> None:
         """Heartbeats ``lease`` (anything with ``heartbeat()``, ``lease_ms`` and
-        ``last_heartbeat_monotonic``, e.g. a ``PartWriter``) with the handles."""
+        ``last_heartbeat_monotonic``, e.g. a ``PartWriter``) with the handles
+        (``ShardContext.track_lease``)."""
         self._track(lease)
+
+    def forget_lease(self, lease: Lease) -> None:
+        """Stops heartbeating ``lease`` (``ShardContext.forget_lease``)."""
+        self._forget_handle(lease)
 
     def ensure_heartbeats(self) -> None:
         """Starts the heartbeat thread (or a new one, should it have ended anyway)."""

@@ -1,7 +1,9 @@
 """Maintenance API: compaction, garbage collection, leaked blobs, finalization.
 
 Functions take a ``PersistClient`` and a shard, and return JSON-able summaries (what
-the CLI prints and a Dagster op records as metadata). ``BackgroundCompactor`` runs the
+the CLI prints and a Dagster op records as metadata). They use the client only as the
+``ShardContext`` the shard machinery runs with (``persist_lib.shard.context``), and
+pass it down as such. ``BackgroundCompactor`` runs the
 spine's merges in-process, fed by every committed state change of the client.
 
 **Failing merges.** A merge can fail for a passing reason (the store is down: an
@@ -27,7 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from persist_lib.errors import (
     BlobNotFound,
@@ -42,11 +44,9 @@ from persist_lib.shard import maintenance_transitions as mt
 from persist_lib.shard import state as st
 from persist_lib.shard.codec import Schemas
 from persist_lib.shard.compactor import CompactionResult, compact_request
+from persist_lib.shard.context import ShardContext
 from persist_lib.shard.machine import Machine, describe_state_quarantine
 from persist_lib.shard.spine import CompactionRequest, compaction_debt, compaction_requests
-
-if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.handles.client import PersistClient
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ ShardLike = ShardId | str
 DEFAULT_MAX_ROUNDS = 256
 
 
-def _machine(client: PersistClient, shard: ShardLike) -> Machine:
+def _machine(client: ShardContext, shard: ShardLike) -> Machine:
     return client.machine(shard)
 
 
@@ -107,7 +107,7 @@ def quarantine(m: Machine, req: CompactionRequest, error: BaseException, failure
 
 
 def compact(
-    client: PersistClient,
+    client: ShardContext,
     shard: ShardLike,
     *,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
@@ -149,7 +149,7 @@ def compact(
             progress(len(results) + len(failed), planned)
         for req in reqs:
             try:
-                results.append(compact_request(m, schemas, client.config, req, client=client))
+                results.append(compact_request(m, schemas, client.config, req, context=client))
             except Exception as e:
                 if not is_deterministic_failure(e):
                     raise
@@ -190,7 +190,7 @@ def describe_quarantine(s: st.ShardState) -> list[dict[str, Any]]:
     return describe_state_quarantine(s)
 
 
-def compact_once(client: PersistClient, shard: ShardLike) -> list[CompactionResult]:
+def compact_once(client: ShardContext, shard: ShardLike) -> list[CompactionResult]:
     """Runs the merges the spine wants right now (one round); returns their results."""
     m = _machine(client, shard)
     s = _existing(m)
@@ -198,13 +198,13 @@ def compact_once(client: PersistClient, shard: ShardLike) -> list[CompactionResu
     if not reqs:
         return []
     schemas = _schemas(s)
-    return [compact_request(m, schemas, client.config, r, client=client) for r in reqs]
+    return [compact_request(m, schemas, client.config, r, context=client) for r in reqs]
 
 
 # ----- garbage collection -----------------------------------------------------------------
 
 
-def gc(client: PersistClient, shard: ShardLike) -> dict[str, Any]:
+def gc(client: ShardContext, shard: ShardLike) -> dict[str, Any]:
     """One idempotent GC run: deletes unreachable blobs, truncates consensus, old rollups."""
     m = _machine(client, shard)
     _existing(m)
@@ -212,7 +212,7 @@ def gc(client: PersistClient, shard: ShardLike) -> dict[str, Any]:
 
 
 def unreferenced_blobs(
-    client: PersistClient,
+    client: ShardContext,
     shard: ShardLike,
     older_than_ms: int | None = None,
     *,
@@ -246,7 +246,7 @@ def unreferenced_blobs(
 # ----- finalization -----------------------------------------------------------------------
 
 
-def finalize(client: PersistClient, shard: ShardLike) -> dict[str, Any]:
+def finalize(client: ShardContext, shard: ShardLike) -> dict[str, Any]:
     """Deletes a shard whose since and upper are both empty, leaving a tombstone.
 
     Steps (each idempotent, so a crash anywhere is resumed by calling it again):
@@ -324,7 +324,7 @@ class BackgroundCompactor:
     still needed); a failed GC backs off the same way.
     """
 
-    def __init__(self, client: PersistClient) -> None:
+    def __init__(self, client: ShardContext) -> None:
         cfg = client.config
         self.client = client
         self.queue_max = cfg.compaction_queue_max
@@ -477,7 +477,7 @@ class BackgroundCompactor:
     def _run(self, m: Machine, req: CompactionRequest, key: tuple[str, tuple[int, ...]]) -> None:
         try:
             s = m.cached()
-            res = compact_request(m, _schemas(s), self.client.config, req, client=self.client)
+            res = compact_request(m, _schemas(s), self.client.config, req, context=self.client)
             with self._lock:
                 self.completed += 1
                 self.applied += int(res.applied)

@@ -42,16 +42,6 @@ from persist_lib.shard import state as st
 from persist_lib.shard import transitions as tr
 from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import Schemas, to_user_table, user_schema
-from persist_lib.shard.compactor import (
-    FEW_RUNS,
-    STEP_BYTES_PER_ROW,
-    MergeStats,
-    batch_runs,
-    estimate_decoded_bytes,
-    merge_decoded_runs,
-    merges_linearly,
-    stream_merge,
-)
 from persist_lib.shard.consolidate import (
     SORTED_STRICT,
     SORTED_WITH_TIES,
@@ -60,9 +50,13 @@ from persist_lib.shard.consolidate import (
     sorted_state,
     time_range,
 )
+from persist_lib.shard.kway_merge import FEW_RUNS, merges_linearly
 from persist_lib.shard.machine import Machine
+from persist_lib.shard.memory_plan import STEP_BYTES_PER_ROW, MergeStats, estimate_decoded_bytes
 from persist_lib.shard.metrics import track_listen
 from persist_lib.shard.parts import fetch_part
+from persist_lib.shard.read_merge import merge_decoded_runs, stream_merge
+from persist_lib.shard.runs import batch_runs
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.handles.client import PersistClient

@@ -4,7 +4,7 @@ A *part* is one immutable Parquet blob (or, when tiny, bytes inlined in state) o
 updates, normally sorted by ``(k, v, t)`` and consolidated. A bulk write may store a
 part *unsorted* (``PartMeta.sorted`` false: rows as they came, not consolidated), so
 that the writer's path is an encode, not a sort; readers consolidate across parts
-anyway, and the compactor sorts such a part when it loads it (``compactor._Run``). A *batch* is a list of parts plus a description
+anyway, and the compactor sorts such a part when it loads it (``kway_merge.Run``). A *batch* is a list of parts plus a description
 ``[lower, upper)`` (every update time ``t`` satisfies ``lower <= t < upper``) and a
 ``since`` (times below it may have been forwarded to it by compaction).
 """
@@ -31,7 +31,7 @@ class PartMeta:
     inline: bytes | None = None  # the encoded bytes, for tiny parts kept in state
     sorted: bool = True  # False: rows in arrival order, not consolidated (a bulk write)
     # Arrow bytes of the part decoded, as its writer measured them (None: written before
-    # writers recorded it): merges plan their memory with it (compactor.estimate_decoded_bytes)
+    # writers recorded it): merges plan their memory with it (memory_plan.estimate_decoded_bytes)
     decoded: int | None = None
 
     def to_json(self) -> dict[str, Any]:

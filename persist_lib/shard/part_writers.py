@@ -21,8 +21,9 @@ unregistered (its lease expired, or it was released), and an unregistered writer
 never registered again (ids are fresh UUIDs), so P can never be linked afterwards.
 Rollups get the same guarantee from their seqno (``transitions.ROLLUP_LINK_WINDOW``).
 
-A ``PartWriter`` heartbeats through the client's heartbeat thread like any handle, so
-a long compaction or Spark job keeps its registration; a crashed one lapses and its
+A ``PartWriter`` registered with a ``ShardContext`` (a ``PersistClient``) heartbeats
+through the context's heartbeat thread like any handle, so a long compaction or Spark
+job keeps its registration; a crashed one lapses and its
 parts become sweepable once lease expiry unregisters it.
 """
 
@@ -38,7 +39,7 @@ from persist_lib.shard import maintenance_transitions as mt
 from persist_lib.shard import transitions as tr
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.handles.client import PersistClient
+    from persist_lib.shard.context import ShardContext
     from persist_lib.shard.machine import Machine
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class PartWriter:
 
     def __init__(
         self, machine: Machine, writer_id: str, lease_ms: int, purpose: str,
-        client: PersistClient | None = None,
+        context: ShardContext | None = None,
     ) -> None:
         self.machine = machine
         self.writer_id = writer_id
@@ -58,7 +59,7 @@ class PartWriter:
         self.purpose = purpose
         self.released = False
         self.last_heartbeat_monotonic = time.monotonic()
-        self._client = client
+        self._context = context
 
     @classmethod
     def register(
@@ -66,12 +67,13 @@ class PartWriter:
         machine: Machine,
         *,
         purpose: str,
-        client: PersistClient | None = None,
+        context: ShardContext | None = None,
         writer_id: str | None = None,
         lease_ms: int | None = None,
     ) -> PartWriter:
         """Registers a fresh writer id on ``machine``'s shard (one state change); with a
-        ``client``, its heartbeat thread keeps the lease alive until ``release``."""
+        ``context`` (e.g. a ``PersistClient``), its heartbeat thread keeps the lease alive
+        until ``release``."""
         wid = writer_id or str(WriterId.new())
         lease = lease_ms if lease_ms is not None else machine.config.writer_lease_ms
         machine.apply(
@@ -80,9 +82,9 @@ class PartWriter:
                 s, now, writer_id=wid, lease_ms=lease, purpose=purpose
             ),
         )
-        pw = cls(machine, wid, lease, purpose, client)
-        if client is not None:
-            client.track_lease(pw)
+        pw = cls(machine, wid, lease, purpose, context)
+        if context is not None:
+            context.track_lease(pw)
         return pw
 
     @property
@@ -117,8 +119,8 @@ class PartWriter:
     def mark_released(self) -> None:
         """The registration was released by another transition (``apply_merge_res``)."""
         self.released = True
-        if self._client is not None:
-            self._client._forget_handle(self)
+        if self._context is not None:
+            self._context.forget_lease(self)
 
     def __repr__(self) -> str:
         return f"PartWriter(shard={self.shard_id}, writer={self.writer_id}, purpose={self.purpose!r})"

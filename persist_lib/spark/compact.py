@@ -53,8 +53,9 @@ from persist_lib.errors import InvalidUsage
 from persist_lib.shard import maintenance_transitions as mt
 from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import D_COL, Schemas, internal_schema
-from persist_lib.shard.compactor import forward_time, new_compactor_writer_id
+from persist_lib.shard.compactor import forward_time
 from persist_lib.shard.part_writers import PartWriter
+from persist_lib.shard.runs import new_compactor_writer_id
 from persist_lib.shard.spine import CompactionRequest, compaction_requests
 from persist_lib.spark._common import (
     blob_uri_of,
@@ -461,7 +462,7 @@ def spark_merge(
     parts = [p for b in req.inputs for p in b.parts]
     writer = new_compactor_writer_id()
     registration = PartWriter.register(
-        client.machine(shard_id), purpose="spark-compaction", client=client, writer_id=writer
+        client.machine(shard_id), purpose="spark-compaction", context=client, writer_id=writer
     )
     spec = _MergeSpec(
         blob_uri=blob_uri_of(client, f"shard {shard_id}"),
@@ -671,7 +672,7 @@ def compact_shard(
                     )
                     spark_results.append(apply_merge(client, m, req, out))
                 else:
-                    r = compact_request(m, schemas, client.config, req, client=client)
+                    r = compact_request(m, schemas, client.config, req, context=client)
                     local_applied += int(r.applied)
                     local_not_applied += int(not r.applied)
                     local_read += r.stats.bytes_read

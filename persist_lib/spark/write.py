@@ -444,7 +444,7 @@ def _register_part_writers(client: Any, shard_ids: list[str], writer_id: str) ->
         for sid in shard_ids:
             pws.append(
                 PartWriter.register(
-                    client.machine(sid), purpose="spark-write", client=client, writer_id=writer_id
+                    client.machine(sid), purpose="spark-write", context=client, writer_id=writer_id
                 )
             )
     except Exception:

@@ -551,7 +551,7 @@ class Writer(Actor):
             pw = None
             if spark_style:
                 pw = PartWriter.register(
-                    self.client.machine(self.shard), purpose="spark-style", client=self.client
+                    self.client.machine(self.shard), purpose="spark-style", context=self.client
                 )
             b = BatchBuilder(
                 self.client.blob, w.schemas, shard=w.shard_id,

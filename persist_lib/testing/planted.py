@@ -161,14 +161,14 @@ def _compaction_drops_part() -> contextlib.AbstractContextManager[Any]:
 
 
 def _skipped_checksum() -> contextlib.AbstractContextManager[Any]:
-    from persist_lib.shard import compactor, parts
+    from persist_lib.shard import part_fetch, parts
 
     def no_verify(data: bytes, **kw: Any) -> None:
         return None
 
     stack = contextlib.ExitStack()
     stack.enter_context(_patched(parts, "verify_part_bytes", no_verify))
-    stack.enter_context(_patched(compactor, "verify_part_bytes", no_verify))
+    stack.enter_context(_patched(part_fetch, "verify_part_bytes", no_verify))
     return stack
 
 
