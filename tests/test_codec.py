@@ -27,12 +27,10 @@ from persist_lib.shard.codec import (
     to_user_table,
     user_schema,
 )
-from persist_lib.shard.consolidate import (
+from persist_lib.shard.consolidate import consolidate, is_consolidated, merge_sorted
+from persist_lib.shard.time_filters import (
     advance_to_since,
-    consolidate,
     forward_and_filter,
-    is_consolidated,
-    merge_sorted,
     snapshot_at,
     time_range,
 )

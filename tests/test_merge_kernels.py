@@ -1,4 +1,4 @@
-"""The merge's linear kernels (``consolidate.sorted_state`` / ``count_less``) and the
+"""The merge's linear kernels (``sorted_checks.sorted_state`` / ``count_less``) and the
 compactor's search-bounded merge step, against the reference: ranking
 (``row_keys``) and one whole-table ``consolidate``.
 
@@ -26,19 +26,18 @@ from persist_lib.shard.compactor import (
     merge_batches,
     stream_merge,
 )
-from persist_lib.shard.consolidate import (
+from persist_lib.shard.consolidate import consolidate
+from persist_lib.shard.parts import encode_part, fetch_part, part_blob_key, part_meta_for
+from persist_lib.shard.ranks import row_keys
+from persist_lib.shard.sorted_checks import (
     SORTED_STRICT,
     SORTED_WITH_TIES,
     UNSORTED,
-    advance_to_since,
-    consolidate,
     count_less,
     linear_kernels_apply,
-    row_keys,
-    snapshot_at,
     sorted_state,
 )
-from persist_lib.shard.parts import encode_part, fetch_part, part_blob_key, part_meta_for
+from persist_lib.shard.time_filters import advance_to_since, snapshot_at
 
 
 def _col(rng: np.random.Generator, kind: str, n: int, card: int) -> pa.Array:

@@ -30,8 +30,9 @@ from persist_lib.handles.read import (
     _whole_read_bytes,
 )
 from persist_lib.shard.compactor import MergeStats, batch_runs, stream_merge
-from persist_lib.shard.consolidate import consolidate, forward_and_filter, is_consolidated
+from persist_lib.shard.consolidate import consolidate, is_consolidated
 from persist_lib.shard.parts import fetch_part
+from persist_lib.shard.time_filters import forward_and_filter
 from persist_lib.storage import StorageController
 
 KEY = pa.schema([("k", pa.int64())])

@@ -52,17 +52,12 @@ from persist_lib.shard.compactor import (
     merges_linearly,
     stream_merge,
 )
-from persist_lib.shard.consolidate import (
-    SORTED_STRICT,
-    SORTED_WITH_TIES,
-    consolidate,
-    snapshot_at,
-    sorted_state,
-    time_range,
-)
+from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.machine import Machine
 from persist_lib.shard.metrics import track_listen
 from persist_lib.shard.parts import fetch_part
+from persist_lib.shard.sorted_checks import SORTED_STRICT, SORTED_WITH_TIES, sorted_state
+from persist_lib.shard.time_filters import snapshot_at, time_range
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.handles.client import PersistClient

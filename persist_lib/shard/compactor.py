@@ -26,7 +26,7 @@ which tests assert on and the benchmark compares with the process's RSS.
 **One merge step.** Let ``F`` be the smallest *last* buffered row over the runs that
 have more input: every future row of every run is ``>= F``, so all buffered rows
 ``< F`` can be emitted, consolidated (equal ``(k, v, t)`` summed; zeros dropped).
-Rows are compared by ``consolidate.row_keys`` ranks computed over one concatenation,
+Rows are compared by ``ranks.row_keys`` ranks computed over one concatenation,
 which is what makes rows of different chunks comparable. Times below ``since`` are
 forwarded to ``since`` as chunks are read; forwarding is monotone, so runs stay sorted.
 
@@ -67,21 +67,7 @@ from persist_lib.shard import maintenance_transitions as mt
 from persist_lib.shard.batch_builder import BatchBuilder
 from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import D_COL, T_COL, Schemas, internal_schema
-from persist_lib.shard.consolidate import (
-    SORTED_WITH_TIES,
-    UNSORTED,
-    advance_to_since,
-    consolidate,
-    consolidation_plan,
-    count_less,
-    gather_updates,
-    linear_kernels_apply,
-    row_keys,
-    row_keys_with_hint,
-    sorted_state,
-    time_range,
-    to_numpy,
-)
+from persist_lib.shard.consolidate import consolidate, consolidation_plan, gather_updates
 from persist_lib.shard.kernels import RowSource
 from persist_lib.shard.machine import Machine
 from persist_lib.shard.part_writers import PartWriter
@@ -93,7 +79,16 @@ from persist_lib.shard.parts import (
     part_blob_key,
     verify_part_bytes,
 )
+from persist_lib.shard.ranks import row_keys, row_keys_with_hint, to_numpy
+from persist_lib.shard.sorted_checks import (
+    SORTED_WITH_TIES,
+    UNSORTED,
+    count_less,
+    linear_kernels_apply,
+    sorted_state,
+)
 from persist_lib.shard.spine import CompactionRequest
+from persist_lib.shard.time_filters import advance_to_since, time_range
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.handles.client import PersistClient
