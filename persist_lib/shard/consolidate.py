@@ -71,7 +71,7 @@ def _int_order(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _flat_int_values(col: pa.ChunkedArray) -> np.ndarray | None:
-    """The column as integers in the module's order when that is a plain numpy
+    """The column as integers in persist's row order (``ranks``) when that is a plain numpy
     conversion (integers, temporal types, booleans, floats by total order) and it has
     no nulls; else None."""
     if col.null_count:
@@ -111,7 +111,7 @@ TakeFn = Callable[[int, np.ndarray], pa.Array]
 def sort_order(
     columns: Sequence[pa.Array | pa.ChunkedArray], n: int, take: TakeFn | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A permutation sorting the rows by ``columns`` (the module's order) and ``dup``:
+    """A permutation sorting the rows by ``columns`` (persist's row order, ``ranks``) and ``dup``:
     ``dup[i]`` is True when sorted row ``i`` equals sorted row ``i - 1`` on every
     column (so runs of equal rows are where consolidation sums).
 

@@ -18,7 +18,7 @@ from persist_lib.shard.ranks import comparable, is_flat_comparable, to_numpy
 
 def linear_kernels_apply(types: Iterable[pa.DataType]) -> bool:
     """Whether ``sorted_state`` and ``count_less`` handle columns of these types: flat
-    types whose Arrow comparison (after ``comparable``) is the module's order. Nested
+    types whose Arrow comparison (after ``comparable``) is persist's row order (``ranks``). Nested
     types (structs, lists) and the rest take the ranking path."""
     return all(is_flat_comparable(t) for t in types)
 

@@ -153,7 +153,7 @@ def _cte_names(toks: list[_Tok]) -> set[str]:
 
 
 def rewrite_sql(query: str, view_for: Callable[[TableRef], str | None]) -> str:
-    """Rewrites the table references of ``query`` (module docstring) to the views
+    """Rewrites the table references of ``query`` (the syntax in ``engine``'s docstring) to the views
     ``view_for`` returns (``None``: leave the reference to DuckDB)."""
     toks = _tokens(query)
     ctes = _cte_names(toks)

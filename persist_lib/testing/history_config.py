@@ -52,7 +52,7 @@ class HistoryConfig:
     background_compaction: bool = False
     time_limit_s: float = 120.0
     planted: list[str] = field(default_factory=list)
-    # Issue 13's wider fault model (module docstring).
+    # Issue 13's wider fault model (``actors`` module docstring).
     interrupt_rate: float = 0.0
     actor_clock_skew_ms: int = 0
     expirer_clock_ahead_ms: int = 0
@@ -67,7 +67,7 @@ class HistoryConfig:
     # Merges that fit their budget run in memory (False: always the streaming merge).
     compaction_in_memory: bool = True
     # Writer steps that replay committed times with divergent updates through a
-    # verified append (module docstring).
+    # verified append (``actors`` module docstring).
     verified_append_rate: float = 0.0
 
     @property
