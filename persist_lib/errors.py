@@ -7,23 +7,39 @@ operation definitely did not happen (``Determinate``) or may have happened
 "you lost the race" answer of ``compare_and_append``. ``CorruptionError`` means a blob
 failed its checksum: nothing is returned in that case.
 
-Every message names the shard, the values involved and what to do.
+Every message names the shard, the values involved and what to do. The two roots,
+``PersistError`` and ``InvalidUsage``, are defined in ``error_base`` (below
+``frontier``, which raises ``InvalidUsage``) and listed here with the rest.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.frontier import Antichain
+from persist_lib.error_base import InvalidUsage, PersistError
+from persist_lib.frontier import Antichain
 
-
-class PersistError(Exception):
-    """Base class of every error raised by persist_lib."""
-
-
-class InvalidUsage(PersistError, ValueError):
-    """The call can never succeed as made: fix the call (or reopen the handle)."""
+__all__ = [
+    "BlobNotFound",
+    "CorruptionError",
+    "Determinate",
+    "ExternalError",
+    "Indeterminate",
+    "InvalidBlobKey",
+    "InvalidUri",
+    "InvalidUsage",
+    "InvalidUtf8",
+    "InvalidUtf8InPart",
+    "LeaseExpired",
+    "LocationNotFound",
+    "PersistError",
+    "SchemaMismatch",
+    "ShardTombstoned",
+    "StateFormatTooNew",
+    "Timeout",
+    "UpperMismatch",
+    "describe",
+]
 
 
 class SchemaMismatch(InvalidUsage):

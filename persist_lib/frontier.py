@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from functools import total_ordering
 
-from persist_lib.errors import InvalidUsage
+from persist_lib.error_base import InvalidUsage
 
 MIN_TIME = 0
 MAX_TIME = (1 << 63) - 1

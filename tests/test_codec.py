@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from persist_lib.errors import InvalidUsage
 from persist_lib.shard import consolidate as consolidate_mod
+from persist_lib.shard import ranks as ranks_mod
 from persist_lib.shard.codec import (
     Schemas,
     check_update_table,
@@ -27,12 +28,10 @@ from persist_lib.shard.codec import (
     to_user_table,
     user_schema,
 )
-from persist_lib.shard.consolidate import (
+from persist_lib.shard.consolidate import consolidate, is_consolidated, merge_sorted
+from persist_lib.shard.time_filters import (
     advance_to_since,
-    consolidate,
     forward_and_filter,
-    is_consolidated,
-    merge_sorted,
     snapshot_at,
     time_range,
 )
@@ -411,12 +410,12 @@ def _check(table: pa.Table, cols: list[str]) -> None:
     # Force the other ranking strategies (hash vs sort) that big tables choose between.
     for estimate in (lambda col: float(len(col)), lambda col: 1.0):
         with (
-            mock.patch.object(consolidate_mod, "_SAMPLE", 1),
-            mock.patch.object(consolidate_mod, "_estimated_distinct", estimate),
+            mock.patch.object(ranks_mod, "_SAMPLE", 1),
+            mock.patch.object(ranks_mod, "_estimated_distinct", estimate),
         ):
             _check_once(table, cols)
     if any(pa.types.is_list(f.type) or pa.types.is_large_list(f.type) for f in table.schema):
-        with mock.patch.object(consolidate_mod, "_MAX_VECTOR_LIST_LEN", 0):  # the Python path
+        with mock.patch.object(ranks_mod, "_MAX_VECTOR_LIST_LEN", 0):  # the Python path
             _check_once(table, cols)
 
 

@@ -20,11 +20,12 @@ from persist_lib.shard.batch_builder import build_batch
 from persist_lib.shard.batch_meta import HollowBatch
 from persist_lib.shard.codec import Schemas, internal_schema, normalize_updates
 from persist_lib.shard.compactor import compact_request, merge_batches
-from persist_lib.shard.consolidate import advance_to_since, consolidate
+from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.part_writers import PartWriter
 from persist_lib.shard.parts import encode_part, fetch_part, part_meta_for
 from persist_lib.shard.runs import COMPACTOR_WRITER_PREFIX, new_compactor_writer_id
 from persist_lib.shard.spine import compaction_requests
+from persist_lib.shard.time_filters import advance_to_since
 
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])

@@ -11,7 +11,8 @@ import pyarrow.compute as pc
 import pytest
 
 from persist_lib.shard import kernels
-from persist_lib.shard.consolidate import consolidate, consolidation_plan, row_keys, sort_order
+from persist_lib.shard.consolidate import consolidate, consolidation_plan, sort_order
+from persist_lib.shard.ranks import row_keys
 
 
 @pytest.fixture(params=["polars", "numpy"])

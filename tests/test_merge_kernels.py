@@ -21,22 +21,21 @@ from persist_lib.shard.batch_builder import build_batch
 from persist_lib.shard.batch_meta import HollowBatch
 from persist_lib.shard.codec import Schemas, internal_schema
 from persist_lib.shard.compactor import merge_batches
-from persist_lib.shard.consolidate import (
+from persist_lib.shard.consolidate import consolidate
+from persist_lib.shard.memory_plan import MergeStats
+from persist_lib.shard.parts import encode_part, fetch_part, part_blob_key, part_meta_for
+from persist_lib.shard.ranks import row_keys
+from persist_lib.shard.read_merge import stream_merge
+from persist_lib.shard.runs import COMPACTOR_WRITER_PREFIX
+from persist_lib.shard.sorted_checks import (
     SORTED_STRICT,
     SORTED_WITH_TIES,
     UNSORTED,
-    advance_to_since,
-    consolidate,
     count_less,
     linear_kernels_apply,
-    row_keys,
-    snapshot_at,
     sorted_state,
 )
-from persist_lib.shard.memory_plan import MergeStats
-from persist_lib.shard.parts import encode_part, fetch_part, part_blob_key, part_meta_for
-from persist_lib.shard.read_merge import stream_merge
-from persist_lib.shard.runs import COMPACTOR_WRITER_PREFIX
+from persist_lib.shard.time_filters import advance_to_since, snapshot_at
 
 
 def _col(rng: np.random.Generator, kind: str, n: int, card: int) -> pa.Array:

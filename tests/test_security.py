@@ -451,10 +451,10 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
     from persist_lib.shard.part_writers import PartWriter
     from persist_lib.spark.ingest import SparkIngestion
     from persist_lib.storage.controller import StorageController
-    from persist_lib.testing.actors import HistoryConfig
     from persist_lib.testing.audit import AuditBlob, AuditConsensus
     from persist_lib.testing.corruption import CorruptingBlob, CorruptingConsensus
     from persist_lib.testing.faults import ScriptedConsensus
+    from persist_lib.testing.history_config import HistoryConfig
     from persist_lib.testing.hooks import InterruptingBlob, InterruptingConsensus, InterruptPlan
     from persist_lib.testing.planted import (
         HeadDeletingConsensus,
@@ -542,7 +542,7 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
         "persist_lib.testing.planted.NotExistsPostgresConsensus": lambda x: [
             x.keep(NotExistsPostgresConsensus(x.consensus_uri))
         ],
-        "persist_lib.testing.actors.HistoryConfig": lambda x: [
+        "persist_lib.testing.history_config.HistoryConfig": lambda x: [
             HistoryConfig(seed=1, root=str(x.tmp), consensus_uri=x.consensus_uri, shard_id=str(x.shard))
         ],
         # Spark specs (what executors get)

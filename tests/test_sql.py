@@ -17,7 +17,9 @@ import pytest
 
 from persist_lib import PersistClient, PersistConfig, ShardId
 from persist_lib.errors import InvalidUsage, Timeout
-from persist_lib.sql.engine import SqlSession, TableRef, format_time, parse_time, rewrite_sql
+from persist_lib.sql.engine import SqlSession
+from persist_lib.sql.rewrite import TableRef, rewrite_sql
+from persist_lib.sql.times import format_time, parse_time
 from persist_lib.storage import StorageController
 
 pytest.importorskip("duckdb")

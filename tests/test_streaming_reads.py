@@ -29,11 +29,12 @@ from persist_lib.handles.read import (
     ReadHandle,
     _whole_read_bytes,
 )
-from persist_lib.shard.consolidate import consolidate, forward_and_filter, is_consolidated
+from persist_lib.shard.consolidate import consolidate, is_consolidated
 from persist_lib.shard.memory_plan import MergeStats
 from persist_lib.shard.parts import fetch_part
 from persist_lib.shard.read_merge import stream_merge
 from persist_lib.shard.runs import batch_runs
+from persist_lib.shard.time_filters import forward_and_filter
 from persist_lib.storage import StorageController
 
 KEY = pa.schema([("k", pa.int64())])

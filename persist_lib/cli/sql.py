@@ -164,7 +164,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _tables(s: Any) -> list[dict[str, Any]]:
-    from persist_lib.sql.engine import format_time
+    from persist_lib.sql.times import format_time
 
     out = []
     for name in s.collections():

@@ -42,14 +42,7 @@ from persist_lib.shard import state as st
 from persist_lib.shard import transitions as tr
 from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import Schemas, to_user_table, user_schema
-from persist_lib.shard.consolidate import (
-    SORTED_STRICT,
-    SORTED_WITH_TIES,
-    consolidate,
-    snapshot_at,
-    sorted_state,
-    time_range,
-)
+from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.kway_merge import FEW_RUNS, merges_linearly
 from persist_lib.shard.machine import Machine
 from persist_lib.shard.memory_plan import STEP_BYTES_PER_ROW, MergeStats, estimate_decoded_bytes
@@ -57,6 +50,8 @@ from persist_lib.shard.metrics import track_listen
 from persist_lib.shard.parts import fetch_part
 from persist_lib.shard.read_merge import merge_decoded_runs, stream_merge
 from persist_lib.shard.runs import batch_runs
+from persist_lib.shard.sorted_checks import SORTED_STRICT, SORTED_WITH_TIES, sorted_state
+from persist_lib.shard.time_filters import snapshot_at, time_range
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.handles.client import PersistClient

@@ -125,7 +125,7 @@ from psycopg import sql
 from persist_lib.errors import Determinate, Indeterminate, InvalidUri, InvalidUsage
 from persist_lib.location.base import CaSResult, Consensus, VersionedData
 from persist_lib.location.mem import _check_cas_args
-from persist_lib.location.uri import SensitiveUrl, redact
+from persist_lib.location.redaction import SensitiveUrl, redact
 
 __all__ = ["NOTIFY_CHANNEL", "PostgresConsensus"]
 

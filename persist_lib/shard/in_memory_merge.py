@@ -22,7 +22,7 @@ import pyarrow as pa
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import Schemas, internal_schema
-from persist_lib.shard.consolidate import advance_to_since, consolidation_plan, time_range
+from persist_lib.shard.consolidate import consolidation_plan
 from persist_lib.shard.kernels import RowSource
 from persist_lib.shard.kway_merge import few_linear_runs
 from persist_lib.shard.memory_plan import (
@@ -40,6 +40,7 @@ from persist_lib.shard.part_fetch import (
     release_unused_memory,
 )
 from persist_lib.shard.runs import RunSource
+from persist_lib.shard.time_filters import advance_to_since, time_range
 
 log = logging.getLogger(__name__)
 

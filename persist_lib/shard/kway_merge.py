@@ -19,7 +19,7 @@ chunks.
 **One merge step.** Let ``F`` be the smallest *last* buffered row over the runs that
 have more input: every future row of every run is ``>= F``, so all buffered rows
 ``< F`` can be emitted, consolidated (equal ``(k, v, t)`` summed; zeros dropped).
-Rows are compared by ``consolidate.row_keys`` ranks computed over one concatenation,
+Rows are compared by ``ranks.row_keys`` ranks computed over one concatenation,
 which is what makes rows of different chunks comparable. Times below ``since`` are
 forwarded to ``since`` as chunks are read; forwarding is monotone, so runs stay sorted.
 
@@ -41,19 +41,7 @@ from persist_lib.location.base import Blob
 from persist_lib.shard.batch_builder import BatchBuilder
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import D_COL, T_COL, Schemas, internal_schema
-from persist_lib.shard.consolidate import (
-    SORTED_WITH_TIES,
-    UNSORTED,
-    advance_to_since,
-    consolidate,
-    count_less,
-    linear_kernels_apply,
-    row_keys,
-    row_keys_with_hint,
-    sorted_state,
-    time_range,
-    to_numpy,
-)
+from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.memory_plan import (
     MIN_CHUNK_ROWS,
     PARALLEL_DECODE_BYTES,
@@ -67,7 +55,16 @@ from persist_lib.shard.part_fetch import (
     fetch_small_part,
     release_unused_memory,
 )
+from persist_lib.shard.ranks import row_keys, row_keys_with_hint, to_numpy
 from persist_lib.shard.runs import RunOrderViolation, RunSource
+from persist_lib.shard.sorted_checks import (
+    SORTED_WITH_TIES,
+    UNSORTED,
+    count_less,
+    linear_kernels_apply,
+    sorted_state,
+)
+from persist_lib.shard.time_filters import advance_to_since, time_range
 
 
 def _consolidate_sorted_equal(t: pa.Table) -> pa.Table:

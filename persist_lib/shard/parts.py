@@ -30,7 +30,7 @@ from persist_lib.errors import (
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import D_COL, T_COL, Schemas, internal_schema
-from persist_lib.shard.consolidate import estimated_distinct, to_numpy
+from persist_lib.shard.ranks import estimated_distinct, to_numpy
 from persist_lib.utf8 import describe_value, first_invalid
 
 FORMAT_VERSION = "1"

@@ -3,7 +3,7 @@
 The output of a merge is one sorted run: every ``(k, v, t)`` of the inputs, times
 below the since forwarded (``compactor.forward_time``), consolidated. The Spark job
 produces exactly that by *range partitioning* in persist's own row order
-(``consolidate.row_keys``, the order the in-process compactor merges by):
+(``ranks.row_keys``, the order the in-process compactor merges by):
 
 1. **Sample.** Tasks fetch (and verify) the input parts and return evenly spaced rows
    of each (a part is sorted, so these are its quantiles) and its decoded size.
@@ -227,8 +227,8 @@ def _key_cols(schemas: Schemas) -> list[str]:
 
 def _read_part(spec: _MergeSpec, blob: Any, schemas: Schemas, pj: dict[str, Any]) -> pa.Table:
     """Fetches, verifies and decodes one part and forwards its times (still sorted)."""
-    from persist_lib.shard.consolidate import advance_to_since
     from persist_lib.shard.parts import fetch_part
+    from persist_lib.shard.time_filters import advance_to_since
 
     t = fetch_part(blob, PartMeta.from_json(pj), schemas, spec.shard_id)
     return advance_to_since(t, spec.since_t) if spec.since_t is not None else t
@@ -250,7 +250,7 @@ def _sample_task(spec: _MergeSpec, items: Iterable[tuple[dict[str, Any], int]]) 
 
 def _bucket_of(table: pa.Table, splitters: pa.Table | None, cols: list[str]) -> np.ndarray:
     """The bucket of every row: the number of splitters ``<=`` it (persist row order)."""
-    from persist_lib.shard.consolidate import row_keys
+    from persist_lib.shard.ranks import row_keys
 
     n = table.num_rows
     if splitters is None or splitters.num_rows == 0:
@@ -400,7 +400,7 @@ def _groups(parts: list[PartMeta], n: int) -> list[list[PartMeta]]:
 
 def _splitters(samples: list[pa.Table], weights: list[float], buckets: int, cols: list[str]) -> pa.Table | None:
     """``buckets - 1`` splitter rows at evenly spaced weighted ranks of the samples."""
-    from persist_lib.shard.consolidate import row_keys
+    from persist_lib.shard.ranks import row_keys
 
     if buckets <= 1 or not samples:
         return None

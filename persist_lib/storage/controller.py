@@ -571,6 +571,11 @@ class StorageController:
         self._active_cache[name] = (upper, active)
         return active
 
+    def _note_active(self, name: str, upper: Antichain, rendition: str) -> None:
+        """Remembers that ``rendition`` is active at ``upper`` (a writer of the active
+        rendition just advanced the metadata shard to it)."""
+        self._active_cache[name] = (upper, rendition)
+
     def _rendition_upper(self, spec: Spec, rendition: str) -> Antichain:
         shards = spec["renditions"][rendition]["shards"]
         return min(self.client.machine(s).fetch_latest().upper for s in shards)

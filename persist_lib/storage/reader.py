@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -33,10 +32,8 @@ from persist_lib.handles.read import (
 )
 from persist_lib.shard.codec import Schemas, empty_updates, to_user_table, user_schema
 from persist_lib.shard.consolidate import consolidate
+from persist_lib.storage.directory import RenditionDirectory
 from persist_lib.storage.metadata import Handover, active_in, timeline_from_updates
-
-if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.storage.controller import StorageController
 
 
 class CollectionDeleted(InvalidUsage):
@@ -45,7 +42,7 @@ class CollectionDeleted(InvalidUsage):
 
 class CollectionReader:
     def __init__(
-        self, ctl: StorageController, name: str, schemas: Schemas, meta_reader: ReadHandle
+        self, ctl: RenditionDirectory, name: str, schemas: Schemas, meta_reader: ReadHandle
     ) -> None:
         self._ctl = ctl
         self.name = name

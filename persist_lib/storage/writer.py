@@ -14,7 +14,7 @@ not (yet) active leaves the metadata alone, so a backfill can't block a handover
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 
@@ -22,16 +22,14 @@ from persist_lib.errors import InvalidUsage, UpperMismatch
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.handles.write import WriteHandle
 from persist_lib.shard.codec import Schemas, normalize_updates, to_user_table
+from persist_lib.storage.directory import ActiveRendition
 from persist_lib.storage.routing import split_by_shard
-
-if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.storage.controller import StorageController
 
 
 class CollectionWriter:
     def __init__(
         self,
-        ctl: StorageController,
+        ctl: ActiveRendition,
         name: str,
         rendition: str,
         shard_writers: list[WriteHandle],
@@ -107,7 +105,7 @@ class CollectionWriter:
                 return
             try:
                 self._meta.compare_and_append([], cur, upper)
-                self._ctl._active_cache[self.name] = (upper, self.rendition)
+                self._ctl._note_active(self.name, upper, self.rendition)
                 return
             except UpperMismatch:
                 continue

@@ -49,13 +49,13 @@ from persist_lib.shard import state as st
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.machine import unframe
 from persist_lib.testing import model
-from persist_lib.testing.actors import (
+from persist_lib.testing.history import FAIL, INFO, OK, History, Op, load_events
+from persist_lib.testing.history_config import (
     KEY_SCHEMA,
     VAL_SCHEMA,
     HistoryConfig,
     definite_updates,
 )
-from persist_lib.testing.history import FAIL, INFO, OK, History, Op, load_events
 
 VIOLATION_KINDS: tuple[str, ...] = (
     "consensus_fork",

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from persist_lib.errors import PersistError
-from persist_lib.testing.actors import KEY_SCHEMA, VAL_SCHEMA, Update, definite_updates
+from persist_lib.testing.history_config import KEY_SCHEMA, VAL_SCHEMA, Update, definite_updates
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.testing.actors import Writer
+    from persist_lib.testing.actor_base import Actor
 
 
 def user_table(ups: list[Update]) -> pa.Table:
@@ -34,7 +34,7 @@ def user_table(ups: list[Update]) -> pa.Table:
     })
 
 
-def divergent_verified_append(actor: Writer) -> None:
+def divergent_verified_append(actor: Actor) -> None:
     """One logged ``verified_append`` op of ``actor``: opens its own output (a writer,
     and a reader registered at the shard's since), replays, releases the output."""
     from persist_lib.ingest.outputs import ShardOutput

@@ -36,16 +36,11 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from persist_lib.testing.actors import (
-    KEY_SCHEMA,
-    VAL_SCHEMA,
-    HistoryConfig,
-    actor_main,
-    build_location,
-    prepare_dirs,
-)
+from persist_lib.testing.actor_location import build_location
+from persist_lib.testing.actors import actor_main
 from persist_lib.testing.checker import CheckReport, check_history
 from persist_lib.testing.history import OK, EventLog
+from persist_lib.testing.history_config import KEY_SCHEMA, VAL_SCHEMA, HistoryConfig, prepare_dirs
 
 _CTX: Any = None  # the forkserver context (typed loosely: BaseContext lacks Process)
 _CTX_LOCK = threading.Lock()

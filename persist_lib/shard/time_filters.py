@@ -1,0 +1,61 @@
+"""Time forwarding and filtering of update tables: as-of snapshots, since, time ranges.
+
+None of these consolidate: callers do, once, at the end (``consolidate``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist_lib.shard.codec import T_COL
+
+
+def _replace_t(table: pa.Table, t: pa.Array | pa.ChunkedArray) -> pa.Table:
+    ti = table.schema.get_field_index(T_COL)
+    return table.set_column(ti, table.schema.field(ti), t)
+
+
+def snapshot_at(table: pa.Table, as_of: int) -> pa.Table:
+    """Keeps updates with ``t <= as_of`` and forwards every time to ``as_of``."""
+    kept = table.filter(pc.less_equal(table.column(T_COL), as_of))
+    return _replace_t(kept, pa.array(np.full(kept.num_rows, as_of, dtype=np.int64)))
+
+
+def advance_to_since(table: pa.Table, since: int) -> pa.Table:
+    """Forwards times below ``since`` to ``since`` (what compaction does to history)."""
+    t = table.column(T_COL)
+    if len(t) == 0 or pc.min(t).as_py() >= since:
+        return table
+    return _replace_t(table, pc.max_element_wise(t, pa.scalar(since, pa.int64())))
+
+
+def time_range(table: pa.Table, lower: int | None = None, upper: int | None = None) -> pa.Table:
+    """Keeps updates with ``lower <= t < upper`` (``None`` bounds are open)."""
+    t = table.column(T_COL)
+    mask = None
+    if lower is not None:
+        mask = pc.greater_equal(t, lower)
+    if upper is not None:
+        m = pc.less(t, upper)
+        mask = m if mask is None else pc.and_(mask, m)
+    return table if mask is None else table.filter(mask)
+
+
+def forward_and_filter(
+    table: pa.Table,
+    as_of: int | None = None,
+    since: int | None = None,
+    lower: int | None = None,
+    upper: int | None = None,
+) -> pa.Table:
+    """Applies, in this order: ``time_range(lower, upper)``, ``advance_to_since(since)``,
+    ``snapshot_at(as_of)``. Does not consolidate."""
+    if lower is not None or upper is not None:
+        table = time_range(table, lower, upper)
+    if since is not None:
+        table = advance_to_since(table, since)
+    if as_of is not None:
+        table = snapshot_at(table, as_of)
+    return table

@@ -1,0 +1,185 @@
+"""What a SQL session reads: tables opened for reading and re-scannable Arrow sources.
+
+A ``Table`` is a collection or a shard with its reader; an ``ArrowSource`` is that
+table as of a time (or its changes between two), and every scan of it (DuckDB,
+polars, pyarrow) opens a fresh streaming read within the session's memory budget, so
+relations and frames built on it can be evaluated again and give the same rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from persist_lib.errors import InvalidUsage
+from persist_lib.frontier import Antichain
+from persist_lib.handles.read import BatchStream, ReadHandle
+from persist_lib.shard.codec import Schemas, user_schema
+from persist_lib.sql.times import format_time, range_text
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.storage import CollectionReader
+
+class Table:
+    """A collection or a shard opened for reading by a session (one leased reader, or a
+    collection reader, expired by ``close``)."""
+
+    def __init__(self, label: str, schemas: Schemas, reader: ReadHandle | CollectionReader) -> None:
+        self.label = label  # "collection orders" / "shard s..."
+        self.schemas = schemas
+        self.schema = user_schema(schemas)
+        self._reader = reader
+
+    @property
+    def since(self) -> Antichain:
+        return self._reader.since
+
+    @property
+    def upper(self) -> Antichain:
+        """Every time before it is readable (read from consensus now)."""
+        r = self._reader
+        if isinstance(r, ReadHandle):
+            return r._machine.fetch_latest().upper
+        return r.upper
+
+    def latest(self) -> int:
+        """The latest readable time (``upper - 1``)."""
+        since, upper = self.since, self.upper
+        if upper.time is None:
+            raise InvalidUsage(
+                f"{self.label}: its upper is closed (no more writes); give an explicit time "
+                f"(readable: from {format_time(since.time)})"
+            )
+        if upper.time == 0 or not since.less_equal(upper.time - 1):
+            raise InvalidUsage(
+                f"{self.label} has no readable time yet (readable times: {range_text(since, upper)}): "
+                "nothing was written to it"
+            )
+        return upper.time - 1
+
+    def snapshot_batches(
+        self, as_of: int, *, memory_budget: int | None, timeout_s: float | None
+    ) -> BatchStream:
+        return self._reader.snapshot_batches(as_of, memory_budget=memory_budget, timeout_s=timeout_s)
+
+    def updates_between_batches(
+        self, lower: int, upper: int, *, memory_budget: int | None, timeout_s: float | None
+    ) -> BatchStream:
+        return self._reader.updates_between_batches(
+            lower, upper, memory_budget=memory_budget, timeout_s=timeout_s
+        )
+
+    def explain(self, e: Exception, what: str) -> Exception:
+        """``e`` (an ``InvalidUsage`` or ``Timeout`` of a read) with the table, the
+        time asked for and the readable range added; same type."""
+        try:
+            rng = range_text(self.since, self.upper)
+        except Exception:  # noqa: BLE001 - the message is best effort
+            rng = "unknown"
+        msg = f"{self.label} {what}: {e} (readable times: {rng})"
+        try:
+            return type(e)(msg)
+        except TypeError:
+            return e
+
+    def close(self) -> None:
+        from persist_lib.errors import PersistError
+
+        try:
+            self._reader.expire()
+        except PersistError:  # already expired (its lease lapsed) or the shard is gone
+            pass
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What a source reads: a snapshot at ``as_of``, or the updates in ``[lower, upper)``."""
+
+    as_of: int | None = None
+    lower: int = 0
+    upper: int = 0
+
+
+class ArrowSource:
+    """A re-scannable Arrow stream of a table as of a time (or of its changes).
+
+    Every consumer that takes the Arrow PyCapsule stream interface (DuckDB, polars,
+    pyarrow) can read it; each ``__arrow_c_stream__`` call (each scan) opens a new
+    streaming read when its first batch is pulled and releases it when the scan ends.
+    ``reader()`` is one such scan as a ``pyarrow.RecordBatchReader``.
+    """
+
+    def __init__(self, table: Table, scan: Scan, memory_budget: int | None, timeout_s: float | None) -> None:
+        self.table = table
+        self.scan = scan
+        self.schema = table.schema
+        self._budget = memory_budget
+        self._timeout = timeout_s
+
+    @property
+    def description(self) -> str:
+        s = self.scan
+        if s.as_of is not None:
+            return f"{self.table.label} as of {format_time(s.as_of)}"
+        return f"{self.table.label} changes in [{format_time(s.lower)}, {format_time(s.upper)})"
+
+    def open_stream(self) -> BatchStream:
+        s = self.scan
+        if s.as_of is not None:
+            return self.table.snapshot_batches(s.as_of, memory_budget=self._budget, timeout_s=self._timeout)
+        return self.table.updates_between_batches(
+            s.lower, s.upper, memory_budget=self._budget, timeout_s=self._timeout
+        )
+
+    def batches(self) -> Iterator[pa.RecordBatch]:
+        """One scan: opens the read on the first ``next``, releases it when exhausted,
+        closed or collected."""
+        with self.open_stream() as stream:
+            yield from stream
+
+    def reader(self) -> pa.RecordBatchReader:
+        return pa.RecordBatchReader.from_batches(self.schema, self.batches())
+
+    def __arrow_c_stream__(self, requested_schema: object | None = None) -> object:
+        return self.reader().__arrow_c_stream__(requested_schema)
+
+    def __arrow_c_schema__(self) -> object:
+        return self.schema.__arrow_c_schema__()
+
+    def read_all(self) -> pa.Table:
+        """The whole scan as one table (materialized: for small results)."""
+        return self.reader().read_all()
+
+    def __repr__(self) -> str:
+        return f"ArrowSource({self.description})"
+
+
+def lazy_frame(src: ArrowSource) -> Any:
+    import polars as pl
+    from polars.io.plugins import register_io_source
+
+    schema = pl.from_arrow(src.schema.empty_table()).schema  # type: ignore[union-attr]
+
+    def io_source(
+        with_columns: list[str] | None, predicate: Any, n_rows: int | None, batch_size: int | None
+    ) -> Iterator[Any]:
+        left = n_rows
+        with src.open_stream() as stream:
+            for b in stream:
+                if left is not None and left <= 0:
+                    return
+                df = pl.from_arrow(b)
+                assert isinstance(df, pl.DataFrame)
+                if predicate is not None:
+                    df = df.filter(predicate)
+                if with_columns is not None:
+                    df = df.select(with_columns)
+                if left is not None:
+                    df = df.head(left)
+                    left -= df.height
+                yield df
+
+    return register_io_source(io_source, schema=schema)
