@@ -70,7 +70,8 @@ import pyarrow as pa
 
 from persist_lib.errors import InvalidUsage, ShardTombstoned, Timeout
 from persist_lib.frontier import Antichain, check_time
-from persist_lib.handles.read import BatchStream, ReadHandle
+from persist_lib.handles.batch_stream import BatchStream
+from persist_lib.handles.read import ReadHandle
 from persist_lib.ids import ShardId
 from persist_lib.shard.codec import Schemas, user_schema
 from persist_lib.sql.guard import SqlReadOnly as SqlReadOnly
