@@ -42,7 +42,6 @@ class LeasedReader:
     """A leased reader of one shard: its lease, since and seqno holds (the base of
     ``ReadHandle``)."""
 
-
     def __init__(
         self, client: PersistClient, machine: Machine, reader_id: str, schemas: Schemas, purpose: str
     ) -> None:
@@ -122,7 +121,6 @@ class LeasedReader:
 
     def __exit__(self, *exc: object) -> None:
         self.expire()
-
 
     # ----- internals ------------------------------------------------------------------
 
@@ -241,7 +239,6 @@ class LeasedReader:
             # dropped our seqno hold and GC ran); anything else is a real loss.
             self._me(self._machine.fetch_latest())
             raise
-
 
     def _guard_missing(self, it: Iterator[pa.Table]) -> Iterator[pa.Table]:
         """A missing blob we were entitled to read means our lease lapsed (expiry dropped

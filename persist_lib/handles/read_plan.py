@@ -38,16 +38,14 @@ def row_width(schemas: Schemas) -> int:
     return w
 
 
-
 def batch_overlaps(b: HollowBatch, lower: int, upper: int | None) -> bool:
     """Whether batch ``b`` may hold updates at times in ``[lower, upper)``."""
     return (b.upper.is_empty() or (b.upper.time or 0) > lower) and (upper is None or (b.lower.time or 0) < upper)
 
 
 def part_overlaps(p: PartMeta, lower: int, upper: int | None) -> bool:
+    """Whether part ``p`` may hold updates at times in ``[lower, upper)``."""
     return p.tmax >= lower and (upper is None or p.tmin < upper)
-
-
 
 
 def parts_in_range(state: st.ShardState, lower: int, upper: int | None) -> list[PartMeta]:
@@ -63,6 +61,7 @@ def parts_in_range(state: st.ShardState, lower: int, upper: int | None) -> list[
 
 
 def concat_updates(tables: list[pa.Table], schemas: Schemas) -> pa.Table:
+    """``tables`` as one update table (an empty one of ``schemas`` when there are none)."""
     if not tables:
         return empty_updates(schemas)
     return pa.concat_tables(tables)
