@@ -41,7 +41,7 @@ ROWS = 10
 
 def child(blob: str, cons: str, shard: str, n: int) -> None:
     from persist_lib.handles.client import PersistClient
-    from persist_lib.handles.read import ListenUpdates
+    from persist_lib.handles.listen import ListenUpdates
 
     client = PersistClient.open(blob, cons, persist_config())
     r = client.open_leased_reader(shard, KEY_SCHEMA, VAL_SCHEMA)

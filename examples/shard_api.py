@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from persist_lib import PersistClient, ShardId
 from persist_lib.errors import UpperMismatch
-from persist_lib.handles.read import ListenUpdates
+from persist_lib.handles.listen import ListenUpdates
 
 
 def main() -> int:

@@ -23,10 +23,10 @@ _EXPORTS = {
     "PersistClient": "persist_lib.handles.client",
     "PersistConfig": "persist_lib.config",
     "ReadHandle": "persist_lib.handles.read",
-    "SinceHandle": "persist_lib.handles.read",
-    "SnapshotSplit": "persist_lib.handles.read",
-    "ListenUpdates": "persist_lib.handles.read",
-    "ListenProgress": "persist_lib.handles.read",
+    "SinceHandle": "persist_lib.handles.since",
+    "SnapshotSplit": "persist_lib.handles.splits",
+    "ListenUpdates": "persist_lib.handles.listen",
+    "ListenProgress": "persist_lib.handles.listen",
     "WriteHandle": "persist_lib.handles.write",
 }
 

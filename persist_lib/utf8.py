@@ -4,9 +4,9 @@ Arrow string columns are bytes that are *supposed* to be UTF-8, but several prod
 don't check (pyarrow's JSON reader inside strings, Parquet files written with an unsafe
 cast, ``Array.from_buffers``). Invalid bytes in a part poison a shard: every reader that
 turns the column into Python text raises a bare ``UnicodeDecodeError``. So writers pass
-their update tables through ``check_table`` (``codec.normalize_updates`` and
-``check_update_table`` call it: ``compare_and_append``, batch builders, Spark writes,
-ingestion and rebuilds all go through those), part decoding checks what it read, and
+their update tables through ``check_table`` (``codec.normalize_checked`` and
+``check_updates`` call it, once per table: ``compare_and_append``, batch builders, Spark
+writes, ingestion and rebuilds all go through those), part decoding checks what it read, and
 ingestion routes bad records to its errors collection with ``invalid_rows``.
 
 The fast path is ``Array.validate(full=True)``, which checks UTF-8 for string arrays

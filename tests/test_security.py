@@ -483,9 +483,12 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
         "persist_lib.sql.engine.SqlSession": _sql_session,
         "persist_lib.handles.write.WriteHandle": lambda x: [x.w],
         "persist_lib.handles.read.ReadHandle": lambda x: [x.r],
+        # (the layers ReadHandle is built from: the same object)
+        "persist_lib.handles.leased_reader.LeasedReader": lambda x: [x.r],
+        "persist_lib.handles.snapshot.SnapshotReader": lambda x: [x.r],
         "persist_lib.shard.machine.Machine": lambda x: [x.client.machine(x.shard)],
-        "persist_lib.handles.read.SnapshotSplit": lambda x: _splits(x, "snapshot"),
-        "persist_lib.handles.read.RangeSplit": lambda x: _splits(x, "range"),
+        "persist_lib.handles.splits.SnapshotSplit": lambda x: _splits(x, "snapshot"),
+        "persist_lib.handles.splits.RangeSplit": lambda x: _splits(x, "range"),
         "persist_lib.shard.batch_builder.BatchBuilder": lambda x: [
             BatchBuilder(x.client.blob, Schemas.create(KEY, VAL), shard=str(x.shard), writer="w", lower=0)
         ],

@@ -17,7 +17,7 @@ from persist_lib.errors import (
     SchemaMismatch,
     UpperMismatch,
 )
-from persist_lib.handles.read import ListenProgress, ListenUpdates
+from persist_lib.handles.listen import ListenProgress, ListenUpdates
 from persist_lib.location.base import CaSResult, Consensus, VersionedData
 from persist_lib.location.mem import MemBlob, MemConsensus
 from persist_lib.shard.machine import clear_state_cache

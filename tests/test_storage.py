@@ -11,7 +11,7 @@ import pytest
 
 from persist_lib import PersistClient, PersistConfig
 from persist_lib.errors import InvalidUsage
-from persist_lib.handles.read import ListenUpdates
+from persist_lib.handles.listen import ListenUpdates
 from persist_lib.storage import CollectionDeleted, StorageController, UnknownCollection
 
 K = pa.schema([("k", pa.int64())])

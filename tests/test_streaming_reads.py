@@ -22,13 +22,10 @@ import pytest
 from persist_lib import Antichain, PersistClient, PersistConfig, ShardId
 from persist_lib.errors import CorruptionError, InvalidUsage, Timeout
 from persist_lib.handles import maintenance as mn
-from persist_lib.handles.read import (
-    BatchStream,
-    ListenProgress,
-    ListenUpdates,
-    ReadHandle,
-    _whole_read_bytes,
-)
+from persist_lib.handles.batch_stream import BatchStream
+from persist_lib.handles.listen import ListenProgress, ListenUpdates
+from persist_lib.handles.read import ReadHandle
+from persist_lib.handles.read_plan import whole_read_bytes
 from persist_lib.shard.consolidate import consolidate, is_consolidated
 from persist_lib.shard.memory_plan import MergeStats
 from persist_lib.shard.parts import fetch_part
@@ -118,7 +115,7 @@ def test_snapshot_batches_equal_snapshot(seed: int) -> None:
         assert any(len(batch_runs(b)) == 1 and len(b.parts) > 1 for _, b in s.trace_batches()), "a compacted run"
     else:
         assert any(p.inline is not None for p in parts) and any(p.key is not None for p in parts)
-    assert _whole_read_bytes(parts, f.r.schemas) > BUDGET, "the budget must force the streaming merge"
+    assert whole_read_bytes(parts, f.r.schemas) > BUDGET, "the budget must force the streaming merge"
     for as_of in f.as_ofs():
         want = model_snapshot(f.log, as_of)
         whole = f.r.snapshot(as_of, memory_budget=1 << 40)  # decoded whole

@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib.handles.read import ListenUpdates
+from persist_lib.handles.listen import ListenUpdates
 
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])

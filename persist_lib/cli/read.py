@@ -38,7 +38,7 @@ from persist_lib.cli.main import command
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import Antichain
 from persist_lib.handles.client import PersistClient
-from persist_lib.handles.read import ListenProgress, ListenUpdates
+from persist_lib.handles.listen import ListenProgress, ListenUpdates
 from persist_lib.ids import ShardId
 from persist_lib.shard.codec import Schemas
 from persist_lib.timefmt import frontier_text, parse_time, time_text

@@ -28,7 +28,8 @@ import pyarrow as pa
 
 from persist_lib.config import PersistConfig
 from persist_lib.errors import InvalidUsage, LeaseExpired
-from persist_lib.handles.read import ReadHandle, SinceHandle
+from persist_lib.handles.read import ReadHandle
+from persist_lib.handles.since import SinceHandle
 from persist_lib.handles.write import WriteHandle
 from persist_lib.ids import CriticalReaderId, ReaderId, ShardId, WriterId
 from persist_lib.location.base import Blob, Consensus

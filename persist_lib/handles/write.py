@@ -26,7 +26,7 @@ from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.shard import transitions as tr
 from persist_lib.shard.batch_builder import BatchBuilder, build_batch, delete_batch_blobs
 from persist_lib.shard.batch_meta import HollowBatch, PartMeta
-from persist_lib.shard.codec import Schemas, normalize_updates
+from persist_lib.shard.codec import CheckedUpdates, Schemas, normalize_checked
 from persist_lib.shard.machine import ApplyProgress, Machine
 from persist_lib.shard.parts import part_blob_key
 from persist_lib.shard.state import ShardState
@@ -93,9 +93,9 @@ class WriteHandle:
             self._check_open()
             self.last_commit_seqno = None
             self._check_frontiers(expected, new)
-            table = normalize_updates(updates, self.schemas, shard=self.shard_id)
-            self._check_times(table, expected, new)
-            batch = self._build(table, expected, new)
+            checked = normalize_checked(updates, self.schemas, shard=self.shard_id)
+            self._check_times(checked.table, expected, new)
+            batch = self._build(checked, expected, new)
             self._commit_or_delete(batch, expected, new)
 
     def append(self, updates: Any, lower: FrontierLike, upper: FrontierLike) -> None:
@@ -113,8 +113,8 @@ class WriteHandle:
             self.last_commit_seqno = None
             self.last_append_skipped = False
             self._check_frontiers(lo, hi)
-            table = normalize_updates(updates, self.schemas, shard=self.shard_id)
-            self._check_times(table, lo, hi)
+            checked = normalize_checked(updates, self.schemas, shard=self.shard_id)
+            self._check_times(checked.table, lo, hi)
             cur = self._machine.cached().upper
             while True:
                 if cur >= hi:
@@ -125,10 +125,10 @@ class WriteHandle:
                     if cur < lo:
                         raise UpperMismatch(self.shard_id, lo, cur)
                     continue
-                part = table
+                part = checked
                 if cur > lo:
                     assert cur.time is not None
-                    part = table.filter(pc.greater_equal(table["t"], cur.time))
+                    part = checked.filter(pc.greater_equal(checked.table["t"], cur.time))
                 batch = self._build(part, cur, hi)
                 try:
                     self._commit_or_delete(batch, cur, hi)
@@ -156,9 +156,11 @@ class WriteHandle:
             unsorted_min_bytes=cfg.unsorted_min_bytes,
         )
 
-    def normalize(self, updates: Any) -> pa.Table:
-        """Validates ``updates`` against the shard schemas (for use with ``builder``)."""
-        return normalize_updates(updates, self.schemas, shard=self.shard_id)
+    def normalize(self, updates: Any) -> CheckedUpdates:
+        """Validates ``updates`` against the shard schemas, once: a ``builder``'s ``add``
+        (and ``compare_and_append``/``append``) take the result without checking it again.
+        Its ``table`` is the update table (internal layout)."""
+        return normalize_checked(updates, self.schemas, shard=self.shard_id)
 
     def compare_and_append_batch(
         self,
@@ -268,7 +270,7 @@ class WriteHandle:
         room = cfg.inline_max_total - self._machine.cached().inline_bytes
         return max(0, min(cfg.inline_append_threshold, room))
 
-    def _build(self, table: pa.Table, lower: Antichain, upper: Antichain) -> HollowBatch:
+    def _build(self, table: CheckedUpdates, lower: Antichain, upper: Antichain) -> HollowBatch:
         cfg = self._client.config
         return build_batch(
             self._client.blob,

@@ -40,7 +40,7 @@ from persist_lib.ingest.source import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.handles.client import PersistClient
-    from persist_lib.handles.read import Listen
+    from persist_lib.handles.listen import Listen
     from persist_lib.ids import ShardId
 
 REMAP_KEY = pa.schema([("partition", pa.string()), ("address", pa.string())])
@@ -125,7 +125,7 @@ class RemapShard:
 
     def sync(self, timeout_s: float = 0.0) -> list[Binding]:
         """Reads bindings committed since the last sync (waiting up to ``timeout_s`` for one)."""
-        from persist_lib.handles.read import ListenProgress, ListenUpdates
+        from persist_lib.handles.listen import ListenProgress, ListenUpdates
 
         if self._listen is None:
             raise IngestInvariantError(f"remap {self.label}: sync before load")

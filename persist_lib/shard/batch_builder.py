@@ -38,7 +38,7 @@ from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import HollowBatch, PartMeta
-from persist_lib.shard.codec import T_COL, Schemas, check_update_table
+from persist_lib.shard.codec import T_COL, Schemas, check_updates
 from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.parts import encode_part, part_blob_key, part_meta_for
 
@@ -114,12 +114,14 @@ class BatchBuilder:
     def add(self, updates: Any) -> None:
         """Buffers a chunk of updates (internal layout; other forms are normalized).
 
-        Blocks while ``max_inflight_uploads`` parts are being written. If a part upload
-        failed, aborts the builder and raises that error. An invalid chunk raises
+        ``CheckedUpdates`` of this builder's schemas (``WriteHandle.normalize``,
+        ``codec.normalize_checked``) are taken as they are: they were checked where they
+        entered. Blocks while ``max_inflight_uploads`` parts are being written. If a part
+        upload failed, aborts the builder and raises that error. An invalid chunk raises
         ``InvalidUsage`` and is not added (the builder stays usable).
         """
         self._check_open("add")
-        table = check_update_table(updates, self.schemas, shard=self.shard)
+        table = check_updates(updates, self.schemas, shard=self.shard).table
         n = table.num_rows
         if n == 0:
             return

@@ -16,7 +16,7 @@ import base64
 import hashlib
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 import numpy as np
@@ -552,14 +552,79 @@ def _array_from_py(values: list[Any], t: pa.DataType, what: str, shard: str) -> 
         raise InvalidUsage(f"shard {shard}: {what}: cannot convert values to {t}: {e}") from e
 
 
-def normalize_updates(updates: Any, schemas: Schemas, *, shard: str) -> pa.Table:
-    """Validates user updates and returns them as an update table (internal layout).
+_MINT = object()  # only this module makes CheckedUpdates
+
+
+@dataclass(frozen=True, eq=False)
+class CheckedUpdates:
+    """An update table (internal layout) that passed every check of this module for
+    ``schemas``: types conformed, nullability enforced, times >= 0, strings valid UTF-8.
+
+    Why it exists: a write passes its updates through several layers (a write handle, a
+    batch builder, a collection writer routing rows to shards, a Spark executor), and
+    each layer must refuse bad input. The checks run once, where the updates enter
+    (``normalize_checked``, ``check_updates``); every layer after that takes a
+    ``CheckedUpdates`` of the same schemas as it is. A row subset of a checked table is
+    checked too (``filter``, ``take``, ``slice``). Only this module makes one: the
+    constructor refuses any other caller, so a table can't skip the checks by being
+    wrapped by hand.
+    """
+
+    table: pa.Table
+    schemas: Schemas
+    mint: InitVar[object] = None
+
+    def __post_init__(self, mint: object) -> None:
+        if mint is not _MINT:
+            raise InvalidUsage(
+                "CheckedUpdates are made only by codec.normalize_checked / codec.check_updates "
+                "(or WriteHandle.normalize), which run the checks; pass the updates to one of them"
+            )
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.table.num_rows)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.table.nbytes)
+
+    def __getitem__(self, name: str) -> pa.ChunkedArray:
+        return self.table[name]
+
+    def filter(self, mask: Any) -> CheckedUpdates:
+        """The rows where ``mask`` is true (still checked: a subset of checked rows)."""
+        return _checked(self.table.filter(mask), self.schemas)
+
+    def take(self, indices: Any) -> CheckedUpdates:
+        """The rows at ``indices`` (still checked)."""
+        return _checked(self.table.take(indices), self.schemas)
+
+    def slice(self, offset: int = 0, length: int | None = None) -> CheckedUpdates:
+        """Rows ``offset`` to ``offset + length`` (still checked)."""
+        return _checked(self.table.slice(offset, length), self.schemas)
+
+
+def _checked(table: pa.Table, schemas: Schemas) -> CheckedUpdates:
+    return CheckedUpdates(table, schemas, _MINT)
+
+
+def _same_schemas(updates: CheckedUpdates, schemas: Schemas) -> bool:
+    return updates.schemas is schemas or updates.schemas == schemas
+
+
+def normalize_checked(updates: Any, schemas: Schemas, *, shard: str) -> CheckedUpdates:
+    """Validates user updates once and returns them as ``CheckedUpdates`` (internal layout).
 
     Accepts a ``pyarrow.Table``/``RecordBatch`` (or pandas DataFrame) in the user layout
     (key fields, value fields, ``ts``, ``diff``; any column order), or an iterable of
     ``((key_tuple, val_tuple), t, d)``. Column types are cast safely to the schema;
-    anything else is an ``InvalidUsage`` that names the problem.
+    anything else is an ``InvalidUsage`` that names the problem. ``CheckedUpdates`` of
+    the same schemas are returned as they are (checked already); of other schemas, their
+    table is checked against these as an internal-layout table (``check_updates``).
     """
+    if isinstance(updates, CheckedUpdates):
+        return check_updates(updates, schemas, shard=shard)
     if isinstance(updates, pa.RecordBatch):
         updates = pa.Table.from_batches([updates])
     elif type(updates).__module__.startswith("pandas") and hasattr(updates, "columns"):
@@ -577,19 +642,30 @@ def normalize_updates(updates: Any, schemas: Schemas, *, shard: str) -> pa.Table
     return _checked_strings(_normalize_tuples(updates, schemas, shard), schemas, shard)
 
 
-def _checked_strings(table: pa.Table, schemas: Schemas, shard: str) -> pa.Table:
+def normalize_updates(updates: Any, schemas: Schemas, *, shard: str) -> pa.Table:
+    """``normalize_checked(updates)`` as a plain update table (internal layout), for
+    callers that only read it (comparisons, schema checks)."""
+    return normalize_checked(updates, schemas, shard=shard).table
+
+
+def _checked_strings(table: pa.Table, schemas: Schemas, shard: str) -> CheckedUpdates:
     """``table`` (internal layout) once every string in it is valid UTF-8; else
     ``InvalidUtf8`` names the field and row. No invalid string may reach a part: readers
     would fail on it for good (``persist_lib.utf8``)."""
     names = [f.name for f in schemas.key] + [f.name for f in schemas.val]
     utf8.check_table(table, names, shard=shard)
-    return table
+    return _checked(table, schemas)
 
 
-def check_update_table(table: Any, schemas: Schemas, *, shard: str) -> pa.Table:
-    """Returns ``table`` if it already is an update table (internal layout), else
-    normalizes it: user layouts and tuples, and internal-layout tables whose types or
-    nullability flags differ (e.g. built by hand, or on a Spark executor)."""
+def check_updates(table: Any, schemas: Schemas, *, shard: str) -> CheckedUpdates:
+    """What a batch builder takes: ``CheckedUpdates`` of ``schemas`` as they are (checked
+    already), an update table (internal layout) once checked, with its types or
+    nullability flags conformed when they differ (e.g. built by hand, or on a Spark
+    executor), and anything else normalized (``normalize_checked``)."""
+    if isinstance(table, CheckedUpdates):
+        if _same_schemas(table, schemas):
+            return table
+        table = table.table
     target = internal_schema(schemas)
     if isinstance(table, pa.RecordBatch):
         table = pa.Table.from_batches([table])
@@ -606,4 +682,9 @@ def check_update_table(table: Any, schemas: Schemas, *, shard: str) -> pa.Table:
             _check_times(t, shard)
             cols += [t, _time_or_diff_column(table.column(D_COL), D_COL, shard)]
             return _checked_strings(pa.Table.from_arrays(cols, schema=target), schemas, shard)
-    return normalize_updates(table, schemas, shard=shard)
+    return normalize_checked(table, schemas, shard=shard)
+
+
+def check_update_table(table: Any, schemas: Schemas, *, shard: str) -> pa.Table:
+    """``check_updates(table)`` as a plain update table (internal layout)."""
+    return check_updates(table, schemas, shard=shard).table

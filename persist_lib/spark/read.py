@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import check_time
-from persist_lib.handles.read import RangeSplit, SnapshotSplit
+from persist_lib.handles.splits import RangeSplit, SnapshotSplit
 from persist_lib.shard.codec import DIFF, Schemas
 from persist_lib.spark._common import (
     blob_uri_of,

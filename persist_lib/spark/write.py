@@ -1,8 +1,8 @@
 """Writing a Spark DataFrame to persist as ONE batch, committed with ONE compare-and-set.
 
 Executors do the heavy part: each Spark partition validates its rows against the
-shard schemas (``codec.normalize_updates``, the same rules as every other writer),
-feeds them to its own ``BatchBuilder`` (bounded memory: parts are sorted,
+shard schemas once (``codec.normalize_checked``, the same rules as every other writer),
+feeds the checked rows to its own ``BatchBuilder`` (bounded memory: parts are sorted,
 consolidated, encoded and uploaded as they fill) and returns only part metadata
 (``PartMeta.to_json()``). The driver assembles one ``HollowBatch`` from every
 partition's parts and commits it with one ``compare_and_append_batch``.
@@ -130,7 +130,7 @@ def _partition_writer(
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from persist_lib.shard.batch_builder import BatchBuilder
-        from persist_lib.shard.codec import normalize_updates
+        from persist_lib.shard.codec import normalize_checked
         from persist_lib.storage.routing import split_by_shard
 
         pid = task_partition_id()
@@ -161,7 +161,8 @@ def _partition_writer(
         try:
             for chunk in rechunk(batches, spec.chunk_bytes):
                 rows += chunk.num_rows
-                internal = normalize_updates(chunk, schemas, shard=spec.shard_ids[0])
+                # Checked once here; the builders take the pieces as they are.
+                internal = normalize_checked(chunk, schemas, shard=spec.shard_ids[0])
                 # Route on the normalized key columns: the types (and so the hashes) are
                 # exactly those CollectionWriter routes on.
                 pieces = [internal] if n == 1 else split_by_shard(internal, key_cols, n)

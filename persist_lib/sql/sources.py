@@ -16,7 +16,8 @@ import pyarrow as pa
 
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import Antichain
-from persist_lib.handles.read import BatchStream, ReadHandle
+from persist_lib.handles.batch_stream import BatchStream
+from persist_lib.handles.read import ReadHandle
 from persist_lib.shard.codec import Schemas, user_schema
 from persist_lib.sql.times import format_time, range_text
 

@@ -22,14 +22,9 @@ import pyarrow.compute as pc
 
 from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
-from persist_lib.handles.read import (
-    BatchStream,
-    ListenEvent,
-    ListenProgress,
-    ListenUpdates,
-    ReadHandle,
-    read_until,
-)
+from persist_lib.handles.batch_stream import BatchStream
+from persist_lib.handles.listen import ListenEvent, ListenProgress, ListenUpdates, read_until
+from persist_lib.handles.read import ReadHandle
 from persist_lib.shard.codec import Schemas, empty_updates, to_user_table, user_schema
 from persist_lib.shard.consolidate import consolidate
 from persist_lib.storage.directory import RenditionDirectory

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from persist_lib.shard.codec import CheckedUpdates
+
+Rows = TypeVar("Rows", pa.Table, CheckedUpdates)
 
 _NULL = np.uint64(0x9E3779B97F4A7C15)
 _MASK = (1 << 64) - 1
@@ -82,11 +86,12 @@ def route(table: pa.Table, key_names: list[str], num_shards: int) -> np.ndarray:
     return (key_hashes(table, key_names) % np.uint64(num_shards)).astype(np.int64)
 
 
-def split_by_shard(table: pa.Table, key_names: list[str], num_shards: int) -> list[pa.Table]:
-    """``table`` split into one table per shard (rows keep their relative order)."""
+def split_by_shard(table: Rows, key_names: list[str], num_shards: int) -> list[Rows]:
+    """``table`` split into one table per shard (rows keep their relative order).
+    ``CheckedUpdates`` split into ``CheckedUpdates``: the pieces need no second check."""
     if num_shards == 1:
         return [table]
-    idx = route(table, key_names, num_shards)
+    idx = route(table.table if isinstance(table, CheckedUpdates) else table, key_names, num_shards)
     order = np.argsort(idx, kind="stable")
     counts = np.bincount(idx, minlength=num_shards)
     sorted_t = table.take(pa.array(order))

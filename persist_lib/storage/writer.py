@@ -16,12 +16,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import pyarrow as pa
-
 from persist_lib.errors import InvalidUsage, UpperMismatch
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.handles.write import WriteHandle
-from persist_lib.shard.codec import Schemas, normalize_updates, to_user_table
+from persist_lib.shard.codec import (
+    KEY_PREFIX,
+    CheckedUpdates,
+    Schemas,
+    normalize_checked,
+)
 from persist_lib.storage.directory import ActiveRendition
 from persist_lib.storage.routing import split_by_shard
 
@@ -64,10 +67,13 @@ class CollectionWriter:
         """The rendition upper: the minimum of its shards' uppers (read from consensus)."""
         return min(w.fetch_recent_upper() for w in self._writers)
 
-    def _split(self, updates: Any) -> list[pa.Table]:
-        internal = normalize_updates(updates, self.schemas, shard=f"{self.name}/{self.rendition}")
-        user = to_user_table(internal, self.schemas)
-        return split_by_shard(user, self.schemas.key_names, len(self._writers))
+    def _split(self, updates: Any) -> list[CheckedUpdates]:
+        """``updates`` checked once and routed: each shard writer takes its piece as it is.
+        Routing on the internal key columns gives the same routes as on the user ones
+        (the same values and types)."""
+        internal = normalize_checked(updates, self.schemas, shard=f"{self.name}/{self.rendition}")
+        key_cols = [KEY_PREFIX + n for n in self.schemas.key_names]
+        return split_by_shard(internal, key_cols, len(self._writers))
 
     def append(self, updates: Any, lower: FrontierLike, upper: FrontierLike) -> None:
         """Definite append of ``updates`` (times in ``[lower, upper)``) to every shard."""

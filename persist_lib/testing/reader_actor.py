@@ -142,7 +142,7 @@ class Reader(Actor):
         frontier = lst.frontier.time
 
         def do() -> Any:
-            from persist_lib.handles.read import ListenUpdates
+            from persist_lib.handles.listen import ListenUpdates
 
             out = []
             for ev in lst.next(timeout_s=0.2):

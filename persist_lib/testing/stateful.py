@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from persist_lib.config import PersistConfig
 from persist_lib.errors import InvalidUsage, LeaseExpired, Timeout, UpperMismatch
 from persist_lib.handles.client import PersistClient
-from persist_lib.handles.read import ListenProgress, ListenUpdates
+from persist_lib.handles.listen import ListenProgress, ListenUpdates
 from persist_lib.ids import ShardId
 from persist_lib.location.mem import MemBlob
 from persist_lib.shard.machine import clear_state_cache

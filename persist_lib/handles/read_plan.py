@@ -1,0 +1,68 @@
+"""Planning a read: which parts of a shard's trace it touches, and what reading them
+whole would cost in memory.
+
+Every read (snapshot, time range, listen, splits) starts by choosing parts; the
+snapshot and listen paths then compare the cost of decoding them at once with the
+read's memory budget to choose between the simple whole read and the streaming merge.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from persist_lib.shard import state as st
+from persist_lib.shard.batch_meta import HollowBatch, PartMeta
+from persist_lib.shard.codec import Schemas, empty_updates, internal_schema
+from persist_lib.shard.memory_plan import STEP_BYTES_PER_ROW, estimate_decoded_bytes
+
+MiB = 1 << 20
+
+
+def whole_read_bytes(parts: list[PartMeta], schemas: Schemas) -> int:
+    """What reading ``parts`` whole costs at peak: the decoded parts (fetched in
+    parallel), their concatenation and the consolidated output, plus the consolidate's
+    working set per row."""
+    dec = sum(estimate_decoded_bytes(p, schemas) for p in parts)
+    rows = sum(p.count for p in parts)
+    return 3 * dec + rows * STEP_BYTES_PER_ROW
+
+
+def row_width(schemas: Schemas) -> int:
+    """Bytes per row of the internal layout (variable-width fields counted as 32)."""
+    w = 0
+    for f in internal_schema(schemas):
+        try:
+            w += max(1, f.type.bit_width // 8)
+        except ValueError:
+            w += 32
+    return w
+
+
+def batch_overlaps(b: HollowBatch, lower: int, upper: int | None) -> bool:
+    """Whether batch ``b`` may hold updates at times in ``[lower, upper)``."""
+    return (b.upper.is_empty() or (b.upper.time or 0) > lower) and (upper is None or (b.lower.time or 0) < upper)
+
+
+def part_overlaps(p: PartMeta, lower: int, upper: int | None) -> bool:
+    """Whether part ``p`` may hold updates at times in ``[lower, upper)``."""
+    return p.tmax >= lower and (upper is None or p.tmin < upper)
+
+
+def parts_in_range(state: st.ShardState, lower: int, upper: int | None) -> list[PartMeta]:
+    """The parts that may hold updates at times in ``[lower, upper)`` (``None``: no
+    upper bound)."""
+    return [
+        p
+        for _, b in state.trace_batches()
+        if batch_overlaps(b, lower, upper)
+        for p in b.parts
+        if part_overlaps(p, lower, upper)
+    ]
+
+
+def concat_updates(tables: list[pa.Table], schemas: Schemas) -> pa.Table:
+    """``tables`` as one update table (an empty one of ``schemas`` when there are none)."""
+    if not tables:
+        return empty_updates(schemas)
+    return pa.concat_tables(tables)
+

@@ -1,0 +1,267 @@
+"""Snapshots and time-range reads of a leased reader, within a memory budget.
+
+**Memory.** Reads have a budget (``memory_budget``, default
+``PersistConfig.read_memory_budget``). A read whose parts, decoded whole, fit it is
+done the simple way (fetch every part in parallel, one consolidate). A larger one
+streams: ``snapshot_batches`` / ``updates_between_batches`` yield record batches from
+the compactor's k-way merge of the parts' sorted runs (``compactor.stream_merge``),
+holding about one decoded part per run plus the merge's chunks; runs that don't fit
+together are first merged into spill files in the local temporary directory
+(``$TMPDIR``), deleted when the stream ends. The stream holds its seqno hold
+until it is exhausted, closed or garbage collected. ``snapshot`` and
+``updates_between`` build their table from the stream when the read is large.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pyarrow as pa
+
+from persist_lib.frontier import check_time
+from persist_lib.handles.batch_stream import BatchStream
+from persist_lib.handles.leased_reader import LeasedReader
+from persist_lib.handles.read_plan import (
+    batch_overlaps,
+    concat_updates,
+    part_overlaps,
+    parts_in_range,
+    row_width,
+    whole_read_bytes,
+)
+from persist_lib.shard import state as st
+from persist_lib.shard.batch_meta import PartMeta
+from persist_lib.shard.codec import Schemas, to_user_table, user_schema
+from persist_lib.shard.consolidate import consolidate
+from persist_lib.shard.kway_merge import FEW_RUNS, merges_linearly
+from persist_lib.shard.memory_plan import MergeStats
+from persist_lib.shard.read_merge import merge_decoded_runs, stream_merge
+from persist_lib.shard.runs import batch_runs
+from persist_lib.shard.sorted_checks import SORTED_STRICT, SORTED_WITH_TIES, sorted_state
+from persist_lib.shard.time_filters import snapshot_at, time_range
+
+# Whole (in-memory) snapshots of at most this many sorted runs merge them instead of
+# sorting their concatenation (``compactor.merge_decoded_runs``).
+MERGE_DECODED_MAX_RUNS = FEW_RUNS
+
+# A single run with ties at most this long is consolidated by a sort rather than merged.
+SMALL_TIED_RUN_ROWS = 1 << 16
+
+
+def _single_run_snapshot(run_tables: list[pa.Table], schemas: Schemas) -> pa.Table | None:
+    """The snapshot of a single consolidated run whose times were forwarded to the
+    as-of (the usual old-time read of a compacted shard), or None to merge as usual.
+
+    Rows strictly increasing by ``(k, v)`` consolidate with nothing (and none has a
+    zero diff: parts are consolidated), so the run is the snapshot: a linear check
+    instead of a merge. A short run with ties (the same record written at several
+    times up to the as-of) is consolidated directly. Flat key types only
+    (``compactor.merges_linearly``)."""
+    if len(run_tables) != 1:
+        return None
+    table = run_tables[0]
+    if table.num_rows < 2:
+        return table
+    n = len(schemas.key) + len(schemas.val)
+    state = sorted_state(table.columns[:n])
+    if state == SORTED_STRICT:
+        return table
+    if state == SORTED_WITH_TIES and table.num_rows <= SMALL_TIED_RUN_ROWS:
+        return consolidate(table)
+    return None
+
+
+class SnapshotReader(LeasedReader):
+    """The snapshot and time-range reads of a ``ReadHandle`` (whole or streamed)."""
+
+    def snapshot(
+        self, as_of: int, timeout_s: float | None = None, *, memory_budget: int | None = None
+    ) -> pa.Table:
+        """The shard's contents at ``as_of``: every update at ``t <= as_of``, consolidated.
+
+        Waits (up to ``timeout_s``) while ``as_of`` is not yet complete (``as_of >= upper``);
+        ``as_of`` below this reader's since is an ``InvalidUsage``. The table is whole in
+        memory; when decoding every part at once would exceed ``memory_budget`` it is
+        built from ``snapshot_batches`` (the table plus about the budget at peak).
+        """
+        self._check_open()
+        as_of = check_time(as_of, "as_of")
+        budget = self._read_budget(memory_budget)
+        with self._hold():
+            state = self._wait_for_upper_beyond(as_of, timeout_s)
+            self._check_as_of(state, as_of)
+            tables = list(self._snapshot_tables(state, as_of, budget))
+        return to_user_table(concat_updates(tables, self.schemas), self.schemas)
+
+    def snapshot_batches(
+        self, as_of: int, *, memory_budget: int | None = None, timeout_s: float | None = None
+    ) -> BatchStream:
+        """``snapshot(as_of)`` as a stream of record batches, within ``memory_budget``
+        (default ``PersistConfig.read_memory_budget``, at least 1 MiB) however large the
+        shard: the same rows (each ``(k, v)`` at most once, nonzero diffs, ``ts`` =
+        ``as_of``), in ``(k, v)`` order.
+
+        Arguments are checked, and the wait for the upper done, before this returns
+        (``InvalidUsage``, ``Timeout`` as for ``snapshot``); parts are fetched as the
+        stream is iterated. The stream holds this reader's seqno hold until it is
+        exhausted, closed or garbage collected: close it when stopping early (``with``).
+        """
+        self._check_open()
+        as_of = check_time(as_of, "as_of")
+        budget = self._read_budget(memory_budget)
+        seqno = self._take_hold()
+        try:
+            state = self._wait_for_upper_beyond(as_of, timeout_s)
+            self._check_as_of(state, as_of)
+        except BaseException:
+            self._release_hold(seqno)
+            raise
+        stats = MergeStats()
+        return self._stream(self._snapshot_tables(state, as_of, budget, stats), budget, seqno, stats)
+
+    def _snapshot_tables(
+        self, state: st.ShardState, as_of: int, budget: int, stats: MergeStats | None = None
+    ) -> Iterator[pa.Table]:
+        """The snapshot at ``as_of`` as consolidated tables (internal layout)."""
+        stats = stats if stats is not None else MergeStats()
+        runs = [
+            [p for p in run if p.tmin <= as_of]
+            for _, b in state.trace_batches()
+            if b.lower.less_equal(as_of)
+            for run in batch_runs(b)
+        ]
+        runs = [run for run in runs if run]
+        parts = [p for run in runs for p in run]
+        if whole_read_bytes(parts, self.schemas) <= budget:
+            stats.runs += len(runs)
+            if 1 <= len(runs) <= MERGE_DECODED_MAX_RUNS and merges_linearly(self.schemas):
+                # A few sorted runs (a compacted shard: one): merged, not sorted again.
+                # Unsorted parts are sorted as they are fetched, in parallel.
+                def post(t: pa.Table, p: PartMeta) -> pa.Table:
+                    t = snapshot_at(t, as_of)
+                    return t if p.sorted else consolidate(t)
+
+                fetched = iter(self._fetch_all(parts, post))
+                run_tables = [concat_updates([next(fetched) for _ in run], self.schemas) for run in runs]
+                only = _single_run_snapshot(run_tables, self.schemas)
+                if only is not None:
+                    stats.output_rows += only.num_rows
+                    if only.num_rows:
+                        yield only
+                    return
+                before = stats.output_rows
+                merged = merge_decoded_runs(self.schemas, self.shard_id, run_tables, budget, stats)
+                if merged is not None:
+                    yield from (t for t in merged if t.num_rows)
+                    return
+                stats.output_rows = before
+                tables = run_tables  # a run was not sorted: consolidate the lot
+            else:
+                tables = self._fetch_all(parts, lambda t, p: snapshot_at(t, as_of))
+            out = consolidate(concat_updates(tables, self.schemas))
+            stats.output_rows += out.num_rows
+            if out.num_rows:
+                yield out
+            return
+        yield from self._guard_missing(
+            stream_merge(
+                self._client.blob, self.schemas, shard=self.shard_id, runs=runs, memory_budget=budget,
+                since=as_of, upper=as_of + 1, stats=stats, purpose="snapshot read",
+            )
+        )
+
+    def _range_tables(
+        self, state: st.ShardState, lower: int, upper: int | None, budget: int, *, sort_by_time: bool,
+        stats: MergeStats | None = None,
+    ) -> Iterator[pa.Table]:
+        """The updates at times in ``[lower, upper)`` as consolidated tables (internal
+        layout), batch by batch of the trace, so in time order across tables (batches
+        hold disjoint time ranges, so nothing consolidates across them); each table is
+        sorted by time if ``sort_by_time``, else by ``(k, v, t)``."""
+        stats = stats if stats is not None else MergeStats()
+        parts = parts_in_range(state, lower, upper)
+        if whole_read_bytes(parts, self.schemas) <= budget:
+            tables = self._fetch_all(parts, lambda t, p: time_range(t, lower, upper))
+            out = consolidate(concat_updates(tables, self.schemas))
+            stats.output_rows += out.num_rows
+            if out.num_rows:
+                yield out.sort_by([("t", "ascending")]) if sort_by_time else out
+            return
+        for _, b in state.trace_batches():
+            if not batch_overlaps(b, lower, upper):
+                continue
+            runs = [[p for p in run if part_overlaps(p, lower, upper)] for run in batch_runs(b)]
+            for t in self._guard_missing(
+                stream_merge(
+                    self._client.blob, self.schemas, shard=self.shard_id, runs=runs,
+                    memory_budget=budget, lower=lower, upper=upper, stats=stats, purpose="range read",
+                )
+            ):
+                yield t.sort_by([("t", "ascending")]) if sort_by_time else t
+
+    def _stream(self, tables: Iterator[pa.Table], budget: int, seqno: int, stats: MergeStats) -> BatchStream:
+        """Wraps internal tables as a ``BatchStream`` that releases ``seqno`` when done."""
+        schemas = self.schemas
+        max_rows = max(1024, (budget // 32) // max(1, row_width(schemas)))
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            for t in tables:
+                self._check_open()
+                yield from to_user_table(t, schemas).to_batches(max_chunksize=max_rows)
+
+        return BatchStream(batches(), user_schema(schemas), lambda: self._release_hold(seqno), stats)
+
+    def updates_between(
+        self, lower: int, upper: int, timeout_s: float | None = None, *, memory_budget: int | None = None
+    ) -> pa.Table:
+        """Every update at times in ``[lower, upper)``, consolidated (times not forwarded),
+        sorted by time.
+
+        Waits until the shard upper reaches ``upper``. ``lower`` must be *beyond* this
+        reader's since (or both 0): compaction forwards older updates to the since, so the
+        updates at the since itself are not the ones that happened then. The building
+        block of incremental (listen-range) reads.
+        """
+        self._check_open()
+        lower, upper = self._check_range_args(lower, upper)
+        budget = self._read_budget(memory_budget)
+        if upper == lower:
+            return to_user_table(concat_updates([], self.schemas), self.schemas)
+        with self._hold():
+            state = self._wait_for_upper_beyond(upper - 1, timeout_s)
+            self._check_range_lower(state, lower)
+            tables = list(self._range_tables(state, lower, upper, budget, sort_by_time=False))
+        internal = concat_updates(tables, self.schemas)
+        return to_user_table(internal.sort_by([("t", "ascending")]), self.schemas)
+
+    def updates_between_batches(
+        self, lower: int, upper: int, *, memory_budget: int | None = None, timeout_s: float | None = None
+    ) -> BatchStream:
+        """``updates_between(lower, upper)`` as a stream of record batches within
+        ``memory_budget``: the same rows, in time order batch by batch of the shard's
+        trace (each batch of the trace covers its own time range) and sorted by time
+        within each record batch, but not globally (one large trace batch comes out in
+        several record batches, each sorted by time).
+
+        Arguments are checked and the upper waited for before this returns; the stream
+        holds this reader's seqno hold until it is exhausted, closed or collected.
+        """
+        self._check_open()
+        lower, upper = self._check_range_args(lower, upper)
+        budget = self._read_budget(memory_budget)
+        seqno = self._take_hold()
+        try:
+            if upper > lower:
+                state = self._wait_for_upper_beyond(upper - 1, timeout_s)
+                self._check_range_lower(state, lower)
+        except BaseException:
+            self._release_hold(seqno)
+            raise
+        stats = MergeStats()
+        tables: Iterator[pa.Table] = (
+            self._range_tables(state, lower, upper, budget, sort_by_time=True, stats=stats)
+            if upper > lower
+            else iter(())
+        )
+        return self._stream(tables, budget, seqno, stats)
+

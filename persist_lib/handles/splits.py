@@ -1,0 +1,96 @@
+"""Snapshot and time-range splits: picklable pieces of a read that another process
+(a Spark executor) fetches with nothing but the blob URI.
+
+``ReadHandle.snapshot_splits`` / ``range_splits`` plan them (and hold a seqno for
+them); concatenating the fetched splits and consolidating gives the read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from persist_lib.handles.read_plan import concat_updates
+from persist_lib.location.base import Blob
+from persist_lib.shard.batch_meta import PartMeta
+from persist_lib.shard.codec import Schemas, to_user_table
+from persist_lib.shard.consolidate import consolidate
+from persist_lib.shard.parts import fetch_part
+from persist_lib.shard.time_filters import snapshot_at, time_range
+
+
+@dataclass(frozen=True)
+class SnapshotSplit:
+    """A picklable piece of a snapshot that any process with the blob URI can fetch.
+
+    Concatenating the fetched splits and consolidating gives the snapshot.
+    """
+
+    blob_uri: str
+    shard_id: str
+    schemas_json: dict[str, Any]
+    as_of: int
+    parts: tuple[PartMeta, ...]
+
+    def __repr__(self) -> str:
+        # The URI may carry credentials (an S3 secret key): never show it unredacted.
+        from persist_lib.location.redaction import SensitiveUrl
+
+        return (
+            f"SnapshotSplit(blob_uri={SensitiveUrl(self.blob_uri).redacted!r}, shard_id={self.shard_id!r}, "
+            f"as_of={self.as_of}, parts={len(self.parts)})"
+        )
+
+    def fetch(self, blob: Blob | None = None) -> pa.Table:
+        from persist_lib.location.uri import open_blob
+
+        schemas = Schemas.from_json(self.schemas_json)
+        b = blob if blob is not None else open_blob(self.blob_uri)
+        tables = [snapshot_at(fetch_part(b, p, schemas, self.shard_id), self.as_of) for p in self.parts]
+        internal = consolidate(concat_updates(tables, schemas))
+        return to_user_table(internal, schemas)
+
+
+@dataclass(frozen=True)
+class RangeSplit:
+    """A picklable piece of the updates at times in ``[lower, upper)`` (times not
+    forwarded), fetched by any process with the blob URI: the time-range counterpart of
+    ``SnapshotSplit``. Concatenating the fetched splits and consolidating gives
+    ``ReadHandle.updates_between(lower, upper)``."""
+
+    blob_uri: str
+    shard_id: str
+    schemas_json: dict[str, Any]
+    lower: int
+    upper: int
+    parts: tuple[PartMeta, ...]
+
+    def __repr__(self) -> str:
+        from persist_lib.location.redaction import SensitiveUrl
+
+        return (
+            f"RangeSplit(blob_uri={SensitiveUrl(self.blob_uri).redacted!r}, shard_id={self.shard_id!r}, "
+            f"lower={self.lower}, upper={self.upper}, parts={len(self.parts)})"
+        )
+
+    def fetch(self, blob: Blob | None = None) -> pa.Table:
+        from persist_lib.location.uri import open_blob
+
+        schemas = Schemas.from_json(self.schemas_json)
+        b = blob if blob is not None else open_blob(self.blob_uri)
+        tables = [time_range(fetch_part(b, p, schemas, self.shard_id), self.lower, self.upper) for p in self.parts]
+        return to_user_table(consolidate(concat_updates(tables, schemas)), schemas)
+
+
+def balance(parts: list[PartMeta], n: int) -> list[list[PartMeta]]:
+    """Greedy: the largest part into the lightest of ``n`` splits."""
+    buckets: list[list[PartMeta]] = [[] for _ in range(max(1, n))]
+    sizes = [0] * len(buckets)
+    for p in sorted(parts, key=lambda p: -p.size):
+        i = sizes.index(min(sizes))
+        buckets[i].append(p)
+        sizes[i] += p.size
+    return buckets
+
