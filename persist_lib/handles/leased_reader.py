@@ -35,7 +35,7 @@ from persist_lib.shard.machine import Machine
 from persist_lib.shard.parts import fetch_part
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.handles.client import PersistClient
+    from persist_lib.handles.context import HandleContext
 
 
 class LeasedReader:
@@ -43,7 +43,7 @@ class LeasedReader:
     ``ReadHandle``)."""
 
     def __init__(
-        self, client: PersistClient, machine: Machine, reader_id: str, schemas: Schemas, purpose: str
+        self, client: HandleContext, machine: Machine, reader_id: str, schemas: Schemas, purpose: str
     ) -> None:
         self._client = client
         self._machine = machine
@@ -62,7 +62,7 @@ class LeasedReader:
         return self._machine.shard_id
 
     @property
-    def client(self) -> PersistClient:
+    def client(self) -> HandleContext:
         """The client this handle was opened from (its locations and config)."""
         return self._client
 
@@ -109,7 +109,7 @@ class LeasedReader:
         if self._expired:
             return
         self._expired = True
-        self._client._forget_handle(self)
+        self._client.forget_lease(self)
         self._machine.apply(
             "expire_reader", lambda s, now: tr.expire_reader(s, now, reader_id=self.reader_id)
         )

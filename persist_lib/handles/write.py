@@ -32,14 +32,14 @@ from persist_lib.shard.parts import part_blob_key
 from persist_lib.shard.state import ShardState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.handles.client import PersistClient
+    from persist_lib.handles.context import HandleContext
 
 
 class WriteHandle:
     """Writes batches of updates to one shard."""
 
     def __init__(
-        self, client: PersistClient, machine: Machine, writer_id: str, schemas: Schemas, purpose: str
+        self, client: HandleContext, machine: Machine, writer_id: str, schemas: Schemas, purpose: str
     ) -> None:
         self._client = client
         self._machine = machine
@@ -63,7 +63,7 @@ class WriteHandle:
         return self._machine.shard_id
 
     @property
-    def client(self) -> PersistClient:
+    def client(self) -> HandleContext:
         """The client this handle was opened from (its locations and config)."""
         return self._client
 
@@ -205,7 +205,7 @@ class WriteHandle:
         if self._expired:
             return
         self._expired = True
-        self._client._forget_handle(self)
+        self._client.forget_lease(self)
         self._machine.apply(
             "expire_writer", lambda s, now: tr.expire_writer(s, now, writer_id=self.writer_id)
         )

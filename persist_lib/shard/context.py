@@ -24,9 +24,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class Lease(Protocol):
     """Something holding a lease on a shard that must be heartbeaten (a handle, a
-    ``PartWriter``): ``heartbeat()`` renews it, raising ``LeaseExpired`` once it is gone."""
+    ``PartWriter``): ``heartbeat()`` renews it, raising ``LeaseExpired`` once it is gone.
+    A lease with its own duration says so in a ``lease_ms`` attribute; a handle's is the
+    configuration's reader or writer lease."""
 
-    lease_ms: int
     last_heartbeat_monotonic: float
 
     def heartbeat(self) -> None: ...
