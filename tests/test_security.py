@@ -174,7 +174,7 @@ def test_canary_never_leaks_from_blob_failures(s3_server: object, caplog: pytest
 
 _SENSITIVE_NAME = re.compile(r"uri|url|dsn|conninfo|password|passwd|secret|credential", re.I)
 _SENSITIVE_CLASS = re.compile(r"(Uri|Url|URL|Dsn|DSN|Conninfo|Password|Secret|Credential)(?![a-z])")
-_HOLDER_TYPE = re.compile(r"\b(Blob|Consensus|PersistClient|ShardContext)\b")
+_HOLDER_TYPE = re.compile(r"\b(Blob|Consensus|PersistClient|ShardContext|HandleContext)\b")
 _PACKAGES = ("persist_lib", "dagster_project", "jobs", "sensors")
 
 
