@@ -430,7 +430,8 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
     """How to build each credential-holding class on a hostile world."""
     from persist_lib.handles.maintenance import BackgroundCompactor
     from persist_lib.ingest.driver import Ingestion
-    from persist_lib.ingest.landing_zone import LandingZoneSource, LocalStore, S3Store
+    from persist_lib.ingest.landing_zone import LandingZoneSource
+    from persist_lib.ingest.landing_zone.stores import LocalStore, S3Store
     from persist_lib.ingest.outputs import ShardOutput, ShardOutputs
     from persist_lib.ingest.pg_cdc import PgCdcSource
     from persist_lib.ingest.remap import RemapShard
@@ -549,11 +550,12 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
         "persist_lib.spark.ingest._SourceSpec": lambda x: _spark_specs(x, "source"),
         # ingestion: sources, stores, outputs, drivers
         "persist_lib.ingest.pg_cdc.PgCdcSource": _pg_cdc,
-        "persist_lib.ingest.landing_zone.LandingZoneSource": lambda x: [LandingZoneSource(x.landing_uri)],
-        "persist_lib.ingest.kafka.KafkaSource": _kafka_source,
-        "persist_lib.ingest.landing_zone.S3Store": lambda x: [S3Store(x.landing_uri)],
-        "persist_lib.ingest.landing_zone._Store": lambda x: [S3Store(x.landing_uri)],
-        "persist_lib.ingest.landing_zone.LocalStore": lambda x: [LocalStore(str(x.tmp))],
+        "persist_lib.ingest.landing_zone.source.LandingZoneSource": lambda x: [LandingZoneSource(x.landing_uri)],
+        "persist_lib.ingest.kafka.source.KafkaSource": _kafka_source,
+        "persist_lib.ingest.kafka.topic.KafkaTopic": _kafka_source,
+        "persist_lib.ingest.landing_zone.stores.S3Store": lambda x: [S3Store(x.landing_uri)],
+        "persist_lib.ingest.landing_zone.stores._Store": lambda x: [S3Store(x.landing_uri)],
+        "persist_lib.ingest.landing_zone.stores.LocalStore": lambda x: [LocalStore(str(x.tmp))],
         "persist_lib.ingest.outputs.ShardOutput": lambda x: [
             x.keep(ShardOutput(x.client, ShardId.new(), KEY, VAL, role="data", label="nasty"))
         ],
