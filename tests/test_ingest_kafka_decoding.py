@@ -486,6 +486,24 @@ def _python_split(msgs: list[Any]) -> tuple[list[Any], list[tuple[int, _Msgs]]]:
         split_mod._native = saved
 
 
+def test_the_reader_splits_with_the_native_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the extension is built, the reader's ``_split`` binds it (from its place in
+    the package, ``persist_lib.ingest.kafka._split``) and takes the C path -- a clean run
+    comes with its values joined, which only the C path does; ``PERSIST_KAFKA_NATIVE=0``
+    keeps the Python path."""
+    native = _native_module()
+    msgs = [Message(topic="t", partition=0, offset=o, value=b"{}") for o in range(3)]
+    monkeypatch.setattr(split_mod, "_native", None)  # (bound again, as in a fresh process)
+    monkeypatch.delenv("PERSIST_KAFKA_NATIVE", raising=False)
+    (_, m), = _split(msgs)[1]
+    assert split_mod._native is native
+    assert m.joined == b"{}\n{}\n{}" and m.offs == [0, 1, 2]
+    monkeypatch.setattr(split_mod, "_native", None)
+    monkeypatch.setenv("PERSIST_KAFKA_NATIVE", "0")
+    (_, m), = _split(msgs)[1]
+    assert split_mod._native is False and m.joined is None and m.offs == [0, 1, 2]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_native_split_gives_what_the_python_split_gives(seed: int) -> None:
     """The C split (``kafka._split``) against the Python one on random batches: the same
