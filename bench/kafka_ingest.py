@@ -127,7 +127,7 @@ def produce(bootstrap: str, records: int, partitions: int, upsert: bool) -> int:
 def fetch_settings(librdkafka_backoff: bool = False) -> dict[str, Any]:
     """The ingestion's consumer fetch settings (``librdkafka_backoff``: with librdkafka's
     default ``fetch.queue.backoff.ms`` instead, the anchor's settings before session 8)."""
-    from persist_lib.ingest.kafka import FETCH_SETTINGS
+    from persist_lib.ingest.kafka.config import FETCH_SETTINGS
 
     conf = dict(FETCH_SETTINGS)
     if librdkafka_backoff:

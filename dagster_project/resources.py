@@ -30,7 +30,7 @@ from pydantic import PrivateAttr
 
 from persist_lib.config import PersistConfig
 from persist_lib.handles.client import PersistClient, default_home, default_uris
-from persist_lib.ingest.landing_zone import format_of
+from persist_lib.ingest.landing_zone.stores import format_of
 from persist_lib.location.check import missing_parts, require_existing_location
 from persist_lib.location.redaction import redacted_value
 from persist_lib.storage import StorageController

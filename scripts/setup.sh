@@ -29,7 +29,7 @@ if ! "$PY" -c 'import sys; sys.exit(0 if (3, 11) <= sys.version_info[:2] < (3, 1
   exit 1
 fi
 
-stamp=.venv/.installed-$(cat pyproject.toml setup.py persist_lib/ingest/_kafka_split.c | sha256sum | cut -c1-16)
+stamp=.venv/.installed-$(cat pyproject.toml setup.py persist_lib/ingest/kafka/_split.c | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ]; then
   if [ ! -x .venv/bin/python ]; then
     echo "setup: creating .venv"

@@ -22,7 +22,7 @@ import pytest
 
 from persist_lib.ingest import LandingZoneSource
 from persist_lib.ingest.decode import DecodeSpec
-from persist_lib.ingest.landing_zone import PARTITION, FileChunk
+from persist_lib.ingest.landing_zone.files import PARTITION, FileChunk
 
 KEY = pa.schema([("id", pa.int64())])
 VAL = pa.schema([("name", pa.string())])

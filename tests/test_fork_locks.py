@@ -23,7 +23,7 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib.ingest import kafka_prefetch as kafka
+from persist_lib.ingest.kafka import prefetch as kafka
 from persist_lib.location import sqlite_consensus
 
 KEY = pa.schema([("k", pa.string())])

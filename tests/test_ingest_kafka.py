@@ -712,7 +712,7 @@ def test_kill9_leaves_no_reader_process_behind(kafka_broker: KafkaBroker, tmp_pa
         deadline = time.monotonic() + 30
         kids: list[int] = []
         while not kids and time.monotonic() < deadline:
-            kids = [c for c in _children(proc.pid) if b"kafka_proc" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            kids = [c for c in _children(proc.pid) if b"kafka.reader_child" in Path(f"/proc/{c}/cmdline").read_bytes()]
             time.sleep(0.05)
         assert kids, "the ingestion process started no reader process"
         time.sleep(0.3)  # (reading and appending)

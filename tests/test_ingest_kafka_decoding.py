@@ -23,18 +23,14 @@ import pytest
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
 
-from persist_lib.ingest import kafka as kafka_mod  # noqa: E402
-from persist_lib.ingest import kafka_prefetch as prefetch_mod  # noqa: E402
 from persist_lib.ingest.decode import DecodeSpec, ErrorRecord, decode_json_lines  # noqa: E402
-from persist_lib.ingest.kafka import (  # noqa: E402
-    KafkaSource,
-    _Decoded,
-    _Msgs,
-    _split,
-    decode_split,
-    split_batch,
-)
-from persist_lib.ingest.kafka_prefetch import _gc_paused, _Prefetcher  # noqa: E402
+from persist_lib.ingest.kafka import KafkaSource  # noqa: E402
+from persist_lib.ingest.kafka import messages as messages_mod  # noqa: E402
+from persist_lib.ingest.kafka import prefetch as prefetch_mod  # noqa: E402
+from persist_lib.ingest.kafka import split as split_mod  # noqa: E402
+from persist_lib.ingest.kafka.messages import _Decoded, _Msgs  # noqa: E402
+from persist_lib.ingest.kafka.prefetch import _gc_paused, _Prefetcher  # noqa: E402
+from persist_lib.ingest.kafka.split import _split, decode_split, split_batch  # noqa: E402
 
 Message = confluent_kafka.Message
 KafkaError = confluent_kafka.KafkaError
@@ -461,38 +457,56 @@ def test_a_refetch_into_an_empty_buffer_keeps_only_offsets_at_or_past_the_positi
         return groups[0][1]
 
     buf: dict[int, Any] = {}
-    assert kafka_mod._buffer(buf, 0, 0, fetched(range(10))) == 10
+    assert messages_mod._buffer(buf, 0, 0, fetched(range(10))) == 10
     buf[0] = buf[0].slice(10, 10)  # (what ``_cut`` leaves: everything was cut)
-    assert kafka_mod._buffer(buf, 0, 10, fetched(range(5, 15))) == 5
+    assert messages_mod._buffer(buf, 0, 10, fetched(range(5, 15))) == 5
     assert buf[0].offs == list(range(10, 15))
-    assert kafka_mod._buffer(buf, 0, 10, fetched(range(12, 17))) == 2
+    assert messages_mod._buffer(buf, 0, 10, fetched(range(12, 17))) == 2
     assert buf[0].offs == list(range(10, 17))
     d = buf[0].decode(src, "0", spec)
     assert [r["kafka_offset"] for r in d.rows.to_pylist()] == list(range(10, 17))
-    assert kafka_mod._buffer(buf, 0, 10, fetched(range(3, 9))) == 0 and buf[0].offs == list(range(10, 17))
+    assert messages_mod._buffer(buf, 0, 10, fetched(range(3, 9))) == 0 and buf[0].offs == list(range(10, 17))
 
 def _native_module() -> Any:
     try:
-        from persist_lib.ingest import _kafka_split  # type: ignore[attr-defined]
+        from persist_lib.ingest.kafka import _split as native  # type: ignore[attr-defined]
     except ImportError:
         if shutil.which("cc") or shutil.which("gcc"):
-            pytest.fail("persist_lib.ingest._kafka_split is not built though a C compiler is here: pip install -e .")
+            pytest.fail("persist_lib.ingest.kafka._split is not built though a C compiler is here: pip install -e .")
         pytest.skip("no C compiler: the native split is not built")
-    return _kafka_split
+    return native
 
 
 def _python_split(msgs: list[Any]) -> tuple[list[Any], list[tuple[int, _Msgs]]]:
-    saved = kafka_mod._native
-    kafka_mod._native = False
+    saved = split_mod._native
+    split_mod._native = False
     try:
         return _split(msgs)
     finally:
-        kafka_mod._native = saved
+        split_mod._native = saved
+
+
+def test_the_reader_splits_with_the_native_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the extension is built, the reader's ``_split`` binds it (from its place in
+    the package, ``persist_lib.ingest.kafka._split``) and takes the C path -- a clean run
+    comes with its values joined, which only the C path does; ``PERSIST_KAFKA_NATIVE=0``
+    keeps the Python path."""
+    native = _native_module()
+    msgs = [Message(topic="t", partition=0, offset=o, value=b"{}") for o in range(3)]
+    monkeypatch.setattr(split_mod, "_native", None)  # (bound again, as in a fresh process)
+    monkeypatch.delenv("PERSIST_KAFKA_NATIVE", raising=False)
+    (_, m), = _split(msgs)[1]
+    assert split_mod._native is native
+    assert m.joined == b"{}\n{}\n{}" and m.offs == [0, 1, 2]
+    monkeypatch.setattr(split_mod, "_native", None)
+    monkeypatch.setenv("PERSIST_KAFKA_NATIVE", "0")
+    (_, m), = _split(msgs)[1]
+    assert split_mod._native is False and m.joined is None and m.offs == [0, 1, 2]
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_native_split_gives_what_the_python_split_gives(seed: int) -> None:
-    """The C split (``_kafka_split``) against the Python one on random batches: the same
+    """The C split (``kafka._split``) against the Python one on random batches: the same
     runs (partition changes, re-fetched offsets), offsets, values, Message objects; the
     values joined exactly when no value is a tombstone or holds a line break; events and
     anything but ``Message`` objects go to the Python path."""

@@ -16,7 +16,9 @@ import pytest
 
 from persist_lib.ingest.decode import DecodeSpec
 from persist_lib.ingest.errors import IngestConfigError
-from persist_lib.ingest.kafka import KafkaChunk, KafkaSource, _Decoded
+from persist_lib.ingest.kafka import KafkaSource
+from persist_lib.ingest.kafka.messages import _Decoded
+from persist_lib.ingest.kafka.reader import KafkaChunk
 from tests.support.kafka_server import KafkaBroker
 from tests.test_ingest_kafka import (
     AKEY,

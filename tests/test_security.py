@@ -339,19 +339,24 @@ def _pg_cdc(x: _World) -> list[Any]:
     return [src]
 
 
-def _kafka_source(x: _World) -> list[Any]:
+def _kafka_source(x: _World, topic_only: bool = False) -> list[Any]:
+    """Kafka sources (or, ``topic_only``, the ``KafkaTopic`` they are built on) holding
+    the password in every place a Kafka credential can be."""
     from persist_lib.ingest.kafka import KafkaSource
+    from persist_lib.ingest.kafka.topic import KafkaTopic
     from tests.test_kafka_secrets import KAFKA_SECRET_SETTINGS
+
+    cls = KafkaTopic if topic_only else KafkaSource
 
     enc = quote(x.pw, safe="")
     url = f"kafka://alice:{enc}@127.0.0.1:9?security_protocol=SASL_PLAINTEXT&sasl_mechanism=PLAIN"
-    src = KafkaSource(url, "t", config={"sasl.password": x.pw})
+    src = cls(url, "t", config={"sasl.password": x.pw})
     # librdkafka's other secret-bearing settings, in config and (those whose names say
     # nothing of a password or secret) in the URL: hidden because they are not on the
     # allow-list, whatever their name
     unnamed = ("ssl.key.pem", "sasl.oauthbearer.config", "sasl.oauthbearer.extensions", "ssl.certificate.pem")
     in_url = "&".join(f"{k.replace('.', '_')}={enc}" for k in unnamed)
-    other = KafkaSource(
+    other = cls(
         f"kafka://alice:userinfo-pw@127.0.0.1:9?security_protocol=SASL_SSL&{in_url}",
         "t",
         config={k: x.pw for k in KAFKA_SECRET_SETTINGS},
@@ -432,7 +437,8 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
     """How to build each credential-holding class on a hostile world."""
     from persist_lib.handles.maintenance import BackgroundCompactor
     from persist_lib.ingest.driver import Ingestion
-    from persist_lib.ingest.landing_zone import LandingZoneSource, LocalStore, S3Store
+    from persist_lib.ingest.landing_zone import LandingZoneSource
+    from persist_lib.ingest.landing_zone.stores import LocalStore, S3Store
     from persist_lib.ingest.outputs import ShardOutput, ShardOutputs
     from persist_lib.ingest.pg_cdc import PgCdcSource
     from persist_lib.ingest.remap import RemapShard
@@ -554,11 +560,12 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
         "persist_lib.spark.ingest._SourceSpec": lambda x: _spark_specs(x, "source"),
         # ingestion: sources, stores, outputs, drivers
         "persist_lib.ingest.pg_cdc.PgCdcSource": _pg_cdc,
-        "persist_lib.ingest.landing_zone.LandingZoneSource": lambda x: [LandingZoneSource(x.landing_uri)],
-        "persist_lib.ingest.kafka.KafkaSource": _kafka_source,
-        "persist_lib.ingest.landing_zone.S3Store": lambda x: [S3Store(x.landing_uri)],
-        "persist_lib.ingest.landing_zone._Store": lambda x: [S3Store(x.landing_uri)],
-        "persist_lib.ingest.landing_zone.LocalStore": lambda x: [LocalStore(str(x.tmp))],
+        "persist_lib.ingest.landing_zone.source.LandingZoneSource": lambda x: [LandingZoneSource(x.landing_uri)],
+        "persist_lib.ingest.kafka.source.KafkaSource": _kafka_source,
+        "persist_lib.ingest.kafka.topic.KafkaTopic": lambda x: _kafka_source(x, topic_only=True),
+        "persist_lib.ingest.landing_zone.stores.S3Store": lambda x: [S3Store(x.landing_uri)],
+        "persist_lib.ingest.landing_zone.stores._Store": lambda x: [S3Store(x.landing_uri)],
+        "persist_lib.ingest.landing_zone.stores.LocalStore": lambda x: [LocalStore(str(x.tmp))],
         "persist_lib.ingest.outputs.ShardOutput": lambda x: [
             x.keep(ShardOutput(x.client, ShardId.new(), KEY, VAL, role="data", label="nasty"))
         ],

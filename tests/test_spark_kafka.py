@@ -18,7 +18,8 @@ import pytest
 
 from persist_lib.ingest import IngestConfig, Ingestion
 from persist_lib.ingest.errors import KafkaOffsetOutOfRange
-from persist_lib.ingest.kafka import KafkaRangeChunk, KafkaSource, read_range
+from persist_lib.ingest.kafka import KafkaSource
+from persist_lib.ingest.kafka.ranges import KafkaRangeChunk, read_range
 from persist_lib.ingest.outputs import shard_id_for
 from persist_lib.spark.ingest import SparkIngestion
 from tests.support.kafka_server import KafkaBroker

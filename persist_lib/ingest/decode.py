@@ -25,8 +25,8 @@ import pyarrow.compute as pc
 import pyarrow.json as pj
 
 from persist_lib.errors import InvalidUsage
+from persist_lib.ingest.addresses import Address, encode_address
 from persist_lib.ingest.errors import IngestConfigError
-from persist_lib.ingest.source import Address, encode_address
 from persist_lib.shard.codec import Schemas
 from persist_lib.utf8 import describe_value, invalid_rows
 

@@ -39,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 
 from persist_lib.config import system_clock_ms
+from persist_lib.ingest.addresses import Frontier, Note, frontier_text
 from persist_lib.ingest.decode import (
     RAW_KEY,
     RAW_VAL,
@@ -56,7 +57,7 @@ from persist_lib.ingest.errors import (
 from persist_lib.ingest.outputs import Output, OutputFactory, ShardOutputs, shard_id_for
 from persist_lib.ingest.progress import IngestProgress, ProgressCallback
 from persist_lib.ingest.remap import Binding, RemapShard
-from persist_lib.ingest.source import Chunk, Frontier, Note, Source, SourceReader, frontier_text
+from persist_lib.ingest.source import Chunk, Source, SourceReader
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.handles.client import PersistClient

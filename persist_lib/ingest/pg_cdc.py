@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 from psycopg.adapt import Loader
 
+from persist_lib.ingest.addresses import Address, Frontier, Note
 from persist_lib.ingest.decode import (
     Decoded,
     DecodeSpec,
@@ -64,7 +65,7 @@ from persist_lib.ingest.pgoutput import (
     int_to_lsn,
     lsn_to_int,
 )
-from persist_lib.ingest.source import Address, Chunk, Frontier, Lag, Note
+from persist_lib.ingest.source import Chunk, Lag
 from persist_lib.location.redaction import SensitiveUrl, redacted_dataclass_repr
 
 if TYPE_CHECKING:  # pragma: no cover

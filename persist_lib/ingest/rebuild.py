@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from persist_lib.ingest.addresses import Address, decode_address
 from persist_lib.ingest.decode import (
     DELETE_COL,
     ERRORS_KEY,
@@ -51,7 +52,6 @@ from persist_lib.ingest.decode import (
 from persist_lib.ingest.envelope import make_envelope
 from persist_lib.ingest.errors import IngestConfigError, IngestInvariantError
 from persist_lib.ingest.outputs import Output, OutputFactory, ShardOutputs, shard_id_for
-from persist_lib.ingest.source import Address, decode_address
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.handles.client import PersistClient
@@ -113,7 +113,7 @@ def decode_raw(spec: DecodeSpec, raw: pa.Table, envelope: str = "append_only") -
                 [o.get("unchanged") or None for o in objs],
             )
         elif fmt == "kafka":
-            from persist_lib.ingest.kafka import decode_kafka_raw
+            from persist_lib.ingest.kafka.raw import decode_kafka_raw
 
             rows, bad_all = decode_kafka_raw(spec, envelope, [p for p, _ in addrs], [int(a[0]) for _, a in addrs], raws)
         else:

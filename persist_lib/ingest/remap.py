@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from persist_lib.errors import UpperMismatch
-from persist_lib.ingest.errors import IngestInvariantError
-from persist_lib.ingest.source import (
+from persist_lib.ingest.addresses import (
     Frontier,
     Note,
     decode_address,
@@ -37,6 +36,7 @@ from persist_lib.ingest.source import (
     encode_note,
     frontier_text,
 )
+from persist_lib.ingest.errors import IngestInvariantError
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.handles.client import PersistClient

@@ -13,47 +13,21 @@ after a number of records (to mint a binding of a deterministic size). A chunk m
 carry *notes*: non-deterministic observations (a file turned out unreadable, a late
 file appeared, a file was completed with N rows) that must be recorded in the remap
 shard together with the binding that covers the chunk, so every instance decides the
-same way.
+same way. Addresses, frontiers and notes themselves (and their canonical encodings) are
+in ``addresses``.
 """
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from persist_lib.ingest.addresses import Address, Frontier, Note
+
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.ingest.decode import Decoded, DecodeSpec
-
-Address = tuple[Any, ...]
-Frontier = dict[str, Address]
-Note = dict[str, Any]
-
-
-def encode_address(a: Sequence[Any]) -> str:
-    """Canonical JSON text of an address (the remap/errors/raw key column)."""
-    return json.dumps(list(a), separators=(",", ":"), ensure_ascii=False)
-
-
-def decode_address(s: str) -> Address:
-    v = json.loads(s)
-    return tuple(v) if isinstance(v, list) else (v,)
-
-
-def encode_note(n: Note) -> str:
-    """Canonical JSON text of a note (sorted keys, so equal notes encode equally)."""
-    return json.dumps(n, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def frontier_covers(f: Frontier, g: Frontier) -> bool:
-    """True iff ``f`` is at or beyond ``g`` in every partition of ``g``."""
-    return all(p in f and tuple(f[p]) >= tuple(a) for p, a in g.items())
-
-
-def frontier_text(f: Frontier) -> str:
-    return ", ".join(f"{p}: {encode_address(a)}" for p, a in sorted(f.items())) or "(none)"
 
 
 @dataclass

@@ -19,7 +19,7 @@ shard's notes, and empty ranges) are decoded on the driver.
 A Kafka topic (``KafkaSource``) is distributed the same way, with *offset ranges* for
 files: the driver reads with a ``KafkaRangeReader`` (ranges up to each partition's high
 watermark, bound without fetching a message), and each task reads one
-``(partition, [start, end))`` piece with its own consumer (``kafka.read_range``) and
+``(partition, [start, end))`` piece with its own consumer (``kafka.ranges.read_range``) and
 decodes it with the source's own ``decode_messages``. A task is a pure function of its
 range, so a retried or speculative attempt returns the same result; the driver applies
 the bindings and commits the consumer group's offsets once the outputs are durable,
@@ -52,13 +52,16 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from persist_lib.ingest import errors as ingest_errors
+from persist_lib.ingest.addresses import Address
 from persist_lib.ingest.decode import Decoded, DecodeSpec
 from persist_lib.ingest.driver import Ingestion, _Acc
 from persist_lib.ingest.errors import IngestConfigError, IngestError, SourceDataGone
-from persist_lib.ingest.kafka import KafkaRangeChunk, KafkaSource, read_range
-from persist_lib.ingest.landing_zone import FileChunk, LandingZoneSource, _UnreadableFile
+from persist_lib.ingest.kafka import KafkaSource
+from persist_lib.ingest.kafka.ranges import KafkaRangeChunk, read_range
+from persist_lib.ingest.landing_zone import LandingZoneSource
+from persist_lib.ingest.landing_zone.files import FileChunk, _UnreadableFile
 from persist_lib.ingest.remap import Binding
-from persist_lib.ingest.source import Address, Chunk
+from persist_lib.ingest.source import Chunk
 from persist_lib.spark._common import (
     binary_rows,
     check_session,
@@ -148,7 +151,7 @@ def _decode_task(
     src: _SourceSpec, spec: DecodeSpec, ranges: Iterable[_FileRange]
 ) -> Iterator[tuple[int, int, Decoded]]:
     """Executor: re-reads each file once, checks it, decodes its ranges like the driver."""
-    from persist_lib.ingest.landing_zone import Unreadable, parse_file
+    from persist_lib.ingest.landing_zone.files import Unreadable, parse_file
 
     source = LandingZoneSource(src.uri, format=src.format, pattern=src.pattern, csv_delimiter=src.csv_delimiter)
     parsed: Any = None

@@ -1,6 +1,6 @@
 """The Kafka reader process: consuming and decoding on another core than the ingestion.
 
-Why: a reader's prefetch thread (``kafka_prefetch._Prefetcher``) and the ingestion's own thread
+Why: a reader's prefetch thread (``prefetch._Prefetcher``) and the ingestion's own thread
 both need the GIL for most of their work (confluent-kafka builds a Python ``Message``
 per message, splitting and decoding orchestrate Arrow from Python, reclocking and
 appends are Python), so on one interpreter they barely overlap. A spawned child process
@@ -13,8 +13,11 @@ handles) runs exactly what the prefetch thread runs -- ``_consume`` + ``convert_
   with out-of-band buffers: no copy into the pickle), the error records and the
   consumer's events (end of partition, errors: ``_Event``, rebuilt as ``KafkaError``)
   pickled;
-- over a socket pair; a receiver thread in the ingestion process reads it continuously
-  (``recv`` releases the GIL) and queues the batches.
+- over a socket pair (``wire``); a receiver thread in the ingestion process reads it
+  continuously (``recv`` releases the GIL) and queues the batches.
+
+This module is the ingestion process's side (``ReaderProcess``); the child's is
+``reader_child``.
 
 Semantics are the prefetch thread's: batches arrive in the order ``consume`` returned
 them, the reader (``KafkaReader``, in the ingestion process) keeps every decision --
@@ -38,7 +41,6 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -46,91 +48,23 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import pyarrow as pa
-
-from persist_lib.ingest.errors import IngestInvariantError, SourceUnavailable
+from persist_lib.ingest.errors import SourceUnavailable
+from persist_lib.ingest.kafka.wire import _recv, _send, unship
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.ingest.decode import ErrorRecord
-    from persist_lib.ingest.kafka import KafkaSource, _Batch, _Fetched
+    from persist_lib.ingest.kafka.messages import _Batch, _Fetched
+    from persist_lib.ingest.kafka.topic import KafkaTopic
 
 log = logging.getLogger(__name__)
 
-_HEAD = struct.Struct("<I")  # out-of-band buffers following a message's pickle
 _STOP_WAIT_S = 10.0
-# (not ``-m persist_lib.ingest.kafka_proc``: its classes must pickle under this module's name)
-_CHILD = "import sys; from persist_lib.ingest.kafka_proc import main; sys.exit(main(sys.argv[1:]))"
-
-
-@dataclass
-class _Event:
-    """An error/event message of a consumed batch, across the process boundary (a
-    ``Message`` does not pickle): what ``KafkaReader._on_error`` reads off it."""
-
-    code: int
-    reason: str
-    fatal: bool
-    part: int | None
-    off: int | None
-
-    @classmethod
-    def of(cls, m: Any) -> _Event:
-        err = m.error()
-        return cls(int(err.code()), str(err.str()), bool(err.fatal()), m.partition(), m.offset())
-
-    def error(self) -> Any:
-        from confluent_kafka import KafkaError
-
-        return KafkaError(self.code, self.reason, fatal=self.fatal)
-
-    def partition(self) -> int | None:
-        return self.part
-
-    def offset(self) -> int | None:
-        return self.off
-
-
-@dataclass
-class _Shipped:
-    """A ``_Decoded`` run of one partition as shipped: rows (and raw) as Arrow IPC."""
-
-    offs: np.ndarray
-    vlen: np.ndarray
-    rows: pa.Buffer
-    errors: list[ErrorRecord]
-    raw: pa.Buffer | None
-
-
-def _ipc(t: pa.Table) -> pa.Buffer:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, t.schema) as w:
-        w.write_table(t)
-    return sink.getvalue()
-
-
-def _unipc(b: pa.Buffer) -> pa.Table:
-    return pa.ipc.open_stream(b).read_all()
-
-
-def _send(conn: Connection, obj: Any) -> None:
-    bufs: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(obj, protocol=5, buffer_callback=bufs.append)
-    conn.send_bytes(_HEAD.pack(len(bufs)) + head)
-    for b in bufs:
-        conn.send_bytes(b.raw())
-
-
-def _recv(conn: Connection) -> Any:
-    head = conn.recv_bytes()
-    (n,) = _HEAD.unpack_from(head)
-    bufs = [conn.recv_bytes() for _ in range(n)]
-    return pickle.loads(memoryview(head)[_HEAD.size:], buffers=bufs)
+# The child's code (``reader_child``), imported by ``-c`` rather than run with ``-m``: run as
+# ``__main__``, the module would be a second copy beside the one the package imports.
+_CHILD = "import sys; from persist_lib.ingest.kafka.reader_child import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _project_root() -> str:
@@ -144,7 +78,7 @@ class ReaderProcess:
     ``close``) over a spawned child, plus ``assign`` (the child's consumer fetches) and
     ``high_watermarks`` (its cached ones, for ``lag``)."""
 
-    def __init__(self, src: KafkaSource, limit: int, where: str) -> None:
+    def __init__(self, src: KafkaTopic, limit: int, where: str) -> None:
         self._where = where
         self._spec = src._spec
         self._limit = max(1, limit)
@@ -191,7 +125,7 @@ class ReaderProcess:
                 kind = msg[0]
                 if kind == "batch":
                     _, size, batch, high, at = msg
-                    b = self._unpack(batch)
+                    b = unship(batch, self._spec, self._where)
                     with self._cv:
                         self._high.update(high)
                         self._batches.append((size, b, at))
@@ -238,21 +172,6 @@ class ReaderProcess:
             except Exception:  # noqa: BLE001, S110 - fall back to the text
                 pass
         return SourceUnavailable(f"{self._where}: the Kafka reader process (pid {self.pid}) failed: {text}")
-
-    def _unpack(self, batch: tuple[list[_Event], list[tuple[int, Any]]]) -> _Batch:
-        from persist_lib.ingest.kafka import _Decoded, _Msgs
-
-        events, groups = batch
-        out: list[tuple[int, _Decoded | _Msgs]] = []
-        for p, g in groups:
-            if isinstance(g, _Shipped):
-                if self._spec is None:
-                    raise IngestInvariantError(f"{self._where}: the reader process decoded without a schema")
-                raw = None if g.raw is None else _unipc(g.raw)
-                out.append((p, _Decoded(g.offs.tolist(), _unipc(g.rows), g.errors, raw, g.vlen.tolist(), self._spec)))
-            else:
-                out.append((p, g))
-        return list(events), out
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -301,138 +220,4 @@ class ReaderProcess:
             self._proc.wait()
         self._thread.join(_STOP_WAIT_S)
         self._conn.close()
-
-
-# ----- the child --------------------------------------------------------------------------
-
-
-def _watch_parent(ppid: int) -> None:
-    """Exits this process as soon as the parent is gone (re-parented)."""
-
-    def run() -> None:
-        while True:
-            if os.getppid() != ppid:
-                os._exit(3)
-            time.sleep(0.2)
-
-    threading.Thread(target=run, name="parent-watchdog", daemon=True).start()
-
-
-def _ship(batch: _Batch) -> tuple[list[_Event], list[tuple[int, Any]]]:
-    from persist_lib.ingest.kafka import _Decoded
-
-    events, groups = batch
-    out: list[tuple[int, Any]] = []
-    for p, g in groups:
-        if isinstance(g, _Decoded):
-            out.append((p, _Shipped(
-                np.asarray(g.offs, dtype=np.int64), np.asarray(g.vlen, dtype=np.int64), _ipc(g.rows), g.errors,
-                None if g.raw is None else _ipc(g.raw),
-            )))
-        else:
-            out.append((p, g))  # (materialized lists: a reader with no schema attached)
-    return [_Event.of(m) for m in events], out
-
-
-def _serve(conn: Connection) -> None:
-    """The child's loop: control messages (assignments before the next consume), then a
-    ``consume`` + ``convert_batch`` -- what the prefetch thread does -- and the batch
-    shipped, while fewer than ``limit`` messages wait in the ingestion process."""
-    import gc
-
-    from confluent_kafka import TopicPartition
-
-    from persist_lib.ingest.kafka import KafkaSource, convert_batch
-    from persist_lib.ingest.kafka_prefetch import _consume
-
-    msg = _recv(conn)
-    if msg[0] != "init":
-        raise IngestInvariantError(f"the Kafka reader process expected init, got {msg[0]!r}")
-    _, settings, name, spec, envelope, limit = msg
-    src = KafkaSource(**settings)
-    src.attach(None, name, spec)  # type: ignore[arg-type]  # (no client: it only reads)
-    src.bind_envelope(envelope)
-    gc.freeze()  # (what the imports left: never walked by a collection again)
-    consumer = src.new_consumer()
-    topic = src.topic
-    outstanding = 0  # messages (and events) shipped and not yet taken by the reader
-
-    def convert(msgs: list[Any]) -> _Batch:
-        return convert_batch(src, msgs)
-
-    try:
-        while True:
-            while True:
-                full = outstanding >= limit
-                if not conn.poll(0.1 if full else 0.0):
-                    if full:
-                        continue
-                    break
-                m = _recv(conn)
-                if m[0] == "assign":
-                    consumer.incremental_assign([TopicPartition(topic, p, o) for p, o in m[1]])
-                elif m[0] == "took":
-                    outstanding -= int(m[1])
-                elif m[0] == "stop":
-                    return
-            size, batch = _consume(consumer, max(1, min(20_000, limit - outstanding)), 0.05, convert)
-            if not size:
-                continue
-            at = time.monotonic()
-            high: dict[int, int] = {}  # (cached: the last fetch responses' high watermarks)
-            for p, _ in batch[1]:
-                if p not in high:
-                    _, hi = consumer.get_watermark_offsets(TopicPartition(topic, p), cached=True)
-                    if hi is not None and hi >= 0:
-                        high[p] = int(hi)
-            _send(conn, ("batch", size, _ship(batch), high, at))
-            outstanding += size
-    finally:
-        consumer.close()
-
-
-class _NoPandas:
-    """An import hook refusing pandas. Why: pyarrow's pandas shim imports pandas on the
-    first ``pa.array``/``to_numpy`` call of a process if it can (~0.2 s of CPU per reader
-    process); this process never converts from or to pandas, and pyarrow without pandas
-    converts numpy and Arrow data exactly the same way."""
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-        if name == "pandas" or name.startswith("pandas."):
-            raise ImportError("the Kafka reader process does not use pandas")
-        return None
-
-
-def main(argv: list[str]) -> int:
-    """``python -c _CHILD FD PARENT_PID``: serves one reader."""
-    if "pandas" not in sys.modules:
-        sys.meta_path.insert(0, _NoPandas())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C is the ingestion's to handle: it stops us)
-    fd, ppid = int(argv[0]), int(argv[1])
-    _watch_parent(ppid)
-    conn = Connection(fd)
-    try:
-        _serve(conn)
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        return 0  # the ingestion process went away
-    except BaseException as e:  # noqa: BLE001 - reported to the ingestion process
-        import traceback
-
-        text = f"{type(e).__name__}: {e}"
-        pickled: bytes | None = None
-        try:
-            data = pickle.dumps(e)
-            pickle.loads(data)  # (librdkafka's exceptions don't round-trip)
-            pickled = data
-        except Exception:  # noqa: BLE001, S110 - sent as text instead
-            pass
-        try:
-            _send(conn, ("error", pickled, text))
-        except OSError:
-            pass
-        traceback.print_exc(file=sys.stderr)
-        return 1
-    finally:
-        conn.close()
-    return 0
 

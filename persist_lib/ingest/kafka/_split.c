@@ -1,6 +1,6 @@
 /* A consumed batch of confluent-kafka messages split by partition in one C pass.
  *
- * What ``persist_lib.ingest.kafka._split`` does in Python (four ``map``s over the batch,
+ * What ``persist_lib.ingest.kafka.split._split`` does in Python (four ``map``s over the batch,
  * numpy arrays to find where a run of one partition ends) plus what decoding then does
  * per run (``b"\n".join`` of the values, the value lengths): measured ~0.25 s of CPU per
  * 1M messages, all of it holding the GIL on the ingestion's critical path; here ~0.03 s.
@@ -191,9 +191,9 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_kafka_split",
-    "A consumed Kafka batch split by partition in one C pass (persist_lib.ingest.kafka).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_split",
+    "A consumed Kafka batch split by partition in one C pass (persist_lib.ingest.kafka.split).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__kafka_split(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__split(void) { return PyModule_Create(&module); }

@@ -4,8 +4,8 @@ threads), handed over in consume order (``_Prefetcher``); and the pause of Pytho
 cyclic garbage collector around a batch's ``Message`` objects that consuming and
 converting take (``_gc_paused``, ``_gc_hold``/``_gc_release``, ``_consume``).
 
-Moved out of ``kafka`` as it was (issue 26, with the fix that takes a batch's hold on the
-collector only once its conversion returned).
+Moved out of the reader as it was (issue 26, with the fix that takes a batch's hold on
+the collector only once its conversion returned).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
-    from persist_lib.ingest.kafka import _Batch, _Fetched, _Split
+    from persist_lib.ingest.kafka.messages import _Batch, _Fetched
+    from persist_lib.ingest.kafka.split import _Split
 
-log = logging.getLogger("persist_lib.ingest.kafka")  # (the reader's logger, as before the move)
+log = logging.getLogger(__name__)
 
 _BATCH = 20_000  # messages per ``consume()`` call of a prefetcher (at most)
 _B = TypeVar("_B")  # what a ``_consume`` conversion makes of a batch
