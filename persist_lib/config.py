@@ -1,4 +1,4 @@
-"""Client configuration, with the clock and the RNG injected (DESIGN section 15)."""
+"""Client configuration, with the clock and the RNG injected (docs/design.md section 15)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def system_clock_ms() -> int:
 
 @dataclass
 class PersistConfig:
-    """Tunables of a ``PersistClient``. Defaults follow DESIGN and Materialize's persist."""
+    """Tunables of a ``PersistClient``. Defaults follow docs/design.md and Materialize's persist."""
 
     # Writes.
     blob_target_size: int = 128 * MiB  # a part is flushed when its Arrow buffer reaches this

@@ -1,4 +1,4 @@
-"""The error taxonomy of persist (DESIGN section 14).
+"""The error taxonomy of persist (docs/design.md section 14).
 
 Two axes: *usage* errors (the call can never succeed as made: fix the call) versus
 *location* errors (Blob/Consensus misbehaved), and for location errors whether the

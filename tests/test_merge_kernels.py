@@ -1,4 +1,4 @@
-"""The merge's linear kernels (``consolidate.sorted_state`` / ``count_less``) and the
+"""The merge's linear kernels (``sorted_checks.sorted_state`` / ``count_less``) and the
 compactor's search-bounded merge step, against the reference: ranking
 (``row_keys``) and one whole-table ``consolidate``.
 

@@ -282,7 +282,7 @@ INTERVAL = 16  # the rollup interval the bound is checked against
 )
 def test_reopen_after_many_commits_replays_a_bounded_number_of_diffs(write_interval: int) -> None:
     """Opening a shard after many commits costs one rollup load plus at most about
-    ``rollup_interval`` diffs, however many commits there were (DESIGN section 5). The
+    ``rollup_interval`` diffs, however many commits there were (docs/design.md section 5). The
     second case writes with rollups disabled and must fail the bound (strict xfail):
     the check is not vacuous."""
     commits = 15 * INTERVAL

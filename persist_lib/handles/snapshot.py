@@ -4,7 +4,7 @@
 ``PersistConfig.read_memory_budget``). A read whose parts, decoded whole, fit it is
 done the simple way (fetch every part in parallel, one consolidate). A larger one
 streams: ``snapshot_batches`` / ``updates_between_batches`` yield record batches from
-the compactor's k-way merge of the parts' sorted runs (``compactor.stream_merge``),
+the compactor's k-way merge of the parts' sorted runs (``read_merge.stream_merge``),
 holding about one decoded part per run plus the merge's chunks; runs that don't fit
 together are first merged into spill files in the local temporary directory
 (``$TMPDIR``), deleted when the stream ends. The stream holds its seqno hold
@@ -41,7 +41,7 @@ from persist_lib.shard.sorted_checks import SORTED_STRICT, SORTED_WITH_TIES, sor
 from persist_lib.shard.time_filters import snapshot_at, time_range
 
 # Whole (in-memory) snapshots of at most this many sorted runs merge them instead of
-# sorting their concatenation (``compactor.merge_decoded_runs``).
+# sorting their concatenation (``read_merge.merge_decoded_runs``).
 MERGE_DECODED_MAX_RUNS = FEW_RUNS
 
 # A single run with ties at most this long is consolidated by a sort rather than merged.
@@ -56,7 +56,7 @@ def _single_run_snapshot(run_tables: list[pa.Table], schemas: Schemas) -> pa.Tab
     zero diff: parts are consolidated), so the run is the snapshot: a linear check
     instead of a merge. A short run with ties (the same record written at several
     times up to the as-of) is consolidated directly. Flat key types only
-    (``compactor.merges_linearly``)."""
+    (``kway_merge.merges_linearly``)."""
     if len(run_tables) != 1:
         return None
     table = run_tables[0]

@@ -1,4 +1,4 @@
-"""``WriteHandle``: compare-and-append and definite append (DESIGN section 6).
+"""``WriteHandle``: compare-and-append and definite append (docs/design.md section 6).
 
 A writer has one outstanding state change at a time (backpressure). Its batches are
 built (and their parts uploaded) before the compare-and-set. A batch's blobs are

@@ -1,4 +1,4 @@
-"""Source ingestion with reclocking (DESIGN section 11).
+"""Source ingestion with reclocking (docs/design.md section 11).
 
 Sources (a file landing zone, Postgres CDC, Kafka) are reclocked through a remap shard and
 ingested by the recipe of seed 001 into definite outputs: the data collection, an

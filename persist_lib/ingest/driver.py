@@ -1,4 +1,4 @@
-"""The ingestion driver: the source ingestion recipe (DESIGN section 11, seed 001).
+"""The ingestion driver: the source ingestion recipe (docs/design.md section 11, seed 001).
 
 On start (and whenever it has to re-synchronize):
 

@@ -1,4 +1,4 @@
-"""The remap (reclocking) shard of a source (DESIGN section 11; Materialize's remap shard).
+"""The remap (reclocking) shard of a source (docs/design.md section 11; Materialize's remap shard).
 
 Updates are ``((partition, address), t, ±1)`` with a unit value: at every time ``t``
 the shard accumulates to the source frontier bound at ``t`` (per partition, the first

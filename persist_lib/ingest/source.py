@@ -1,4 +1,4 @@
-"""The source protocol: partitions of ordered, replayable addresses (DESIGN section 11).
+"""The source protocol: partitions of ordered, replayable addresses (docs/design.md section 11).
 
 A *source* is split into partitions; within a partition every message has an
 *address* (a tuple of ints/strings compared as a Python tuple: ``(file, row)`` for a

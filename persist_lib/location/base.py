@@ -1,4 +1,4 @@
-"""The two location contracts persist is built on (DESIGN section 4).
+"""The two location contracts persist is built on (docs/design.md section 4).
 
 ``Blob``: a durable ``key -> bytes`` store whose keys are written once. ``set`` is
 atomic (a reader sees the old value or the new one, never a part), ``delete`` is

@@ -10,7 +10,7 @@ here, in one place, instead of in every backend:
 - ``Consensus.compare_and_set`` is *not*: after an ``Indeterminate`` CAS a blind retry
   could report a mismatch for a write that in fact committed. ``RetryingConsensus``
   retries only ``Determinate`` CAS failures and lets ``Indeterminate`` reach the caller,
-  which resolves it by re-reading the head (DESIGN section 5).
+  which resolves it by re-reading the head (docs/design.md section 5).
 
 Time and randomness are injectable (``sleep``, ``clock``, ``rng``) so tests are fast
 and deterministic.

@@ -376,7 +376,7 @@ def _take_pg_op_timeout(
 
 
 def default_uris(home: str | None = None) -> tuple[str, str]:
-    """The embedded default (DESIGN section 4): ``$PERSIST_BLOB_URI`` /
+    """The embedded default (docs/design.md section 4): ``$PERSIST_BLOB_URI`` /
     ``$PERSIST_CONSENSUS_URI`` if set, else a file blob and a SQLite consensus under
     ``home`` (default ``$PERSIST_HOME``, else ``./.persist``)."""
     home = home or os.environ.get("PERSIST_HOME") or ".persist"

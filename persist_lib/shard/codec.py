@@ -1,4 +1,4 @@
-"""Key/value schemas of a shard and the in-memory layout of updates (DESIGN section 3).
+"""Key/value schemas of a shard and the in-memory layout of updates (docs/design.md section 3).
 
 A shard stores updates ``((key, value), time, diff)`` whose key and value are Arrow
 records described by two ``pyarrow.Schema`` objects (``Schemas``). Users hand us

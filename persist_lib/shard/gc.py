@@ -1,4 +1,4 @@
-"""Garbage collection by exact reachability (DESIGN section 9), and the leaked-blob sweeper.
+"""Garbage collection by exact reachability (docs/design.md section 9), and the leaked-blob sweeper.
 
 **Epoch-based reclamation.** A blob last referenced by state version ``X`` (the
 transition to ``X + 1`` replaced it) sits in state's ``garbage`` as

@@ -4,7 +4,7 @@ Same contract as ``persist_lib.shard.transitions``: ``(state, now_ms, args) -> (
 None, result)``, no I/O, and each one recognises its own already-applied effect, since
 the ``Machine`` re-runs a transition against fresh state after an indeterminate CAS.
 
-Epoch-based reclamation (DESIGN section 9): a blob that the transition from version
+Epoch-based reclamation (docs/design.md section 9): a blob that the transition from version
 ``X`` to ``X + 1`` stops referencing is recorded in ``garbage`` as
 ``GarbageEntry(X, size)``, ``X`` being the current seqno when the transition runs: the
 last version that references it. GC may delete it once every reader's seqno hold is

@@ -1,4 +1,4 @@
-"""Encoding, verifying and fetching parts (DESIGN section 6).
+"""Encoding, verifying and fetching parts (docs/design.md section 6).
 
 A part is one Parquet file with columns ``k`` (struct of the key fields), ``v``
 (struct of the value fields; absent for the unit value, as Parquet can't store an

@@ -1,4 +1,4 @@
-"""Which batches to merge: a size-tiered spine over a shard's trace (DESIGN section 8).
+"""Which batches to merge: a size-tiered spine over a shard's trace (docs/design.md section 8).
 
 Pure functions of a ``ShardState``; nothing here does I/O.
 

@@ -1,4 +1,4 @@
-"""Shard state: the small metadata that consensus versions (DESIGN section 5).
+"""Shard state: the small metadata that consensus versions (docs/design.md section 5).
 
 ``ShardState`` is an immutable value. Transitions (``persist_lib.shard.transitions``) build
 a new value from an old one; the ``Machine`` commits the *field-level diff* between

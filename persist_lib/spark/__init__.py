@@ -1,4 +1,4 @@
-"""Spark at scale: distributed writes, reads, compaction and ingestion (DESIGN section 12).
+"""Spark at scale: distributed writes, reads, compaction and ingestion (docs/design.md section 12).
 
 Executors build and fetch parts themselves through persist_lib's Blob client, opened
 from the client's blob URI; the driver alone talks to Consensus, so every state

@@ -1,4 +1,4 @@
-"""A throwaway PostgreSQL server for the test session (DESIGN section 15).
+"""A throwaway PostgreSQL server for the test session (docs/design.md section 15).
 
 ``PgServer.start()`` runs ``initdb`` into a fresh temp directory and starts
 ``postgres`` on a free 127.0.0.1 port (plus a unix socket in the temp dir) with
