@@ -420,7 +420,9 @@ def test_sasl_password_never_shows_in_failures(caplog: pytest.LogCaptureFixture)
 
 def test_broker_going_away_mid_run_times_out() -> None:
     """A private broker is stopped under a running instance: the next run retries with
-    backoff for ``timeout_s`` and raises ``SourceTimeout``; nothing was bound from it."""
+    backoff for ``timeout_s`` and raises ``SourceTimeout``; nothing was bound from it.
+    Which request notices first (metadata or watermarks) depends on timing; both say a
+    retry is safe."""
     broker = KafkaBroker().start()
     client = _client()
     try:
@@ -430,7 +432,7 @@ def test_broker_going_away_mid_run_times_out() -> None:
         with _ingestion(client, "away", src, "append_only", 10) as ing:
             assert ing.run_once()["records"] == 30
             broker.stop()
-            with pytest.raises(SourceTimeout, match="retrying later is safe"):
+            with pytest.raises(SourceTimeout, match=r"retrying (later )?is safe"):
                 ing.run_once()
             assert ing.remap.frontier == {"0": (30,)}
     finally:
