@@ -17,8 +17,10 @@ demo: setup
 screenshots: setup
 	$(PY) scripts/screenshots.py
 
+# Two workers (pytest-xdist), each starting its own Postgres, moto S3, Kafka and Spark.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-long: setup
 	SEEDS=$(SEEDS) $(PY) -m pytest -m slow -q $(PYTEST_ARGS)
