@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
-import pydantic
 
 from dagster_project.checks import build_collection_check, build_errors_check, read_latest
 from dagster_project.ingestion import ThrottledProgress, ingest_source
@@ -37,6 +36,7 @@ from dagster_project.partition_sync import catalog_directory, role_of, sync_sour
 from dagster_project.partitions import rendition_partitions, shard_partitions
 from dagster_project.renditions import backfill_rendition
 from dagster_project.resources import LandingZoneResource, PersistResource, SparkResource
+from dagster_project.run_config import rendition_config_schema
 from dagster_project.sources import SOURCES, SourceSpec
 from persist_lib.errors import InvalidUsage
 
@@ -118,35 +118,6 @@ def persist_shard(
 # ----- per-source assets -------------------------------------------------------------
 
 
-class RenditionConfig(dg.Config):
-    """A rendition backfill: ``num_shards`` of the new rendition (0 = the source's default)."""
-
-    num_shards: int = 0
-
-
-def rendition_config(spec: SourceSpec) -> type[RenditionConfig]:
-    """The run config of ``<src>_rendition``, with the source's rendition shard count as
-    the visible default: *Materialize* in the UI (the implicit ``__ASSET_JOB``, empty
-    config) builds what the source is configured for, and the launchpad shows it."""
-    default = spec.default_rendition_shards
-    return pydantic.create_model(  # type: ignore[no-any-return, call-overload]
-        f"{''.join(p.title() for p in re.split(r'[^A-Za-z0-9]+', spec.name))}RenditionConfig",
-        __base__=RenditionConfig,
-        num_shards=(
-            int,
-            pydantic.Field(
-                default=default,
-                ge=0,
-                le=1024,
-                description=(
-                    f"Shards of the new rendition (default {default}: the source's "
-                    "rendition_shards; 0 also means that default)."
-                ),
-            ),
-        ),
-    )
-
-
 @dataclass(frozen=True)
 class SourceAssets:
     """The definitions of one source (see the module docstring)."""
@@ -193,7 +164,6 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
     remap_key, raw_key = dg.AssetKey(f"{n}_remap"), dg.AssetKey(f"{n}_raw")
     data_key, errors_key = dg.AssetKey(n), dg.AssetKey(f"{n}_errors")
     rendition_parts = rendition_partitions(n)
-    config_cls = rendition_config(spec)
     landing = dg.AssetSpec(
         landing_key,
         group_name=group,
@@ -298,6 +268,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         name=f"{n}_rendition",
         deps=[raw_key],
         partitions_def=rendition_parts,
+        config_schema=rendition_config_schema(spec.default_rendition_shards),
         group_name=group,
         kinds={"persist"},
         description=(
@@ -309,7 +280,6 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
     )
     def rendition(
         context: dg.AssetExecutionContext,
-        config: config_cls,  # type: ignore[valid-type]
         persist: PersistResource,
         landing: LandingZoneResource,
         spark: SparkResource,
@@ -326,7 +296,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 ctl,
                 landing.source_uri(n),
                 r,
-                num_shards=config.num_shards or None,  # type: ignore[attr-defined]
+                num_shards=int(context.op_execution_context.op_config["num_shards"]) or None,
                 spark=(lambda: spark.spark_session) if spark.enabled else None,
                 progress=context.log.info,
             )

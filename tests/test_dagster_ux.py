@@ -277,3 +277,24 @@ def test_frontiers_are_timestamps_only_when_they_are_epoch_ms() -> None:
     }
     meta = shard_metadata(state)
     assert isinstance(meta["upper_time"], dg.TimestampMetadataValue) and "since_time" not in meta
+
+
+@pytest.mark.parametrize("num_shards", [-3, 2000, "eight"])
+def test_a_bad_shard_count_is_refused_before_the_run_starts(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance, num_shards: object
+) -> None:
+    """Issue 30 item 4: the run config is validated when the run is created (Dagster's
+    config schema), so nothing is built and no run is recorded."""
+    instance.add_dynamic_partitions("orders_renditions", ["r1"])
+    with pytest.raises(dg.DagsterInvalidConfigError, match="num_shards") as err:
+        dg.materialize(
+            [ORDERS_ASSETS.rendition],
+            resources=resources,
+            instance=instance,
+            partition_key="r1",
+            run_config={"ops": {"orders_rendition": {"config": {"num_shards": num_shards}}}},
+        )
+    if num_shards != "eight":
+        assert f"from 1 to 1024 (0 = the source's default), got {num_shards}" in str(err.value)
+    assert instance.get_runs() == []
+    assert not (home / "consensus.db").exists()  # nothing touched the location
