@@ -314,7 +314,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         yield dg.MaterializeResult(
             metadata={
                 **collection_metadata(client, desc, rendition=r),
-                "status": "active" if desc["active_rendition"] == r else desc["renditions"][r]["status"],
+                "status": desc["renditions"][r]["status"],
                 "previous_rendition": str(res.get("previous") or "-"),
                 "handover_at": int(res["handover_at"]) if res.get("handover_at") else 0,
                 **time_metadata("handover_at", res.get("handover_at")),
@@ -368,7 +368,7 @@ def rendition_refusal(spec: SourceSpec, desc: Mapping[str, Any], rendition: str)
     """Why a backfill of ``rendition`` can't run (one paragraph for a ``dg.Failure``), or
     None. A rendition is built once: a retired or dropped one can't be rebuilt."""
     info = desc["renditions"].get(rendition)
-    if info is None or info["status"] in ("ready", "creating"):
+    if info is None or info["status"] in ("creating", "ready", "active"):
         return None
     name = desc["name"]
     to = next((h["to"] for h in desc["timeline"] if h["from"] == rendition), None)

@@ -113,7 +113,7 @@ def ensure_renditions(
         if info is None:
             ctl.create_rendition(name, rendition, num_shards)
             created.append(name)
-        elif info["status"] != "ready":  # retired, dropped, ...: never rebuilt
+        elif info["status"] not in ("ready", "active"):  # retired, dropped, ...: never rebuilt
             raise InvalidUsage(
                 f"collection {name!r}: rendition {rendition!r} exists but is {info['status']}; "
                 "pick a new name"

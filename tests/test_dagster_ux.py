@@ -152,7 +152,7 @@ def test_retired_rendition_backfill_is_a_clear_failure_and_partitions_tell_the_t
     meta = latest(instance, RENDITION, "r1")
     assert meta["status"] == "active" and meta["previous_rendition"] == "r0"
     renditions = {row[0]: row for row in md_rows(meta["renditions"])}
-    assert renditions["r0"][1] == "dropped" and renditions["r1"][1] == "ready"
+    assert renditions["r0"][1] == "dropped" and renditions["r1"][1] == "active"
     desc = describe(home, "orders")
     timeline = [[str(h["at"]), h["from"] or "-", h["to"]] for h in desc["timeline"]]
     rows = md_rows(meta["timeline"])
@@ -298,3 +298,68 @@ def test_a_bad_shard_count_is_refused_before_the_run_starts(
         assert f"from 1 to 1024 (0 = the source's default), got {num_shards}" in str(err.value)
     assert instance.get_runs() == []
     assert not (home / "consensus.db").exists()  # nothing touched the location
+
+
+def test_every_view_uses_one_status_word_per_rendition(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    """Issue 30 item 5: the active rendition was ``ready`` in the renditions table and in
+    ``describe --json`` (next to ``active: true``), and shard partitions kept the
+    ``rendition_status`` of their registration after a handover."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from persist_lib.storage.status import RENDITION_STATUSES
+
+    write_orders_file(home / "landing" / "orders", 0, 120)
+    ingest(resources, instance)
+    r0 = describe(home, "orders")["renditions"]["r0"]["shards"]
+    for s in r0:
+        assert latest(instance, "persist_shard", s)["rendition_status"] == "active"
+    # a reader still before the handover keeps r0 (retired, not yet collected)
+    holder = PersistResource(home=str(home))
+    reader = holder.controller().acquire_read_handle("orders")
+    try:
+        assert backfill(resources, instance, "r1").success
+        d = describe(home, "orders")
+        assert {r: i["status"] for r, i in d["renditions"].items()} == {"r0": "retired", "r1": "active"}
+        for info in d["renditions"].values():
+            assert info["status"] in RENDITION_STATUSES
+            assert info["active"] == (info["status"] == "active")
+        # the Dagster metadata: the renditions table and the shard partitions
+        table = {row[0]: row[1] for row in md_rows(latest(instance, RENDITION, "r1")["renditions"])}
+        assert table == {"r0": "retired", "r1": "active"}
+        assert latest(instance, RENDITION, "r1")["status"] == "active"
+        for s in d["renditions"]["r1"]["shards"]:
+            assert latest(instance, "persist_shard", s)["rendition_status"] == "active"
+        for s in r0:
+            meta = latest(instance, "persist_shard", s)
+            assert meta["rendition_status"] == "retired", meta
+        # the command line, in a subprocess, says the same
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PERSIST_")}
+        env.update(PERSIST_HOME=str(home), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+
+        def cli(*args: str) -> str:
+            out = subprocess.run(
+                [sys.executable, "-m", "persist_lib.cli.main", *args],
+                env=env, capture_output=True, text=True, timeout=120,
+            )
+            assert out.returncode == 0, out.stderr
+            return out.stdout
+
+        doc = json.loads(cli("describe", "orders", "--json"))
+        assert {r: i["status"] for r, i in doc["renditions"].items()} == {"r0": "retired", "r1": "active"}
+        text = cli("describe", "orders")
+        assert re.search(r"^\s*r0\s+retired\s+4\s", text, re.M), text
+        assert re.search(r"^\s*r1\s+active\s+2\s", text, re.M), text
+        assert "ready" not in text
+        assert "r0 retired, r1 active" in cli("collections")
+        shards = cli("shards")
+        assert "orders / r1 / shard 0 of 2 (active)" in shards
+        assert "orders / r0 / shard 0 of 4 (retired)" in shards
+    finally:
+        reader.expire()
+        holder.close()

@@ -24,6 +24,8 @@ def shard_roles(client: PersistClient) -> dict[str, str]:
     from persist_lib.ingest.outputs import ROLES, shard_id_for
     from persist_lib.storage import StorageController
     from persist_lib.storage.catalog import default_catalog_shard
+    from persist_lib.storage.metadata import active_rendition
+    from persist_lib.storage.status import rendition_status
 
     out = {str(default_catalog_shard()): "STORAGE catalog"}
     with StorageController(client, read_only=True) as ctl:
@@ -33,14 +35,12 @@ def shard_roles(client: PersistClient) -> dict[str, str]:
             out[str(shard_id_for(name, role))] = f"{name} / ingestion {role} shard"
     for name, spec in sorted(cat.items()):
         out[spec["metadata_shard"]] = f"{name} / rendition metadata shard"
+        active = active_rendition(client, spec["metadata_shard"])
         for r, info in sorted(spec["renditions"].items()):
-            status = info["status"]
-            if status == "ready" and info.get("retired_at") is not None:
-                status = "retired"
+            status = rendition_status(info, active=r == active)
             n = len(info["shards"])
             for i, sid in enumerate(info["shards"]):
-                extra = "" if status == "ready" else f" ({status})"
-                out[sid] = f"{name} / {r} / shard {i} of {n}{extra}"
+                out[sid] = f"{name} / {r} / shard {i} of {n} ({status})"
     return out
 
 
@@ -208,7 +208,10 @@ def collections_table(rows: Sequence[Mapping[str, Any]], descs: Mapping[str, Map
                 info.get("since"),
                 info.get("updates"),
                 info.get("bytes"),
-                c["renditions"],
+                ", ".join(
+                    f"{r} {d['renditions'][r]['status']}" if r in d.get("renditions", {}) else r
+                    for r in c["renditions"]
+                ),
             ]
         )
     return table(
@@ -233,7 +236,7 @@ def describe_text(d: Mapping[str, Any]) -> str:
     rows = [
         [
             name,
-            "active" if ri.get("active") else ri["status"],
+            ri["status"],
             ri["num_shards"],
             ri["upper"],
             ri["since"],
