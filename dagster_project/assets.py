@@ -20,7 +20,13 @@ from typing import Any
 
 import dagster as dg
 
-from dagster_project.checks import build_collection_check, build_errors_check, read_latest
+from dagster_project.checks import (
+    build_collection_check,
+    build_errors_check,
+    latest_as_of,
+    read_latest,
+    validate_collection,
+)
 from dagster_project.ingestion import ThrottledProgress, ingest_source
 from dagster_project.metadata import (
     blob_requests,
@@ -34,7 +40,13 @@ from dagster_project.metadata import (
 from dagster_project.operations import compact_shard
 from dagster_project.partition_sync import catalog_directory, role_of, sync_source_partitions
 from dagster_project.partitions import rendition_partitions, shard_partitions
-from dagster_project.renditions import backfill_rendition
+from dagster_project.rendition_check import (
+    collection_check_evaluation,
+    make_rendition_check,
+    rendition_check_result,
+    rendition_check_spec,
+)
+from dagster_project.renditions import RenditionCheckFailed, backfill_rendition
 from dagster_project.resources import LandingZoneResource, PersistResource, SparkResource
 from dagster_project.run_config import rendition_config_schema
 from dagster_project.sources import SOURCES, SourceSpec
@@ -269,6 +281,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         deps=[raw_key],
         partitions_def=rendition_parts,
         config_schema=rendition_config_schema(spec.default_rendition_shards),
+        check_specs=[rendition_check_spec(dg.AssetKey(f"{n}_rendition"), n)],
         group_name=group,
         kinds={"persist"},
         description=(
@@ -299,7 +312,26 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 num_shards=int(context.op_execution_context.op_config["num_shards"]) or None,
                 spark=(lambda: spark.spark_session) if spark.enabled else None,
                 progress=context.log.info,
+                check=make_rendition_check(persist, n, spec.rules),
             )
+        except RenditionCheckFailed as e:
+            # Recorded on the partition (built, not handed over) and as its failed blocking
+            # check, then the run fails with the reason.
+            desc = ctl.describe(n)
+            yield dg.MaterializeResult(
+                metadata={
+                    **collection_metadata(persist.client(), desc, rendition=r),
+                    "status": desc["renditions"][r]["status"],
+                    "handover": dg.MetadataValue.text(f"refused: {e}"),
+                },
+                check_results=[rendition_check_result(e.outcome, r, e.at)],
+            )
+            raise dg.Failure(
+                description=(
+                    f"{e}. Fix the decoding logic (or the data) and backfill a new rendition "
+                    "name; the failed check's metadata shows the failing expectations."
+                )
+            ) from None
         except InvalidUsage as e:
             raise dg.Failure(
                 description=(
@@ -311,7 +343,15 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         client = persist.client()
         desc = ctl.describe(n)
         built = res.get("built") or {}
+        checked = res.get("check") or {}
+        if checked.get("outcome") is not None:
+            result = rendition_check_result(checked["outcome"], r, checked["at"])
+        else:  # already active (checked when it was handed over to): its latest contents
+            as_of = latest_as_of(persist, n)
+            outcome = validate_collection(persist, n, spec.rules, as_of) if as_of is not None else None
+            result = rendition_check_result(outcome, r, as_of, note="already active: latest contents")
         yield dg.MaterializeResult(
+            check_results=[result],
             metadata={
                 **collection_metadata(client, desc, rendition=r),
                 "status": desc["renditions"][r]["status"],
@@ -342,6 +382,8 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                         },
                     )
                 )
+        if n in handed and checked.get("outcome") is not None:
+            context.log_event(collection_check_evaluation(data_key, checked["outcome"], r, checked["at"]))
         sync_source_partitions(context, client, ctl, n, rendition_parts, materializing=r)
 
     @dg.asset(
