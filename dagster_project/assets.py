@@ -51,6 +51,7 @@ from dagster_project.resources import LandingZoneResource, PersistResource, Spar
 from dagster_project.run_config import rendition_config_schema
 from dagster_project.sources import SOURCES, SourceSpec
 from persist_lib.errors import InvalidUsage
+from persist_lib.timefmt import time_text
 
 MiB = 1 << 20
 
@@ -362,6 +363,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 "raw_times_replayed": int(built.get("times") or 0),
                 "build_engine": str(built.get("engine", "-")),
                 "collected": dg.MetadataValue.json(res.get("collected") or {}),
+                **handover_cost(n, res.get("handover_at"), desc),
                 **request_metadata(client, start),
             }
         )
@@ -436,6 +438,21 @@ def rendition_refusal(spec: SourceSpec, desc: Mapping[str, Any], rendition: str)
         f"such as {suggest!r}; or run `dagster job launch -w workspace.yaml -j "
         f"{spec.name}_rendition_job --tags '{{\"dagster/partition\": \"{suggest}\"}}'`."
     )
+
+
+def handover_cost(name: str, at: int | None, desc: Mapping[str, Any]) -> dict[str, Any]:
+    """What a handover costs, as ``history`` metadata: the collection's history before it
+    (docs/dagster.md, "What a handover costs")."""
+    if at is None:
+        return {}
+    return {
+        "history": dg.MetadataValue.text(
+            f"AS OF a time at or before the handover ({time_text(int(at))}) stops being "
+            f"readable on {name!r} once the previous rendition is collected (now readable "
+            f"from {time_text(desc.get('readable_since'))}); {name}.raw keeps every record "
+            "at its time."
+        )
+    }
 
 
 def contents_summary(df: Any, as_of: int | None, spec: SourceSpec) -> dict[str, Any]:

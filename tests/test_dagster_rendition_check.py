@@ -183,3 +183,61 @@ def test_summary_sensor_ignores_an_unchecked_materialization(
     assert not r.run_requests
     assert r.skip_reason is not None and "blocking checks did not run" in (r.skip_reason.skip_message or "")
     assert r.cursor is not None and int(r.cursor) > int(cursor)
+
+
+def test_commands_report_the_since_a_reader_gets_after_a_handover(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    """Issue 30 item 2: ``persist collections`` reported the active rendition's since
+    while ``AS OF`` a later time failed: after a handover (with a reader holding the old
+    rendition, then GC) the collection's history starts at the handover. Every command
+    and the Dagster metadata now report the since ``AS OF`` actually has."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    ingest_checked(home, resources, instance)
+    holder = PersistResource(home=str(home))
+    reader = holder.controller().acquire_read_handle("orders")  # like `persist tail orders`
+    assert backfill(SA, resources, instance, "r1").success
+    reader.expire()
+    holder.close()
+    persist = PersistResource(home=str(home))
+    persist.controller().collect_renditions("orders")  # what gc_job does
+    persist.close()
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSIST_")}
+    env.update(PERSIST_HOME=str(home), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "persist_lib.cli.main", *args],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+
+    d = json.loads(cli("describe", "orders", "--json").stdout)
+    since = d["readable_since"]
+    (handover,) = [h for h in d["timeline"] if h["to"] == "r1"]
+    assert since == handover["at"] + 1  # what the handover costs: history before it
+    assert d["renditions"]["r1"]["since"] == [0]  # although r1's shards hold raw times
+    # `persist collections` shows that since, and AS OF it works while one before fails
+    table = cli("collections").stdout
+    row = next(ln for ln in table.splitlines() if ln.startswith("orders "))
+    assert re.search(rf"\b{since}\b", row), table
+    ok = cli("sql", "--json", f"SELECT count(*) AS n FROM orders AS OF {since}")  # noqa: S608
+    assert ok.returncode == 0 and json.loads(ok.stdout)[0]["n"] > 0, ok.stderr
+    bad = cli("sql", "--json", f"SELECT count(*) AS n FROM orders AS OF {since - 1}")  # noqa: S608
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "readable" in bad.stderr and str(since) in bad.stderr, bad.stderr
+    text = cli("describe", "orders").stdout
+    assert re.search(rf"readable since\s+{since}\b", text), text
+    # the UI: the orders asset's since (recorded by the next ingestion) is that one too
+    write_orders_file(home / "landing" / "orders", 1, 5)
+    assert dg.materialize([SA.ingest, *SA.checks], resources=resources, instance=instance).success
+    now = json.loads(cli("describe", "orders", "--json").stdout)["readable_since"]
+    recs = instance.fetch_materializations(dg.AssetKey("orders"), limit=1, ascending=False).records
+    meta = recs[0].asset_materialization.metadata  # type: ignore[union-attr]
+    assert meta["since"].value == now == meta["readable_since"].value
+    assert now >= since > d["renditions"]["r1"]["since"][0]

@@ -199,13 +199,14 @@ def collections_table(rows: Sequence[Mapping[str, Any]], descs: Mapping[str, Map
     for c in rows:
         d = descs.get(c["name"], {})
         info = d.get("renditions", {}).get(c["active_rendition"] or "", {})
+        since = d.get("readable_since")
         out.append(
             [
                 c["name"],
                 c["active_rendition"],
                 info.get("num_shards"),
                 info.get("upper"),
-                info.get("since"),
+                None if since is None else [since],
                 info.get("updates"),
                 info.get("bytes"),
                 ", ".join(
@@ -231,6 +232,7 @@ def describe_text(d: Mapping[str, Any]) -> str:
             ("metadata shard", d["metadata_shard"]),
             ("metadata since", _frontier(d["metadata_since"])),
             ("metadata upper", _frontier(d["metadata_upper"])),
+            ("readable since", _frontier(None if d.get("readable_since") is None else [d["readable_since"]])),
         ]
     )
     rows = [

@@ -52,6 +52,7 @@ from persist_lib.storage.metadata import (
     active_in,
     timeline_from_updates,
 )
+from persist_lib.storage.readable import readable_since
 from persist_lib.storage.reader import CollectionDeleted, CollectionReader
 from persist_lib.storage.status import rendition_status
 from persist_lib.storage.writer import CollectionWriter
@@ -387,7 +388,8 @@ class StorageController:
         frontiers and sizes. A rendition's ``status`` is one word of
         ``persist_lib.storage.status`` (``creating``, ``ready``, ``active``, ``retired``,
         ``dropping``, ``dropped``); ``active`` is true for the one whose status is
-        ``active``."""
+        ``active``. ``readable_since``: the earliest time a collection reader can read
+        (``persist_lib.storage.readable``), not the since of any one shard."""
         spec = self._spec(name)
         meta = spec["metadata_shard"]
         ms = self.client.machine(meta).fetch_latest()
@@ -418,6 +420,9 @@ class StorageController:
             "active_rendition": active,
             "timeline": [{"at": h.at, "from": h.old, "to": h.new} for h in timeline],
             "renditions": renditions,
+            "readable_since": readable_since(
+                ms.since.elements, [{"at": h.at, "to": h.new} for h in timeline], renditions
+            ),
         }
 
     # ----- recovery -------------------------------------------------------------------
