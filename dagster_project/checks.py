@@ -24,9 +24,11 @@ Expectations:
 - upsert collections (``unique_key``): each key appears at most once with diff exactly 1.
 """
 
+import itertools
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -329,22 +331,15 @@ def validate_collection(
 
 def _rendition_stream(readers: Sequence[Any], as_of: int, memory_budget: int) -> Any:
     """The contents of one rendition at ``as_of``: its shards' streams one after the
-    other (a key lives in one shard, so nothing consolidates across them)."""
+    other (a key lives in one shard, so nothing consolidates across them). Each stream
+    releases its hold when exhausted; closing the result releases them all."""
     from persist_lib.handles.read import BatchStream
 
-    n = max(1, len(readers))
-    streams = [r.snapshot_batches(as_of, memory_budget=max(MiB, memory_budget // n)) for r in readers]
-
-    def chain() -> Iterator[pa.RecordBatch]:
-        for st in streams:
-            with st:
-                yield from st
-
-    def release() -> None:
-        for st in streams:
-            st.close()
-
-    return BatchStream(chain(), streams[0].schema, release)
+    per_shard = max(MiB, memory_budget // max(1, len(readers)))
+    with ExitStack() as opening:  # a failed open releases the streams opened before it
+        streams = [opening.enter_context(r.snapshot_batches(as_of, memory_budget=per_shard)) for r in readers]
+        held = opening.pop_all()
+    return BatchStream(itertools.chain.from_iterable(streams), streams[0].schema, held.close)
 
 
 def build_collection_check(

@@ -188,27 +188,19 @@ def plan_shard_partitions(
         plan.add.setdefault(name, []).extend(new)
     if gone:
         plan.delete.setdefault(name, []).extend(gone)
-    for s in new:
-        role = role_of(directory, s)
-        plan.events.append(
-            dg.AssetMaterialization(
-                asset_key=PERSIST_SHARD_KEY,
-                partition=s,
-                description=f"shard registered: {role.label}",
-                metadata={**role.metadata(), "event": dg.MetadataValue.text("registered")},
-            )
-        )
+    events = [(s, "registered", f"shard registered: {role_of(directory, s).label}") for s in new]
     for s, was in sorted((recorded or {}).items()):
         role = role_of(directory, s)
         if s in known_set and s not in gone and role.kind == "rendition" and role.status != was:
-            plan.events.append(
-                dg.AssetMaterialization(
-                    asset_key=PERSIST_SHARD_KEY,
-                    partition=s,
-                    description=f"{role.label}: rendition {role.rendition} is now {role.status} (was {was})",
-                    metadata={**role.metadata(), "event": dg.MetadataValue.text("status changed")},
-                )
+            what = f"{role.label}: rendition {role.rendition} is now {role.status} (was {was})"
+            events.append((s, "status changed", what))
+    for s, event, description in events:
+        meta = {**role_of(directory, s).metadata(), "event": dg.MetadataValue.text(event)}
+        plan.events.append(
+            dg.AssetMaterialization(
+                asset_key=PERSIST_SHARD_KEY, partition=s, description=description, metadata=meta
             )
+        )
     return plan
 
 
