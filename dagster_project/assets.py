@@ -288,8 +288,9 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         description=(
             f"Renditions of {n!r} (partition = rendition name). Materializing a new partition "
             f"is a backfill: build it from {n}.raw with {spec.default_rendition_shards} shards "
-            "(config num_shards), catch up, hand over, collect the old one. Partitions are the "
-            "live renditions: retired and dropped ones are removed."
+            "(config num_shards), catch up, run the blocking GE check on it (a failure stops "
+            "here), hand over, collect the old one. Partitions are the live renditions: "
+            "retired and dropped ones are removed."
         ),
     )
     def rendition(
