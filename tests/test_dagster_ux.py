@@ -558,6 +558,7 @@ def test_commands_report_the_since_a_reader_gets_after_a_handover(
     assert "readable" in bad.stderr and str(since) in bad.stderr, bad.stderr
     text = cli("describe", "orders").stdout
     assert re.search(rf"readable since\s+{since}\b", text), text
+    assert "earlier times were read through r0, dropped after the handover" in text, text
     # the UI: the orders asset's since (recorded by the next ingestion) is that one too
     write_orders_file(home / "landing" / "orders", 1, 5)
     assert dg.materialize([SA.ingest, *SA.checks], resources=resources, instance=instance).success

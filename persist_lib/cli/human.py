@@ -232,7 +232,7 @@ def describe_text(d: Mapping[str, Any]) -> str:
             ("metadata shard", d["metadata_shard"]),
             ("metadata since", _frontier(d["metadata_since"])),
             ("metadata upper", _frontier(d["metadata_upper"])),
-            ("readable since", _frontier(None if d.get("readable_since") is None else [d["readable_since"]])),
+            ("readable since", _readable_since_text(d)),
         ]
     )
     rows = [
@@ -306,6 +306,20 @@ def ingest_run_text(doc: Mapping[str, Any]) -> str:
 
 def _source_frontier(frontier: Mapping[str, Any]) -> str:
     return ", ".join(f"{p}: {a}" for p, a in sorted(frontier.items())) or "(start)"
+
+
+def _readable_since_text(d: Mapping[str, Any]) -> str:
+    """``AS OF`` works from here; says which dropped renditions held the times before."""
+    since = d.get("readable_since")
+    text = _frontier(None if since is None else [since])
+    gone = [
+        h["from"]
+        for h in d["timeline"]
+        if h["from"] and d["renditions"].get(h["from"], {}).get("status") in ("dropping", "dropped")
+    ]
+    if since is not None and gone:
+        text += f" (earlier times were read through {', '.join(gone)}, dropped after the handover)"
+    return text
 
 
 def _frontier(elements: Sequence[int] | None) -> str:
