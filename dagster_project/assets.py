@@ -19,9 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
-import pydantic
 
-from dagster_project.checks import build_collection_check, build_errors_check, read_latest
+from dagster_project.checks import (
+    build_collection_check,
+    build_errors_check,
+    latest_as_of,
+    read_latest,
+    validate_collection,
+)
 from dagster_project.ingestion import ThrottledProgress, ingest_source
 from dagster_project.metadata import (
     blob_requests,
@@ -35,10 +40,18 @@ from dagster_project.metadata import (
 from dagster_project.operations import compact_shard
 from dagster_project.partition_sync import catalog_directory, role_of, sync_source_partitions
 from dagster_project.partitions import rendition_partitions, shard_partitions
-from dagster_project.renditions import backfill_rendition
+from dagster_project.rendition_check import (
+    collection_check_evaluation,
+    make_rendition_check,
+    rendition_check_result,
+    rendition_check_spec,
+)
+from dagster_project.renditions import RenditionCheckFailed, backfill_rendition
 from dagster_project.resources import LandingZoneResource, PersistResource, SparkResource
+from dagster_project.run_config import rendition_config_schema
 from dagster_project.sources import SOURCES, SourceSpec
 from persist_lib.errors import InvalidUsage
+from persist_lib.timefmt import time_text
 
 MiB = 1 << 20
 
@@ -118,35 +131,6 @@ def persist_shard(
 # ----- per-source assets -------------------------------------------------------------
 
 
-class RenditionConfig(dg.Config):
-    """A rendition backfill: ``num_shards`` of the new rendition (0 = the source's default)."""
-
-    num_shards: int = 0
-
-
-def rendition_config(spec: SourceSpec) -> type[RenditionConfig]:
-    """The run config of ``<src>_rendition``, with the source's rendition shard count as
-    the visible default: *Materialize* in the UI (the implicit ``__ASSET_JOB``, empty
-    config) builds what the source is configured for, and the launchpad shows it."""
-    default = spec.default_rendition_shards
-    return pydantic.create_model(  # type: ignore[no-any-return, call-overload]
-        f"{''.join(p.title() for p in re.split(r'[^A-Za-z0-9]+', spec.name))}RenditionConfig",
-        __base__=RenditionConfig,
-        num_shards=(
-            int,
-            pydantic.Field(
-                default=default,
-                ge=0,
-                le=1024,
-                description=(
-                    f"Shards of the new rendition (default {default}: the source's "
-                    "rendition_shards; 0 also means that default)."
-                ),
-            ),
-        ),
-    )
-
-
 @dataclass(frozen=True)
 class SourceAssets:
     """The definitions of one source (see the module docstring)."""
@@ -193,7 +177,6 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
     remap_key, raw_key = dg.AssetKey(f"{n}_remap"), dg.AssetKey(f"{n}_raw")
     data_key, errors_key = dg.AssetKey(n), dg.AssetKey(f"{n}_errors")
     rendition_parts = rendition_partitions(n)
-    config_cls = rendition_config(spec)
     landing = dg.AssetSpec(
         landing_key,
         group_name=group,
@@ -298,18 +281,20 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         name=f"{n}_rendition",
         deps=[raw_key],
         partitions_def=rendition_parts,
+        config_schema=rendition_config_schema(spec.default_rendition_shards),
+        check_specs=[rendition_check_spec(dg.AssetKey(f"{n}_rendition"), n)],
         group_name=group,
         kinds={"persist"},
         description=(
             f"Renditions of {n!r} (partition = rendition name). Materializing a new partition "
             f"is a backfill: build it from {n}.raw with {spec.default_rendition_shards} shards "
-            "(config num_shards), catch up, hand over, collect the old one. Partitions are the "
-            "live renditions: retired and dropped ones are removed."
+            "(config num_shards), catch up, run the blocking GE check on it (a failure stops "
+            "here), hand over, collect the old one. Partitions are the live renditions: "
+            "retired and dropped ones are removed."
         ),
     )
     def rendition(
         context: dg.AssetExecutionContext,
-        config: config_cls,  # type: ignore[valid-type]
         persist: PersistResource,
         landing: LandingZoneResource,
         spark: SparkResource,
@@ -326,10 +311,29 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 ctl,
                 landing.source_uri(n),
                 r,
-                num_shards=config.num_shards or None,  # type: ignore[attr-defined]
+                num_shards=int(context.op_execution_context.op_config["num_shards"]) or None,
                 spark=(lambda: spark.spark_session) if spark.enabled else None,
                 progress=context.log.info,
+                check=make_rendition_check(persist, n, spec.rules),
             )
+        except RenditionCheckFailed as e:
+            # Recorded on the partition (built, not handed over) and as its failed blocking
+            # check, then the run fails with the reason.
+            desc = ctl.describe(n)
+            yield dg.MaterializeResult(
+                metadata={
+                    **collection_metadata(persist.client(), desc, rendition=r),
+                    "status": desc["renditions"][r]["status"],
+                    "handover": dg.MetadataValue.text(f"refused: {e}"),
+                },
+                check_results=[rendition_check_result(e.outcome, r, e.at)],
+            )
+            raise dg.Failure(
+                description=(
+                    f"{e}. Fix the decoding logic (or the data) and backfill a new rendition "
+                    "name; the failed check's metadata shows the failing expectations."
+                )
+            ) from None
         except InvalidUsage as e:
             raise dg.Failure(
                 description=(
@@ -341,10 +345,18 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
         client = persist.client()
         desc = ctl.describe(n)
         built = res.get("built") or {}
+        checked = res.get("check") or {}
+        if checked.get("outcome") is not None:
+            result = rendition_check_result(checked["outcome"], r, checked["at"])
+        else:  # already active (checked when it was handed over to): its latest contents
+            as_of = latest_as_of(persist, n)
+            outcome = validate_collection(persist, n, spec.rules, as_of) if as_of is not None else None
+            result = rendition_check_result(outcome, r, as_of, note="already active: latest contents")
         yield dg.MaterializeResult(
+            check_results=[result],
             metadata={
                 **collection_metadata(client, desc, rendition=r),
-                "status": "active" if desc["active_rendition"] == r else desc["renditions"][r]["status"],
+                "status": desc["renditions"][r]["status"],
                 "previous_rendition": str(res.get("previous") or "-"),
                 "handover_at": int(res["handover_at"]) if res.get("handover_at") else 0,
                 **time_metadata("handover_at", res.get("handover_at")),
@@ -352,6 +364,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                 "raw_times_replayed": int(built.get("times") or 0),
                 "build_engine": str(built.get("engine", "-")),
                 "collected": dg.MetadataValue.json(res.get("collected") or {}),
+                **handover_cost(n, res.get("handover_at"), desc),
                 **request_metadata(client, start),
             }
         )
@@ -372,6 +385,8 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
                         },
                     )
                 )
+        if n in handed and checked.get("outcome") is not None:
+            context.log_event(collection_check_evaluation(data_key, checked["outcome"], r, checked["at"]))
         sync_source_partitions(context, client, ctl, n, rendition_parts, materializing=r)
 
     @dg.asset(
@@ -398,7 +413,7 @@ def rendition_refusal(spec: SourceSpec, desc: Mapping[str, Any], rendition: str)
     """Why a backfill of ``rendition`` can't run (one paragraph for a ``dg.Failure``), or
     None. A rendition is built once: a retired or dropped one can't be rebuilt."""
     info = desc["renditions"].get(rendition)
-    if info is None or info["status"] in ("ready", "creating"):
+    if info is None or info["status"] in ("creating", "ready", "active"):
         return None
     name = desc["name"]
     to = next((h["to"] for h in desc["timeline"] if h["from"] == rendition), None)
@@ -424,6 +439,21 @@ def rendition_refusal(spec: SourceSpec, desc: Mapping[str, Any], rendition: str)
         f"such as {suggest!r}; or run `dagster job launch -w workspace.yaml -j "
         f"{spec.name}_rendition_job --tags '{{\"dagster/partition\": \"{suggest}\"}}'`."
     )
+
+
+def handover_cost(name: str, at: int | None, desc: Mapping[str, Any]) -> dict[str, Any]:
+    """What a handover costs, as ``history`` metadata: the collection's history before it
+    (docs/dagster.md, "What a handover costs")."""
+    if at is None:
+        return {}
+    return {
+        "history": dg.MetadataValue.text(
+            f"AS OF a time at or before the handover ({time_text(int(at))}) stops being "
+            f"readable on {name!r} once the previous rendition is collected (now readable "
+            f"from {time_text(desc.get('readable_since'))}); {name}.raw keeps every record "
+            "at its time."
+        )
+    }
 
 
 def contents_summary(df: Any, as_of: int | None, spec: SourceSpec) -> dict[str, Any]:

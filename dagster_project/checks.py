@@ -24,9 +24,11 @@ Expectations:
 - upsert collections (``unique_key``): each key appears at most once with diff exactly 1.
 """
 
+import itertools
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -292,11 +294,13 @@ def validate_collection(
     rules: CollectionRules,
     as_of: int,
     *,
+    rendition: str | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> ValidationOutcome:
     """Validates the collection's contents at ``as_of`` chunk by chunk, streaming them
     (see the module docstring): memory stays about ``memory_budget`` however large the
-    collection."""
+    collection. ``rendition``: validate that rendition's contents at ``as_of`` (e.g. a
+    rebuilt one before it is handed over to) instead of the active one's."""
     with persist.controller().acquire_read_handle(collection) as reader:
         key_fields = set(reader.schemas.key_names)
         notes: list[str] = []
@@ -306,7 +310,12 @@ def validate_collection(
                 f"key columns {list(rules.key_columns)} are not the collection key "
                 f"{sorted(key_fields)}: uniqueness was checked within each chunk only"
             )
-        with reader.snapshot_batches(as_of, memory_budget=max(MiB, memory_budget // 2)) as stream:
+        budget = max(MiB, memory_budget // 2)
+        if rendition is None:
+            opened = reader.snapshot_batches(as_of, memory_budget=budget)
+        else:
+            opened = _rendition_stream(reader.rendition_readers(rendition), as_of, budget)
+        with opened as stream:
             chunks = key_chunks(
                 stream, stream.schema, chunk_bytes=max(64 << 10, memory_budget // 32),
                 key_columns=list(rules.key_columns) if rules.unique_key and grouped else None,
@@ -318,6 +327,19 @@ def validate_collection(
             if v.chunks == 0:  # no rows: validate the empty frame (with its columns)
                 v.validate(stream.schema.empty_table().to_pandas())
         return v.outcome(notes)
+
+
+def _rendition_stream(readers: Sequence[Any], as_of: int, memory_budget: int) -> Any:
+    """The contents of one rendition at ``as_of``: its shards' streams one after the
+    other (a key lives in one shard, so nothing consolidates across them). Each stream
+    releases its hold when exhausted; closing the result releases them all."""
+    from persist_lib.handles.read import BatchStream
+
+    per_shard = max(MiB, memory_budget // max(1, len(readers)))
+    with ExitStack() as opening:  # a failed open releases the streams opened before it
+        streams = [opening.enter_context(r.snapshot_batches(as_of, memory_budget=per_shard)) for r in readers]
+        held = opening.pop_all()
+    return BatchStream(itertools.chain.from_iterable(streams), streams[0].schema, held.close)
 
 
 def build_collection_check(

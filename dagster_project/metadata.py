@@ -162,6 +162,7 @@ def collection_metadata(
     """
     r = rendition or desc.get("active_rendition") or next(iter(desc["renditions"]), None)
     info = desc["renditions"].get(r, {}) if r else {}
+    readable = None if desc.get("readable_since") is None else [int(desc["readable_since"])]
     states = inspect_shards(client, info.get("shards", []))
     rows = [
         (
@@ -203,7 +204,10 @@ def collection_metadata(
         "active_rendition": dg.MetadataValue.text(desc.get("active_rendition") or "-"),
         "num_shards": dg.MetadataValue.int(int(info.get("num_shards", 0))),
         **frontier_metadata("upper", info.get("upper")),
-        **frontier_metadata("since", info.get("since")),
+        # a collection's since is the one a reader gets (persist_lib.storage.readable),
+        # a rendition's (``rendition=``) the since of its shards
+        **frontier_metadata("since", info.get("since") if rendition else readable),
+        **frontier_metadata("readable_since", readable),
         "batches": dg.MetadataValue.int(int(info.get("batches", 0))),
         "updates": dg.MetadataValue.int(int(info.get("updates", 0))),
         "bytes": dg.MetadataValue.int(int(info.get("bytes", 0))),

@@ -31,6 +31,8 @@ from dagster_project.metadata import collection_metadata
 from dagster_project.partitions import shard_partitions
 from persist_lib.ingest.outputs import collection_name, shard_id_for
 from persist_lib.storage.catalog import default_catalog_shard
+from persist_lib.storage.metadata import active_rendition
+from persist_lib.storage.status import LIVE_STATUSES, rendition_status
 
 PERSIST_SHARD_KEY = dg.AssetKey("persist_shard")
 #: Deterministic shards of an ingestion ``<source>``, by role (``persist_lib.ingest``).
@@ -47,7 +49,7 @@ class ShardRole:
     rendition: str | None = None
     index: int | None = None
     num_shards: int | None = None
-    status: str = "live"  # a rendition shard: its rendition's status (ready, retired, dropped)
+    status: str = "live"  # a rendition shard: its rendition's status (persist_lib.storage.status)
 
     @property
     def label(self) -> str:
@@ -102,17 +104,16 @@ def shard_directory(
 
 
 def catalog_directory(ctl: Any, sources: Iterable[str] = ()) -> dict[str, ShardRole]:
-    """``shard_directory`` of every collection, from one read of the STORAGE catalog
-    (no shard state is fetched: cheap enough for every materialization and sensor tick)."""
+    """``shard_directory`` of every collection, from one read of the STORAGE catalog and
+    of each collection's metadata shard (which rendition is active); no data shard's
+    state is fetched: cheap enough for every materialization and sensor tick."""
     cat, _ = ctl.catalog.load()
     descs = []
     for name, spec in sorted(cat.items()):
         rs = {}
+        active = active_rendition(ctl.client, spec["metadata_shard"])
         for r, info in spec["renditions"].items():
-            status = info["status"]
-            if status == "ready" and info.get("retired_at") is not None:
-                status = "retired"
-            rs[r] = {"shards": info["shards"], "status": status}
+            rs[r] = {"shards": info["shards"], "status": rendition_status(info, active=r == active)}
         descs.append({"name": name, "metadata_shard": spec["metadata_shard"], "renditions": rs})
     return shard_directory(descs, sources)
 
@@ -172,9 +173,13 @@ def plan_shard_partitions(
     directory: Mapping[str, ShardRole],
     live: Iterable[str],
     finalized: Iterable[str],
+    recorded: Mapping[str, str] | None = None,
 ) -> PartitionSync:
     """Live shards that are not partitions yet become partitions, each with a
-    materialization naming what it is; finalized shards stop being partitions."""
+    materialization naming what it is; finalized shards stop being partitions.
+    ``recorded``: the ``rendition_status`` each shard partition's latest materialization
+    shows; a partition whose rendition's status changed since (a handover made it
+    ``active`` or ``retired``) gets a materialization with the new status."""
     known_set = set(known)
     name = shard_partitions.name or "persist_shards"
     new = sorted(set(live) - known_set)
@@ -183,14 +188,17 @@ def plan_shard_partitions(
         plan.add.setdefault(name, []).extend(new)
     if gone:
         plan.delete.setdefault(name, []).extend(gone)
-    for s in new:
+    events = [(s, "registered", f"shard registered: {role_of(directory, s).label}") for s in new]
+    for s, was in sorted((recorded or {}).items()):
         role = role_of(directory, s)
+        if s in known_set and s not in gone and role.kind == "rendition" and role.status != was:
+            what = f"{role.label}: rendition {role.rendition} is now {role.status} (was {was})"
+            events.append((s, "status changed", what))
+    for s, event, description in events:
+        meta = {**role_of(directory, s).metadata(), "event": dg.MetadataValue.text(event)}
         plan.events.append(
             dg.AssetMaterialization(
-                asset_key=PERSIST_SHARD_KEY,
-                partition=s,
-                description=f"shard registered: {role.label}",
-                metadata={**role.metadata(), "event": dg.MetadataValue.text("registered")},
+                asset_key=PERSIST_SHARD_KEY, partition=s, description=description, metadata=meta
             )
         )
     return plan
@@ -204,7 +212,7 @@ def collection_shards(desc: Mapping[str, Any]) -> tuple[set[str], set[str]]:
     for info in desc["renditions"].values():
         if info["status"] == "dropped":
             finalized.update(info["shards"])
-        elif info["status"] in ("ready", "retired"):
+        elif info["status"] in LIVE_STATUSES:
             live.update(info["shards"])
     return live, finalized
 
@@ -225,7 +233,7 @@ def plan_rendition_partitions(
     a materialization, except ``materializing`` (the current run materializes it)."""
     name = partitions_def.name or ""
     known = set(instance.get_dynamic_partitions(name))
-    ready = [r for r, i in sorted(desc["renditions"].items()) if i["status"] == "ready"]
+    ready = [r for r, i in sorted(desc["renditions"].items()) if i["status"] in ("ready", "active")]
     gone = [r for r, i in sorted(desc["renditions"].items()) if i["status"] in ("retired", "dropped")]
     new = [r for r in ready if r not in known]
     if new:
@@ -241,7 +249,7 @@ def plan_rendition_partitions(
         meta: dict[str, Any] = {
             "collection": dg.MetadataValue.text(desc["name"]),
             "rendition": dg.MetadataValue.text(r),
-            "status": dg.MetadataValue.text("active" if info.get("active") else "ready"),
+            "status": dg.MetadataValue.text(info["status"]),
             "num_shards": dg.MetadataValue.int(int(info["num_shards"])),
         }
         if rendition_metadata is not None:
@@ -285,12 +293,31 @@ def sync_source_partitions(
         rendition_metadata=lambda r: collection_metadata(client, desc, rendition=r),
     )
     live, finalized = collection_shards(desc)
+    known = instance.get_dynamic_partitions(shard_partitions.name or "")
     plan_shard_partitions(
         plan,
-        instance.get_dynamic_partitions(shard_partitions.name or ""),
+        known,
         shard_directory([desc]),
         live,
         finalized,
+        recorded_rendition_status(instance, set(known) & live),
     )
     plan.apply_in_run(instance, context.log_event)
     return plan
+
+
+def recorded_rendition_status(instance: dg.DagsterInstance, shards: Iterable[str]) -> dict[str, str]:
+    """The ``rendition_status`` the latest materialization of each ``persist_shard``
+    partition in ``shards`` records (shards without one are left out)."""
+    out: dict[str, str] = {}
+    for s in sorted(shards):
+        recs = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=PERSIST_SHARD_KEY, asset_partitions=[s]),
+            limit=1,
+            ascending=False,
+        ).records
+        mat = recs[0].asset_materialization if recs else None
+        value = mat.metadata.get("rendition_status") if mat is not None else None
+        if value is not None:
+            out[s] = str(value.value)
+    return out

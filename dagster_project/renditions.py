@@ -13,9 +13,12 @@
    renditions (``StorageOutputs(rendition=...)``; raw stays the collection's own). It
    applies the bindings after the build and advances the new renditions to the clock, so
    they are readable beyond the active rendition's upper ``at``;
-4. **hand over** every collection at ``at``; the collection reader switches at ``at``,
+4. **check** the rebuilt rendition's contents at ``at`` (the blocking Great
+   Expectations suite, passed in as ``check``): a failure raises
+   ``RenditionCheckFailed`` and nothing is handed over;
+5. **hand over** every collection at ``at``; the collection reader switches at ``at``,
    so each reader sees one definite collection;
-5. **allow compaction** up to ``at + 1`` and **collect** the old renditions once no
+6. **allow compaction** up to ``at + 1`` and **collect** the old renditions once no
    reader holds them (a reader still before ``at`` defers that to the GC job).
 
 The ingestion and the backfill of one source should not run at the same time; if an
@@ -54,6 +57,22 @@ def _upper(desc: dict[str, Any], rendition: str) -> int:
     if not u:
         raise InvalidUsage(f"{desc['name']}/{rendition}: its upper is closed")
     return int(u[0])
+
+
+class RenditionCheckFailed(InvalidUsage):
+    """The contents of a rebuilt rendition failed its blocking check: nothing was handed
+    over (the rendition stays built, ``ready``; the active rendition is unchanged)."""
+
+    def __init__(self, message: str, *, rendition: str, at: int, outcome: Any) -> None:
+        super().__init__(message)
+        self.rendition = rendition
+        self.at = at
+        self.outcome = outcome
+
+
+#: ``check(rendition, at)``: validates the rebuilt rendition's contents at the time it
+#: would be handed over at; returns (passed, outcome, reason).
+RenditionCheck = Callable[[str, int], tuple[bool, Any, str]]
 
 
 class SparkCollectionOutput(CollectionOutput):
@@ -113,7 +132,7 @@ def ensure_renditions(
         if info is None:
             ctl.create_rendition(name, rendition, num_shards)
             created.append(name)
-        elif info["status"] != "ready":  # retired, dropped, ...: never rebuilt
+        elif info["status"] not in ("ready", "active"):  # retired, dropped, ...: never rebuilt
             raise InvalidUsage(
                 f"collection {name!r}: rendition {rendition!r} exists but is {info['status']}; "
                 "pick a new name"
@@ -161,8 +180,13 @@ def backfill_rendition(
     num_shards: int | None = None,
     spark: Callable[[], Any] | None = None,
     progress: Callable[[str], None] | None = None,
+    check: RenditionCheck | None = None,
 ) -> dict[str, Any]:
-    """Builds ``rendition`` from the raw collection and hands over to it (module docstring)."""
+    """Builds ``rendition`` from the raw collection and hands over to it (module docstring).
+
+    ``check``: run on the rebuilt rendition of ``<name>`` at the handover time, after it
+    caught up and before anything is handed over; when it fails, ``RenditionCheckFailed``
+    is raised and nothing is handed over."""
     say = progress or log.info
     name = spec.name
     old = ctl.describe(name)["active_rendition"]
@@ -179,12 +203,15 @@ def backfill_rendition(
     collections = [collection_name(name, r) for r in rendition_roles(spec)]
     handovers: dict[str, int] = {}
     catch_up: dict[str, Any] = {}
+    checked: dict[str, Any] = {}
     for _ in range(MAX_ROUNDS):
         outputs = StorageOutputs(ctl, name, num_shards=n, rendition=rendition)
         with make_ingestion(spec, ctl, landing_uri, outputs=outputs, spark=spark) as ing:
             catch_up = ing.run_once()
         say(f"{name}: caught {rendition} up to {catch_up['upper']} ({catch_up['records']} records)")
         try:
+            if check is not None:
+                checked = _check_before_handover(ctl, name, rendition, check, say)
             for cname in collections:
                 d = ctl.describe(cname)
                 if d["active_rendition"] == rendition:
@@ -193,6 +220,8 @@ def backfill_rendition(
                 ctl.handover(cname, to=rendition, at=at)
                 handovers[cname] = at
             break
+        except RenditionCheckFailed:
+            raise
         except InvalidUsage as e:  # an ingestion moved the active rendition: catch up again
             say(f"{name}: hand-over refused ({e}); catching up again")
     else:
@@ -216,4 +245,30 @@ def backfill_rendition(
         "built": built,
         "catch_up_records": catch_up.get("records", 0),
         "collected": collected,
+        "check": checked if check is not None else None,
     }
+
+
+def _check_before_handover(
+    ctl: StorageController, name: str, rendition: str, check: RenditionCheck, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """Runs ``check`` on ``rendition`` of ``name`` at the time it would be handed over at
+    (the active rendition's upper); raises ``RenditionCheckFailed`` if it fails."""
+    d = ctl.describe(name)
+    if d["active_rendition"] == rendition:  # handed over in an earlier round
+        return {"passed": True, "at": None, "outcome": None}
+    at = _upper(d, d["active_rendition"])
+    new_upper = d["renditions"][rendition]["upper"]
+    if not new_upper or new_upper[0] <= at:
+        raise InvalidUsage(f"{name}/{rendition}: not readable at {at} yet (upper {new_upper})")
+    passed, outcome, reason = check(rendition, at)
+    if not passed:
+        raise RenditionCheckFailed(
+            f"{name}: rendition {rendition!r} failed its check at {at} ({reason}); nothing was "
+            f"handed over, {d['active_rendition']!r} stays active",
+            rendition=rendition,
+            at=at,
+            outcome=outcome,
+        )
+    say(f"{name}: rendition {rendition} passed its check at {at}; handing over")
+    return {"passed": True, "at": at, "outcome": outcome}

@@ -33,7 +33,7 @@ def rendition_job(sa: SourceAssets) -> dg.UnresolvedAssetJobDefinition:
         selection=dg.AssetSelection.assets(sa.rendition),
         description=(
             f"Backfill a rendition of {sa.spec.name!r} (partition = rendition name): build it "
-            "from the raw collection, catch up, hand over, collect the old one."
+            "from the raw collection, catch up, check it (blocking), hand over, collect the old one."
         ),
         executor_def=dg.in_process_executor,
         tags={"persist/source": sa.spec.name},

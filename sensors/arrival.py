@@ -1,10 +1,12 @@
 """Source-arrival sensors: one per configured source, launching its ingestion job.
 
 Landing zones: the cursor is the name of the last landed file seen (files are ingested
-in name order). Each tick lists the files after the cursor; new files make **one** run
-request whose ``run_key`` is derived from the batch (``<source>:<last new file>``), so
-re-evaluating the same arrivals never launches twice, and the returned cursor moves
-past them.
+in name order). Each tick lists the files after the cursor and leaves out those the
+ingestion has already bound (the remap shard's frontier, ``source_progress.py``: a run
+launched by hand may have taken them); the rest make **one** run request whose
+``run_key`` is derived from the batch (``<source>:<last new file>``), so re-evaluating
+the same arrivals never launches twice, and the returned cursor moves past them. When
+every new file is already bound, the cursor moves past them and no run is requested.
 
 Postgres CDC: the cursor is the server's WAL flush LSN seen last. When it moved, the
 sensor peeks at the replication slot (without consuming) for a pending transaction on
@@ -27,7 +29,8 @@ from __future__ import annotations
 import dagster as dg
 
 from dagster_project.assets import SOURCE_ASSETS
-from dagster_project.resources import LandingZoneResource
+from dagster_project.resources import LandingZoneResource, PersistResource
+from dagster_project.source_progress import LandingProgress, landing_progress
 from dagster_project.sources import SourceSpec
 from jobs.ingestion import INGESTION_JOBS
 from persist_lib.errors import Timeout
@@ -58,12 +61,29 @@ def build_arrival_sensor(
         description=f"Launches {job.name} when new files land for {source!r}.",
     )
     def _sensor(
-        context: dg.SensorEvaluationContext, landing: LandingZoneResource
+        context: dg.SensorEvaluationContext, landing: LandingZoneResource, persist: PersistResource
     ) -> dg.SensorResult:
         cursor = context.cursor or ""
         files = landing.list_files(source, after=cursor)
         if not files:
             return dg.SensorResult(skip_reason=f"no new files after {cursor!r}", cursor=cursor)
+        # What an ingestion has bound already (e.g. one launched by hand) is not an arrival.
+        progress = (
+            landing_progress(persist.existing_client(), source)
+            if persist.location_exists()
+            else LandingProgress()
+        )
+        bound = [f for f in files if progress.bound(f.name)]
+        files = [f for f in files if not progress.bound(f.name)]
+        if not files:
+            last_bound = bound[-1].name
+            return dg.SensorResult(
+                skip_reason=(
+                    f"{len(bound)} new file(s) up to {last_bound!r} already ingested by another "
+                    f"run (bound: {progress.text()})"
+                ),
+                cursor=last_bound,
+            )
         if ingestion_in_flight(context.instance, job.name):
             return dg.SensorResult(
                 skip_reason=f"{len(files)} new file(s); waiting for the running ingestion",

@@ -176,3 +176,45 @@ def test_webserver_serves_the_asset_graph(webserver: str) -> None:
     assert deps["orders"] == {"orders_remap"}
     assert deps["orders_summary"] == {"orders"}
     assert deps["orders_rendition"] == {"orders_raw"}
+
+
+@pytest.mark.parametrize("num_shards", [-3, 5000])
+def test_out_of_range_num_shards_is_refused_at_launch(
+    cli_env: dict[str, str], num_shards: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30 item 4: a launch with a bad shard count fails at once (nothing runs) and
+    says what is allowed; it used to be accepted and die in the run with a pydantic
+    traceback."""
+    config = {"ops": {"orders_rendition": {"config": {"num_shards": num_shards}}}}
+    proc = subprocess.run(
+        [
+            str(BIN / "dagster"),
+            "job",
+            "launch",
+            "-w",
+            "workspace.yaml",
+            "-j",
+            "orders_rendition_job",
+            "--tags",
+            '{"dagster/partition": "r1"}',
+            "--config-json",
+            json.dumps(config),
+        ],
+        cwd=ROOT,
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert (
+        f"num_shards must be a whole number from 1 to 1024 (0 = the source's default), "
+        f"got {num_shards}"
+    ) in out, out[-3000:]
+    monkeypatch.setenv("DAGSTER_HOME", cli_env["DAGSTER_HOME"])
+    instance = dg.DagsterInstance.get()
+    try:
+        assert instance.get_runs() == []  # refused before a run was created
+    finally:
+        instance.dispose()

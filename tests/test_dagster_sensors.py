@@ -117,6 +117,39 @@ def test_arrival_sensor_waits_for_a_running_ingestion(
     assert not r.run_requests and r.cursor == ""  # picked up on a later tick
 
 
+def test_arrival_sensor_skips_files_a_manual_ingestion_took(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    """Issue 30 item 3: after ``dagster job launch -j ingest_orders_job`` took a new file,
+    the sensor (cursor behind) requested a run that ingested 0 records. It judges
+    arrivals by what the ingestion bound (the remap frontier), not its cursor alone."""
+    sensor = ARRIVAL_SENSORS["orders"]
+    landing = home / "landing" / "orders"
+    write_orders_file(landing, 0, 10)
+    first = evaluate(sensor, instance, resources, None)
+    assert [q.run_key for q in first.run_requests] == ["orders:orders-000000.jsonl"]
+    ingest = [SOURCE_ASSETS["orders"].ingest]
+    assert dg.materialize(ingest, resources=resources, instance=instance).success  # the sensor's run
+    write_orders_file(landing, 1, 4)
+    # launched by hand (no sensor involved): ingests the 4 new records
+    assert dg.materialize(ingest, resources=resources, instance=instance).success
+    persist = PersistResource(home=str(home))
+    before = {s: persist.client().inspect(s).get("leased_readers", {}) for s in persist.client().list_shards()}
+    r = evaluate(sensor, instance, resources, first.cursor)
+    assert not r.run_requests, [q.tags for q in r.run_requests]
+    assert r.cursor == "orders-000001.jsonl"
+    assert r.skip_reason is not None and "already ingested" in (r.skip_reason.skip_message or "")
+    after = {s: persist.client().inspect(s).get("leased_readers", {}) for s in persist.client().list_shards()}
+    assert after == before  # the sensor only read: no reader left behind
+    # a file that lands afterwards is an arrival again
+    write_orders_file(landing, 2, 3)
+    r2 = evaluate(sensor, instance, resources, first.cursor)  # even from the stale cursor
+    assert [q.run_key for q in r2.run_requests] == ["orders:orders-000002.jsonl"]
+    assert r2.run_requests[0].tags["persist/files"] == "1"
+    assert r2.cursor == "orders-000002.jsonl"
+    persist.close()
+
+
 def _shard_with_debt(home: Path, appends: int) -> tuple[str, int]:
     """A shard made of ``appends`` one-row batches (no background compaction)."""
     client = PersistClient.default(home, PersistConfig.for_tests())

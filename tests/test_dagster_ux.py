@@ -10,26 +10,33 @@ of 1).
   a rendition with the source's configured shard count;
 - every shard partition says what it is (collection, rendition, shard index);
   finalized shards are not partitions;
-- sensors and metadata helpers leave no reader or writer registered.
+- sensors and metadata helpers leave no reader or writer registered;
+- issue 30: a bad shard count is refused when the run is created (item 4); one status
+  word per rendition everywhere (item 5); the rendition backfill's check before the
+  handover (item 1); the since every command reports is the one ``AS OF`` has (item 2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from dagster_aws.s3 import S3Resource
 
-from dagster_project.assets import SOURCE_ASSETS, persist_shard
+from dagster_project.assets import SOURCE_ASSETS, build_source_assets, persist_shard
 from dagster_project.definitions import build_defs, build_resources
 from dagster_project.resources import LandingZoneResource, PersistResource, SparkResource
 from dagster_project.sample import write_orders_file
 from dagster_project.sources import ORDERS
 from persist_lib.timefmt import iso_utc
 from sensors.compaction import build_compaction_debt_sensor
+from sensors.downstream import DOWNSTREAM_SENSORS
 
 pytestmark = pytest.mark.dagster
 
@@ -152,7 +159,7 @@ def test_retired_rendition_backfill_is_a_clear_failure_and_partitions_tell_the_t
     meta = latest(instance, RENDITION, "r1")
     assert meta["status"] == "active" and meta["previous_rendition"] == "r0"
     renditions = {row[0]: row for row in md_rows(meta["renditions"])}
-    assert renditions["r0"][1] == "dropped" and renditions["r1"][1] == "ready"
+    assert renditions["r0"][1] == "dropped" and renditions["r1"][1] == "active"
     desc = describe(home, "orders")
     timeline = [[str(h["at"]), h["from"] or "-", h["to"]] for h in desc["timeline"]]
     rows = md_rows(meta["timeline"])
@@ -277,3 +284,286 @@ def test_frontiers_are_timestamps_only_when_they_are_epoch_ms() -> None:
     }
     meta = shard_metadata(state)
     assert isinstance(meta["upper_time"], dg.TimestampMetadataValue) and "since_time" not in meta
+
+
+@pytest.mark.parametrize("num_shards", [-3, 2000, "eight"])
+def test_a_bad_shard_count_is_refused_before_the_run_starts(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance, num_shards: object
+) -> None:
+    """Issue 30 item 4: the run config is validated when the run is created (Dagster's
+    config schema), so nothing is built and no run is recorded."""
+    instance.add_dynamic_partitions("orders_renditions", ["r1"])
+    with pytest.raises(dg.DagsterInvalidConfigError, match="num_shards") as err:
+        dg.materialize(
+            [ORDERS_ASSETS.rendition],
+            resources=resources,
+            instance=instance,
+            partition_key="r1",
+            run_config={"ops": {"orders_rendition": {"config": {"num_shards": num_shards}}}},
+        )
+    if num_shards != "eight":
+        assert f"from 1 to 1024 (0 = the source's default), got {num_shards}" in str(err.value)
+    assert instance.get_runs() == []
+    assert not (home / "consensus.db").exists()  # nothing touched the location
+
+
+def test_every_view_uses_one_status_word_per_rendition(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    """Issue 30 item 5: the active rendition was ``ready`` in the renditions table and in
+    ``describe --json`` (next to ``active: true``), and shard partitions kept the
+    ``rendition_status`` of their registration after a handover."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from persist_lib.storage.status import RENDITION_STATUSES
+
+    write_orders_file(home / "landing" / "orders", 0, 120)
+    ingest(resources, instance)
+    r0 = describe(home, "orders")["renditions"]["r0"]["shards"]
+    for s in r0:
+        assert latest(instance, "persist_shard", s)["rendition_status"] == "active"
+    # a reader still before the handover keeps r0 (retired, not yet collected)
+    holder = PersistResource(home=str(home))
+    reader = holder.controller().acquire_read_handle("orders")
+    try:
+        assert backfill(resources, instance, "r1").success
+        d = describe(home, "orders")
+        assert {r: i["status"] for r, i in d["renditions"].items()} == {"r0": "retired", "r1": "active"}
+        for info in d["renditions"].values():
+            assert info["status"] in RENDITION_STATUSES
+            assert info["active"] == (info["status"] == "active")
+        # the Dagster metadata: the renditions table and the shard partitions
+        table = {row[0]: row[1] for row in md_rows(latest(instance, RENDITION, "r1")["renditions"])}
+        assert table == {"r0": "retired", "r1": "active"}
+        assert latest(instance, RENDITION, "r1")["status"] == "active"
+        for s in d["renditions"]["r1"]["shards"]:
+            assert latest(instance, "persist_shard", s)["rendition_status"] == "active"
+        for s in r0:
+            meta = latest(instance, "persist_shard", s)
+            assert meta["rendition_status"] == "retired", meta
+        # the command line, in a subprocess, says the same
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PERSIST_")}
+        env.update(PERSIST_HOME=str(home), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+
+        def cli(*args: str) -> str:
+            out = subprocess.run(
+                [sys.executable, "-m", "persist_lib.cli.main", *args],
+                env=env, capture_output=True, text=True, timeout=120,
+            )
+            assert out.returncode == 0, out.stderr
+            return out.stdout
+
+        doc = json.loads(cli("describe", "orders", "--json"))
+        assert {r: i["status"] for r, i in doc["renditions"].items()} == {"r0": "retired", "r1": "active"}
+        text = cli("describe", "orders")
+        assert re.search(r"^\s*r0\s+retired\s+4\s", text, re.M), text
+        assert re.search(r"^\s*r1\s+active\s+2\s", text, re.M), text
+        assert "ready" not in text
+        assert "r0 retired, r1 active" in cli("collections")
+        shards = cli("shards")
+        assert "orders / r1 / shard 0 of 2 (active)" in shards
+        assert "orders / r0 / shard 0 of 4 (retired)" in shards
+    finally:
+        reader.expire()
+        holder.close()
+
+
+# ----- issue 30 items 1 and 2: the check before the handover; the since a reader gets -----
+# Issue 30 item 1: a rendition backfill runs the blocking Great Expectations check on the
+# rebuilt rendition before the handover.
+#
+# - a passing check: the backfilled partition's ``orders_rendition/ge_contents`` passed
+#   on the new rendition at the handover time, and ``orders/ge_contents`` is evaluated (in
+#   the backfill run) on what ``orders`` reads since the handover; the summary sensor
+#   launches a run for the handover;
+# - a failing check (a decoding change that breaks the rules) stops the handover: the old
+#   rendition stays active, the new one stays ``ready``, the failed check and the refused
+#   handover are on the asset, the run fails with the reason, and nothing downstream runs;
+# - the summary sensor ignores a materialization whose run did not evaluate the blocking
+#   check.
+
+SA = SOURCE_ASSETS["orders"]
+ORDERS_CHECK = dg.AssetCheckKey(dg.AssetKey("orders"), "ge_contents")
+RENDITION_CHECK = dg.AssetCheckKey(RENDITION, "ge_contents")
+
+
+def summary_sensor(instance: dg.DagsterInstance, cursor: str | None) -> dg.SensorResult:
+    with dg.build_sensor_context(instance=instance, cursor=cursor) as ctx:
+        result = DOWNSTREAM_SENSORS["orders"](ctx)
+    assert isinstance(result, dg.SensorResult)
+    return result
+
+
+def ingest_checked(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> tuple[str, int]:
+    """Lands and ingests 120 orders (with the checks); returns the summary sensor's cursor
+    after the summary run it requests for them, and the rows the check saw."""
+    write_orders_file(home / "landing" / "orders", 0, 120)
+    res = dg.materialize([SA.ingest, *SA.checks], resources=resources, instance=instance)
+    assert res.success
+    first = summary_sensor(instance, None)
+    assert len(first.run_requests) == 1 and first.cursor
+    return first.cursor, int(evaluations(res)[ORDERS_CHECK].metadata["rows"].value)  # type: ignore[arg-type]
+
+
+def backfill_with(assets: Any, resources: dict[str, object], instance: dg.DagsterInstance, r: str) -> dg.ExecuteInProcessResult:
+    instance.add_dynamic_partitions("orders_renditions", [r])
+    return dg.materialize(
+        [assets.rendition],
+        resources=resources,
+        instance=instance,
+        partition_key=r,
+        run_config={"ops": {"orders_rendition": {"config": {"num_shards": 2}}}},
+        raise_on_error=False,
+    )
+
+
+def describe_orders(home: Path) -> dict[str, Any]:
+    persist = PersistResource(home=str(home))
+    try:
+        return persist.controller().describe("orders")
+    finally:
+        persist.close()
+
+
+def evaluations(res: dg.ExecuteInProcessResult) -> dict[dg.AssetCheckKey, dg.AssetCheckEvaluation]:
+    return {e.asset_check_key: e for e in res.get_asset_check_evaluations()}
+
+
+def test_backfill_checks_the_new_rendition_before_the_handover(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    cursor, rows = ingest_checked(home, resources, instance)
+    res = backfill_with(SA, resources, instance, "r1")
+    assert res.success
+    d = describe_orders(home)
+    assert d["active_rendition"] == "r1"
+    (handover,) = [h for h in d["timeline"] if h["to"] == "r1"]
+    ev = evaluations(res)
+    on_rendition = ev[RENDITION_CHECK]
+    assert on_rendition.passed and on_rendition.blocking
+    assert on_rendition.metadata["rendition"].value == "r1"
+    assert on_rendition.metadata["as_of"].value == handover["at"]  # what readers see from then
+    assert on_rendition.metadata["rows"].value == rows > 0  # the same contents, rebuilt
+    on_orders = ev[ORDERS_CHECK]  # the collection's own check: evaluated, not "Not Evaluated"
+    assert on_orders.passed and on_orders.metadata["rendition"].value == "r1"
+    latest = instance.event_log_storage.get_latest_asset_check_execution_by_key([ORDERS_CHECK])
+    assert latest[ORDERS_CHECK].run_id == res.run_id
+    # the summary runs on the checked rendition: one request, for the handover
+    after = summary_sensor(instance, cursor)
+    assert len(after.run_requests) == 1
+    assert after.run_requests[0].tags["persist/upstream_run"] == res.run_id
+
+
+def negative_amounts(t: pa.Table) -> pa.Table:
+    """A 'decoding fix' gone wrong: every amount comes out negative."""
+    i = t.schema.get_field_index("amount")
+    return t.set_column(i, "amount", pc.negate(t.column("amount")))
+
+
+def test_a_failing_check_stops_the_handover(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    cursor, rows = ingest_checked(home, resources, instance)
+    broken = build_source_assets(dataclasses.replace(ORDERS, transform=negative_amounts))
+    res = backfill_with(broken, resources, instance, "r1")
+    assert not res.success
+    d = describe_orders(home)
+    assert d["active_rendition"] == "r0"  # nothing was handed over
+    assert d["renditions"]["r1"]["status"] == "ready"
+    assert [h["to"] for h in d["timeline"]] == ["r0"]
+    # the reason is on the asset: the failed blocking check and the partition's metadata
+    ev = evaluations(res)
+    failed = ev[RENDITION_CHECK]
+    assert not failed.passed and failed.blocking
+    assert f"expect_column_values_to_be_between(amount): {rows} row(s)" in (failed.description or "")
+    assert "not handed over" in (failed.description or "")
+    assert ORDERS_CHECK not in ev
+    recs = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=RENDITION, asset_partitions=["r1"]), limit=1
+    ).records
+    meta = recs[0].asset_materialization.metadata  # type: ignore[union-attr]
+    assert meta["status"].value == "ready"
+    assert str(meta["handover"].value).startswith("refused: orders: rendition 'r1' failed its check")
+    (failure,) = res.get_step_failure_events()
+    text = failure.step_failure_data.user_failure_data.description  # type: ignore[union-attr]
+    assert "failed its check" in text and "'r0' stays active" in text
+    # no materialization of orders, nothing downstream
+    assert not summary_sensor(instance, cursor).run_requests
+
+
+def test_summary_sensor_ignores_an_unchecked_materialization(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    cursor, _ = ingest_checked(home, resources, instance)
+    write_orders_file(home / "landing" / "orders", 1, 10)
+    # a successful run that materialized orders without evaluating its blocking check
+    assert dg.materialize([SA.ingest], resources=resources, instance=instance).success
+    r = summary_sensor(instance, cursor)
+    assert not r.run_requests
+    assert r.skip_reason is not None and "blocking checks did not run" in (r.skip_reason.skip_message or "")
+    assert r.cursor is not None and int(r.cursor) > int(cursor)
+
+
+def test_commands_report_the_since_a_reader_gets_after_a_handover(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    """Issue 30 item 2: ``persist collections`` reported the active rendition's since
+    while ``AS OF`` a later time failed: after a handover (with a reader holding the old
+    rendition, then GC) the collection's history starts at the handover. Every command
+    and the Dagster metadata now report the since ``AS OF`` actually has."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    ingest_checked(home, resources, instance)
+    holder = PersistResource(home=str(home))
+    reader = holder.controller().acquire_read_handle("orders")  # like `persist tail orders`
+    assert backfill_with(SA, resources, instance, "r1").success
+    reader.expire()
+    holder.close()
+    persist = PersistResource(home=str(home))
+    persist.controller().collect_renditions("orders")  # what gc_job does
+    persist.close()
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSIST_")}
+    env.update(PERSIST_HOME=str(home), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "persist_lib.cli.main", *args],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+
+    d = json.loads(cli("describe", "orders", "--json").stdout)
+    since = d["readable_since"]
+    (handover,) = [h for h in d["timeline"] if h["to"] == "r1"]
+    assert since == handover["at"] + 1  # what the handover costs: history before it
+    assert d["renditions"]["r1"]["since"] == [0]  # although r1's shards hold raw times
+    # `persist collections` shows that since, and AS OF it works while one before fails
+    table = cli("collections").stdout
+    row = next(ln for ln in table.splitlines() if ln.startswith("orders "))
+    assert re.search(rf"\b{since}\b", row), table
+    ok = cli("sql", "--json", f"SELECT count(*) AS n FROM orders AS OF {since}")  # noqa: S608
+    assert ok.returncode == 0 and json.loads(ok.stdout)[0]["n"] > 0, ok.stderr
+    bad = cli("sql", "--json", f"SELECT count(*) AS n FROM orders AS OF {since - 1}")  # noqa: S608
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "readable" in bad.stderr and str(since) in bad.stderr, bad.stderr
+    text = cli("describe", "orders").stdout
+    assert re.search(rf"readable since\s+{since}\b", text), text
+    assert "earlier times were read through r0, dropped after the handover" in text, text
+    # the UI: the orders asset's since (recorded by the next ingestion) is that one too
+    write_orders_file(home / "landing" / "orders", 1, 5)
+    assert dg.materialize([SA.ingest, *SA.checks], resources=resources, instance=instance).success
+    now = json.loads(cli("describe", "orders", "--json").stdout)["readable_since"]
+    recs = instance.fetch_materializations(dg.AssetKey("orders"), limit=1, ascending=False).records
+    meta = recs[0].asset_materialization.metadata  # type: ignore[union-attr]
+    assert meta["since"].value == now == meta["readable_since"].value
+    assert now >= since > d["renditions"]["r1"]["since"][0]

@@ -287,7 +287,7 @@ def test_describe_reports_retired_renditions_and_the_real_handover_after_compact
     d = ctl.describe("c")
     assert d["timeline"] == expected and d["active_rendition"] == "r1"
     assert d["renditions"]["r0"]["status"] == "retired" and d["renditions"]["r0"]["retired_at"] == 5
-    assert d["renditions"]["r1"]["status"] == "ready"
+    assert d["renditions"]["r1"]["status"] == "active"
     assert d["renditions"]["r1"]["active"] and not d["renditions"]["r0"]["active"]
     ctl.allow_compaction("c", 6)
     ctl.collect_renditions("c")

@@ -67,8 +67,8 @@ def _check_consistent(blob: str, cons: str) -> dict[str, int]:
         d = ctl.describe(name)
         live_shards.add(d["metadata_shard"])
         for r, info in d["renditions"].items():
-            assert info["status"] in ("ready", "retired", "dropped"), (name, r, info)
-            if info["status"] in ("ready", "retired"):
+            assert info["status"] in ("ready", "active", "retired", "dropped"), (name, r, info)
+            if info["status"] in ("ready", "active", "retired"):
                 live_shards.update(info["shards"])
         reader = ctl.acquire_read_handle(name)
         # readable where both the metadata and the active rendition are complete

@@ -24,6 +24,8 @@ def shard_roles(client: PersistClient) -> dict[str, str]:
     from persist_lib.ingest.outputs import ROLES, shard_id_for
     from persist_lib.storage import StorageController
     from persist_lib.storage.catalog import default_catalog_shard
+    from persist_lib.storage.metadata import active_rendition
+    from persist_lib.storage.status import rendition_status
 
     out = {str(default_catalog_shard()): "STORAGE catalog"}
     with StorageController(client, read_only=True) as ctl:
@@ -33,14 +35,12 @@ def shard_roles(client: PersistClient) -> dict[str, str]:
             out[str(shard_id_for(name, role))] = f"{name} / ingestion {role} shard"
     for name, spec in sorted(cat.items()):
         out[spec["metadata_shard"]] = f"{name} / rendition metadata shard"
+        active = active_rendition(client, spec["metadata_shard"])
         for r, info in sorted(spec["renditions"].items()):
-            status = info["status"]
-            if status == "ready" and info.get("retired_at") is not None:
-                status = "retired"
+            status = rendition_status(info, active=r == active)
             n = len(info["shards"])
             for i, sid in enumerate(info["shards"]):
-                extra = "" if status == "ready" else f" ({status})"
-                out[sid] = f"{name} / {r} / shard {i} of {n}{extra}"
+                out[sid] = f"{name} / {r} / shard {i} of {n} ({status})"
     return out
 
 
@@ -199,16 +199,20 @@ def collections_table(rows: Sequence[Mapping[str, Any]], descs: Mapping[str, Map
     for c in rows:
         d = descs.get(c["name"], {})
         info = d.get("renditions", {}).get(c["active_rendition"] or "", {})
+        since = d.get("readable_since")
         out.append(
             [
                 c["name"],
                 c["active_rendition"],
                 info.get("num_shards"),
                 info.get("upper"),
-                info.get("since"),
+                None if since is None else [since],
                 info.get("updates"),
                 info.get("bytes"),
-                c["renditions"],
+                ", ".join(
+                    f"{r} {d['renditions'][r]['status']}" if r in d.get("renditions", {}) else r
+                    for r in c["renditions"]
+                ),
             ]
         )
     return table(
@@ -228,12 +232,13 @@ def describe_text(d: Mapping[str, Any]) -> str:
             ("metadata shard", d["metadata_shard"]),
             ("metadata since", _frontier(d["metadata_since"])),
             ("metadata upper", _frontier(d["metadata_upper"])),
+            ("readable since", _readable_since_text(d)),
         ]
     )
     rows = [
         [
             name,
-            "active" if ri.get("active") else ri["status"],
+            ri["status"],
             ri["num_shards"],
             ri["upper"],
             ri["since"],
@@ -301,6 +306,20 @@ def ingest_run_text(doc: Mapping[str, Any]) -> str:
 
 def _source_frontier(frontier: Mapping[str, Any]) -> str:
     return ", ".join(f"{p}: {a}" for p, a in sorted(frontier.items())) or "(start)"
+
+
+def _readable_since_text(d: Mapping[str, Any]) -> str:
+    """``AS OF`` works from here; says which dropped renditions held the times before."""
+    since = d.get("readable_since")
+    text = _frontier(None if since is None else [since])
+    gone = [
+        h["from"]
+        for h in d["timeline"]
+        if h["from"] and d["renditions"].get(h["from"], {}).get("status") in ("dropping", "dropped")
+    ]
+    if since is not None and gone:
+        text += f" (earlier times were read through {', '.join(gone)}, dropped after the handover)"
+    return text
 
 
 def _frontier(elements: Sequence[int] | None) -> str:

@@ -52,7 +52,9 @@ from persist_lib.storage.metadata import (
     active_in,
     timeline_from_updates,
 )
+from persist_lib.storage.readable import readable_since
 from persist_lib.storage.reader import CollectionDeleted, CollectionReader
+from persist_lib.storage.status import rendition_status
 from persist_lib.storage.writer import CollectionWriter
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,127}$")
@@ -383,10 +385,11 @@ class StorageController:
     def describe(self, name: str) -> dict[str, Any]:
         """The collection: schemas, metadata frontiers, active rendition, every handover
         (``timeline``: ``at``, ``from``, ``to``) and each rendition's status, shards,
-        frontiers and sizes. A rendition's ``status`` is ``ready`` (active, or built and
-        not handed over to yet), ``retired`` (handed over away from at ``retired_at``,
-        awaiting collection), ``dropped`` (collected: its shards are finalized),
-        ``creating`` or ``dropping``; ``active`` says which one is active now."""
+        frontiers and sizes. A rendition's ``status`` is one word of
+        ``persist_lib.storage.status`` (``creating``, ``ready``, ``active``, ``retired``,
+        ``dropping``, ``dropped``); ``active`` is true for the one whose status is
+        ``active``. ``readable_since``: the earliest time a collection reader can read
+        (``persist_lib.storage.readable``), not the since of any one shard."""
         spec = self._spec(name)
         meta = spec["metadata_shard"]
         ms = self.client.machine(meta).fetch_latest()
@@ -396,9 +399,8 @@ class StorageController:
         for r, info in sorted(spec["renditions"].items()):
             states = [self.client.machine(s).fetch_latest() for s in info["shards"]]
             live = [s for s in states if s.exists and not s.tombstone]
-            retired = info["status"] == "ready" and info.get("retired_at") is not None
             renditions[r] = {
-                "status": "retired" if retired else info["status"],
+                "status": rendition_status(info, active=r == active),
                 "active": r == active,
                 "num_shards": len(info["shards"]),
                 "shards": info["shards"],
@@ -418,6 +420,9 @@ class StorageController:
             "active_rendition": active,
             "timeline": [{"at": h.at, "from": h.old, "to": h.new} for h in timeline],
             "renditions": renditions,
+            "readable_since": readable_since(
+                ms.since.elements, [{"at": h.at, "to": h.new} for h in timeline], renditions
+            ),
         }
 
     # ----- recovery -------------------------------------------------------------------

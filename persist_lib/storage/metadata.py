@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 
@@ -57,3 +58,22 @@ def active_in(snapshot_rows: list[dict], at: int, shard: str) -> str:
 def _active(acc: Counter[str], t: int) -> str | None:
     live = [k for k, v in acc.items() if v]
     return live[0] if len(live) == 1 else None
+
+
+def active_rendition(client: Any, metadata_shard: str) -> str | None:
+    """The rendition active at the latest decided time of a collection whose metadata
+    shard is ``metadata_shard``, read through a reader expired right after (nothing is
+    left registered); None while nothing is decided yet."""
+    machine = client.machine(metadata_shard)
+    state = machine.fetch_latest()
+    if not state.exists or state.upper.time is None or state.upper.time == 0:
+        return None
+    r = client.open_leased_reader(
+        metadata_shard, METADATA_KEY, METADATA_VAL, purpose="storage-inspect"
+    )
+    try:
+        t = machine.fetch_latest().upper.time
+        assert t is not None and t > 0
+        return active_in(r.snapshot(t - 1).to_pylist(), t - 1, metadata_shard)
+    finally:
+        r.expire()
