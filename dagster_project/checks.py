@@ -333,7 +333,7 @@ def _rendition_stream(readers: Sequence[Any], as_of: int, memory_budget: int) ->
     """The contents of one rendition at ``as_of``: its shards' streams one after the
     other (a key lives in one shard, so nothing consolidates across them). Each stream
     releases its hold when exhausted; closing the result releases them all."""
-    from persist_lib.handles.read import BatchStream
+    from persist_lib.handles.batch_stream import BatchStream
 
     per_shard = max(MiB, memory_budget // max(1, len(readers)))
     with ExitStack() as opening:  # a failed open releases the streams opened before it
