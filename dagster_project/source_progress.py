@@ -17,10 +17,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from persist_lib.ingest.addresses import decode_address
 from persist_lib.ingest.landing_zone.files import PARTITION
 from persist_lib.ingest.outputs import shard_id_for
 from persist_lib.ingest.remap import NOTE_PARTITION, REMAP_KEY, REMAP_VAL
-from persist_lib.ingest.source import decode_address
 
 
 @dataclass(frozen=True)
