@@ -156,8 +156,6 @@ def _stream_runs(
         blob, schemas, shard, since, budget, max_encoded, target, stats, check_order,
         lower=lower, upper=upper, purpose=purpose,
     )
-    tmpdir: str | None = None
-    schema = internal_schema(schemas)
     total_in = sum(p.size for run in runs_parts for p in run)
     if total_in <= budget // 64 and not few_linear_runs(len(runs_parts), schemas):
         stats.passes += 1
@@ -169,36 +167,108 @@ def _stream_runs(
             yield merged
         return
 
-    def to_local_file(group: list[RunSource]) -> RunSource | None:
-        nonlocal tmpdir
-        if tmpdir is None:
-            tmpdir = tempfile.mkdtemp(prefix="persist-merge-", dir=spill_dir)
-        path = os.path.join(tmpdir, f"run-{uuid.uuid4().hex}.arrow")
-        rows = batches = max_bytes = total = 0
+    spill = SpillDir(spill_dir)
+    try:
+        level = ctx.fold_smallest(sources)
+        yield from merge_level(ctx, level, plan, spill)
+    finally:
+        spill.remove()
+
+
+class SpillDir:
+    """A local temporary directory for a read's intermediate runs, made on first use
+    (under ``parent``, default ``$TMPDIR``); ``remove()`` deletes it and its files."""
+
+    def __init__(self, parent: str | None = None) -> None:
+        self.parent = parent
+        self.path: str | None = None
+
+    def new_file(self) -> str:
+        if self.path is None:
+            self.path = tempfile.mkdtemp(prefix="persist-merge-", dir=self.parent)
+        return os.path.join(self.path, f"run-{uuid.uuid4().hex}.arrow")
+
+    def remove(self) -> None:
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
+
+
+class SpillWriter:
+    """Writes one sorted run (internal layout) to a local Arrow IPC file, batch by batch;
+    ``finish()`` returns it as a ``RunSource`` (None if it has no rows: the file is then
+    deleted)."""
+
+    def __init__(self, path: str, schema: pa.Schema, stats: MergeStats) -> None:
+        self.path = path
+        self.stats = stats
+        self.rows = self.batches = self.max_bytes = self.total = 0
         opts = pa.ipc.IpcWriteOptions(compression="lz4" if pa.Codec.is_available("lz4") else None)
-        with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, schema, options=opts) as w:
+        self._file = pa.OSFile(path, "wb")
+        self._writer = pa.ipc.new_file(self._file, schema, options=opts)
+
+    def write(self, t: pa.Table) -> None:
+        for b in t.to_batches():
+            self._writer.write_batch(b)
+            self.rows += b.num_rows
+            self.batches += 1
+            self.max_bytes = max(self.max_bytes, b.nbytes)
+            self.total += b.nbytes
+
+    def abort(self) -> None:
+        """Closes and deletes the file (the run is abandoned)."""
+        self._close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+    def _close(self) -> None:
+        if not self._file.closed:
+            self._writer.close()
+            self._file.close()
+
+    def finish(self) -> RunSource | None:
+        self._close()
+        self.stats.intermediate_bytes += os.path.getsize(self.path)
+        if self.rows == 0:
+            os.unlink(self.path)
+            return None
+        return RunSource(None, None, self.rows, self.max_bytes, self.total, SpilledRun(self.path, self.batches))
+
+
+def merge_level(ctx: MergeCtx, level: list[RunSource], plan: MemoryPlan, spill: SpillDir) -> Iterator[pa.Table]:
+    """Merges ``level`` (runs of parts, decoded tables or local files) as one stream:
+    while the runs don't fit ``plan`` together, the smallest are first merged into
+    intermediate runs in ``spill`` (local files, deleted as they are merged on)."""
+    schema = internal_schema(ctx.schemas)
+
+    def to_local_file(group: list[RunSource]) -> RunSource | None:
+        w = SpillWriter(spill.new_file(), schema, ctx.stats)
+        try:
             for t in ctx.iter_pass(group):
-                for b in t.to_batches():
-                    w.write_batch(b)
-                    rows += b.num_rows
-                    batches += 1
-                    max_bytes = max(max_bytes, b.nbytes)
-                    total += b.nbytes
-        stats.intermediate_bytes += os.path.getsize(path)
+                w.write(t)
+        except BaseException:
+            w.abort()
+            raise
         for src in group:  # a spilled input run is no longer needed
             if src.spill is not None:
                 os.unlink(src.spill.path)
-        if rows == 0:
-            os.unlink(path)
-            return None
-        return RunSource(None, None, rows, max_bytes, total, SpilledRun(path, batches))
+        return w.finish()
 
-    try:
-        level = ctx.fold_smallest(sources)
-        level = ctx.reduce_to_fit(level, plan, to_local_file)
-        stats.passes += 1
-        yield from ctx.iter_pass(level)
-    finally:
-        if tmpdir is not None:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+    level = ctx.reduce_to_fit(level, plan, to_local_file)
+    ctx.stats.passes += 1
+    yield from ctx.iter_pass(level)
 
+
+def merge_local_runs(
+    schemas: Schemas, shard: str, sources: list[RunSource], memory_budget: int, stats: MergeStats,
+    spill: SpillDir, purpose: str = "read",
+) -> Iterator[pa.Table]:
+    """The consolidated merge (internal layout, ``(k, v, t)`` order) of runs a read
+    already holds: decoded tables and local spill files, each sorted by ``(k, v, t)``
+    (never checked against blob: there are no parts). Intermediate runs go to ``spill``,
+    which the caller removes."""
+    ctx = MergeCtx(
+        _NO_BLOB, schemas, shard, None, memory_budget, 0, memory_budget, stats, False, purpose=purpose,
+    )
+    plan = MemoryPlan.for_runs(memory_budget, [s.max_decoded for s in sources], 0, memory_budget)
+    yield from merge_level(ctx, [s for s in sources if s.rows], plan, spill)

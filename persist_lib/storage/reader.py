@@ -14,21 +14,20 @@ continues with ``new``'s updates after ``h``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
 from persist_lib.handles.batch_stream import BatchStream
-from persist_lib.handles.listen import ListenEvent, ListenProgress, ListenUpdates, read_until
 from persist_lib.handles.read import ReadHandle
 from persist_lib.shard.codec import Schemas, empty_updates, to_user_table, user_schema
-from persist_lib.shard.consolidate import consolidate
+from persist_lib.shard.memory_plan import MergeStats
 from persist_lib.storage.directory import RenditionDirectory
-from persist_lib.storage.metadata import Handover, active_in, timeline_from_updates
+from persist_lib.storage.handover_diff import SnapshotSide, handover_diff
+from persist_lib.storage.listen import CollectionListen
+from persist_lib.storage.metadata import active_in, timeline_from_updates
 
 
 class CollectionDeleted(InvalidUsage):
@@ -167,7 +166,8 @@ class CollectionReader:
         by shard (``ReadHandle.updates_between_batches``: each record batch sorted by
         time, not the stream as a whole); at a handover at ``h`` in the range, the change
         from the old rendition to the new one (``-old@(h-1) + new@h``, consolidated, at
-        time ``h``), which is built in memory (it is as large as the collection).
+        time ``h``), streamed too (``handover_diff``: a merge of the two renditions'
+        snapshots, spilling to local files, within the budget).
 
         ``lower`` must be beyond this reader's since (or both 0), as for a shard.
         Arguments are checked and the uppers waited for before this returns; the stream
@@ -182,6 +182,8 @@ class CollectionReader:
         def go() -> BatchStream:
             if upper == lower:
                 return BatchStream(iter(()), schema, lambda: None)
+            budget = self._meta._read_budget(memory_budget)
+            stats = MergeStats()  # the handover diffs' (the shard streams have their own)
             meta = self._meta.updates_between(lower, upper, timeout_s).to_pylist()
             start = self._active_at(lower - 1 if lower > 0 else 0, timeout_s)
             base = [{"rendition": start, "ts": max(lower - 1, 0), "diff": 1}]
@@ -217,20 +219,14 @@ class CollectionReader:
                             yield from st
                     if i < len(handovers):
                         h = handovers[i]
-                        old = (
-                            self._rendition_snapshot(segments[i][0], h.at - 1, timeout_s)
-                            if h.at > 0
-                            else to_user_table(empty_updates(self.schemas), self.schemas)
-                        )
-                        new = self._rendition_snapshot(h.new, h.at, timeout_s)
-                        yield from _combine(old, new, h.at, self.schemas).to_batches()
+                        yield from self._handover_diff(segments[i][0], h.new, h.at, budget, timeout_s, stats)
 
             def release() -> None:
                 for ss in streams:
                     for st in ss:
                         st.close()
 
-            return BatchStream(self._guard_iter(chain()), schema, release)
+            return BatchStream(self._guard_iter(chain()), schema, release, stats)
 
         stream: BatchStream = self._guard(go)
         return stream
@@ -238,9 +234,13 @@ class CollectionReader:
     def active_rendition(self, as_of: int, timeout_s: float | None = None) -> str:
         return self._guard(lambda: self._active_at(check_time(as_of, "as_of"), timeout_s))
 
-    def listen(self, as_of: int) -> CollectionListen:
+    def listen(self, as_of: int, *, memory_budget: int | None = None) -> CollectionListen:
+        """Follows the collection from ``as_of`` (``storage.listen.CollectionListen``):
+        each ``next`` decodes about ``memory_budget`` at most (default
+        ``PersistConfig.read_memory_budget``), handovers included."""
         as_of = check_time(as_of, "as_of")
-        return self._guard(lambda: CollectionListen(self, as_of))
+        budget = self._meta._read_budget(memory_budget)
+        return self._guard(lambda: CollectionListen(self, as_of, budget))
 
     # ----- internals ------------------------------------------------------------------
 
@@ -291,117 +291,17 @@ class CollectionReader:
         tables = [r.snapshot(as_of, timeout_s) for r in self._readers_for(rendition)]
         return pa.concat_tables(tables) if tables else to_user_table(empty_updates(self.schemas), self.schemas)
 
-    def _rendition_range(self, rendition: str, lower: int, upper: int, timeout_s: float | None) -> pa.Table:
-        tables = [r.updates_between(lower, upper, timeout_s) for r in self._readers_for(rendition)]
-        return pa.concat_tables(tables)
+    def _handover_diff(
+        self, old: str, new: str, at: int, budget: int, timeout_s: float | None,
+        stats: MergeStats | None = None,
+    ) -> Iterator[pa.RecordBatch]:
+        """The change at a handover at ``at`` from ``old`` to ``new`` (``-old@(at-1) +
+        new@at`` at time ``at``), streamed within ``budget`` (``handover_diff``)."""
+        return handover_diff(
+            SnapshotSide(self._readers_for(old), at - 1 if at > 0 else None, -1),
+            SnapshotSide(self._readers_for(new), at, 1),
+            at, self.schemas, memory_budget=budget, timeout_s=timeout_s, stats=stats,
+        )
 
     def _rendition_upper(self, rendition: str) -> Antichain:
         return min(r._machine.fetch_latest().upper for r in self._readers_for(rendition))
-
-
-class CollectionListen:
-    """Follows a collection from ``as_of``: update chunks and progress, across handovers."""
-
-    def __init__(self, reader: CollectionReader, as_of: int) -> None:
-        self._r = reader
-        self.as_of = as_of
-        self._frontier = Antichain([as_of + 1])
-        self._current = reader._active_at(as_of, None)
-        self._as_of_rendition = self._current
-        self._meta_listen = reader._meta.listen(as_of)
-        self._meta_upper = Antichain([as_of + 1])
-        self._pending: list[Handover] = []
-        self._meta_rows: list[dict] = []
-
-    @property
-    def frontier(self) -> Antichain:
-        return self._frontier
-
-    @property
-    def current_rendition(self) -> str:
-        return self._current
-
-    def _poll_metadata(self, timeout_s: float) -> None:
-        for e in self._meta_listen.next(timeout_s):
-            if isinstance(e, ListenUpdates):
-                self._meta_rows.extend(e.table.to_pylist())
-            else:
-                self._meta_upper = e.upper
-        # Handovers strictly after as_of, relative to the rendition active at as_of.
-        base = [{"rendition": self._as_of_rendition, "ts": self.as_of, "diff": 1}]
-        self._pending = [h for h in timeline_from_updates(base + self._meta_rows) if h.at > self.as_of]
-
-    def next(self, timeout_s: float = 1.0) -> list[ListenEvent]:
-        """Events since the last call, waiting up to ``timeout_s`` for progress."""
-        r = self._r
-
-        def go() -> list[ListenEvent]:
-            deadline = time.monotonic() + timeout_s
-            events: list[ListenEvent] = []
-            while True:
-                f = self._frontier.time
-                if f is None:
-                    return events
-                self._poll_metadata(0.0)
-                handover = next((h for h in self._pending if h.at >= f), None)
-                decided_through_f = not self._meta_upper.less_equal(f)
-                if handover is not None and handover.at == f and decided_through_f:
-                    # The metadata is decided through f and says: switch at f. Wait until
-                    # the new rendition is readable at f and the old one complete before f.
-                    new = handover.new
-                    ready = not r._rendition_upper(new).less_equal(f) and not r._rendition_upper(
-                        self._current
-                    ).less_than(f)
-                    if ready:
-                        old_snap = (
-                            r._rendition_snapshot(self._current, f - 1, None)
-                            if f > 0
-                            else to_user_table(empty_updates(r.schemas), r.schemas)
-                        )
-                        new_snap = r._rendition_snapshot(new, f, None)
-                        chunk = _combine(old_snap, new_snap, f, r.schemas)
-                        if chunk.num_rows:
-                            events.append(ListenUpdates(chunk, self._frontier, Antichain([f + 1])))
-                        self._current = new
-                        self._frontier = Antichain([f + 1])
-                        events.append(ListenProgress(self._frontier))
-                        continue
-                target = self._meta_upper
-                if handover is not None:
-                    target = min(target, Antichain([handover.at]))
-                target = min(target, r._rendition_upper(self._current))
-                if target > self._frontier and target.time is not None:
-                    tbl = r._rendition_range(self._current, f, target.time, None)
-                    if tbl.num_rows:
-                        events.append(ListenUpdates(tbl, self._frontier, target))
-                    self._frontier = target
-                    events.append(ListenProgress(target))
-                    continue
-                if events:
-                    return events
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return events
-                # Nothing to do yet: wait for the metadata or the rendition to move.
-                self._poll_metadata(min(remaining, 0.05))
-                if self._meta_upper <= self._frontier or (handover is None and target == self._frontier):
-                    time.sleep(min(remaining, 0.02))
-
-        return r._guard(go)
-
-    def read_until(self, upper: int, timeout_s: float = 30.0) -> pa.Table:
-        """Every update from the frontier on, until the frontier reaches ``upper``."""
-        return read_until(self, self._r.schemas, upper, timeout_s, f"collection {self._r.name}")
-
-
-def _combine(old_snap: pa.Table, new_snap: pa.Table, t: int, schemas: Schemas) -> pa.Table:
-    """``-old + new`` with every time set to ``t``, consolidated (user layout)."""
-    neg = old_snap.set_column(
-        old_snap.schema.get_field_index("diff"), "diff", pc.negate(old_snap["diff"])
-    )
-    both = pa.concat_tables([neg, new_snap])
-    both = both.set_column(both.schema.get_field_index("ts"), "ts", pa.array([t] * both.num_rows, pa.int64()))
-    from persist_lib.shard.codec import normalize_updates
-
-    internal = consolidate(normalize_updates(both, schemas, shard="handover"))
-    return to_user_table(internal, schemas)
