@@ -12,8 +12,8 @@ import os
 import random
 import tempfile
 import uuid
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
