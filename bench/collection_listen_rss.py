@@ -94,7 +94,8 @@ CHILD = textwrap.dedent(
                 if isinstance(e, ListenUpdates):
                     rows += e.table.num_rows
             calls += 1
-        stats = {"next_calls": calls}
+        ls = listen.stats
+        stats = {"next_calls": calls, "diff_peak_bytes_held": ls.peak_bytes_held, "spilled_bytes": ls.intermediate_bytes}
     else:
         old = reader._rendition_snapshot("r0", at - 1, None)
         new = reader._rendition_snapshot("r1", at, None)

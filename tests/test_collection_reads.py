@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from persist_lib import PersistClient, PersistConfig
-from persist_lib.errors import InvalidUsage
+from persist_lib import Antichain, PersistClient, PersistConfig
+from persist_lib.errors import CorruptionError, InvalidUsage
 from persist_lib.handles.listen import ListenProgress, ListenUpdates
 from persist_lib.shard.codec import Schemas, empty_updates, normalize_updates, to_user_table
 from persist_lib.shard.consolidate import consolidate
@@ -194,6 +194,7 @@ def test_listen_across_a_handover_under_a_small_budget() -> None:
                 assert isinstance(e, ListenProgress)
                 frontier = e.upper.time
     assert calls > 3, "the handover and the ranges came over several calls"
+    assert listen.stats.intermediate_bytes > 0 and listen.stats.peak_bytes_held <= 2 * BUDGET, listen.stats
     assert listen.current_rendition == "r1"
     assert rows(pa.concat_tables(got)) == rows(reference)
     # The reference, from the logs: r0's updates before the handover, the in-memory diff
@@ -251,3 +252,41 @@ def test_updates_between_batches_across_a_handover_is_bounded() -> None:
     assert st.intermediate_bytes > 0 and st.peak_bytes_held <= 2 * BUDGET, st
     peak = pool.max_memory()
     assert 0 < peak <= 3 * BUDGET, f"Arrow held {peak} bytes at once reading a {whole}-byte handover"
+
+
+def _corrupt_a_part(client: PersistClient, shard: str) -> None:
+    """Flips a bit in the middle of one of ``shard``'s blob parts (the read then fails
+    its checksum with a ``CorruptionError``)."""
+    parts = [p for _, b in client.machine(shard).fetch_latest().trace_batches() for p in b.parts if p.key]
+    key = parts[len(parts) // 2].key
+    assert key is not None
+    data = bytearray(client.blob.get(key) or b"")
+    data[len(data) // 2] ^= 0x10
+    client.raw_blob.delete(key)
+    client.raw_blob.set(key, bytes(data))
+
+
+def test_listen_failing_in_a_handover_before_handing_anything_out_can_retry() -> None:
+    h = Handover(14, 2, 2, rows_per_time=6000)
+    _corrupt_a_part(h.client, h.ctl.describe("c")["renditions"]["r1"]["shards"][0])
+    listen = h.reader.listen(h.at - 1, memory_budget=BUDGET)
+    with pytest.raises(CorruptionError):
+        listen.next(2.0)
+    assert listen.frontier == Antichain([h.at]) and listen.current_rendition == "r0"
+    assert all(r._held_seqnos() == {} for rend in ("r0", "r1") for r in h.reader.rendition_readers(rend))
+    with pytest.raises(CorruptionError):
+        listen.next(2.0)  # not dead: it reads the handover again (and meets the same part)
+
+
+def test_listen_failing_after_handing_out_part_of_a_range_refuses_to_go_on() -> None:
+    h = Handover(15, 2, 2, rows_per_time=6000)
+    _corrupt_a_part(h.client, h.ctl.describe("c")["renditions"]["r0"]["shards"][1])
+    listen = h.reader.listen(0, memory_budget=BUDGET)
+    first = listen.next(2.0)
+    assert any(isinstance(e, ListenUpdates) for e in first) and listen.frontier == Antichain([1])
+    with pytest.raises(CorruptionError):
+        for _ in range(20):
+            listen.next(2.0)
+    assert listen.frontier == Antichain([1])
+    with pytest.raises(InvalidUsage, match="repeat"):
+        listen.next(2.0)

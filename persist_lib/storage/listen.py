@@ -75,6 +75,8 @@ class CollectionListen:
         self._pending: HeldIterator[ListenEvent] | None = None
         self._partial = False  # updates handed out since the last progress
         self._dead: str | None = None  # why next() can't go on (closed, or failed mid-range)
+        # The handover diffs' accounting (the most they held at once, what they spilled).
+        self.stats = MergeStats()
 
     @property
     def frontier(self) -> Antichain:
@@ -205,7 +207,7 @@ class CollectionListen:
     def _handover_events(self, f: int, new: str) -> Iterator[ListenEvent]:
         """The handover at ``f`` to ``new``: the diff, then the switch and progress."""
         lower, upper = Antichain([f]), Antichain([f + 1])
-        for t in self._chunks(self._r._handover_diff(self._current, new, f, self._budget, None)):
+        for t in self._chunks(self._r._handover_diff(self._current, new, f, self._budget, None, self.stats)):
             yield ListenUpdates(t, lower, upper)
         self._current = new
         yield ListenProgress(upper)
