@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python -m bench.collection_listen_rss [--quick] [--rows N]
 [--old-shards S] [--new-shards S] [--budget-mib M (64; quick 8)] [--part-mib P] [--root DIR]
-[--in-memory] [--out FILE]``.
+[--in-memory] [--from-start] [--out FILE]``.
 
 Builds a collection on file blob + SQLite: rendition ``r0`` of ``--old-shards`` shards
 (4) holding ``--rows`` records (int64 key random in ``[0, 2^40)``, int64 value in
@@ -14,7 +14,8 @@ fresh subprocess each:
 
 - ``listen``: ``reader.listen(h - 1, memory_budget=budget)`` drained with ``next`` until
   its frontier passes the handover: the whole diff ``-r0@(h-1) + r1@h`` (equal records
-  cancel), streamed;
+  cancel), streamed; with ``--from-start`` the listener starts at 0, far behind: it
+  reads r0's updates at ``[1, h)`` (shard by shard, streamed) before the handover;
 - ``in_memory`` (``--in-memory``, on in quick mode): both renditions' snapshots whole and
   one consolidate, as the listener did before it streamed (for comparison).
 
@@ -60,7 +61,8 @@ CHILD = textwrap.dedent(
     from persist_lib.shard.codec import normalize_updates
     from persist_lib.shard.consolidate import consolidate
     from persist_lib.storage import StorageController
-    blob, cons, at, budget, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    blob, cons, at, budget, mode, as_of = (
+        sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6]))
     K, V = pa.schema([("k", pa.int64())]), pa.schema([("v", pa.int64())])
     # Warm-up: a small collection's streamed handover (kernels, pools, threads).
     warm = StorageController(PersistClient.open("mem://w", "mem://w", PersistConfig.for_tests(blob_target_size=64 << 10)))
@@ -88,7 +90,7 @@ CHILD = textwrap.dedent(
     t0 = time.perf_counter()
     rows, stats, calls = 0, {}, 0
     if mode == "listen":
-        listen = reader.listen(at - 1, memory_budget=budget)
+        listen = reader.listen(as_of, memory_budget=budget)
         while listen.frontier.time <= at:
             for e in listen.next(5.0):
                 if isinstance(e, ListenUpdates):
@@ -158,11 +160,13 @@ def build(root: Path, total: int, old_shards: int, new_shards: int, part_bytes: 
     return blob, cons, at, {"write_seconds": round(time.perf_counter() - t0, 1)}
 
 
-def run_child(blob: str, cons: str, at: int, budget: int, mode: str, env_extra: dict[str, str]) -> dict[str, Any]:
+def run_child(
+    blob: str, cons: str, at: int, budget: int, mode: str, as_of: int, env_extra: dict[str, str]
+) -> dict[str, Any]:
     env = dict(os.environ, **env_extra)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, blob, cons, str(at), str(budget), mode],
+        [sys.executable, "-c", CHILD, blob, cons, str(at), str(budget), mode, str(as_of)],
         capture_output=True, text=True, env=env, check=False,
     )
     if out.returncode != 0:
@@ -181,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part-mib", type=int, default=8)
     ap.add_argument("--root", default=None, help="where to build the collection (default: a temp dir)")
     ap.add_argument("--in-memory", action="store_true", help="also measure the in-memory diff")
+    ap.add_argument("--from-start", action="store_true",
+                    help="the listener starts at 0 (far behind: all of r0's updates, then the handover)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
     total = a.rows if a.rows is not None else (1_000_000 if a.quick else 10_000_000)
@@ -190,12 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         blob, cons, at, info = build(root, total, a.old_shards, a.new_shards, a.part_mib * MiB)
         print(f"collection: {total:,} rows, {a.old_shards} -> {a.new_shards} shards, handover at {at}; "
+              f"listen from {0 if a.from_start else at - 1}; "
               f"budget {budget_mib} MiB; built in {info['write_seconds']}s")
         modes = ["listen"] + (["in_memory"] if a.in_memory or a.quick else [])
         results: list[dict[str, Any]] = []
         for alloc, env in ALLOCATORS.items():
             for mode in modes:
-                r = run_child(blob, cons, at, budget, mode, env)
+                r = run_child(blob, cons, at, budget, mode, 0 if a.from_start else at - 1, env)
                 above = max(r["peak_rss_sampled"], r["vm_hwm"]) - r["baseline_rss"]
                 r.update(mode=mode, allocator=alloc, rows_in=total, budget=budget, peak_above_baseline=above,
                          ratio_to_budget=round(above / budget, 2))

@@ -290,3 +290,13 @@ def test_listen_failing_after_handing_out_part_of_a_range_refuses_to_go_on() -> 
     assert listen.frontier == Antichain([1])
     with pytest.raises(InvalidUsage, match="repeat"):
         listen.next(2.0)
+
+
+def test_collection_snapshot_batches_adds_up_its_shard_streams() -> None:
+    h = Handover(16, 3, 3, rows_per_time=6000)
+    with h.reader.snapshot_batches(h.at, memory_budget=BUDGET) as stream:
+        got = pa.Table.from_batches(list(stream), schema=stream.schema)
+    assert rows(got) == rows(h.reader.snapshot(h.at))
+    st = stream.stats
+    assert st.rows_read >= got.num_rows and st.bytes_read > 0, st
+    assert 0 < st.peak_bytes_held <= BUDGET, st

@@ -87,13 +87,13 @@ def handover_diff(
     max_rows = max(1024, (memory_budget // 32) // row_width(schemas))
     for olds, news in shard_groups(len(old.readers), len(new.readers)):
         members = [(old, i) for i in olds] + [(new, j) for j in news]
-        for t in _group_diff(members, at, schemas, memory_budget, st, spill_dir):
+        for t in _group_diff(members, at, schemas, memory_budget, st, spill_dir, timeout_s):
             yield from to_user_table(t, schemas).to_batches(max_chunksize=max_rows)
 
 
 def _group_diff(
     members: list[tuple[SnapshotSide, int]], at: int, schemas: Schemas, budget: int, st: MergeStats,
-    spill_dir: str | None,
+    spill_dir: str | None, timeout_s: float | None,
 ) -> Iterator[pa.Table]:
     schema = internal_schema(schemas)
     spill = SpillDir(spill_dir)
@@ -104,7 +104,9 @@ def _group_diff(
         for side, i in members:
             if side.as_of is None:
                 continue
-            stream = side.readers[i].snapshot_batches(side.as_of, memory_budget=max(MiB, budget - budget // 4))
+            stream = side.readers[i].snapshot_batches(
+                side.as_of, memory_budget=max(MiB, budget - budget // 4), timeout_s=timeout_s
+            )
             run: list[pa.Table] = []
             writer: SpillWriter | None = None
             try:
@@ -127,7 +129,7 @@ def _group_diff(
                 if writer is not None:
                     writer.abort()
                 raise
-            _note_stream(st, stream.stats, held)
+            add_stream_stats(st, stream.stats, held)
             if writer is not None:
                 src = writer.finish()
                 if src is not None:
@@ -164,10 +166,13 @@ def _as_run_rows(batch: pa.RecordBatch, schema: pa.Schema, at: int, sign: int) -
     return t
 
 
-def _note_stream(st: MergeStats, s: MergeStats, held: int) -> None:
-    """Adds a shard stream's figures to the diff's: its peak came on top of the runs
-    the group held decoded (``held``, counted at the stream's end: an upper bound)."""
+def add_stream_stats(st: MergeStats, s: MergeStats, held: int = 0) -> None:
+    """Adds what a shard stream read, spilled and held at most to ``st`` (its merge's
+    own figures — passes, steps, output — stay its own): its peak came on top of
+    ``held`` bytes its reader kept meanwhile (streams read one at a time: the peaks
+    don't add up)."""
     st.peak_bytes_held = max(st.peak_bytes_held, held + s.peak_bytes_held)
     st.peak_rows_held = max(st.peak_rows_held, s.peak_rows_held)
     st.bytes_read += s.bytes_read
     st.rows_read += s.rows_read
+    st.intermediate_bytes += s.intermediate_bytes

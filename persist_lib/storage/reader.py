@@ -25,7 +25,7 @@ from persist_lib.handles.read import ReadHandle
 from persist_lib.shard.codec import Schemas, empty_updates, to_user_table, user_schema
 from persist_lib.shard.memory_plan import MergeStats
 from persist_lib.storage.directory import RenditionDirectory
-from persist_lib.storage.handover_diff import SnapshotSide, handover_diff
+from persist_lib.storage.handover_diff import SnapshotSide, add_stream_stats, handover_diff
 from persist_lib.storage.listen import CollectionListen
 from persist_lib.storage.metadata import active_in, timeline_from_updates
 
@@ -107,7 +107,8 @@ class CollectionReader:
         after the other (records are routed to shards by key, so nothing consolidates
         across them). Arguments are checked, and every shard's upper waited for, before
         this returns; the stream holds a seqno hold on each shard until it is exhausted,
-        closed or collected."""
+        closed or collected. Its ``stats`` add up the shard streams' as each ends (the
+        peak is the largest one's: they run one after the other)."""
         as_of = check_time(as_of, "as_of")
 
         def go() -> BatchStream:
@@ -121,16 +122,19 @@ class CollectionReader:
                     st.close()
                 raise
 
+            stats = MergeStats()  # the shard streams' figures, added up as each ends
+
             def chain() -> Iterator[pa.RecordBatch]:
                 for st in streams:
                     with st:
                         yield from st
+                    add_stream_stats(stats, st.stats)
 
             def release() -> None:
                 for st in streams:
                     st.close()
 
-            return BatchStream(self._guard_iter(chain()), user_schema(self.schemas), release)
+            return BatchStream(self._guard_iter(chain()), user_schema(self.schemas), release, stats)
 
         stream: BatchStream = self._guard(go)
         return stream
