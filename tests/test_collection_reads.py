@@ -152,6 +152,8 @@ def test_streamed_handover_diff_equals_the_in_memory_one(seed: int) -> None:
         n_old, n_new = 3, 4  # coprime: one group of every shard
     elif seed == 1:
         n_old, n_new = 4, 4  # equal: shard pairs
+    elif seed == 2:
+        n_old, n_new = 4, 6  # two groups of 2 old and 3 new shards
     big = seed % 2 == 0
     h = Handover(seed, n_old, n_new, rows_per_time=6000 if big else 400, keys=1 << 40 if big else 300)
     want = h.reference_diff()
