@@ -9,9 +9,13 @@ budget (``handles.snapshot``), and here the distributed reads (``snapshot_splits
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import check_time
 from persist_lib.handles.listen import Listen
+from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read_plan import parts_in_range
 from persist_lib.handles.snapshot import SnapshotReader
 from persist_lib.handles.splits import RangeSplit, SnapshotSplit, balance
@@ -97,20 +101,26 @@ class ReadHandle(SnapshotReader):
                     del self._holds[s]
             self._split_holds.clear()
 
-    def listen(self, as_of: int, *, memory_budget: int | None = None) -> Listen:
+    def listen(
+        self, as_of: int, *, memory_budget: int | None = None, columns: Sequence[str] | None = None,
+        filter: Any = None,
+    ) -> Listen:
         """Every update at times ``> as_of``, in time order, with progress events.
 
         Together with ``snapshot(as_of)`` it reproduces the collection at every later time.
         A ``next`` call decodes about ``memory_budget`` at most (see ``Listen.next``).
+        ``columns`` and ``filter`` as for ``updates_between`` (a listen's updates are
+        its ranges').
         """
         self._check_open()
         as_of = check_time(as_of, "as_of")
         budget = self._read_budget(memory_budget)
+        pd = ReadPushdown.plan(self.schemas, columns, filter, shard=self.shard_id)
         state = self._machine.cached()
         if not state.exists:
             state = self._machine.fetch_latest()
         self._check_as_of(state, as_of)
-        listen = Listen(self, as_of, budget)
+        listen = Listen(self, as_of, budget, pd)
         if self._client.metrics is not None:
             track_listen(listen, self)  # its lag, for metrics
         return listen
