@@ -15,7 +15,8 @@ continues with ``new``'s updates after ``h``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -24,6 +25,7 @@ from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
 from persist_lib.handles.batch_stream import BatchStream
 from persist_lib.handles.listen import ListenEvent, ListenProgress, ListenUpdates, read_until
+from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read import ReadHandle
 from persist_lib.shard.codec import Schemas, empty_updates, to_user_table, user_schema
 from persist_lib.shard.consolidate import consolidate
@@ -101,22 +103,29 @@ class CollectionReader:
         return self._guard(go)
 
     def snapshot_batches(
-        self, as_of: int, *, memory_budget: int | None = None, timeout_s: float | None = None
+        self, as_of: int, *, memory_budget: int | None = None, timeout_s: float | None = None,
+        columns: Sequence[str] | None = None, filter: Any = None,
     ) -> BatchStream:
         """``snapshot(as_of)`` as a stream of record batches, within ``memory_budget`` per
         shard stream (``ReadHandle.snapshot_batches``): the active rendition's shards one
         after the other (records are routed to shards by key, so nothing consolidates
         across them). Arguments are checked, and every shard's upper waited for, before
         this returns; the stream holds a seqno hold on each shard until it is exhausted,
-        closed or collected."""
+        closed or collected. ``columns`` and ``filter`` are pushed down to every shard's
+        read (``ReadHandle.snapshot_batches``)."""
         as_of = check_time(as_of, "as_of")
+        pd = ReadPushdown.plan(self.schemas, columns, filter, shard=f"collection {self.name}")
 
         def go() -> BatchStream:
             rendition = self._active_at(as_of, timeout_s)
             streams: list[BatchStream] = []
             try:
                 for r in self._readers_for(rendition):
-                    streams.append(r.snapshot_batches(as_of, memory_budget=memory_budget, timeout_s=timeout_s))
+                    streams.append(
+                        r.snapshot_batches(
+                            as_of, memory_budget=memory_budget, timeout_s=timeout_s, columns=columns, filter=filter
+                        )
+                    )
             except BaseException:
                 for st in streams:
                     st.close()
@@ -131,7 +140,7 @@ class CollectionReader:
                 for st in streams:
                     st.close()
 
-            return BatchStream(self._guard_iter(chain()), user_schema(self.schemas), release)
+            return BatchStream(self._guard_iter(chain()), pd.user_schema(), release)
 
         stream: BatchStream = self._guard(go)
         return stream
