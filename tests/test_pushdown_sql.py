@@ -84,6 +84,7 @@ def test_filter_terms_take_only_exact_conjuncts() -> None:
     assert filter_terms("((c IS NULL) AND (diff > 0) AND (f < 1.5) AND (ts = 3))", schema) == [
         Term("c", "is_null"), Term("ts", "==", 3),
     ]
+    assert filter_terms("((c = ')(') AND (a < 3))", schema) == [Term("c", "==", ")("), Term("a", "<", 3)]
     assert filter_terms("((a > 1) OR (c = 'x'))", schema) == []
     assert filter_terms("(CAST(a AS DECIMAL(20,1)) >= 1.5)", schema) == []
     assert filter_terms("(a = 'x')", schema) == []

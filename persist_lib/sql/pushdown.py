@@ -55,41 +55,41 @@ def scan_filters(plan_json: str) -> list[str] | None:
     return out
 
 
-def _split_top(expr: str, sep: str) -> list[str]:
-    """``expr`` split on ``sep`` where it is outside parentheses and quotes."""
-    parts: list[str] = []
-    depth, quoted, start, i = 0, False, 0, 0
-    while i < len(expr):
-        c = expr[i]
+def _depths(expr: str) -> list[int]:
+    """For each character of ``expr``: its parenthesis depth after it, or -1 inside a
+    quoted string (a quote itself included)."""
+    out: list[int] = []
+    depth, quoted = 0, False
+    for c in expr:
         if c == "'":
             quoted = not quoted
-        elif not quoted and c == "(":
-            depth += 1
-        elif not quoted and c == ")":
-            depth -= 1
-        elif not quoted and depth == 0 and expr.startswith(sep, i):
+            out.append(-1)
+            continue
+        if not quoted:
+            depth += (c == "(") - (c == ")")
+        out.append(-1 if quoted else depth)
+    return out
+
+
+def _split_top(expr: str, sep: str) -> list[str]:
+    """``expr`` split on ``sep`` where it is outside parentheses and quotes."""
+    depths = _depths(expr)
+    parts: list[str] = []
+    start = i = 0
+    while i < len(expr):
+        if depths[i] == 0 and (i == 0 or depths[i - 1] == 0) and expr.startswith(sep, i):
             parts.append(expr[start:i])
             i += len(sep)
             start = i
-            continue
-        i += 1
+        else:
+            i += 1
     parts.append(expr[start:])
     return parts
 
 
 def _encloses(expr: str) -> bool:
     """Whether the parenthesis opening ``expr`` closes at its very end."""
-    depth, quoted = 0, False
-    for i, c in enumerate(expr):
-        if c == "'":
-            quoted = not quoted
-        elif not quoted and c == "(":
-            depth += 1
-        elif not quoted and c == ")":
-            depth -= 1
-            if depth == 0 and i < len(expr) - 1:
-                return False
-    return True
+    return 0 not in _depths(expr)[:-1]
 
 
 def _strip_parens(expr: str) -> str:
