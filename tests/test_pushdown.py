@@ -380,3 +380,33 @@ def test_statistics_never_rule_out_a_matching_row(
     assert m is not None
     if any(m.to_pylist()):
         assert bound.may_match(parse_stats(part_stats(t, schemas), schemas), n)
+
+
+def test_temporal_columns_prune_by_their_physical_bounds() -> None:
+    """Dates and timestamps (with a time zone) are kept as their integer physical value
+    and compared with the filter's constants converted the same way."""
+    import datetime as dt
+
+    client = mem_client(inline_threshold=0)
+    shard = ShardId.new()
+    val = pa.schema([("day", pa.date32()), ("at", pa.timestamp("us", tz="UTC"))])
+    w, r = client.open(shard, KEY, val)
+    utc = dt.UTC
+    for i in range(4):
+        day = dt.date(2024, 1, 1) + dt.timedelta(days=i)
+        w.compare_and_append(
+            pa.table({
+                "id": [i], "day": pa.array([day], pa.date32()),
+                "at": pa.array([dt.datetime(2024, 1, 1, i, tzinfo=utc)], pa.timestamp("us", tz="UTC")),
+                "ts": [i], "diff": [1],
+            }),
+            i, i + 1,
+        )
+    p0, _ = parts_read(client, shard)
+    got = r.snapshot(3, filter=[("day", ">=", dt.date(2024, 1, 3))])
+    assert got["id"].to_pylist() == [2, 3]
+    p1, _ = parts_read(client, shard)
+    assert p1 - p0 == 2
+    got = r.snapshot(3, filter=[("at", "<", dt.datetime(2024, 1, 1, 1, 30, tzinfo=utc))])
+    assert got["id"].to_pylist() == [0, 1]
+    assert parts_read(client, shard)[0] - p1 == 2
