@@ -44,6 +44,11 @@ def test_read_snapshot_pushes_filter_and_columns(spark: Any, tmp_path: Path) -> 
     full = r.snapshot(7)
     want = [x for x in full.to_pylist() if 3100 <= x["id"] < 3200 and x["amount"] != 0]
     assert got.count() == len(want) > 0
+    from persist_lib.spark import read_updates
+
+    upd = read_updates(spark, r, 2, 5, columns=["id"], filter=[("id", "<", 4010), ("ts", ">=", 4)])
+    assert upd.columns == ["id", "ts", "diff"]
+    assert sorted(x.id for x in upd.collect()) == list(range(4000, 4010))
     with pytest.raises(InvalidUsage, match="no column 'nope'"):
         read_snapshot(spark, r, 7, filter=[("nope", "==", 1)])
     assert r._held_seqnos() == {}

@@ -149,10 +149,11 @@ def read_snapshot(
 
 
 def range_splits(
-    reader: ReadHandle, lower: int, upper: int, num_splits: int, timeout_s: float | None = None
+    reader: ReadHandle, lower: int, upper: int, num_splits: int, timeout_s: float | None = None,
+    *, filter: Any = None,
 ) -> list[RangeSplit]:
     """``reader.range_splits`` (kept for callers of the first Spark API)."""
-    return reader.range_splits(lower, upper, num_splits, timeout_s)
+    return reader.range_splits(lower, upper, num_splits, timeout_s, filter=filter)
 
 
 def read_updates(
@@ -164,8 +165,12 @@ def read_updates(
     num_splits: int | None = None,
     consolidate: bool = True,
     timeout_s: float | None = None,
+    columns: Sequence[str] | None = None,
+    filter: Any = None,
 ) -> Any:
     """Every update at times in ``(from_as_of, to_as_of]``, with its own ``ts``.
+    ``columns`` and ``filter`` as for ``read_snapshot`` (a ``ts`` conjunct compares
+    each update's own time).
 
     What a listener started at ``from_as_of`` emits up to ``to_as_of``: the snapshot at
     ``to_as_of`` equals the snapshot at ``from_as_of`` plus these updates. For
@@ -182,12 +187,15 @@ def read_updates(
     check_session(spark, f"read_updates of shard {reader.shard_id}")
     blob_uri_of(reader.client, f"shard {reader.shard_id}")
     spark_schema(reader.schemas)
+    ReadPushdown.plan(reader.schemas, columns, filter, shard=reader.shard_id)  # bad names fail here
     if hi == lo:
-        return splits_dataframe(spark, [], reader.schemas)
+        return splits_dataframe(spark, [], reader.schemas, columns=columns)
     n = num_splits or _default_splits(spark)
-    splits: list[Split] = list(range_splits(reader, lo, hi, n, timeout_s))
+    splits: list[Split] = list(range_splits(reader, lo, hi, n, timeout_s, filter=filter))
     try:
-        return _materialize(splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate))
+        return _materialize(
+            splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
+        )
     finally:
         reader.release_splits()
 
