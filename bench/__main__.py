@@ -34,6 +34,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("open", "bench.open_vs_delta"),
     ("time_travel", "bench.time_travel"),
     ("snapshot_read", "bench.snapshot_read"),
+    ("pushdown", "bench.pushdown"),
     ("write_amplification", "bench.write_amplification"),
     ("consensus_cas", "bench.consensus_cas"),
     ("s3_pg_latency", "bench.s3_pg_latency"),

@@ -19,6 +19,7 @@ from persist_lib.errors import InvalidUsage, Timeout
 from persist_lib.frontier import Antichain
 from persist_lib.handles.batch_stream import HeldIterator
 from persist_lib.handles.leased_reader import LeasedReader
+from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read_plan import (
     batch_overlaps,
     concat_updates,
@@ -56,8 +57,14 @@ ListenEvent = ListenUpdates | ListenProgress
 class Listen:
     """An ongoing subscription: ``next(timeout)`` returns the events since the last call."""
 
-    def __init__(self, handle: LeasedReader, as_of: int, memory_budget: int | None = None) -> None:
+    def __init__(
+        self, handle: LeasedReader, as_of: int, memory_budget: int | None = None,
+        pushdown: ReadPushdown | None = None,
+    ) -> None:
         self._h = handle
+        # The columns and filter of the updates it hands out (parts whose statistics rule
+        # the filter out are not fetched).
+        self._pd = pushdown if pushdown is not None else ReadPushdown(handle.schemas, None, None)
         self.as_of = as_of
         self._frontier: Antichain = Antichain([as_of + 1])
         self._budget = handle._read_budget(memory_budget)
@@ -123,19 +130,20 @@ class Listen:
             )
         upper = s.upper
         hi = upper.time
-        parts = parts_in_range(s, f, hi)
+        pd = self._pd
+        parts = [p for p in parts_in_range(s, f, hi) if pd.keeps_range_part(p)]
         if whole_read_bytes(parts, h.schemas) > self._budget:
             # Too large to decode at once: hand it out over several calls. The stream
             # takes its own hold on the seqno held now (so it can't have been passed).
             seqno = h._take_hold(held)
             self._pending = HeldIterator(self._stream_events(s, f, upper), lambda: h._release_hold(seqno))
             return None
-        tables = h._fetch_all(parts, lambda t, p: time_range(t, f, hi))
+        tables = h._fetch_all(parts, lambda t, p: pd.filter_range(time_range(t, f, hi)))
         events: list[ListenEvent] = []
         internal = consolidate(concat_updates(tables, h.schemas))
         if internal.num_rows:
             internal = internal.sort_by([("t", "ascending")])
-            events.append(ListenUpdates(to_user_table(internal, h.schemas), self._frontier, upper))
+            events.append(ListenUpdates(pd.project(to_user_table(internal, h.schemas)), self._frontier, upper))
         events.append(ListenProgress(upper))
         self._frontier = upper
         return events
@@ -151,14 +159,18 @@ class Listen:
             if not batch_overlaps(b, f, hi):
                 continue
             b_upper = upper if b.upper.is_empty() or not b.upper < upper else b.upper
-            runs = [[p for p in run if part_overlaps(p, f, hi)] for run in batch_runs(b)]
+            pd = self._pd
+            runs = [[p for p in run if part_overlaps(p, f, hi) and pd.keeps_range_part(p)] for run in batch_runs(b)]
             for t in h._guard_missing(
                 stream_merge(
                     h._client.blob, h.schemas, shard=h.shard_id, runs=runs, memory_budget=self._budget,
                     lower=f, upper=hi, purpose="listen read",
                 )
             ):
-                yield ListenUpdates(to_user_table(t.sort_by([("t", "ascending")]), h.schemas), lower, b_upper)
+                t = pd.filter_range(t)
+                if t.num_rows:
+                    user = to_user_table(t.sort_by([("t", "ascending")]), h.schemas)
+                    yield ListenUpdates(pd.project(user), lower, b_upper)
             if b_upper < upper and lower < b_upper:
                 yield ListenProgress(b_upper)
                 lower = b_upper

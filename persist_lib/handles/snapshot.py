@@ -14,13 +14,15 @@ until it is exhausted, closed or garbage collected. ``snapshot`` and
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pyarrow as pa
 
 from persist_lib.frontier import check_time
 from persist_lib.handles.batch_stream import BatchStream
 from persist_lib.handles.leased_reader import LeasedReader
+from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read_plan import (
     batch_overlaps,
     concat_updates,
@@ -31,7 +33,7 @@ from persist_lib.handles.read_plan import (
 )
 from persist_lib.shard import state as st
 from persist_lib.shard.batch_meta import PartMeta
-from persist_lib.shard.codec import Schemas, to_user_table, user_schema
+from persist_lib.shard.codec import Schemas, to_user_table
 from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.kway_merge import FEW_RUNS, merges_linearly
 from persist_lib.shard.memory_plan import MergeStats
@@ -75,7 +77,8 @@ class SnapshotReader(LeasedReader):
     """The snapshot and time-range reads of a ``ReadHandle`` (whole or streamed)."""
 
     def snapshot(
-        self, as_of: int, timeout_s: float | None = None, *, memory_budget: int | None = None
+        self, as_of: int, timeout_s: float | None = None, *, memory_budget: int | None = None,
+        columns: Sequence[str] | None = None, filter: Any = None,
     ) -> pa.Table:
         """The shard's contents at ``as_of``: every update at ``t <= as_of``, consolidated.
 
@@ -83,18 +86,26 @@ class SnapshotReader(LeasedReader):
         ``as_of`` below this reader's since is an ``InvalidUsage``. The table is whole in
         memory; when decoding every part at once would exceed ``memory_budget`` it is
         built from ``snapshot_batches`` (the table plus about the budget at peak).
+
+        ``columns``: the key/value fields to return (``ts`` and ``diff`` always come
+        back); ``filter``: a ``shard.predicate.Predicate`` or ``[(column, op, value),
+        ...]`` (a conjunction) the returned rows satisfy. Parts whose statistics rule
+        the filter out are not fetched (``handles.pushdown``); the result equals the
+        full snapshot filtered and projected afterwards.
         """
         self._check_open()
         as_of = check_time(as_of, "as_of")
         budget = self._read_budget(memory_budget)
+        pd = ReadPushdown.plan(self.schemas, columns, filter, shard=self.shard_id)
         with self._hold():
             state = self._wait_for_upper_beyond(as_of, timeout_s)
             self._check_as_of(state, as_of)
-            tables = list(self._snapshot_tables(state, as_of, budget))
-        return to_user_table(concat_updates(tables, self.schemas), self.schemas)
+            tables = list(self._snapshot_tables(state, as_of, budget, pd=pd))
+        return pd.project(to_user_table(concat_updates(tables, self.schemas), self.schemas))
 
     def snapshot_batches(
-        self, as_of: int, *, memory_budget: int | None = None, timeout_s: float | None = None
+        self, as_of: int, *, memory_budget: int | None = None, timeout_s: float | None = None,
+        columns: Sequence[str] | None = None, filter: Any = None,
     ) -> BatchStream:
         """``snapshot(as_of)`` as a stream of record batches, within ``memory_budget``
         (default ``PersistConfig.read_memory_budget``, at least 1 MiB) however large the
@@ -105,10 +116,12 @@ class SnapshotReader(LeasedReader):
         (``InvalidUsage``, ``Timeout`` as for ``snapshot``); parts are fetched as the
         stream is iterated. The stream holds this reader's seqno hold until it is
         exhausted, closed or garbage collected: close it when stopping early (``with``).
+        ``columns`` and ``filter`` as for ``snapshot``.
         """
         self._check_open()
         as_of = check_time(as_of, "as_of")
         budget = self._read_budget(memory_budget)
+        pd = ReadPushdown.plan(self.schemas, columns, filter, shard=self.shard_id)
         seqno = self._take_hold()
         try:
             state = self._wait_for_upper_beyond(as_of, timeout_s)
@@ -117,15 +130,20 @@ class SnapshotReader(LeasedReader):
             self._release_hold(seqno)
             raise
         stats = MergeStats()
-        return self._stream(self._snapshot_tables(state, as_of, budget, stats), budget, seqno, stats)
+        return self._stream(self._snapshot_tables(state, as_of, budget, stats, pd), budget, seqno, stats, pd)
 
     def _snapshot_tables(
-        self, state: st.ShardState, as_of: int, budget: int, stats: MergeStats | None = None
+        self, state: st.ShardState, as_of: int, budget: int, stats: MergeStats | None = None,
+        pd: ReadPushdown | None = None,
     ) -> Iterator[pa.Table]:
-        """The snapshot at ``as_of`` as consolidated tables (internal layout)."""
+        """The snapshot at ``as_of`` as consolidated tables (internal layout), filtered
+        by ``pd``'s filter (not yet projected)."""
         stats = stats if stats is not None else MergeStats()
+        pd = pd if pd is not None else ReadPushdown(self.schemas, None, None)
+        if not pd.snapshot_time_ok(as_of):
+            return
         runs = [
-            [p for p in run if p.tmin <= as_of]
+            [p for p in run if p.tmin <= as_of and pd.keeps_part(p)]
             for _, b in state.trace_batches()
             if b.lower.less_equal(as_of)
             for run in batch_runs(b)
@@ -138,7 +156,7 @@ class SnapshotReader(LeasedReader):
                 # A few sorted runs (a compacted shard: one): merged, not sorted again.
                 # Unsorted parts are sorted as they are fetched, in parallel.
                 def post(t: pa.Table, p: PartMeta) -> pa.Table:
-                    t = snapshot_at(t, as_of)
+                    t = pd.filter_data(snapshot_at(t, as_of))
                     return t if p.sorted else consolidate(t)
 
                 fetched = iter(self._fetch_all(parts, post))
@@ -157,31 +175,34 @@ class SnapshotReader(LeasedReader):
                 stats.output_rows = before
                 tables = run_tables  # a run was not sorted: consolidate the lot
             else:
-                tables = self._fetch_all(parts, lambda t, p: snapshot_at(t, as_of))
+                tables = self._fetch_all(parts, lambda t, p: pd.filter_data(snapshot_at(t, as_of)))
             out = consolidate(concat_updates(tables, self.schemas))
             stats.output_rows += out.num_rows
             if out.num_rows:
                 yield out
             return
-        yield from self._guard_missing(
+        streamed = self._guard_missing(
             stream_merge(
                 self._client.blob, self.schemas, shard=self.shard_id, runs=runs, memory_budget=budget,
                 since=as_of, upper=as_of + 1, stats=stats, purpose="snapshot read",
             )
         )
+        yield from (f for f in (pd.filter_data(t) for t in streamed) if f.num_rows)
 
     def _range_tables(
         self, state: st.ShardState, lower: int, upper: int | None, budget: int, *, sort_by_time: bool,
-        stats: MergeStats | None = None,
+        stats: MergeStats | None = None, pd: ReadPushdown | None = None,
     ) -> Iterator[pa.Table]:
         """The updates at times in ``[lower, upper)`` as consolidated tables (internal
         layout), batch by batch of the trace, so in time order across tables (batches
         hold disjoint time ranges, so nothing consolidates across them); each table is
-        sorted by time if ``sort_by_time``, else by ``(k, v, t)``."""
+        sorted by time if ``sort_by_time``, else by ``(k, v, t)``; filtered by ``pd``'s
+        filter (not yet projected)."""
         stats = stats if stats is not None else MergeStats()
-        parts = parts_in_range(state, lower, upper)
+        pd = pd if pd is not None else ReadPushdown(self.schemas, None, None)
+        parts = [p for p in parts_in_range(state, lower, upper) if pd.keeps_range_part(p)]
         if whole_read_bytes(parts, self.schemas) <= budget:
-            tables = self._fetch_all(parts, lambda t, p: time_range(t, lower, upper))
+            tables = self._fetch_all(parts, lambda t, p: pd.filter_range(time_range(t, lower, upper)))
             out = consolidate(concat_updates(tables, self.schemas))
             stats.output_rows += out.num_rows
             if out.num_rows:
@@ -190,29 +211,39 @@ class SnapshotReader(LeasedReader):
         for _, b in state.trace_batches():
             if not batch_overlaps(b, lower, upper):
                 continue
-            runs = [[p for p in run if part_overlaps(p, lower, upper)] for run in batch_runs(b)]
+            runs = [
+                [p for p in run if part_overlaps(p, lower, upper) and pd.keeps_range_part(p)]
+                for run in batch_runs(b)
+            ]
             for t in self._guard_missing(
                 stream_merge(
                     self._client.blob, self.schemas, shard=self.shard_id, runs=runs,
                     memory_budget=budget, lower=lower, upper=upper, stats=stats, purpose="range read",
                 )
             ):
+                t = pd.filter_range(t)
+                if not t.num_rows:
+                    continue
                 yield t.sort_by([("t", "ascending")]) if sort_by_time else t
 
-    def _stream(self, tables: Iterator[pa.Table], budget: int, seqno: int, stats: MergeStats) -> BatchStream:
-        """Wraps internal tables as a ``BatchStream`` that releases ``seqno`` when done."""
+    def _stream(
+        self, tables: Iterator[pa.Table], budget: int, seqno: int, stats: MergeStats, pd: ReadPushdown
+    ) -> BatchStream:
+        """Wraps internal tables as a ``BatchStream`` (projected by ``pd``) that releases
+        ``seqno`` when done."""
         schemas = self.schemas
         max_rows = max(1024, (budget // 32) // max(1, row_width(schemas)))
 
         def batches() -> Iterator[pa.RecordBatch]:
             for t in tables:
                 self._check_open()
-                yield from to_user_table(t, schemas).to_batches(max_chunksize=max_rows)
+                yield from pd.project(to_user_table(t, schemas)).to_batches(max_chunksize=max_rows)
 
-        return BatchStream(batches(), user_schema(schemas), lambda: self._release_hold(seqno), stats)
+        return BatchStream(batches(), pd.user_schema(), lambda: self._release_hold(seqno), stats)
 
     def updates_between(
-        self, lower: int, upper: int, timeout_s: float | None = None, *, memory_budget: int | None = None
+        self, lower: int, upper: int, timeout_s: float | None = None, *, memory_budget: int | None = None,
+        columns: Sequence[str] | None = None, filter: Any = None,
     ) -> pa.Table:
         """Every update at times in ``[lower, upper)``, consolidated (times not forwarded),
         sorted by time.
@@ -220,22 +251,25 @@ class SnapshotReader(LeasedReader):
         Waits until the shard upper reaches ``upper``. ``lower`` must be *beyond* this
         reader's since (or both 0): compaction forwards older updates to the since, so the
         updates at the since itself are not the ones that happened then. The building
-        block of incremental (listen-range) reads.
+        block of incremental (listen-range) reads. ``columns`` and ``filter`` as for
+        ``snapshot`` (a conjunct on ``ts`` compares each update's own time).
         """
         self._check_open()
         lower, upper = self._check_range_args(lower, upper)
         budget = self._read_budget(memory_budget)
+        pd = ReadPushdown.plan(self.schemas, columns, filter, shard=self.shard_id)
         if upper == lower:
-            return to_user_table(concat_updates([], self.schemas), self.schemas)
+            return pd.project(to_user_table(concat_updates([], self.schemas), self.schemas))
         with self._hold():
             state = self._wait_for_upper_beyond(upper - 1, timeout_s)
             self._check_range_lower(state, lower)
-            tables = list(self._range_tables(state, lower, upper, budget, sort_by_time=False))
+            tables = list(self._range_tables(state, lower, upper, budget, sort_by_time=False, pd=pd))
         internal = concat_updates(tables, self.schemas)
-        return to_user_table(internal.sort_by([("t", "ascending")]), self.schemas)
+        return pd.project(to_user_table(internal.sort_by([("t", "ascending")]), self.schemas))
 
     def updates_between_batches(
-        self, lower: int, upper: int, *, memory_budget: int | None = None, timeout_s: float | None = None
+        self, lower: int, upper: int, *, memory_budget: int | None = None, timeout_s: float | None = None,
+        columns: Sequence[str] | None = None, filter: Any = None,
     ) -> BatchStream:
         """``updates_between(lower, upper)`` as a stream of record batches within
         ``memory_budget``: the same rows, in time order batch by batch of the shard's
@@ -245,10 +279,12 @@ class SnapshotReader(LeasedReader):
 
         Arguments are checked and the upper waited for before this returns; the stream
         holds this reader's seqno hold until it is exhausted, closed or collected.
+        ``columns`` and ``filter`` as for ``updates_between``.
         """
         self._check_open()
         lower, upper = self._check_range_args(lower, upper)
         budget = self._read_budget(memory_budget)
+        pd = ReadPushdown.plan(self.schemas, columns, filter, shard=self.shard_id)
         seqno = self._take_hold()
         try:
             if upper > lower:
@@ -259,9 +295,9 @@ class SnapshotReader(LeasedReader):
             raise
         stats = MergeStats()
         tables: Iterator[pa.Table] = (
-            self._range_tables(state, lower, upper, budget, sort_by_time=True, stats=stats)
+            self._range_tables(state, lower, upper, budget, sort_by_time=True, stats=stats, pd=pd)
             if upper > lower
             else iter(())
         )
-        return self._stream(tables, budget, seqno, stats)
+        return self._stream(tables, budget, seqno, stats, pd)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read_plan import concat_updates
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
@@ -33,6 +34,9 @@ class SnapshotSplit:
     schemas_json: dict[str, Any]
     as_of: int
     parts: tuple[PartMeta, ...]
+    # The read's filter (``shard.predicate.Predicate``): parts were pruned by it when
+    # planning, rows are filtered by it before consolidation when fetching.
+    filter: Any = None
 
     def __repr__(self) -> str:
         # The URI may carry credentials (an S3 secret key): never show it unredacted.
@@ -48,7 +52,13 @@ class SnapshotSplit:
 
         schemas = Schemas.from_json(self.schemas_json)
         b = blob if blob is not None else open_blob(self.blob_uri)
-        tables = [snapshot_at(fetch_part(b, p, schemas, self.shard_id), self.as_of) for p in self.parts]
+        pd = ReadPushdown.plan(schemas, None, self.filter, shard=self.shard_id)
+        if not pd.snapshot_time_ok(self.as_of):
+            return to_user_table(concat_updates([], schemas), schemas)
+        tables = [
+            pd.filter_data(snapshot_at(fetch_part(b, p, schemas, self.shard_id), self.as_of))
+            for p in self.parts
+        ]
         internal = consolidate(concat_updates(tables, schemas))
         return to_user_table(internal, schemas)
 
@@ -66,6 +76,7 @@ class RangeSplit:
     lower: int
     upper: int
     parts: tuple[PartMeta, ...]
+    filter: Any = None  # as for ``SnapshotSplit``
 
     def __repr__(self) -> str:
         from persist_lib.location.redaction import SensitiveUrl
@@ -80,7 +91,11 @@ class RangeSplit:
 
         schemas = Schemas.from_json(self.schemas_json)
         b = blob if blob is not None else open_blob(self.blob_uri)
-        tables = [time_range(fetch_part(b, p, schemas, self.shard_id), self.lower, self.upper) for p in self.parts]
+        pd = ReadPushdown.plan(schemas, None, self.filter, shard=self.shard_id)
+        tables = [
+            pd.filter_range(time_range(fetch_part(b, p, schemas, self.shard_id), self.lower, self.upper))
+            for p in self.parts
+        ]
         return to_user_table(consolidate(concat_updates(tables, schemas)), schemas)
 
 

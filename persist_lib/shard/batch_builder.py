@@ -41,6 +41,7 @@ from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import T_COL, Schemas, check_updates
 from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.parts import encode_part, part_blob_key, part_meta_for
+from persist_lib.shard.stats import part_stats
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +68,17 @@ class BatchBuilder:
         executor: Executor | None = None,
         consolidated: bool = False,
         unsorted_min_bytes: int | None = None,
+        record_stats: bool = True,
     ) -> None:
         """``consolidated``: the caller promises that everything it adds, across all
         ``add`` calls, comes sorted by ``(k, v, t)`` with no duplicate ``(k, v, t)`` and
         no zero diff (the compactor's merge output): parts are then encoded as they
-        are, not consolidated again."""
+        are, not consolidated again.
+
+        ``record_stats``: record each part's column statistics in its ``PartMeta``
+        (``shard.stats``: min, max and null count per column, the time column
+        included), so reads with a filter can skip it unfetched. False writes parts as
+        writers did before statistics existed (tests of old parts)."""
         if target_part_bytes <= 0:
             raise InvalidUsage(
                 f"shard {shard}: target_part_bytes must be > 0, got {target_part_bytes}"
@@ -90,6 +97,7 @@ class BatchBuilder:
         self.inline_threshold = inline_threshold
         self.consolidated = consolidated
         self.unsorted_min_bytes = unsorted_min_bytes
+        self.record_stats = record_stats
         self._own_executor = executor is None
         self._executor: Executor = executor or ThreadPoolExecutor(
             max_workers=max_inflight_uploads, thread_name_prefix=f"persist-part-{shard}"
@@ -301,10 +309,11 @@ class BatchBuilder:
         if part.num_rows == 0:
             return None
         data = encode_part(part, self.schemas)
+        stats = part_stats(part, self.schemas) if self.record_stats else None
         if len(data) <= self.inline_threshold:
-            return part_meta_for(data, part, None, inline=True, sorted=not unsorted)
+            return part_meta_for(data, part, None, inline=True, sorted=not unsorted, stats=stats)
         self.blob.set(key, data)
-        return part_meta_for(data, part, key, inline=False, sorted=not unsorted)
+        return part_meta_for(data, part, key, inline=False, sorted=not unsorted, stats=stats)
 
     def _shutdown(self) -> None:
         if self._own_executor:

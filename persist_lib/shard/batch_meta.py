@@ -33,6 +33,10 @@ class PartMeta:
     # Arrow bytes of the part decoded, as its writer measured them (None: written before
     # writers recorded it): merges plan their memory with it (memory_plan.estimate_decoded_bytes)
     decoded: int | None = None
+    # Column statistics recorded at write time (``shard.stats``): ``(column, min, max,
+    # null count)`` per internal column with exact bounds. None: written before writers
+    # recorded them (or by a writer that didn't); reads then assume anything may match.
+    stats: tuple[tuple[str, Any, Any, int], ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -50,6 +54,9 @@ class PartMeta:
             d["unsorted"] = True
         if self.decoded is not None:
             d["decoded"] = self.decoded
+        if self.stats is not None:
+            # An optional key: state readers that predate it ignore it.
+            d["stats"] = [list(s) for s in self.stats]
         return d
 
     @classmethod
@@ -65,11 +72,18 @@ class PartMeta:
             inline=base64.b64decode(inline) if inline is not None else None,
             sorted=not d.get("unsorted", False),
             decoded=int(d["decoded"]) if d.get("decoded") is not None else None,
+            stats=_stats_from_json(d.get("stats")),
         )
 
     @property
     def location(self) -> str:
         return self.key if self.key is not None else "<inline>"
+
+
+def _stats_from_json(raw: Any) -> tuple[tuple[str, Any, Any, int], ...] | None:
+    if raw is None:
+        return None
+    return tuple((str(n), lo, hi, int(nulls)) for n, lo, hi, nulls in raw)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -275,7 +276,13 @@ def check_part_strings(result: pa.Table, schemas: Schemas, shard: str, key: str)
 
 
 def part_meta_for(
-    data: bytes, table: pa.Table, key: str | None, inline: bool, *, sorted: bool = True
+    data: bytes,
+    table: pa.Table,
+    key: str | None,
+    inline: bool,
+    *,
+    sorted: bool = True,
+    stats: tuple[tuple[str, Any, Any, int], ...] | None = None,
 ) -> PartMeta:
     """The state's record of an encoded part: size, update count, SHA-256, time bounds."""
     if table.num_rows == 0:
@@ -296,6 +303,7 @@ def part_meta_for(
         inline=bytes(data) if inline else None,
         sorted=sorted,
         decoded=table.nbytes,
+        stats=stats,
     )
 
 

@@ -18,13 +18,14 @@ those values are affected.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import check_time
+from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.splits import RangeSplit, SnapshotSplit
 from persist_lib.shard.codec import DIFF, Schemas
 from persist_lib.spark._common import (
@@ -69,11 +70,16 @@ def _fetcher(
     return run
 
 
-def splits_dataframe(spark: Any, splits: list[Split], schemas: Schemas, *, consolidate: bool = True) -> Any:
+def splits_dataframe(
+    spark: Any, splits: list[Split], schemas: Schemas, *, consolidate: bool = True,
+    columns: Sequence[str] | None = None,
+) -> Any:
     """A DataFrame of the updates in ``splits`` (one Spark partition per split), lazily.
 
     The caller must keep the splits' parts alive (a seqno hold) until it is computed;
     ``read_snapshot``/``read_updates`` do that and materialize the result.
+    ``columns``: the key/value fields to keep (with ``ts`` and ``diff``), selected after
+    the consolidation across splits (which needs every column).
     """
     check_session(spark, "splits_dataframe")
     from persist_lib.spark.executors import prepare_executors
@@ -93,6 +99,9 @@ def splits_dataframe(spark: Any, splits: list[Split], schemas: Schemas, *, conso
             .where(F.col(DIFF) != 0)
             .select(*sschema.fieldNames())
         )
+    if columns is not None:
+        pd = ReadPushdown.plan(schemas, columns, None, shard="(splits)")
+        df = df.select(*(pd.columns or ()))
     return df
 
 
@@ -108,8 +117,16 @@ def read_snapshot(
     num_splits: int | None = None,
     consolidate: bool = True,
     timeout_s: float | None = None,
+    columns: Sequence[str] | None = None,
+    filter: Any = None,
 ) -> Any:
     """The shard's contents at ``as_of`` as a DataFrame (key, value, ``ts``, ``diff``).
+
+    ``columns`` and ``filter`` are pushed down as for ``ReadHandle.snapshot``: parts
+    whose statistics rule the filter out are not fetched by any executor, each split
+    filters its rows before consolidating, and only ``columns`` (plus ``ts`` and
+    ``diff``) come back. (pyspark 4.0's Python data sources have no filter pushdown
+    hook, so they are explicit arguments rather than taken from ``df.where``.)
 
     Every ``ts`` is ``as_of`` (times forwarded, as ``ReadHandle.snapshot``); with
     ``consolidate`` (default) each ``(key, value)`` appears once with its summed diff.
@@ -120,19 +137,23 @@ def read_snapshot(
     check_session(spark, f"read_snapshot of shard {reader.shard_id}")
     blob_uri_of(reader.client, f"shard {reader.shard_id}")
     spark_schema(reader.schemas)  # unsupported types fail before any hold is taken
+    ReadPushdown.plan(reader.schemas, columns, filter, shard=reader.shard_id)  # bad names fail here
     n = num_splits or _default_splits(spark)
-    splits: list[Split] = list(reader.snapshot_splits(as_of, n, timeout_s))
+    splits: list[Split] = list(reader.snapshot_splits(as_of, n, timeout_s, filter=filter))
     try:
-        return _materialize(splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate))
+        return _materialize(
+            splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
+        )
     finally:
         reader.release_splits()
 
 
 def range_splits(
-    reader: ReadHandle, lower: int, upper: int, num_splits: int, timeout_s: float | None = None
+    reader: ReadHandle, lower: int, upper: int, num_splits: int, timeout_s: float | None = None,
+    *, filter: Any = None,
 ) -> list[RangeSplit]:
     """``reader.range_splits`` (kept for callers of the first Spark API)."""
-    return reader.range_splits(lower, upper, num_splits, timeout_s)
+    return reader.range_splits(lower, upper, num_splits, timeout_s, filter=filter)
 
 
 def read_updates(
@@ -144,8 +165,12 @@ def read_updates(
     num_splits: int | None = None,
     consolidate: bool = True,
     timeout_s: float | None = None,
+    columns: Sequence[str] | None = None,
+    filter: Any = None,
 ) -> Any:
     """Every update at times in ``(from_as_of, to_as_of]``, with its own ``ts``.
+    ``columns`` and ``filter`` as for ``read_snapshot`` (a ``ts`` conjunct compares
+    each update's own time).
 
     What a listener started at ``from_as_of`` emits up to ``to_as_of``: the snapshot at
     ``to_as_of`` equals the snapshot at ``from_as_of`` plus these updates. For
@@ -162,12 +187,15 @@ def read_updates(
     check_session(spark, f"read_updates of shard {reader.shard_id}")
     blob_uri_of(reader.client, f"shard {reader.shard_id}")
     spark_schema(reader.schemas)
+    ReadPushdown.plan(reader.schemas, columns, filter, shard=reader.shard_id)  # bad names fail here
     if hi == lo:
-        return splits_dataframe(spark, [], reader.schemas)
+        return splits_dataframe(spark, [], reader.schemas, columns=columns)
     n = num_splits or _default_splits(spark)
-    splits: list[Split] = list(range_splits(reader, lo, hi, n, timeout_s))
+    splits: list[Split] = list(range_splits(reader, lo, hi, n, timeout_s, filter=filter))
     try:
-        return _materialize(splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate))
+        return _materialize(
+            splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
+        )
     finally:
         reader.release_splits()
 

@@ -72,8 +72,10 @@ from persist_lib.errors import InvalidUsage, ShardTombstoned, Timeout
 from persist_lib.frontier import Antichain
 from persist_lib.ids import ShardId
 from persist_lib.shard.codec import Schemas
+from persist_lib.shard.predicate import Predicate
 from persist_lib.sql.guard import SqlReadOnly as SqlReadOnly
 from persist_lib.sql.guard import read_only_connection, read_only_error
+from persist_lib.sql.pushdown import filter_terms, scan_filters
 from persist_lib.sql.rewrite import TableRef, rewrite_sql
 from persist_lib.sql.sources import ArrowSource, Scan, Table, lazy_frame
 from persist_lib.sql.times import TimeLike, format_time, parse_time
@@ -118,6 +120,8 @@ class SqlSession:
         self._ctl: StorageController | None = None
         self._tables: dict[str, Table] = {}
         self._views: dict[tuple[str, Scan], str] = {}
+        self._view_sources: dict[str, ArrowSource] = {}
+        self._pushed_views: dict[tuple[str, str], str] = {}  # (view, filter) -> view
         self._view_ids = itertools.count()
         self._collections: list[str] | None = None
         self._closed = False
@@ -260,6 +264,7 @@ class SqlSession:
     def register(self, view: str, source: ArrowSource) -> str:
         """Registers ``source`` under the name ``view`` in the DuckDB connection."""
         self.connection.register(view, source)
+        self._view_sources[view] = source
         return view
 
     def sql(self, query: str, *, as_of: TimeLike | None = None) -> Any:
@@ -272,8 +277,19 @@ class SqlSession:
 
         default = self.as_of if as_of is None else parse_time(as_of, "as_of")
         latest: dict[str, int] = {}  # one "latest" time per table within a query
-        text = rewrite_sql(query, lambda ref: self._view_for(ref, default, latest))
+        used: list[str] = []
+
+        def view_for(ref: TableRef) -> str | None:
+            v = self._view_for(ref, default, latest)
+            if v is not None:
+                used.append(v)
+            return v
+
+        text = rewrite_sql(query, view_for)
         con = self.connection
+        pushed = self._pushed_view(text, used)
+        if pushed is not None:
+            text = rewrite_sql(query, lambda ref: pushed if self._view_for(ref, default, latest) else None)
         try:
             return con.sql(text)
         except duckdb.Error as e:
@@ -281,6 +297,40 @@ class SqlSession:
             if refused is not None:
                 raise refused from None
             raise
+
+    def _pushed_view(self, text: str, used: list[str]) -> str | None:
+        """A view of the query's one persist source with the query's filter pushed down
+        to its reads (``sql.pushdown``), or None (several sources or none, or nothing
+        to push). DuckDB still applies the whole filter: the rows are the same."""
+        import duckdb
+
+        if len(used) != 1:
+            return None
+        src = self._view_sources[used[0]]
+        try:
+            plan = self.connection.sql("EXPLAIN (FORMAT json) " + text).fetchall()
+        except duckdb.Error:
+            return None  # not a query DuckDB plans (DESCRIBE, a refused statement...)
+        exprs = scan_filters(str(plan[0][1])) if plan else None
+        if not exprs or len(exprs) != 1 or not exprs[0]:
+            return None
+        terms = []
+        for term in filter_terms(exprs[0], src.schema):
+            try:
+                Predicate((term,)).bind(src.table.schemas, shard=src.table.label)
+            except InvalidUsage:
+                continue  # a literal the column's type can't hold: leave it to DuckDB
+            terms.append(term)
+        if not terms:
+            return None
+        pred = Predicate(tuple(terms))
+        k = (used[0], pred.describe())
+        view = self._pushed_views.get(k)
+        if view is None:
+            view = self._pushed_views[k] = self.register(
+                f"__persist_{next(self._view_ids)}", src.with_filter(pred)
+            )
+        return view
 
     def _view_for(self, ref: TableRef, default: int | None, latest: dict[str, int]) -> str | None:
         key = self.resolve(ref.name)

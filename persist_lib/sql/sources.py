@@ -17,8 +17,10 @@ import pyarrow as pa
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import Antichain
 from persist_lib.handles.batch_stream import BatchStream
+from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read import ReadHandle
-from persist_lib.shard.codec import Schemas, user_schema
+from persist_lib.shard.codec import Schemas, internal_schema, user_schema
+from persist_lib.shard.predicate import Predicate
 from persist_lib.sql.times import format_time, range_text
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,16 +64,37 @@ class Table:
         return upper.time - 1
 
     def snapshot_batches(
-        self, as_of: int, *, memory_budget: int | None, timeout_s: float | None
+        self, as_of: int, *, memory_budget: int | None, timeout_s: float | None,
+        filter: Predicate | None = None, columns: list[str] | None = None,
     ) -> BatchStream:
-        return self._reader.snapshot_batches(as_of, memory_budget=memory_budget, timeout_s=timeout_s)
+        return self._reader.snapshot_batches(
+            as_of, memory_budget=memory_budget, timeout_s=timeout_s, filter=filter, columns=columns
+        )
 
     def updates_between_batches(
-        self, lower: int, upper: int, *, memory_budget: int | None, timeout_s: float | None
+        self, lower: int, upper: int, *, memory_budget: int | None, timeout_s: float | None,
+        filter: Predicate | None = None, columns: list[str] | None = None,
     ) -> BatchStream:
-        return self._reader.updates_between_batches(
-            lower, upper, memory_budget=memory_budget, timeout_s=timeout_s
-        )
+        r = self._reader
+        if isinstance(r, ReadHandle):
+            return r.updates_between_batches(
+                lower, upper, memory_budget=memory_budget, timeout_s=timeout_s, filter=filter, columns=columns
+            )
+        # A collection's changes (handovers included) are read whole, then filtered.
+        stream = r.updates_between_batches(lower, upper, memory_budget=memory_budget, timeout_s=timeout_s)
+        if filter is None and columns is None:
+            return stream
+        pd = ReadPushdown.plan(self.schemas, columns, filter, shard=self.label)
+
+        def rows() -> Iterator[pa.RecordBatch]:
+            with stream:
+                for b in stream:
+                    t = pa.Table.from_batches([b])
+                    if pd.pred is not None:
+                        t = t.filter(pd.pred.mask(pa.Table.from_arrays(t.columns, schema=internal_schema(self.schemas))))
+                    yield from pd.project(t).to_batches()
+
+        return BatchStream(rows(), pd.user_schema(), stream.close)
 
     def explain(self, e: Exception, what: str) -> Exception:
         """``e`` (an ``InvalidUsage`` or ``Timeout`` of a read) with the table, the
@@ -113,12 +136,23 @@ class ArrowSource:
     ``reader()`` is one such scan as a ``pyarrow.RecordBatchReader``.
     """
 
-    def __init__(self, table: Table, scan: Scan, memory_budget: int | None, timeout_s: float | None) -> None:
+    def __init__(
+        self, table: Table, scan: Scan, memory_budget: int | None, timeout_s: float | None,
+        filter: Predicate | None = None,
+    ) -> None:
         self.table = table
         self.scan = scan
         self.schema = table.schema
         self._budget = memory_budget
         self._timeout = timeout_s
+        # Pushed down to every scan (``sql.pushdown``: a query's filter from DuckDB's
+        # plan): parts its statistics rule out are not read. The rows DuckDB keeps are
+        # the same either way (it filters above the scan too).
+        self.filter = filter
+
+    def with_filter(self, filter: Predicate) -> ArrowSource:
+        """This source with ``filter`` pushed down to its reads."""
+        return ArrowSource(self.table, self.scan, self._budget, self._timeout, filter)
 
     @property
     def description(self) -> str:
@@ -127,12 +161,16 @@ class ArrowSource:
             return f"{self.table.label} as of {format_time(s.as_of)}"
         return f"{self.table.label} changes in [{format_time(s.lower)}, {format_time(s.upper)})"
 
-    def open_stream(self) -> BatchStream:
+    def open_stream(self, columns: list[str] | None = None) -> BatchStream:
+        """One read of the source (``columns``: only those, with ``ts`` and ``diff``)."""
         s = self.scan
         if s.as_of is not None:
-            return self.table.snapshot_batches(s.as_of, memory_budget=self._budget, timeout_s=self._timeout)
+            return self.table.snapshot_batches(
+                s.as_of, memory_budget=self._budget, timeout_s=self._timeout, filter=self.filter, columns=columns
+            )
         return self.table.updates_between_batches(
-            s.lower, s.upper, memory_budget=self._budget, timeout_s=self._timeout
+            s.lower, s.upper, memory_budget=self._budget, timeout_s=self._timeout, filter=self.filter,
+            columns=columns,
         )
 
     def batches(self) -> Iterator[pa.RecordBatch]:
@@ -168,7 +206,10 @@ def lazy_frame(src: ArrowSource) -> Any:
         with_columns: list[str] | None, predicate: Any, n_rows: int | None, batch_size: int | None
     ) -> Iterator[Any]:
         left = n_rows
-        with src.open_stream() as stream:
+        # The projection is pushed to the read (polars' predicate is applied here).
+        names = set(src.schema.names)
+        cols = None if with_columns is None or not set(with_columns) <= names else list(with_columns)
+        with src.open_stream(cols) as stream:
             for b in stream:
                 if left is not None and left <= 0:
                     return

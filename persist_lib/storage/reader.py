@@ -14,13 +14,15 @@ continues with ``new``'s updates after ``h``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pyarrow as pa
 
 from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
 from persist_lib.handles.batch_stream import BatchStream
+from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read import ReadHandle
 from persist_lib.shard.codec import Schemas, empty_updates, to_user_table, user_schema
 from persist_lib.shard.memory_plan import MergeStats
@@ -100,7 +102,8 @@ class CollectionReader:
         return self._guard(go)
 
     def snapshot_batches(
-        self, as_of: int, *, memory_budget: int | None = None, timeout_s: float | None = None
+        self, as_of: int, *, memory_budget: int | None = None, timeout_s: float | None = None,
+        columns: Sequence[str] | None = None, filter: Any = None,
     ) -> BatchStream:
         """``snapshot(as_of)`` as a stream of record batches, within ``memory_budget`` per
         shard stream (``ReadHandle.snapshot_batches``): the active rendition's shards one
@@ -108,15 +111,21 @@ class CollectionReader:
         across them). Arguments are checked, and every shard's upper waited for, before
         this returns; the stream holds a seqno hold on each shard until it is exhausted,
         closed or collected. Its ``stats`` add up the shard streams' as each ends (the
-        peak is the largest one's: they run one after the other)."""
+        peak is the largest one's: they run one after the other). ``columns`` and ``filter`` are pushed down to every shard's
+        read (``ReadHandle.snapshot_batches``)."""
         as_of = check_time(as_of, "as_of")
+        pd = ReadPushdown.plan(self.schemas, columns, filter, shard=f"collection {self.name}")
 
         def go() -> BatchStream:
             rendition = self._active_at(as_of, timeout_s)
             streams: list[BatchStream] = []
             try:
                 for r in self._readers_for(rendition):
-                    streams.append(r.snapshot_batches(as_of, memory_budget=memory_budget, timeout_s=timeout_s))
+                    streams.append(
+                        r.snapshot_batches(
+                            as_of, memory_budget=memory_budget, timeout_s=timeout_s, columns=columns, filter=filter
+                        )
+                    )
             except BaseException:
                 for st in streams:
                     st.close()
@@ -134,7 +143,7 @@ class CollectionReader:
                 for st in streams:
                     st.close()
 
-            return BatchStream(self._guard_iter(chain()), user_schema(self.schemas), release, stats)
+            return BatchStream(self._guard_iter(chain()), pd.user_schema(), release, stats)
 
         stream: BatchStream = self._guard(go)
         return stream
