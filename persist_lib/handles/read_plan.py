@@ -27,6 +27,20 @@ def whole_read_bytes(parts: list[PartMeta], schemas: Schemas) -> int:
     return 3 * dec + rows * STEP_BYTES_PER_ROW
 
 
+def sorted_run_read_bytes(parts: list[PartMeta], schemas: Schemas) -> int:
+    """What reading one sorted run whole costs at peak (``consolidate_sorted``): its
+    decoded parts, which are the result when no two rows share a ``(k, v)``, one filtered
+    copy when some do, and the forwarded times and comparison masks per row."""
+    dec = sum(estimate_decoded_bytes(p, schemas) for p in parts)
+    rows = sum(p.count for p in parts)
+    return 2 * dec + rows * SORTED_RUN_BYTES_PER_ROW
+
+
+# Per row of a sorted-run read: the forwarded time (8), comparison results and masks
+# (~10), the summed diffs when rows tie (8).
+SORTED_RUN_BYTES_PER_ROW = 32
+
+
 def row_width(schemas: Schemas) -> int:
     """Bytes per row of the internal layout (variable-width fields counted as 32)."""
     w = 0

@@ -27,48 +27,22 @@ from persist_lib.handles.read_plan import (
     part_overlaps,
     parts_in_range,
     row_width,
+    sorted_run_read_bytes,
     whole_read_bytes,
 )
 from persist_lib.shard import state as st
 from persist_lib.shard.batch_meta import PartMeta
-from persist_lib.shard.codec import Schemas, to_user_table, user_schema
-from persist_lib.shard.consolidate import consolidate
+from persist_lib.shard.codec import to_user_table, user_schema
+from persist_lib.shard.consolidate import consolidate, consolidate_sorted
 from persist_lib.shard.kway_merge import FEW_RUNS, merges_linearly
 from persist_lib.shard.memory_plan import MergeStats
 from persist_lib.shard.read_merge import merge_decoded_runs, stream_merge
 from persist_lib.shard.runs import batch_runs
-from persist_lib.shard.sorted_checks import SORTED_STRICT, SORTED_WITH_TIES, sorted_state
 from persist_lib.shard.time_filters import snapshot_at, time_range
 
 # Whole (in-memory) snapshots of at most this many sorted runs merge them instead of
 # sorting their concatenation (``read_merge.merge_decoded_runs``).
 MERGE_DECODED_MAX_RUNS = FEW_RUNS
-
-# A single run with ties at most this long is consolidated by a sort rather than merged.
-SMALL_TIED_RUN_ROWS = 1 << 16
-
-
-def _single_run_snapshot(run_tables: list[pa.Table], schemas: Schemas) -> pa.Table | None:
-    """The snapshot of a single consolidated run whose times were forwarded to the
-    as-of (the usual old-time read of a compacted shard), or None to merge as usual.
-
-    Rows strictly increasing by ``(k, v)`` consolidate with nothing (and none has a
-    zero diff: parts are consolidated), so the run is the snapshot: a linear check
-    instead of a merge. A short run with ties (the same record written at several
-    times up to the as-of) is consolidated directly. Flat key types only
-    (``kway_merge.merges_linearly``)."""
-    if len(run_tables) != 1:
-        return None
-    table = run_tables[0]
-    if table.num_rows < 2:
-        return table
-    n = len(schemas.key) + len(schemas.val)
-    state = sorted_state(table.columns[:n])
-    if state == SORTED_STRICT:
-        return table
-    if state == SORTED_WITH_TIES and table.num_rows <= SMALL_TIED_RUN_ROWS:
-        return consolidate(table)
-    return None
 
 
 class SnapshotReader(LeasedReader):
@@ -122,7 +96,18 @@ class SnapshotReader(LeasedReader):
     def _snapshot_tables(
         self, state: st.ShardState, as_of: int, budget: int, stats: MergeStats | None = None
     ) -> Iterator[pa.Table]:
-        """The snapshot at ``as_of`` as consolidated tables (internal layout)."""
+        """The snapshot at ``as_of`` as consolidated tables (internal layout).
+
+        Three ways, cheapest first (docs/benchmarks.md, issue 28):
+        - one sorted run (a compacted shard, or a single sorted batch part) that fits the
+          budget: its parts fetched, verified and decoded in parallel, times forwarded,
+          and ``consolidate_sorted`` — a linear check that hands the decoded columns
+          back as they are when no two rows share a ``(k, v)`` (no sort, no merge, no
+          copy); equal neighbours are summed in place;
+        - otherwise, when decoding everything fits: a few sorted runs are merged
+          without sorting them again; when a part is unsorted (a bulk write's) the lot
+          is concatenated (no copy) and consolidated by one sort;
+        - beyond the budget: the streaming k-way merge."""
         stats = stats if stats is not None else MergeStats()
         runs = [
             [p for p in run if p.tmin <= as_of]
@@ -132,23 +117,33 @@ class SnapshotReader(LeasedReader):
         ]
         runs = [run for run in runs if run]
         parts = [p for run in runs for p in run]
+        linear = merges_linearly(self.schemas)
+
+        def at_as_of(t: pa.Table, p: PartMeta) -> pa.Table:
+            return snapshot_at(t, as_of, all_at_or_before=p.tmax <= as_of)
+
+        if (
+            len(runs) == 1
+            and linear
+            and all(p.sorted for p in parts)
+            and sorted_run_read_bytes(parts, self.schemas) <= budget
+        ):
+            only = consolidate_sorted(concat_updates(self._fetch_all(parts, at_as_of), self.schemas))
+            if only is not None:
+                stats.runs += 1
+                stats.output_rows += only.num_rows
+                if only.num_rows:
+                    yield only
+                return
+            # The run claimed to be sorted but is not (a faulty compactor): read it as
+            # one run per part below.
+            runs = [[p] for p in parts]
         if whole_read_bytes(parts, self.schemas) <= budget:
             stats.runs += len(runs)
-            if 1 <= len(runs) <= MERGE_DECODED_MAX_RUNS and merges_linearly(self.schemas):
-                # A few sorted runs (a compacted shard: one): merged, not sorted again.
-                # Unsorted parts are sorted as they are fetched, in parallel.
-                def post(t: pa.Table, p: PartMeta) -> pa.Table:
-                    t = snapshot_at(t, as_of)
-                    return t if p.sorted else consolidate(t)
-
-                fetched = iter(self._fetch_all(parts, post))
+            if all(p.sorted for p in parts) and 1 <= len(runs) <= MERGE_DECODED_MAX_RUNS and linear:
+                # A few sorted runs: merged, not sorted again.
+                fetched = iter(self._fetch_all(parts, at_as_of))
                 run_tables = [concat_updates([next(fetched) for _ in run], self.schemas) for run in runs]
-                only = _single_run_snapshot(run_tables, self.schemas)
-                if only is not None:
-                    stats.output_rows += only.num_rows
-                    if only.num_rows:
-                        yield only
-                    return
                 before = stats.output_rows
                 merged = merge_decoded_runs(self.schemas, self.shard_id, run_tables, budget, stats)
                 if merged is not None:
@@ -157,7 +152,9 @@ class SnapshotReader(LeasedReader):
                 stats.output_rows = before
                 tables = run_tables  # a run was not sorted: consolidate the lot
             else:
-                tables = self._fetch_all(parts, lambda t, p: snapshot_at(t, as_of))
+                # Unsorted parts (or many runs): one sort of everything, on two threads
+                # (``consolidation_plan``), rather than a sort per part and a merge.
+                tables = self._fetch_all(parts, at_as_of)
             out = consolidate(concat_updates(tables, self.schemas))
             stats.output_rows += out.num_rows
             if out.num_rows:
