@@ -18,22 +18,28 @@ from persist_lib.shard.memory_plan import STEP_BYTES_PER_ROW, estimate_decoded_b
 MiB = 1 << 20
 
 
-def whole_read_bytes(parts: list[PartMeta], schemas: Schemas) -> int:
+def whole_read_bytes(parts: list[PartMeta], schemas: Schemas, *, beyond_result: bool = False) -> int:
     """What reading ``parts`` whole costs at peak: the decoded parts (fetched in
-    parallel), their concatenation and the consolidated output, plus the consolidate's
-    working set per row."""
+    parallel), the consolidation's copies of them and the consolidated output, plus the
+    consolidate's working set per row.
+
+    ``beyond_result``: without the output, for a caller that returns the whole result
+    anyway (``snapshot``, not ``snapshot_batches``): the streaming path's budget does not
+    count the table built from the stream either, so both paths are compared on the
+    memory they use beyond it."""
     dec = sum(estimate_decoded_bytes(p, schemas) for p in parts)
     rows = sum(p.count for p in parts)
-    return 3 * dec + rows * STEP_BYTES_PER_ROW
+    return (2 if beyond_result else 3) * dec + rows * STEP_BYTES_PER_ROW
 
 
-def sorted_run_read_bytes(parts: list[PartMeta], schemas: Schemas) -> int:
+def sorted_run_read_bytes(parts: list[PartMeta], schemas: Schemas, *, beyond_result: bool = False) -> int:
     """What reading one sorted run whole costs at peak (``consolidate_sorted``): its
     decoded parts, which are the result when no two rows share a ``(k, v)``, one filtered
-    copy when some do, and the forwarded times and comparison masks per row."""
+    copy when some do, and the forwarded times and comparison masks per row
+    (``beyond_result``: see ``whole_read_bytes``)."""
     dec = sum(estimate_decoded_bytes(p, schemas) for p in parts)
     rows = sum(p.count for p in parts)
-    return 2 * dec + rows * SORTED_RUN_BYTES_PER_ROW
+    return (1 if beyond_result else 2) * dec + rows * SORTED_RUN_BYTES_PER_ROW
 
 
 # Per row of a sorted-run read: the forwarded time (8), comparison results and masks

@@ -55,8 +55,9 @@ class SnapshotReader(LeasedReader):
 
         Waits (up to ``timeout_s``) while ``as_of`` is not yet complete (``as_of >= upper``);
         ``as_of`` below this reader's since is an ``InvalidUsage``. The table is whole in
-        memory; when decoding every part at once would exceed ``memory_budget`` it is
-        built from ``snapshot_batches`` (the table plus about the budget at peak).
+        memory; when decoding every part at once would need more than ``memory_budget``
+        beyond the table itself it is built from ``snapshot_batches`` (the table plus
+        about the budget at peak either way).
         """
         self._check_open()
         as_of = check_time(as_of, "as_of")
@@ -64,7 +65,7 @@ class SnapshotReader(LeasedReader):
         with self._hold():
             state = self._wait_for_upper_beyond(as_of, timeout_s)
             self._check_as_of(state, as_of)
-            tables = list(self._snapshot_tables(state, as_of, budget))
+            tables = list(self._snapshot_tables(state, as_of, budget, result_held=True))
         return to_user_table(concat_updates(tables, self.schemas), self.schemas)
 
     def snapshot_batches(
@@ -94,9 +95,12 @@ class SnapshotReader(LeasedReader):
         return self._stream(self._snapshot_tables(state, as_of, budget, stats), budget, seqno, stats)
 
     def _snapshot_tables(
-        self, state: st.ShardState, as_of: int, budget: int, stats: MergeStats | None = None
+        self, state: st.ShardState, as_of: int, budget: int, stats: MergeStats | None = None, *,
+        result_held: bool = False,
     ) -> Iterator[pa.Table]:
         """The snapshot at ``as_of`` as consolidated tables (internal layout).
+        ``result_held``: the caller holds the whole result anyway (``snapshot``): the
+        budget bounds the memory beyond it (``read_plan.whole_read_bytes``).
 
         Three ways, cheapest first (docs/benchmarks.md, issue 28):
         - one sorted run (a compacted shard, or a single sorted batch part) that fits the
@@ -126,7 +130,7 @@ class SnapshotReader(LeasedReader):
             len(runs) == 1
             and linear
             and all(p.sorted for p in parts)
-            and sorted_run_read_bytes(parts, self.schemas) <= budget
+            and sorted_run_read_bytes(parts, self.schemas, beyond_result=result_held) <= budget
         ):
             only = consolidate_sorted(concat_updates(self._fetch_all(parts, at_as_of), self.schemas))
             if only is not None:
@@ -138,7 +142,7 @@ class SnapshotReader(LeasedReader):
             # The run claimed to be sorted but is not (a faulty compactor): read it as
             # one run per part below.
             runs = [[p] for p in parts]
-        if whole_read_bytes(parts, self.schemas) <= budget:
+        if whole_read_bytes(parts, self.schemas, beyond_result=result_held) <= budget:
             stats.runs += len(runs)
             if all(p.sorted for p in parts) and 1 <= len(runs) <= MERGE_DECODED_MAX_RUNS and linear:
                 # A few sorted runs: merged, not sorted again.
