@@ -176,3 +176,34 @@ def test_bulk_written_unsorted_parts_consolidated_once() -> None:
     assert len(parts) > 1 and not any(p.sorted for p in parts)
     got = _rows(r.snapshot(0))
     assert got == _model(ups, 0)  # in (k, v) order, not only the same rows
+
+
+def test_snapshot_budget_counts_memory_beyond_the_result() -> None:
+    """``snapshot`` returns the whole table anyway, so its whole read is compared with the
+    budget without the output (as the streaming path's budget excludes the table built
+    from the stream); ``snapshot_batches`` counts it. With a budget between the two
+    costs the first decodes whole and the second streams; both equal the model. The
+    plan uses the decoded size the writer recorded, not the 4x guess from encoded bytes."""
+    from persist_lib.handles.read_plan import decoded_bytes, whole_read_bytes
+    from persist_lib.shard.memory_plan import MergeStats, estimate_decoded_bytes
+
+    client = _client(unsorted_min_bytes=1024, blob_target_size=64 << 10)
+    rng = random.Random(9)
+    shard = ShardId.new()
+    w, r = client.open(shard, KEY, VAL)
+    ups = [(rng.randint(0, 5000), f"v{rng.randint(0, 1)}", 0, rng.choice([-1, 1, 1])) for _ in range(12_000)]
+    w.compare_and_append([(((k,), (v,)), t, d) for k, v, t, d in ups], 0, 1)
+    state = client.machine(shard).fetch_latest()
+    parts = [p for _, b in state.trace_batches() for p in b.parts]
+    assert len(parts) > 1 and not any(p.sorted for p in parts)
+    assert all(p.decoded is not None and decoded_bytes(p, r.schemas) == p.decoded + 4096 for p in parts)
+    assert any(decoded_bytes(p, r.schemas) < estimate_decoded_bytes(p, r.schemas) for p in parts)
+    budget = whole_read_bytes(parts, r.schemas, beyond_result=True)
+    assert budget < whole_read_bytes(parts, r.schemas) and budget >= 1 << 20
+    want = _model(ups, 0)
+    for held, streams in ((True, False), (False, True)):
+        stats = MergeStats()
+        got = pa.concat_tables(list(r._snapshot_tables(state, 0, budget, stats, result_held=held)))
+        assert (stats.passes >= 1) == streams, stats
+        assert [(row["k.k"], row["v.v"], row["t"], row["d"]) for row in got.to_pylist()] == want
+    assert _rows(r.snapshot(0, memory_budget=budget)) == want
