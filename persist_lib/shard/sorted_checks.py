@@ -50,20 +50,23 @@ def sorted_ties(columns: Sequence[pa.Array | pa.ChunkedArray]) -> np.ndarray | N
     tied: np.ndarray | None = None  # indices i of the pairs (i, i+1) equal so far
     for col in columns:
         c = comparable(col)
-        a, b = c.slice(0, n - 1), c.slice(1)
-        if tied is not None:
-            ti = pa.array(tied)
-            a, b = a.take(ti), b.take(ti)
-        if c.null_count:
-            av, bv = to_numpy(a.is_valid()), to_numpy(b.is_valid())
-            gt = to_numpy(pc.fill_null(pc.greater(a, b), False)) | (av & ~bv)
-            eq = to_numpy(pc.fill_null(pc.equal(a, b), False)) | (~av & ~bv)
-        elif pa.types.is_integer(c.type):
-            an, bn = to_numpy(a), to_numpy(b)
+        if pa.types.is_integer(c.type) and not c.null_count:
+            # One conversion (a view for one chunk), compared with itself shifted.
+            v = to_numpy(c)
+            an, bn = (v[:-1], v[1:]) if tied is None else (v[tied], v[tied + 1])
             gt, eq = an > bn, an == bn
         else:
-            gt = to_numpy(pc.greater(a, b))
-            eq = to_numpy(pc.equal(a, b))
+            a, b = c.slice(0, n - 1), c.slice(1)
+            if tied is not None:
+                ti = pa.array(tied)
+                a, b = a.take(ti), b.take(ti)
+            if c.null_count:
+                av, bv = to_numpy(a.is_valid()), to_numpy(b.is_valid())
+                gt = to_numpy(pc.fill_null(pc.greater(a, b), False)) | (av & ~bv)
+                eq = to_numpy(pc.fill_null(pc.equal(a, b), False)) | (~av & ~bv)
+            else:
+                gt = to_numpy(pc.greater(a, b))
+                eq = to_numpy(pc.equal(a, b))
         if gt.any():
             return None
         idx = np.flatnonzero(eq)
