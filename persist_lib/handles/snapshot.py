@@ -24,6 +24,7 @@ from persist_lib.handles.leased_reader import LeasedReader
 from persist_lib.handles.read_plan import (
     batch_overlaps,
     concat_updates,
+    decoded_bytes,
     part_overlaps,
     parts_in_range,
     row_width,
@@ -36,8 +37,10 @@ from persist_lib.shard.codec import to_user_table, user_schema
 from persist_lib.shard.consolidate import consolidate, consolidate_sorted
 from persist_lib.shard.kway_merge import FEW_RUNS, merges_linearly
 from persist_lib.shard.memory_plan import MergeStats
+from persist_lib.shard.parts import fetch_part
 from persist_lib.shard.read_merge import merge_decoded_runs, stream_merge
-from persist_lib.shard.runs import batch_runs
+from persist_lib.shard.runs import RunOrderViolation, batch_runs
+from persist_lib.shard.sorted_run_stream import sorted_run_stream_bytes, stream_sorted_run
 from persist_lib.shard.time_filters import snapshot_at, time_range
 
 # Whole (in-memory) snapshots of at most this many sorted runs merge them instead of
@@ -126,12 +129,8 @@ class SnapshotReader(LeasedReader):
         def at_as_of(t: pa.Table, p: PartMeta) -> pa.Table:
             return snapshot_at(t, as_of, all_at_or_before=p.tmax <= as_of)
 
-        if (
-            len(runs) == 1
-            and linear
-            and all(p.sorted for p in parts)
-            and sorted_run_read_bytes(parts, self.schemas, beyond_result=result_held) <= budget
-        ):
+        one_sorted_run = len(runs) == 1 and linear and all(p.sorted for p in parts)
+        if one_sorted_run and sorted_run_read_bytes(parts, self.schemas, beyond_result=result_held) <= budget:
             only = consolidate_sorted(concat_updates(self._fetch_all(parts, at_as_of), self.schemas))
             if only is not None:
                 stats.runs += 1
@@ -142,6 +141,21 @@ class SnapshotReader(LeasedReader):
             # The run claimed to be sorted but is not (a faulty compactor): read it as
             # one run per part below.
             runs = [[p] for p in parts]
+        elif one_sorted_run and sorted_run_stream_bytes(
+            [decoded_bytes(p, self.schemas) for p in parts], [p.count for p in parts]
+        ) <= budget:
+            # Larger than the budget whole: streamed part by part, still linear.
+            blob, schemas, shard = self._client.blob, self.schemas, self.shard_id
+            try:
+                for t in self._guard_missing(
+                    stream_sorted_run(parts, as_of, lambda p: fetch_part(blob, p, schemas, shard), shard)
+                ):
+                    stats.output_rows += t.num_rows
+                    yield t
+                stats.runs += 1
+                return
+            except RunOrderViolation:  # (raised before any row was yielded)
+                runs = [[p] for p in parts]
         if whole_read_bytes(parts, self.schemas, beyond_result=result_held) <= budget:
             stats.runs += len(runs)
             if all(p.sorted for p in parts) and 1 <= len(runs) <= MERGE_DECODED_MAX_RUNS and linear:
