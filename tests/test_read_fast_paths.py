@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ from persist_lib.handles import maintenance as mn
 from persist_lib.shard.consolidate import consolidate, consolidate_sorted
 from persist_lib.shard.runs import batch_runs
 from persist_lib.shard.time_filters import snapshot_at
+from tests.test_streaming_reads import model_snapshot as _model
 
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])
@@ -91,14 +91,6 @@ def _client(**cfg: Any) -> PersistClient:
     return PersistClient.open(f"mem://{name}", f"mem://{name}", PersistConfig.for_tests(**{**base, **cfg}))
 
 
-def _model(log: list[Row], as_of: int) -> list[Row]:
-    c: Counter[tuple[int, str]] = Counter()
-    for k, v, t, d in log:
-        if t <= as_of:
-            c[(k, v)] += d
-    return sorted((k, v, as_of, d) for (k, v), d in c.items() if d)
-
-
 def _rows(table: pa.Table) -> list[Row]:
     return [(r["k"], r["v"], r["ts"], r["diff"]) for r in table.to_pylist()]
 
@@ -162,18 +154,25 @@ def test_overlapping_batches_are_not_read_as_one_run(seed: int) -> None:
         assert stream.stats.runs == runs, stream.stats
 
 
+def _bulk_shard(client: PersistClient, seed: int, n: int, keys: int) -> tuple[Any, Any, list[Row], Any, list[Any]]:
+    """One bulk write of ``n`` updates at time 0 (same (k, v) many times, retractions),
+    stored as several unsorted parts: (writer, reader, updates, state, parts)."""
+    rng = random.Random(seed)
+    w, r = client.open(ShardId.new(), KEY, VAL)
+    ups = [(rng.randint(0, keys), f"v{rng.randint(0, 1)}", 0, rng.choice([-1, 1, 1])) for _ in range(n)]
+    w.compare_and_append([(((k,), (v,)), t, d) for k, v, t, d in ups], 0, 1)
+    state = client.machine(r.shard_id).fetch_latest()
+    parts = [p for _, b in state.trace_batches() for p in b.parts]
+    assert len(parts) > 1 and not any(p.sorted for p in parts)
+    return w, r, ups, state, parts
+
+
 def test_bulk_written_unsorted_parts_consolidated_once() -> None:
     """Unsorted parts (a bulk write) holding the same (k, v) several times, in and across
     parts, with retractions: the snapshot (one concatenation, one sort) equals the model,
     sorted by (k, v)."""
     client = _client(unsorted_min_bytes=1024, blob_target_size=16 << 10)
-    rng = random.Random(7)
-    shard = ShardId.new()
-    w, r = client.open(shard, KEY, VAL)
-    ups = [(rng.randint(0, 300), f"v{rng.randint(0, 1)}", 0, rng.choice([-1, 1, 1])) for _ in range(6000)]
-    w.compare_and_append([(((k,), (v,)), t, d) for k, v, t, d in ups], 0, 1)
-    parts = [p for _, b in client.machine(shard).fetch_latest().trace_batches() for p in b.parts]
-    assert len(parts) > 1 and not any(p.sorted for p in parts)
+    _, r, ups, _, _ = _bulk_shard(client, 7, 6000, 300)
     got = _rows(r.snapshot(0))
     assert got == _model(ups, 0)  # in (k, v) order, not only the same rows
 
@@ -188,14 +187,7 @@ def test_snapshot_budget_counts_memory_beyond_the_result() -> None:
     from persist_lib.shard.memory_plan import MergeStats, estimate_decoded_bytes
 
     client = _client(unsorted_min_bytes=1024, blob_target_size=64 << 10)
-    rng = random.Random(9)
-    shard = ShardId.new()
-    w, r = client.open(shard, KEY, VAL)
-    ups = [(rng.randint(0, 5000), f"v{rng.randint(0, 1)}", 0, rng.choice([-1, 1, 1])) for _ in range(12_000)]
-    w.compare_and_append([(((k,), (v,)), t, d) for k, v, t, d in ups], 0, 1)
-    state = client.machine(shard).fetch_latest()
-    parts = [p for _, b in state.trace_batches() for p in b.parts]
-    assert len(parts) > 1 and not any(p.sorted for p in parts)
+    _, r, ups, state, parts = _bulk_shard(client, 9, 12_000, 5000)
     assert all(p.decoded is not None and decoded_bytes(p, r.schemas) == p.decoded + 4096 for p in parts)
     assert any(decoded_bytes(p, r.schemas) < estimate_decoded_bytes(p, r.schemas) for p in parts)
     budget = whole_read_bytes(parts, r.schemas, beyond_result=True)
