@@ -41,13 +41,17 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("listen_latency", "bench.listen_latency"),
 ]
 
+# Run only when named with ``--only`` (not part of ``make bench``).
+OPTIONAL: list[tuple[str, str]] = [("scaling", "bench.scaling")]
+
 
 def _select(only: list[str] | None) -> list[tuple[str, str]]:
     if not only:
         return BENCHMARKS
     wanted = set(only)
-    picked = [(n, m) for n, m in BENCHMARKS if n in wanted or m.split(".")[-1] in wanted]
-    known = {n for n, _ in BENCHMARKS} | {m.split(".")[-1] for _, m in BENCHMARKS}
+    every = BENCHMARKS + OPTIONAL
+    picked = [(n, m) for n, m in every if n in wanted or m.split(".")[-1] in wanted]
+    known = {n for n, _ in every} | {m.split(".")[-1] for _, m in every}
     unknown = wanted - known
     if unknown:
         raise SystemExit(f"unknown benchmark(s) {sorted(unknown)}; choose from {sorted(known)}")

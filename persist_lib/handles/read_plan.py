@@ -18,13 +18,45 @@ from persist_lib.shard.memory_plan import STEP_BYTES_PER_ROW, estimate_decoded_b
 MiB = 1 << 20
 
 
-def whole_read_bytes(parts: list[PartMeta], schemas: Schemas) -> int:
+def decoded_bytes(p: PartMeta, schemas: Schemas) -> int:
+    """Arrow bytes of part ``p`` decoded, for a read's plan: what its writer measured
+    (``PartMeta.decoded``: the table it encoded, which decoding gives back), else the
+    merges' estimate from its encoded size (``memory_plan.estimate_decoded_bytes``,
+    which takes the larger of the two to be safe for compaction's budget). The estimate
+    alone assumes variable-width columns expand 4x, ~1.5x more than random strings do
+    (issue 28: 1M rows of the bench, 39 MB decoded, estimated 58 MB)."""
+    if p.decoded is not None:
+        return p.decoded + 4096
+    return estimate_decoded_bytes(p, schemas)
+
+
+def whole_read_bytes(parts: list[PartMeta], schemas: Schemas, *, beyond_result: bool = False) -> int:
     """What reading ``parts`` whole costs at peak: the decoded parts (fetched in
-    parallel), their concatenation and the consolidated output, plus the consolidate's
-    working set per row."""
-    dec = sum(estimate_decoded_bytes(p, schemas) for p in parts)
+    parallel), the consolidation's copies of them and the consolidated output, plus the
+    consolidate's working set per row.
+
+    ``beyond_result``: without the output, for a caller that returns the whole result
+    anyway (``snapshot``, not ``snapshot_batches``): the streaming path's budget does not
+    count the table built from the stream either, so both paths are compared on the
+    memory they use beyond it."""
+    dec = sum(decoded_bytes(p, schemas) for p in parts)
     rows = sum(p.count for p in parts)
-    return 3 * dec + rows * STEP_BYTES_PER_ROW
+    return (2 if beyond_result else 3) * dec + rows * STEP_BYTES_PER_ROW
+
+
+def sorted_run_read_bytes(parts: list[PartMeta], schemas: Schemas, *, beyond_result: bool = False) -> int:
+    """What reading one sorted run whole costs at peak (``consolidate_sorted``): its
+    decoded parts, which are the result when no two rows share a ``(k, v)``, one filtered
+    copy when some do, and the forwarded times and comparison masks per row
+    (``beyond_result``: see ``whole_read_bytes``)."""
+    dec = sum(decoded_bytes(p, schemas) for p in parts)
+    rows = sum(p.count for p in parts)
+    return (1 if beyond_result else 2) * dec + rows * SORTED_RUN_BYTES_PER_ROW
+
+
+# Per row of a sorted-run read: the forwarded time (8), comparison results and masks
+# (~10), the summed diffs when rows tie (8).
+SORTED_RUN_BYTES_PER_ROW = 32
 
 
 def row_width(schemas: Schemas) -> int:

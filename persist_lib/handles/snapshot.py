@@ -26,51 +26,28 @@ from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read_plan import (
     batch_overlaps,
     concat_updates,
+    decoded_bytes,
     part_overlaps,
     parts_in_range,
     row_width,
+    sorted_run_read_bytes,
     whole_read_bytes,
 )
 from persist_lib.shard import state as st
 from persist_lib.shard.batch_meta import PartMeta
-from persist_lib.shard.codec import Schemas, to_user_table
-from persist_lib.shard.consolidate import consolidate
+from persist_lib.shard.codec import to_user_table
+from persist_lib.shard.consolidate import consolidate, consolidate_sorted
 from persist_lib.shard.kway_merge import FEW_RUNS, merges_linearly
 from persist_lib.shard.memory_plan import MergeStats
+from persist_lib.shard.parts import fetch_part
 from persist_lib.shard.read_merge import merge_decoded_runs, stream_merge
-from persist_lib.shard.runs import batch_runs
-from persist_lib.shard.sorted_checks import SORTED_STRICT, SORTED_WITH_TIES, sorted_state
+from persist_lib.shard.runs import RunOrderViolation, batch_runs
+from persist_lib.shard.sorted_run_stream import sorted_run_stream_bytes, stream_sorted_run
 from persist_lib.shard.time_filters import snapshot_at, time_range
 
 # Whole (in-memory) snapshots of at most this many sorted runs merge them instead of
 # sorting their concatenation (``read_merge.merge_decoded_runs``).
 MERGE_DECODED_MAX_RUNS = FEW_RUNS
-
-# A single run with ties at most this long is consolidated by a sort rather than merged.
-SMALL_TIED_RUN_ROWS = 1 << 16
-
-
-def _single_run_snapshot(run_tables: list[pa.Table], schemas: Schemas) -> pa.Table | None:
-    """The snapshot of a single consolidated run whose times were forwarded to the
-    as-of (the usual old-time read of a compacted shard), or None to merge as usual.
-
-    Rows strictly increasing by ``(k, v)`` consolidate with nothing (and none has a
-    zero diff: parts are consolidated), so the run is the snapshot: a linear check
-    instead of a merge. A short run with ties (the same record written at several
-    times up to the as-of) is consolidated directly. Flat key types only
-    (``kway_merge.merges_linearly``)."""
-    if len(run_tables) != 1:
-        return None
-    table = run_tables[0]
-    if table.num_rows < 2:
-        return table
-    n = len(schemas.key) + len(schemas.val)
-    state = sorted_state(table.columns[:n])
-    if state == SORTED_STRICT:
-        return table
-    if state == SORTED_WITH_TIES and table.num_rows <= SMALL_TIED_RUN_ROWS:
-        return consolidate(table)
-    return None
 
 
 class SnapshotReader(LeasedReader):
@@ -84,8 +61,9 @@ class SnapshotReader(LeasedReader):
 
         Waits (up to ``timeout_s``) while ``as_of`` is not yet complete (``as_of >= upper``);
         ``as_of`` below this reader's since is an ``InvalidUsage``. The table is whole in
-        memory; when decoding every part at once would exceed ``memory_budget`` it is
-        built from ``snapshot_batches`` (the table plus about the budget at peak).
+        memory; when decoding every part at once would need more than ``memory_budget``
+        beyond the table itself it is built from ``snapshot_batches`` (the table plus
+        about the budget at peak either way).
 
         ``columns``: the key/value fields to return (``ts`` and ``diff`` always come
         back); ``filter``: a ``shard.predicate.Predicate`` or ``[(column, op, value),
@@ -100,7 +78,7 @@ class SnapshotReader(LeasedReader):
         with self._hold():
             state = self._wait_for_upper_beyond(as_of, timeout_s)
             self._check_as_of(state, as_of)
-            tables = list(self._snapshot_tables(state, as_of, budget, pd=pd))
+            tables = list(self._snapshot_tables(state, as_of, budget, result_held=True, pd=pd))
         return pd.project(to_user_table(concat_updates(tables, self.schemas), self.schemas))
 
     def snapshot_batches(
@@ -130,14 +108,28 @@ class SnapshotReader(LeasedReader):
             self._release_hold(seqno)
             raise
         stats = MergeStats()
-        return self._stream(self._snapshot_tables(state, as_of, budget, stats, pd), budget, seqno, stats, pd)
+        return self._stream(self._snapshot_tables(state, as_of, budget, stats, pd=pd), budget, seqno, stats, pd)
 
     def _snapshot_tables(
-        self, state: st.ShardState, as_of: int, budget: int, stats: MergeStats | None = None,
-        pd: ReadPushdown | None = None,
+        self, state: st.ShardState, as_of: int, budget: int, stats: MergeStats | None = None, *,
+        result_held: bool = False, pd: ReadPushdown | None = None,
     ) -> Iterator[pa.Table]:
         """The snapshot at ``as_of`` as consolidated tables (internal layout), filtered
-        by ``pd``'s filter (not yet projected)."""
+        by ``pd``'s filter (not yet projected); parts ``pd``'s statistics rule out are
+        not fetched.
+        ``result_held``: the caller holds the whole result anyway (``snapshot``): the
+        budget bounds the memory beyond it (``read_plan.whole_read_bytes``).
+
+        Three ways, cheapest first (docs/benchmarks.md, issue 28):
+        - one sorted run (a compacted shard, or a single sorted batch part) that fits the
+          budget: its parts fetched, verified and decoded in parallel, times forwarded,
+          and ``consolidate_sorted`` — a linear check that hands the decoded columns
+          back as they are when no two rows share a ``(k, v)`` (no sort, no merge, no
+          copy); equal neighbours are summed in place;
+        - otherwise, when decoding everything fits: a few sorted runs are merged
+          without sorting them again; when a part is unsorted (a bulk write's) the lot
+          is concatenated (no copy) and consolidated by one sort;
+        - beyond the budget: the streaming k-way merge."""
         stats = stats if stats is not None else MergeStats()
         pd = pd if pd is not None else ReadPushdown(self.schemas, None, None)
         if not pd.snapshot_time_ok(as_of):
@@ -150,23 +142,46 @@ class SnapshotReader(LeasedReader):
         ]
         runs = [run for run in runs if run]
         parts = [p for run in runs for p in run]
-        if whole_read_bytes(parts, self.schemas) <= budget:
-            stats.runs += len(runs)
-            if 1 <= len(runs) <= MERGE_DECODED_MAX_RUNS and merges_linearly(self.schemas):
-                # A few sorted runs (a compacted shard: one): merged, not sorted again.
-                # Unsorted parts are sorted as they are fetched, in parallel.
-                def post(t: pa.Table, p: PartMeta) -> pa.Table:
-                    t = pd.filter_data(snapshot_at(t, as_of))
-                    return t if p.sorted else consolidate(t)
+        linear = merges_linearly(self.schemas)
 
-                fetched = iter(self._fetch_all(parts, post))
+        def at_as_of(t: pa.Table, p: PartMeta) -> pa.Table:
+            return pd.filter_data(snapshot_at(t, as_of, all_at_or_before=p.tmax <= as_of))
+
+        one_sorted_run = len(runs) == 1 and linear and all(p.sorted for p in parts)
+        if one_sorted_run and sorted_run_read_bytes(parts, self.schemas, beyond_result=result_held) <= budget:
+            only = consolidate_sorted(concat_updates(self._fetch_all(parts, at_as_of), self.schemas))
+            if only is not None:
+                stats.runs += 1
+                stats.output_rows += only.num_rows
+                if only.num_rows:
+                    yield only
+                return
+            # The run claimed to be sorted but is not (a faulty compactor): read it as
+            # one run per part below.
+            runs = [[p] for p in parts]
+        elif one_sorted_run and sorted_run_stream_bytes(
+            [decoded_bytes(p, self.schemas) for p in parts], [p.count for p in parts]
+        ) <= budget:
+            # Larger than the budget whole: streamed part by part, still linear.
+            blob, schemas, shard = self._client.blob, self.schemas, self.shard_id
+            try:
+                for t in self._guard_missing(
+                    stream_sorted_run(parts, as_of, lambda p: fetch_part(blob, p, schemas, shard), shard)
+                ):
+                    t = pd.filter_data(t)
+                    stats.output_rows += t.num_rows
+                    if t.num_rows:
+                        yield t
+                stats.runs += 1
+                return
+            except RunOrderViolation:  # (raised before any row was yielded)
+                runs = [[p] for p in parts]
+        if whole_read_bytes(parts, self.schemas, beyond_result=result_held) <= budget:
+            stats.runs += len(runs)
+            if all(p.sorted for p in parts) and 1 <= len(runs) <= MERGE_DECODED_MAX_RUNS and linear:
+                # A few sorted runs: merged, not sorted again.
+                fetched = iter(self._fetch_all(parts, at_as_of))
                 run_tables = [concat_updates([next(fetched) for _ in run], self.schemas) for run in runs]
-                only = _single_run_snapshot(run_tables, self.schemas)
-                if only is not None:
-                    stats.output_rows += only.num_rows
-                    if only.num_rows:
-                        yield only
-                    return
                 before = stats.output_rows
                 merged = merge_decoded_runs(self.schemas, self.shard_id, run_tables, budget, stats)
                 if merged is not None:
@@ -175,7 +190,9 @@ class SnapshotReader(LeasedReader):
                 stats.output_rows = before
                 tables = run_tables  # a run was not sorted: consolidate the lot
             else:
-                tables = self._fetch_all(parts, lambda t, p: pd.filter_data(snapshot_at(t, as_of)))
+                # Unsorted parts (or many runs): one sort of everything, on two threads
+                # (``consolidation_plan``), rather than a sort per part and a merge.
+                tables = self._fetch_all(parts, at_as_of)
             out = consolidate(concat_updates(tables, self.schemas))
             stats.output_rows += out.num_rows
             if out.num_rows:

@@ -35,6 +35,7 @@ from persist_lib.shard.kernels import (
     take_rows,
 )
 from persist_lib.shard.ranks import as_chunked, comparable, is_flat_comparable, row_keys, to_numpy
+from persist_lib.shard.sorted_checks import sorted_ties
 
 # temporaries stay small (the memory budget counts them).
 _STEP = 1 << 20
@@ -333,6 +334,36 @@ def consolidate(table: pa.Table) -> pa.Table:
     source = RowSource(table) if table.num_rows >= MIN_POLARS_ROWS else None
     rows, diffs = consolidation_plan(table, source)
     return gather_updates(source if source is not None else table, rows, diffs)
+
+
+def consolidate_sorted(table: pa.Table) -> pa.Table | None:
+    """``consolidate(table)`` for a table already sorted by ``(k, v, t)`` (e.g. a sorted
+    run whose times were forwarded to an as-of), in linear time: equal rows are
+    neighbours, so their diffs are summed where they are and no row moves. Returns
+    ``table`` itself (no copy) when no two neighbours are equal and no diff is zero (a
+    compacted run read at an as-of: the common case), and None when the rows are not
+    sorted (the caller then consolidates by sorting). The ``k``, ``v`` and ``t`` columns
+    must pass ``sorted_checks.linear_kernels_apply``."""
+    n = table.num_rows
+    if n == 0:
+        return table
+    tied = sorted_ties([table.column(c) for c in _key_columns(table) + [T_COL]])
+    if tied is None:
+        return None
+    d = to_numpy(table.column(D_COL))
+    if len(tied) == 0:
+        if not (d == 0).any():
+            return table
+        return table.filter(pa.array(d != 0))
+    first = np.ones(n, dtype=bool)
+    first[tied + 1] = False  # a row equal to the one before it folds into that one
+    starts = np.flatnonzero(first)
+    sums = np.add.reduceat(d, starts)
+    keep = first.copy()
+    keep[starts[sums == 0]] = False
+    out = table.filter(pa.array(keep))
+    di = out.schema.get_field_index(D_COL)
+    return out.set_column(di, out.schema.field(di), pa.array(sums[sums != 0], pa.int64()))
 
 
 def is_consolidated(table: pa.Table) -> bool:

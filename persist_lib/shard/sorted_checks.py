@@ -34,33 +34,47 @@ def sorted_state(columns: Sequence[pa.Array | pa.ChunkedArray]) -> int:
     vectorized comparison of each row with the next, column by column, later columns
     only for the pairs still tied. Linear, unlike ranking. Columns must pass
     ``linear_kernels_apply``."""
+    tied = sorted_ties(columns)
+    if tied is None:
+        return UNSORTED
+    return SORTED_WITH_TIES if len(tied) else SORTED_STRICT
+
+
+def sorted_ties(columns: Sequence[pa.Array | pa.ChunkedArray]) -> np.ndarray | None:
+    """For rows sorted by ``columns``: the indices ``i`` of the neighbouring pairs
+    ``(i, i + 1)`` equal on every column (empty when strictly increasing); None when
+    the rows are not sorted. The comparisons of ``sorted_state``."""
     n = len(columns[0]) if columns else 0
     if n < 2:
-        return SORTED_STRICT
+        return np.zeros(0, dtype=np.int64)
     tied: np.ndarray | None = None  # indices i of the pairs (i, i+1) equal so far
     for col in columns:
         c = comparable(col)
-        a, b = c.slice(0, n - 1), c.slice(1)
-        if tied is not None:
-            ti = pa.array(tied)
-            a, b = a.take(ti), b.take(ti)
-        if c.null_count:
-            av, bv = to_numpy(a.is_valid()), to_numpy(b.is_valid())
-            gt = to_numpy(pc.fill_null(pc.greater(a, b), False)) | (av & ~bv)
-            eq = to_numpy(pc.fill_null(pc.equal(a, b), False)) | (~av & ~bv)
-        elif pa.types.is_integer(c.type):
-            an, bn = to_numpy(a), to_numpy(b)
+        if pa.types.is_integer(c.type) and not c.null_count:
+            # One conversion (a view for one chunk), compared with itself shifted.
+            v = to_numpy(c)
+            an, bn = (v[:-1], v[1:]) if tied is None else (v[tied], v[tied + 1])
             gt, eq = an > bn, an == bn
         else:
-            gt = to_numpy(pc.greater(a, b))
-            eq = to_numpy(pc.equal(a, b))
+            a, b = c.slice(0, n - 1), c.slice(1)
+            if tied is not None:
+                ti = pa.array(tied)
+                a, b = a.take(ti), b.take(ti)
+            if c.null_count:
+                av, bv = to_numpy(a.is_valid()), to_numpy(b.is_valid())
+                gt = to_numpy(pc.fill_null(pc.greater(a, b), False)) | (av & ~bv)
+                eq = to_numpy(pc.fill_null(pc.equal(a, b), False)) | (~av & ~bv)
+            else:
+                gt = to_numpy(pc.greater(a, b))
+                eq = to_numpy(pc.equal(a, b))
         if gt.any():
-            return UNSORTED
+            return None
         idx = np.flatnonzero(eq)
         tied = idx if tied is None else tied[idx]
         if len(tied) == 0:
-            return SORTED_STRICT
-    return SORTED_WITH_TIES
+            break
+    assert tied is not None
+    return tied.astype(np.int64, copy=False)
 
 
 def count_less(table: pa.Table, names: Sequence[str], row: pa.Table) -> int:

@@ -17,10 +17,17 @@ def _replace_t(table: pa.Table, t: pa.Array | pa.ChunkedArray) -> pa.Table:
     return table.set_column(ti, table.schema.field(ti), t)
 
 
-def snapshot_at(table: pa.Table, as_of: int) -> pa.Table:
-    """Keeps updates with ``t <= as_of`` and forwards every time to ``as_of``."""
-    kept = table.filter(pc.less_equal(table.column(T_COL), as_of))
-    return _replace_t(kept, pa.array(np.full(kept.num_rows, as_of, dtype=np.int64)))
+def snapshot_at(table: pa.Table, as_of: int, *, all_at_or_before: bool = False) -> pa.Table:
+    """Keeps updates with ``t <= as_of`` and forwards every time to ``as_of``.
+
+    When every time already is ``<= as_of`` (``all_at_or_before``: the caller knows it
+    from the part's recorded bounds, else one pass over ``t`` finds out) no row is
+    filtered out and only the time column is replaced: the other columns are the
+    input's buffers, not copies."""
+    t = table.column(T_COL)
+    if not all_at_or_before and len(t) and pc.max(t).as_py() > as_of:
+        table = table.filter(pc.less_equal(t, as_of))
+    return _replace_t(table, pa.array(np.full(table.num_rows, as_of, dtype=np.int64)))
 
 
 def advance_to_since(table: pa.Table, since: int) -> pa.Table:
