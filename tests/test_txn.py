@@ -1,0 +1,119 @@
+"""Transactions across shards (persist_lib.txn): commit, apply by anyone, tidy, orphans."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+
+import pyarrow as pa
+import pytest
+
+from persist_lib import PersistClient, PersistConfig
+from persist_lib.errors import InvalidUsage, UpperMismatch
+from persist_lib.frontier import Antichain
+from persist_lib.storage import StorageController
+from persist_lib.txn.log import Pending
+from persist_lib.txn.txns import NotRegistered, ShardWrite, Txns
+
+K = pa.schema([("k", pa.int64())])
+V = pa.schema([("v", pa.string())])
+
+
+def mem_client() -> PersistClient:
+    n = uuid.uuid4().hex
+    return PersistClient.open(f"mem://{n}", f"mem://{n}", PersistConfig.for_tests())
+
+
+def acc(table: pa.Table) -> Counter:
+    c: Counter = Counter()
+    for r in table.to_pylist():
+        c[(r["k"], r["v"])] += r["diff"]
+    return +c
+
+
+def rows(keys: range, v: str, t: int) -> list:
+    return [(((k,), (v,)), t, 1) for k in keys]
+
+
+def test_collection_compare_and_append_commits_every_shard_in_one_transaction() -> None:
+    ctl = StorageController(mem_client())
+    ctl.create_collection("c", K, V, num_shards=4, transactional=True)
+    w = ctl.open_writer("c")
+    w.compare_and_append(rows(range(100), "a", 0), 0, 1)
+    w.compare_and_append(rows(range(100, 150), "b", 1), 1, 3)
+    assert w.upper == Antichain([3])
+    with pytest.raises(UpperMismatch) as e:
+        w.compare_and_append(rows(range(5), "x", 1), 1, 2)
+    assert e.value.current == Antichain([3])
+    r = ctl.acquire_read_handle("c")
+    assert acc(r.snapshot(0)) == Counter({(k, "a"): 1 for k in range(100)})
+    want = Counter({(k, "a"): 1 for k in range(100)}) + Counter({(k, "b"): 1 for k in range(100, 150)})
+    assert acc(r.snapshot(2)) == want
+    # Applied and tidied: the log holds the registrations only.
+    view = ctl.txns.log.read()
+    assert view.pending == () and len(view.registered) == 4
+    # The shards have no direct writers: only transactions write them.
+    with pytest.raises(InvalidUsage, match="transactional"):
+        _ = w.shard_writers
+
+
+def test_commit_survives_the_committer_stopping_after_the_commit_cas() -> None:
+    """Committed but not applied (the committer's apply is skipped): a reader applies it;
+    the parts stay because the part writer stays registered until the apply."""
+    client = mem_client()
+    ctl = StorageController(client)
+    ctl.create_collection("c", K, V, num_shards=4, transactional=True)
+    txns: Txns = ctl.txns
+    real = txns.ensure_applied
+    txns.ensure_applied = lambda *a, **k: 0  # type: ignore[method-assign]
+    w = ctl.open_writer("c")
+    w.compare_and_append(rows(range(40), "a", 0), 0, 1)
+    txns.ensure_applied = real  # type: ignore[method-assign]
+    view = txns.log.read()
+    assert len(view.pending) == 4  # one entry per shard, none applied, none tidied
+    shards = sorted({p.shard for p in view.pending})
+    for s in shards:
+        assert client.machine(s).fetch_latest().upper == Antichain([0])  # not applied
+    # The sweeper leaves the unlinked parts alone: their part writer is registered.
+    for p in view.pending:
+        assert p.part_writer in client.machine(p.shard).fetch_latest().writers
+    r = StorageController(client).acquire_read_handle("c")  # another controller reads
+    assert acc(r.snapshot(0)) == Counter({(k, "a"): 1 for k in range(40)})
+    assert txns.tidy() == 4
+    assert txns.log.read().pending == ()
+    # Applying again is a no-op; nothing doubled.
+    for p in view.pending:
+        assert txns.ensure_applied([p.shard], view) == 0
+    assert acc(r.snapshot(0)) == Counter({(k, "a"): 1 for k in range(40)})
+
+
+def test_unregistered_shard_and_bad_times_are_refused_with_nothing_written() -> None:
+    client = mem_client()
+    txns = Txns(client)
+    w, _ = client.open("s" + str(uuid.uuid4()), K, V)
+    sid = w.shard_id
+    from persist_lib.shard.codec import Schemas, normalize_checked
+
+    schemas = Schemas.create(K, V)
+    up = normalize_checked(rows(range(3), "a", 0), schemas, shard=sid)
+    with pytest.raises(NotRegistered):
+        txns.commit([ShardWrite(sid, schemas, up, Antichain([0]), Antichain([1]))])
+    txns.register([sid])
+    txns.register([sid])  # idempotent
+    assert len(txns.log.read().registered) == 1
+    late = normalize_checked(rows(range(3), "a", 5), schemas, shard=sid)
+    with pytest.raises(InvalidUsage, match="outside"):
+        txns.commit([ShardWrite(sid, schemas, late, Antichain([0]), Antichain([1]))])
+    up1 = normalize_checked(rows(range(3), "a", 1), schemas, shard=sid)
+    with pytest.raises(UpperMismatch):
+        txns.commit([ShardWrite(sid, schemas, up1, Antichain([1]), Antichain([2]))])
+    state = client.machine(sid).fetch_latest()
+    assert state.upper == Antichain([0])
+    assert not [k for k in state.writers if k != w.writer_id]  # no part writer left behind
+    assert txns.log.read().pending == ()
+
+
+def test_part_writer_of_an_entry_is_derived_from_txn_and_shard() -> None:
+    t = str(uuid.uuid4())
+    assert Pending.txn_part_writer(t, "sA") == Pending.txn_part_writer(t, "sA")
+    assert Pending.txn_part_writer(t, "sA") != Pending.txn_part_writer(t, "sB")
