@@ -55,6 +55,7 @@ from persist_lib.storage.metadata import (
 from persist_lib.storage.readable import readable_since
 from persist_lib.storage.reader import CollectionDeleted, CollectionReader
 from persist_lib.storage.status import rendition_status
+from persist_lib.storage.transactions import Transaction
 from persist_lib.storage.writer import CollectionWriter
 from persist_lib.txn.txns import Txns
 
@@ -526,6 +527,24 @@ class StorageController:
         if self._txns_obj is None:
             self._txns_obj = Txns(self.client)
         return self._txns_obj
+
+    def transaction(self) -> Transaction:
+        """A transaction over transactional collections: ``with ctl.transaction() as tx:
+        tx.insert(a, rows); tx.insert(b, rows)`` commits every insert at one time chosen
+        by the controller, all or nothing (``storage/transactions.py``)."""
+        self._check_writable("transaction")
+        return Transaction(self)
+
+    def insert(self, name: str, rows: Any) -> int:
+        """Inserts ``rows`` (key and value columns, no time) into transactional collection
+        ``name`` at a time the controller picks; returns that time."""
+        tx = self.transaction()
+        try:
+            tx.insert(name, rows)
+        except BaseException:
+            tx.abandon()
+            raise
+        return tx.commit()
 
     def is_transactional(self, name: str) -> bool:
         flag = self._transactional.get(name)
