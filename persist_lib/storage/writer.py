@@ -25,7 +25,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from persist_lib.errors import InvalidUsage, UpperMismatch
+from persist_lib.errors import InvalidUsage, PersistError, UpperMismatch
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.handles.write import WriteHandle
 from persist_lib.shard.codec import (
@@ -37,6 +37,10 @@ from persist_lib.shard.codec import (
 from persist_lib.storage.directory import ActiveRendition
 from persist_lib.storage.routing import split_by_shard
 from persist_lib.txn.txns import ShardWrite, Txns
+
+
+class ShardsDisagree(PersistError):
+    """A transactional collection's shards are at different uppers (never by transactions)."""
 
 
 class CollectionWriter:
@@ -150,8 +154,17 @@ class CollectionWriter:
         """Definite append through transactions: the times the collection holds already
         are skipped (another instance wrote them), the rest committed in one transaction."""
         checked = normalize_checked(updates, self.schemas, shard=f"{self.name}/{self.rendition}")
+        assert self._txns is not None
         while True:
-            cur = self.upper
+            view = self._txns.log.read()
+            uppers = {self._txns.logical_upper(s, view) for s in self._shard_ids}
+            if len(uppers) != 1:
+                raise ShardsDisagree(
+                    f"collection {self.name}/{self.rendition}: its shards' uppers differ "
+                    f"({sorted(str(u) for u in uppers)}): a transactional collection's shards "
+                    "advance together, so something wrote them outside transactions"
+                )
+            (cur,) = uppers
             if cur >= hi:
                 return
             if cur < lo:

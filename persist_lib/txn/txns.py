@@ -123,18 +123,11 @@ class Txns:
             self._abandon(part_writers, batches)
             raise
         entries = [Pending(w.shard, txn, b) for w, b in zip(writes, batches, strict=True)]
-        while True:
-            try:
-                self._check_uppers(writes, view)
-            except (UpperMismatch, NotRegistered):
-                self._abandon(part_writers, batches)  # definite: the log never held it
-                raise
-            try:
-                self.log.append([e.row(1) for e in entries], view.upper)
-                break
-            except UpperMismatch:
-                view = self.log.read()  # the log moved: check again, same batches
-        position = view.upper
+        try:
+            position = self._publish(entries, writes, view)
+        except (UpperMismatch, NotRegistered):
+            self._abandon(part_writers, batches)  # definite: the log never held it
+            raise
         try:
             self.ensure_applied([w.shard for w in writes])
             self.tidy()
@@ -143,6 +136,18 @@ class Txns:
             log.warning("transaction %s committed at log position %d; applying it failed (the "
                         "next reader, writer or maintenance applies it): %s", txn, position, e)
             return Committed(txn, position, False)
+
+    def _publish(self, entries: list[Pending], writes: list[ShardWrite], view: LogView) -> int:
+        """The commit CAS: the entries appended to the log iff every shard's logical upper
+        is its write's ``lower`` (re-checked whenever the log moved). Returns the log
+        position it committed at."""
+        while True:
+            self._check_uppers(writes, view)
+            try:
+                self.log.append([e.row(1) for e in entries], view.upper)
+                return view.upper
+            except UpperMismatch:
+                view = self.log.read()  # the log moved: check again, same batches
 
     def _check_uppers(self, writes: list[ShardWrite], view: LogView) -> None:
         for w in writes:
