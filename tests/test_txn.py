@@ -117,3 +117,28 @@ def test_part_writer_of_an_entry_is_derived_from_txn_and_shard() -> None:
     t = str(uuid.uuid4())
     assert Pending.txn_part_writer(t, "sA") == Pending.txn_part_writer(t, "sA")
     assert Pending.txn_part_writer(t, "sA") != Pending.txn_part_writer(t, "sB")
+
+
+def test_a_listener_applies_what_a_dead_committer_left_and_sees_each_transaction_once() -> None:
+    client = mem_client()
+    ctl = StorageController(client)
+    ctl.create_collection("c", K, V, num_shards=3, transactional=True)
+    listen = StorageController(client).acquire_read_handle("c").listen(0)
+    txns = ctl.txns
+    txns.ensure_applied = lambda *a, **k: 0  # type: ignore[method-assign]
+    txns.tidy = lambda: 0  # type: ignore[method-assign]
+    w = ctl.open_writer("c")
+    w.compare_and_append(rows(range(10), "a", 0), 0, 1)  # committed, never applied by it
+    w.compare_and_append(rows(range(10), "b", 1), 1, 2)
+    got: Counter = Counter()
+    for _ in range(40):  # bounded: a listener that never sees the commits fails below
+        if listen.frontier >= Antichain([2]):
+            break
+        for ev in listen.next(timeout_s=0.5):
+            if hasattr(ev, "table"):
+                for r in ev.table.to_pylist():
+                    got[(r["k"], r["v"], r["ts"])] += r["diff"]
+    assert listen.frontier >= Antichain([2]), "the listener never got past the dead committer's commits"
+    assert got == Counter({(k, "b", 1): 1 for k in range(10)})  # after as_of 0: b's, once
+    r = StorageController(client).acquire_read_handle("c")
+    assert acc(r.snapshot(0)) == Counter({(k, "a"): 1 for k in range(10)})

@@ -141,6 +141,7 @@ def _load_plugins() -> None:
         "persist_lib.cli.read",
         "persist_lib.cli.sql",
         "persist_lib.cli.metrics",
+        "persist_lib.cli.insert",
     ):
         try:
             importlib.import_module(mod)
