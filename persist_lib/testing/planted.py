@@ -338,7 +338,7 @@ def _txn_apply_without_commit() -> contextlib.AbstractContextManager[Any]:
 
     real = Txns._publish
 
-    def apply_first(self: Any, entries: Any, writes: Any, view: Any) -> int:
+    def apply_first(self: Any, entries: Any, writes: Any, view: Any) -> Any:
         for e in entries:  # linked before the log says the transaction committed
             ap.apply_entry(self.client.machine(e.shard), e)
         return real(self, entries, writes, view)

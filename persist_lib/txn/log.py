@@ -35,6 +35,7 @@ TXN_LOG_KEY = pa.schema(
 TXN_LOG_VAL = pa.schema([pa.field("batch", pa.string(), nullable=False)])
 _NAMESPACE = uuid.UUID("0b7c2a52-5f0e-4f61-9d0c-3b8f7a4e6c21")
 REGISTERED = ""  # the txn column of a registration row
+SINCE_STEP = 16
 
 LogRow = tuple[tuple[tuple[str, str], tuple[str]], int, int]
 
@@ -99,6 +100,7 @@ class TxnLog:
         self.client = client
         self.shard = str(ShardId.parse(shard)) if shard else str(default_txn_log_shard())
         self._handles: tuple[WriteHandle, ReadHandle] | None = None
+        self._last: LogView | None = None  # the view of the last state version read
 
     def _open(self) -> tuple[WriteHandle, ReadHandle]:
         if self._handles is None:
@@ -116,6 +118,9 @@ class TxnLog:
         t = state.upper.time
         if t is None:
             raise InvalidUsage(f"txn log {self.shard} is closed (its upper is the empty frontier)")
+        last = self._last
+        if last is not None and last.seqno == state.seqno:
+            return last  # the same state version: the same log
         writers = frozenset(state.writers)
         if t == 0:
             return LogView(0, state.seqno, frozenset(), (), writers)
@@ -132,7 +137,8 @@ class TxnLog:
             else:
                 batch = HollowBatch.from_json(json.loads(row["batch"]))
                 pending.append(Pending(row["shard"], row["txn"], batch))
-        return LogView(t, state.seqno, frozenset(registered), tuple(pending), writers)
+        self._last = LogView(t, state.seqno, frozenset(registered), tuple(pending), writers)
+        return self._last
 
     def append(self, rows: list[LogRow], at: int) -> None:
         """One CAS at ``[at, at + 1)`` (rows' times are set to ``at``). Raises
@@ -141,9 +147,10 @@ class TxnLog:
         w.compare_and_append([(kv, at, d) for kv, _t, d in rows], at, at + 1)
 
     def allow_compaction(self, upto: int) -> None:
-        """Lets compaction fold the log below ``upto`` (tidied entries then vanish)."""
+        """Lets compaction fold the log below ``upto`` (tidied entries then vanish); moves
+        the since every ``SINCE_STEP`` positions, not on every tidy (each move is a CAS)."""
         _, r = self._open()
-        if upto > (r.since.time or 0):
+        if upto >= (r.since.time or 0) + SINCE_STEP:
             r.downgrade_since(upto)
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow.compute as pc
 
@@ -124,12 +124,15 @@ class Txns:
             raise
         entries = [Pending(w.shard, txn, b) for w, b in zip(writes, batches, strict=True)]
         try:
-            position = self._publish(entries, writes, view)
+            position, view = self._publish(entries, writes, view)
         except (UpperMismatch, NotRegistered):
             self._abandon(part_writers, batches)  # definite: the log never held it
             raise
+        # The log as of our commit: the view we committed against plus our entries
+        # (everything committed before ours is in it; later commits apply their own).
+        after = replace(view, upper=position + 1, seqno=-1, pending=view.pending + tuple(entries))
         try:
-            self.ensure_applied([w.shard for w in writes])
+            self.ensure_applied([w.shard for w in writes], after)
             self.tidy()
             return Committed(txn, position, True)
         except ExternalError as e:
@@ -137,15 +140,17 @@ class Txns:
                         "next reader, writer or maintenance applies it): %s", txn, position, e)
             return Committed(txn, position, False)
 
-    def _publish(self, entries: list[Pending], writes: list[ShardWrite], view: LogView) -> int:
+    def _publish(
+        self, entries: list[Pending], writes: list[ShardWrite], view: LogView
+    ) -> tuple[int, LogView]:
         """The commit CAS: the entries appended to the log iff every shard's logical upper
         is its write's ``lower`` (re-checked whenever the log moved). Returns the log
-        position it committed at."""
+        position it committed at and the view it committed against."""
         while True:
             self._check_uppers(writes, view)
             try:
                 self.log.append([e.row(1) for e in entries], view.upper)
-                return view.upper
+                return view.upper, view
             except UpperMismatch:
                 view = self.log.read()  # the log moved: check again, same batches
 
