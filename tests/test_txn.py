@@ -142,3 +142,20 @@ def test_a_listener_applies_what_a_dead_committer_left_and_sees_each_transaction
     assert got == Counter({(k, "b", 1): 1 for k in range(10)})  # after as_of 0: b's, once
     r = StorageController(client).acquire_read_handle("c")
     assert acc(r.snapshot(0)) == Counter({(k, "a"): 1 for k in range(10)})
+
+
+def test_a_read_only_controller_applies_but_keeps_no_registration_on_the_log() -> None:
+    client = mem_client()
+    ctl = StorageController(client)
+    ctl.create_collection("c", K, V, num_shards=2, transactional=True)
+    ctl.txns.ensure_applied = lambda *a, **k: 0  # type: ignore[method-assign]
+    ctl.open_writer("c").compare_and_append(rows(range(6), "a", 0), 0, 1)
+    log_shard = ctl.txns.log.shard
+    before = client.machine(log_shard).fetch_latest()
+    ro = StorageController(client, read_only=True)
+    r = ro.acquire_read_handle("c")
+    assert acc(r.snapshot(0)) == Counter({(k, "a"): 1 for k in range(6)})
+    r.expire()
+    after = client.machine(log_shard).fetch_latest()
+    assert set(after.writers) == set(before.writers)
+    assert set(after.leased_readers) == set(before.leased_readers)

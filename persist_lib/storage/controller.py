@@ -525,7 +525,7 @@ class StorageController:
     def txns(self) -> Txns:
         """The location's transactions (the txn log opened on first use)."""
         if self._txns_obj is None:
-            self._txns_obj = Txns(self.client)
+            self._txns_obj = Txns(self.client, read_only=self.read_only)
         return self._txns_obj
 
     def transaction(self) -> Transaction:
@@ -555,7 +555,11 @@ class StorageController:
     def _txn_prepare_read(self, name: str, shard_ids: list[str]) -> None:
         """Before a read of a transactional collection's shards: every committed
         transaction touching them is applied (whoever committed it)."""
-        if self.is_transactional(name):
+        try:
+            transactional = self.is_transactional(name)
+        except UnknownCollection:
+            return  # deleted meanwhile: the read itself reports it
+        if transactional:
             self.txns.ensure_applied(shard_ids)
 
     def __enter__(self) -> StorageController:

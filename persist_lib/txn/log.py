@@ -96,13 +96,18 @@ class TxnLog:
     """Reads and appends to the txn log shard. Its handles are opened on first use and
     released by ``close()``."""
 
-    def __init__(self, client: PersistClient, shard: ShardId | str | None = None) -> None:
+    def __init__(
+        self, client: PersistClient, shard: ShardId | str | None = None, *, transient: bool = False
+    ) -> None:
         self.client = client
         self.shard = str(ShardId.parse(shard)) if shard else str(default_txn_log_shard())
+        self.transient = transient  # read-only: keep no registration, never create the log
         self._handles: tuple[WriteHandle, ReadHandle] | None = None
         self._last: LogView | None = None  # the view of the last state version read
 
     def _open(self) -> tuple[WriteHandle, ReadHandle]:
+        if self.transient:
+            raise InvalidUsage(f"txn log {self.shard}: opened read-only (by a read-only controller)")
         if self._handles is None:
             self._handles = self.client.open(self.shard, TXN_LOG_KEY, TXN_LOG_VAL, purpose="txn-log")
         return self._handles
@@ -113,8 +118,9 @@ class TxnLog:
 
     def read(self) -> LogView:
         """The current log (one consensus read, one snapshot of a small shard)."""
-        w, r = self._open()
         state = self.client.machine(self.shard).fetch_latest()
+        if self.transient and not state.exists:
+            return LogView(0, state.seqno, frozenset(), (), frozenset())
         t = state.upper.time
         if t is None:
             raise InvalidUsage(f"txn log {self.shard} is closed (its upper is the empty frontier)")
@@ -126,7 +132,7 @@ class TxnLog:
             return LogView(0, state.seqno, frozenset(), (), writers)
         registered: set[str] = set()
         pending: list[Pending] = []
-        for row in r.snapshot(t - 1).to_pylist():
+        for row in self._snapshot(t - 1).to_pylist():
             if row["diff"] != 1:
                 raise TxnLogCorrupt(
                     f"txn log {self.shard} at {t - 1}: ({row['shard']}, {row['txn']}) has diff "
@@ -139,6 +145,15 @@ class TxnLog:
                 pending.append(Pending(row["shard"], row["txn"], batch))
         self._last = LogView(t, state.seqno, frozenset(registered), tuple(pending), writers)
         return self._last
+
+    def _snapshot(self, as_of: int) -> pa.Table:
+        if not self.transient:
+            return self._open()[1].snapshot(as_of)
+        r = self.client.open_leased_reader(self.shard, TXN_LOG_KEY, TXN_LOG_VAL, purpose="txn-log (read-only)")
+        try:
+            return r.snapshot(as_of)
+        finally:
+            r.expire()
 
     def append(self, rows: list[LogRow], at: int) -> None:
         """One CAS at ``[at, at + 1)`` (rows' times are set to ``at``). Raises

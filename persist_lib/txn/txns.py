@@ -62,9 +62,13 @@ class Committed:
 class Txns:
     """Transactions over the data shards registered in one txn log."""
 
-    def __init__(self, client: PersistClient, log_shard: ShardId | str | None = None) -> None:
+    def __init__(
+        self, client: PersistClient, log_shard: ShardId | str | None = None, *, read_only: bool = False
+    ) -> None:
+        """``read_only``: reads the log through readers it expires at once and never
+        writes it (it still applies committed transactions, which registers nothing)."""
         self.client = client
-        self.log = TxnLog(client, log_shard)
+        self.log = TxnLog(client, log_shard, transient=read_only)
 
     # ----- registration ---------------------------------------------------------------
 
