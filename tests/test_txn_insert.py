@@ -13,21 +13,14 @@ from persist_lib import PersistClient, PersistConfig
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import Antichain
 from persist_lib.storage import StorageController
+from tests.test_txn import acc, mem_client
 
 K = pa.schema([("k", pa.int64())])
 V = pa.schema([("v", pa.string())])
 
 
 def mem_ctl() -> StorageController:
-    n = uuid.uuid4().hex
-    return StorageController(PersistClient.open(f"mem://{n}", f"mem://{n}", PersistConfig.for_tests()))
-
-
-def acc(table: pa.Table) -> Counter:
-    c: Counter = Counter()
-    for r in table.to_pylist():
-        c[(r["k"], r["v"])] += r["diff"]
-    return +c
+    return StorageController(mem_client())
 
 
 def test_transaction_over_two_collections_is_visible_at_one_time() -> None:
