@@ -159,3 +159,21 @@ def test_a_read_only_controller_applies_but_keeps_no_registration_on_the_log() -
     after = client.machine(log_shard).fetch_latest()
     assert set(after.writers) == set(before.writers)
     assert set(after.leased_readers) == set(before.leased_readers)
+
+
+def test_recover_orphans_keeps_a_committed_transaction_of_a_dead_committer() -> None:
+    """The committer died after its commit CAS and its log lease lapsed: its part writers
+    are still needed (the log names them), so recovery must not release them."""
+    import time
+
+    client = mem_client()
+    ctl = StorageController(client)
+    ctl.create_collection("c", K, V, num_shards=2, transactional=True)
+    ctl.txns.ensure_applied = lambda *a, **k: 0  # type: ignore[method-assign]
+    ctl.open_writer("c").compare_and_append(rows(range(6), "a", 0), 0, 1)
+    log_shard = ctl.txns.log.shard
+    client.expire_leases(log_shard, now=int(time.time() * 1000) + 3 * 3600 * 1000)
+    other = Txns(client)
+    assert other.recover_orphans() == 0
+    r = StorageController(client).acquire_read_handle("c")
+    assert acc(r.snapshot(0)) == Counter({(k, "a"): 1 for k in range(6)})
