@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import uuid
 from collections import Counter
 
 import pyarrow as pa
@@ -64,9 +63,9 @@ def test_refusals_write_nothing() -> None:
         tx.insert("a", [((1,), ("x",))])
 
 
-def test_concurrent_inserts_from_two_controllers_all_land_once() -> None:
-    n = uuid.uuid4().hex
-    clients = [PersistClient.open(f"mem://{n}", f"mem://{n}", PersistConfig.for_tests()) for _ in range(2)]
+def test_concurrent_inserts_from_two_controllers_all_land_once(location: tuple[str, str]) -> None:
+    """Two controllers (two clients) on each kind of location, S3 + Postgres included."""
+    clients = [PersistClient.open(*location, PersistConfig.for_tests()) for _ in range(2)]
     ctls = [StorageController(c) for c in clients]
     ctls[0].create_collection("a", K, V, num_shards=3, transactional=True)
     times: list[list[int]] = [[], []]
