@@ -144,13 +144,19 @@ def test_a_listener_applies_what_a_dead_committer_left_and_sees_each_transaction
     assert acc(r.snapshot(0)) == Counter({(k, "a"): 1 for k in range(10)})
 
 
-def test_a_read_only_controller_applies_but_keeps_no_registration_on_the_log() -> None:
+def committed_not_applied() -> tuple[PersistClient, str]:
+    """A 2-shard collection with 6 rows committed at 0 whose committer applied nothing
+    (it stopped right after the commit CAS). Returns the client and the txn log's id."""
     client = mem_client()
     ctl = StorageController(client)
     ctl.create_collection("c", K, V, num_shards=2, transactional=True)
     ctl.txns.ensure_applied = lambda *a, **k: 0  # type: ignore[method-assign]
     ctl.open_writer("c").compare_and_append(rows(range(6), "a", 0), 0, 1)
-    log_shard = ctl.txns.log.shard
+    return client, ctl.txns.log.shard
+
+
+def test_a_read_only_controller_applies_but_keeps_no_registration_on_the_log() -> None:
+    client, log_shard = committed_not_applied()
     before = client.machine(log_shard).fetch_latest()
     ro = StorageController(client, read_only=True)
     r = ro.acquire_read_handle("c")
@@ -166,12 +172,7 @@ def test_recover_orphans_keeps_a_committed_transaction_of_a_dead_committer() -> 
     are still needed (the log names them), so recovery must not release them."""
     import time
 
-    client = mem_client()
-    ctl = StorageController(client)
-    ctl.create_collection("c", K, V, num_shards=2, transactional=True)
-    ctl.txns.ensure_applied = lambda *a, **k: 0  # type: ignore[method-assign]
-    ctl.open_writer("c").compare_and_append(rows(range(6), "a", 0), 0, 1)
-    log_shard = ctl.txns.log.shard
+    client, log_shard = committed_not_applied()
     client.expire_leases(log_shard, now=int(time.time() * 1000) + 3 * 3600 * 1000)
     other = Txns(client)
     assert other.recover_orphans() == 0
