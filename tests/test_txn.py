@@ -178,3 +178,18 @@ def test_recover_orphans_keeps_a_committed_transaction_of_a_dead_committer() -> 
     assert other.recover_orphans() == 0
     r = StorageController(client).acquire_read_handle("c")
     assert acc(r.snapshot(0)) == Counter({(k, "a"): 1 for k in range(6)})
+
+
+def test_handover_between_transactional_renditions_after_a_dead_committer() -> None:
+    client, _ = committed_not_applied()  # r0 holds 6 rows at 0, committed, not applied
+    ctl = StorageController(client)
+    ctl.create_rendition("c", "r1", 3)  # its shards are registered too
+    assert len(ctl.txns.log.read().registered) == 5
+    w1 = ctl.open_writer("c", "r1")
+    w1.compare_and_append(rows(range(6), "a", 0) + rows(range(20, 23), "new", 1), 0, 2)
+    ctl.handover("c", to="r1", at=1)  # r0 counts as complete before 1: its commit applies
+    r = ctl.acquire_read_handle("c")
+    assert acc(r.snapshot(0)) == Counter({(k, "a"): 1 for k in range(6)})
+    assert acc(r.snapshot(1)) == Counter({(k, "a"): 1 for k in range(6)}) + Counter(
+        {(k, "new"): 1 for k in range(20, 23)}
+    )

@@ -649,6 +649,8 @@ class StorageController:
 
     def _rendition_upper(self, spec: Spec, rendition: str) -> Antichain:
         shards = spec["renditions"][rendition]["shards"]
+        if spec.get("transactional"):
+            self.txns.ensure_applied(shards)  # its upper counts what committed
         return min(self.client.machine(s).fetch_latest().upper for s in shards)
 
     def _open_rendition_readers(self, name: str, rendition: str) -> list[ReadHandle]:
