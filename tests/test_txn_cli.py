@@ -37,3 +37,23 @@ def test_insert_rows_and_refusals(tmp_path: Path) -> None:
         snap = ctl.acquire_read_handle("t").snapshot(0)
         assert sorted((r["k"], r["v"], r["diff"]) for r in snap.to_pylist()) == [(k, f"x{k}", 1) for k in range(5)]
         assert ctl.open_writer("t").upper.time == 1  # the refused inserts wrote nothing
+
+
+def test_txns_shows_and_finishes_what_a_dead_committer_left(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    with StorageController(PersistClient.default(home, PersistConfig.for_tests())) as ctl:
+        ctl.create_collection("t", pa.schema([("k", pa.int64())]), pa.schema([("v", pa.string())]), 2, transactional=True)
+        ctl.txns.ensure_applied = lambda *a, **k: 0  # type: ignore[method-assign]
+        ctl.open_writer("t").compare_and_append([(((k,), ("x",)), 0, 1) for k in range(4)], 0, 1)
+    out = run(["--json", "txns"], home)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["registered_shards"] == 2 and len(doc["pending"]) == 2
+    assert sum(p["updates"] for p in doc["pending"]) == 4
+    out = run(["--json", "txns", "--finish"], home)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["applied"] == 2 and doc["tidied"] == 2 and doc["pending"] == []
+    client = PersistClient.default(home, PersistConfig.for_tests())
+    shards = StorageController(client, read_only=True).describe("t")["renditions"]["r0"]["shards"]
+    assert [client.machine(s).fetch_latest().upper.time for s in shards] == [1, 1]

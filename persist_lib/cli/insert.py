@@ -27,7 +27,8 @@ def _read_rows(path: str) -> list[dict[str, Any]]:
     try:
         f = sys.stdin if path == "-" else open(path, encoding="utf-8")  # noqa: SIM115
     except OSError as e:
-        raise InvalidUsage(f"persist insert: can't read {path}: {e.strerror}") from e
+        raise InvalidUsage(f"can't read {path}: {e.strerror}") from e
+    where = "standard input" if path == "-" else path
     rows: list[dict[str, Any]] = []
     with f:
         for i, line in enumerate(f, 1):
@@ -36,12 +37,12 @@ def _read_rows(path: str) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise InvalidUsage(f"persist insert: line {i} of {path} is not JSON: {e.msg}") from e
+                raise InvalidUsage(f"line {i} of {where} is not JSON: {e.msg}") from e
             if not isinstance(row, dict):
-                raise InvalidUsage(f"persist insert: line {i} of {path} is not a JSON object")
+                raise InvalidUsage(f"line {i} of {where} is not a JSON object")
             rows.append(row)
     if not rows:
-        raise InvalidUsage(f"persist insert: {path} holds no rows; nothing was written")
+        raise InvalidUsage(f"{where} holds no rows; nothing was written")
     return rows
 
 
@@ -60,7 +61,7 @@ def _insert(client: PersistClient, ns: argparse.Namespace) -> Any:
     try:
         table = pa.Table.from_pylist(rows)
     except (pa.ArrowException, TypeError, ValueError) as e:
-        raise InvalidUsage(f"persist insert: the rows don't form one table: {e}") from e
+        raise InvalidUsage(f"the rows don't form one table: {e}") from e
     with StorageController(client) as ctl:
         at = ctl.insert(ns.name, table)
     return {"collection": ns.name, "time": at, "rows": table.num_rows}
