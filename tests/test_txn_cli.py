@@ -57,3 +57,11 @@ def test_txns_shows_and_finishes_what_a_dead_committer_left(tmp_path: Path) -> N
     client = PersistClient.default(home, PersistConfig.for_tests())
     shards = StorageController(client, read_only=True).describe("t")["renditions"]["r0"]["shards"]
     assert [client.machine(s).fetch_latest().upper.time for s in shards] == [1, 1]
+
+
+def test_txn_commands_never_create_a_location(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-home"
+    for args, stdin in ((["txns"], None), (["insert", "t"], '{"k": 1, "v": "x"}\n')):
+        out = run(args, missing, stdin)
+        assert out.returncode == 2 and "LocationNotFound" in out.stderr, (args, out.stderr)
+        assert not missing.exists(), args
