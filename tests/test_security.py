@@ -433,6 +433,15 @@ def _sql_session(x: _World) -> list[Any]:
     return [SqlSession(x.client, as_of=0)]
 
 
+def _txns(x: _World) -> Any:
+    """A ``Txns`` on the hostile world with its log opened and read (its handles live)."""
+    from persist_lib.txn.txns import Txns
+
+    t = x.keep(Txns(x.client))
+    t.log.read()
+    return t
+
+
 def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
     """How to build each credential-holding class on a hostile world."""
     from persist_lib.handles.maintenance import BackgroundCompactor
@@ -502,6 +511,8 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
         "persist_lib.shard.kway_merge.MergeCtx": _merge_ctx,
         "persist_lib.handles.maintenance.BackgroundCompactor": lambda x: [x.keep(BackgroundCompactor(x.client))],
         "persist_lib.storage.controller.StorageController": lambda x: [x.keep(StorageController(x.client))],
+        "persist_lib.txn.txns.Txns": lambda x: [_txns(x)],
+        "persist_lib.txn.log.TxnLog": lambda x: [_txns(x).log],
         # blob and consensus backends and their wrappers
         "persist_lib.location.s3_blob.S3Blob": lambda x: [x.client.raw_blob, x.keep(open_blob(x.blob_uri))],
         "persist_lib.location.postgres_consensus.PostgresConsensus": lambda x: [

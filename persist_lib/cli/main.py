@@ -141,6 +141,8 @@ def _load_plugins() -> None:
         "persist_lib.cli.read",
         "persist_lib.cli.sql",
         "persist_lib.cli.metrics",
+        "persist_lib.cli.insert",
+        "persist_lib.cli.txns",
     ):
         try:
             importlib.import_module(mod)

@@ -55,7 +55,9 @@ from persist_lib.storage.metadata import (
 from persist_lib.storage.readable import readable_since
 from persist_lib.storage.reader import CollectionDeleted, CollectionReader
 from persist_lib.storage.status import rendition_status
+from persist_lib.storage.transactions import Transaction
 from persist_lib.storage.writer import CollectionWriter
+from persist_lib.txn.txns import Txns
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,127}$")
 CONTROLLER_OPAQUE = "storage-controller"
@@ -102,6 +104,8 @@ class StorageController:
         )
         self._meta_readers: dict[str, ReadHandle] = {}
         self._active_cache: dict[str, tuple[Antichain, str]] = {}
+        self._txns_obj: Txns | None = None
+        self._transactional: dict[str, bool] = {}  # a collection's flag never changes
         if recover and not read_only:
             self.recover()
 
@@ -142,8 +146,13 @@ class StorageController:
         num_shards: int = 1,
         *,
         rendition: str = "r0",
+        transactional: bool = False,
     ) -> dict[str, Any]:
-        """Creates a collection with a first rendition of ``num_shards`` shards, active from 0."""
+        """Creates a collection with a first rendition of ``num_shards`` shards, active from 0.
+
+        ``transactional``: its shards are registered in the location's txn log and written
+        only through transactions (atomic ``compare_and_append`` over all shards, ``insert``,
+        ``transaction()``; docs/architecture.md, "Transactions")."""
         self._check_writable("create_collection")
         _check_name("collection", name)
         _check_name("rendition", rendition)
@@ -168,6 +177,7 @@ class StorageController:
                         rendition: {"shards": shards, "status": "creating", "created_ms": _now()}
                     },
                     "created_ms": _now(),
+                    **({"transactional": True} if transactional else {}),
                 }
             }
 
@@ -176,6 +186,8 @@ class StorageController:
         self._create_shard(meta, METADATA_KEY, METADATA_VAL)
         for s in shards:
             self._create_shard(s, key_schema, val_schema)
+        if transactional:
+            self.txns.register(shards)
         mw = self.client.open_writer(meta, METADATA_KEY, METADATA_VAL, purpose=f"storage:{name}")
         try:
             if mw.fetch_recent_upper() == Antichain([0]):
@@ -218,6 +230,8 @@ class StorageController:
         schemas = self._schemas(cat[name])
         for s in shards:
             self._create_shard(s, schemas.key, schemas.val)
+        if cat[name].get("transactional"):
+            self.txns.register(shards)
 
         def done(cat: Catalog) -> dict[str, Spec | None]:
             spec = cat[name]
@@ -240,6 +254,12 @@ class StorageController:
                 f"{sorted(k for k, v in spec['renditions'].items() if v['status'] == 'ready')}"
             )
         schemas = self._schemas(spec)
+        meta_purpose = f"storage:{name}"
+        if spec.get("transactional"):
+            mw = self.client.open_writer(spec["metadata_shard"], METADATA_KEY, METADATA_VAL, purpose=meta_purpose)
+            return CollectionWriter(
+                self, name, r, [], schemas, mw, txns=self.txns, shard_ids=list(info["shards"])
+            )
         writers = [
             self.client.open_writer(s, schemas.key, schemas.val, purpose=f"storage:{name}/{r}")
             for s in info["shards"]
@@ -495,6 +515,52 @@ class StorageController:
         self._meta_readers.clear()
         self._active_cache.clear()
         self.catalog.close()
+        if self._txns_obj is not None:
+            self._txns_obj.close()
+            self._txns_obj = None
+
+    # ----- transactions (persist_lib.txn) -----------------------------------------------
+
+    @property
+    def txns(self) -> Txns:
+        """The location's transactions (the txn log opened on first use)."""
+        if self._txns_obj is None:
+            self._txns_obj = Txns(self.client, read_only=self.read_only)
+        return self._txns_obj
+
+    def transaction(self) -> Transaction:
+        """A transaction over transactional collections: ``with ctl.transaction() as tx:
+        tx.insert(a, rows); tx.insert(b, rows)`` commits every insert at one time chosen
+        by the controller, all or nothing (``storage/transactions.py``)."""
+        self._check_writable("transaction")
+        return Transaction(self)
+
+    def insert(self, name: str, rows: Any) -> int:
+        """Inserts ``rows`` (key and value columns, no time) into transactional collection
+        ``name`` at a time the controller picks; returns that time."""
+        tx = self.transaction()
+        try:
+            tx.insert(name, rows)
+        except BaseException:
+            tx.abandon()
+            raise
+        return tx.commit()
+
+    def is_transactional(self, name: str) -> bool:
+        flag = self._transactional.get(name)
+        if flag is None:
+            flag = self._transactional[name] = bool(self._spec(name).get("transactional"))
+        return flag
+
+    def _txn_prepare_read(self, name: str, shard_ids: list[str]) -> None:
+        """Before a read of a transactional collection's shards: every committed
+        transaction touching them is applied (whoever committed it)."""
+        try:
+            transactional = self.is_transactional(name)
+        except UnknownCollection:
+            return  # deleted meanwhile: the read itself reports it
+        if transactional:
+            self.txns.ensure_applied(shard_ids)
 
     def __enter__(self) -> StorageController:
         return self
@@ -583,6 +649,8 @@ class StorageController:
 
     def _rendition_upper(self, spec: Spec, rendition: str) -> Antichain:
         shards = spec["renditions"][rendition]["shards"]
+        if spec.get("transactional"):
+            self.txns.ensure_applied(shards)  # its upper counts what committed
         return min(self.client.machine(s).fetch_latest().upper for s in shards)
 
     def _open_rendition_readers(self, name: str, rendition: str) -> list[ReadHandle]:

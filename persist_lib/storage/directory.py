@@ -21,6 +21,8 @@ class RenditionDirectory(Protocol):
 
     def _open_rendition_readers(self, name: str, rendition: str) -> list[ReadHandle]: ...
 
+    def _txn_prepare_read(self, name: str, shard_ids: list[str]) -> None: ...
+
 
 class ActiveRendition(Protocol):
     """The controller as a collection writer sees it."""

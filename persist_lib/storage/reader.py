@@ -298,6 +298,8 @@ class CollectionReader:
                 if r.since < since:
                     r.downgrade_since(since)
             self._renditions[rendition] = rs
+        # txn hook (issue 27): committed transactions on these shards are applied first.
+        self._ctl._txn_prepare_read(self.name, [r.shard_id for r in rs])
         return rs
 
     def _rendition_snapshot(self, rendition: str, as_of: int, timeout_s: float | None) -> pa.Table:

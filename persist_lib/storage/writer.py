@@ -7,6 +7,13 @@ persist, shard by shard; ``compare_and_append`` is atomic only for a one-shard
 rendition (a multi-shard rendition has no cross-shard transaction: a writer that lost
 midway simply retries with identical data, which definite appends make harmless).
 
+A *transactional* collection (``create_collection(..., transactional=True)``) has its
+shards registered in the location's txn log (``persist_lib.txn``): its writer is opened
+with a ``Txns`` and then writes every shard of the rendition as ONE transaction, so
+``compare_and_append`` is atomic for any number of shards and ``append`` is definite
+across crashes between shards. Its shards are written only that way (no direct shard
+writers).
+
 After writing, the writer of the *active* rendition advances the metadata shard's
 upper, declaring that no handover happens before it. A writer of a rendition that is
 not (yet) active leaves the metadata alone, so a backfill can't block a handover.
@@ -16,7 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from persist_lib.errors import InvalidUsage, UpperMismatch
+import pyarrow.compute as pc
+
+from persist_lib.errors import InvalidUsage, PersistError, UpperMismatch
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.handles.write import WriteHandle
 from persist_lib.shard.codec import (
@@ -27,6 +36,11 @@ from persist_lib.shard.codec import (
 )
 from persist_lib.storage.directory import ActiveRendition
 from persist_lib.storage.routing import split_by_shard
+from persist_lib.txn.txns import ShardWrite, Txns
+
+
+class ShardsDisagree(PersistError):
+    """A transactional collection's shards are at different uppers (never by transactions)."""
 
 
 class CollectionWriter:
@@ -38,6 +52,8 @@ class CollectionWriter:
         shard_writers: list[WriteHandle],
         schemas: Schemas,
         metadata_writer: WriteHandle,
+        txns: Txns | None = None,
+        shard_ids: list[str] | None = None,
     ) -> None:
         self._ctl = ctl
         self.name = name
@@ -45,26 +61,43 @@ class CollectionWriter:
         self._writers = shard_writers
         self.schemas = schemas
         self._meta = metadata_writer
+        self._txns = txns
+        self._shard_ids = shard_ids if shard_ids is not None else [w.shard_id for w in shard_writers]
         self._expired = False
 
     @property
+    def transactional(self) -> bool:
+        """Whether this rendition's shards are written through transactions."""
+        return self._txns is not None
+
+    @property
     def num_shards(self) -> int:
-        return len(self._writers)
+        return len(self._shard_ids)
 
     @property
     def shard_ids(self) -> list[str]:
-        return [w.shard_id for w in self._writers]
+        return list(self._shard_ids)
 
     @property
     def shard_writers(self) -> tuple[WriteHandle, ...]:
         """The rendition's shard writers, in routing order (shard ``i`` gets the keys that
         ``routing.split_by_shard`` sends to ``i``): for writers that build batches
-        themselves (Spark), followed by ``advance_metadata``."""
+        themselves (Spark), followed by ``advance_metadata``. A transactional collection
+        has none: its shards are written only through transactions."""
+        if self._txns is not None:
+            raise InvalidUsage(
+                f"collection {self.name}: it is transactional, so its shards are written only "
+                "through transactions (compare_and_append / append / ctl.insert), not directly"
+            )
         return tuple(self._writers)
 
     @property
     def upper(self) -> Antichain:
-        """The rendition upper: the minimum of its shards' uppers (read from consensus)."""
+        """The rendition upper: the minimum of its shards' uppers (read from consensus;
+        for a transactional collection, their logical uppers: committed, maybe not applied)."""
+        if self._txns is not None:
+            view = self._txns.log.read()
+            return min(self._txns.logical_upper(s, view) for s in self._shard_ids)
         return min(w.fetch_recent_upper() for w in self._writers)
 
     def _split(self, updates: Any) -> list[CheckedUpdates]:
@@ -73,12 +106,15 @@ class CollectionWriter:
         (the same values and types)."""
         internal = normalize_checked(updates, self.schemas, shard=f"{self.name}/{self.rendition}")
         key_cols = [KEY_PREFIX + n for n in self.schemas.key_names]
-        return split_by_shard(internal, key_cols, len(self._writers))
+        return split_by_shard(internal, key_cols, len(self._shard_ids))
 
     def append(self, updates: Any, lower: FrontierLike, upper: FrontierLike) -> None:
         """Definite append of ``updates`` (times in ``[lower, upper)``) to every shard."""
         self._check_open()
         lo, hi = as_frontier(lower, "lower"), as_frontier(upper, "upper")
+        if self._txns is not None:
+            self._txn_append(updates, lo, hi)
+            return
         for w, part in zip(self._writers, self._split(updates), strict=True):
             w.append(part, lo, hi)
         self.advance_metadata(hi)
@@ -90,6 +126,10 @@ class CollectionWriter:
         self._check_open()
         expected = as_frontier(expected_upper, "expected_upper")
         new = as_frontier(new_upper, "new_upper")
+        if self._txns is not None:
+            self._txn_commit(self._split(updates), expected, new)
+            self.advance_metadata(new)
+            return
         parts = self._split(updates)
         uppers = [w.fetch_recent_upper() for w in self._writers]
         if any(u != expected for u in uppers):
@@ -97,6 +137,49 @@ class CollectionWriter:
         for w, part in zip(self._writers, parts, strict=True):
             w.compare_and_append(part, expected, new)
         self.advance_metadata(new)
+
+    def _txn_commit(self, parts: list[CheckedUpdates], expected: Antichain, new: Antichain) -> None:
+        """One transaction writing every shard (an empty batch where no row routes)."""
+        assert self._txns is not None
+        writes = [
+            ShardWrite(s, self.schemas, p, expected, new)
+            for s, p in zip(self._shard_ids, parts, strict=True)
+        ]
+        try:
+            self._txns.commit(writes)
+        except UpperMismatch as e:
+            raise UpperMismatch(f"{self.name}/{self.rendition}", expected, e.current) from e
+
+    def _txn_append(self, updates: Any, lo: Antichain, hi: Antichain) -> None:
+        """Definite append through transactions: the times the collection holds already
+        are skipped (another instance wrote them), the rest committed in one transaction."""
+        checked = normalize_checked(updates, self.schemas, shard=f"{self.name}/{self.rendition}")
+        assert self._txns is not None
+        while True:
+            view = self._txns.log.read()
+            uppers = {self._txns.logical_upper(s, view) for s in self._shard_ids}
+            if len(uppers) != 1:
+                raise ShardsDisagree(
+                    f"collection {self.name}/{self.rendition}: its shards' uppers differ "
+                    f"({sorted(str(u) for u in uppers)}): a transactional collection's shards "
+                    "advance together, so something wrote them outside transactions"
+                )
+            (cur,) = uppers
+            if cur >= hi:
+                return
+            if cur < lo:
+                raise UpperMismatch(f"{self.name}/{self.rendition}", lo, cur)
+            part = checked
+            if cur > lo:
+                assert cur.time is not None
+                part = checked.filter(pc.greater_equal(checked.table["t"], cur.time))
+            key_cols = [KEY_PREFIX + n for n in self.schemas.key_names]
+            try:
+                self._txn_commit(split_by_shard(part, key_cols, len(self._shard_ids)), cur, hi)
+            except UpperMismatch:
+                continue
+            self.advance_metadata(hi)
+            return
 
     def advance_metadata(self, upper: Antichain) -> None:
         """Moves the metadata upper to ``upper`` if this rendition is the active one (after

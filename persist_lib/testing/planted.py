@@ -45,6 +45,15 @@ sqlite_first_open_no_retry  SQLite initialisation (WAL pragma, table) tried    f
 verified_append_skips       a verified append skips ranges whose start the     history checker (divergent
                             since has passed and counts them "unverifiable"    verified appends from below
                             (the pre-issue-26 behaviour): accepts unchecked    the since return normally)
+txn_apply_without_commit    a transaction's batches are applied to their data  txn control (a committer killed
+                            shards before the commit CAS on the txn log (no    between applies: a mix of
+                            check that the log holds the commit)               writers, shards disagreeing)
+txn_tidy_before_apply       tidy retracts log entries without checking they    txn control (committer killed
+                            are applied                                        after the commit CAS, then a
+                                                                               tidy: the commit is lost)
+txn_reader_skips_apply      a collection reader reads a transactional          txn control (committer killed
+                            collection's shards without applying the           after the commit CAS: the
+                            committed transactions first                       reader never sees it)
 ==========================  =================================================  ===============================
 """
 
@@ -79,6 +88,9 @@ PLANTED_BUGS: tuple[str, ...] = (
     "immediate_retry",
     "sqlite_first_open_no_retry",
     "verified_append_skips",
+    "txn_apply_without_commit",
+    "txn_tidy_before_apply",
+    "txn_reader_skips_apply",
 )
 
 # Which check catches each bug in the default run (the figures report it).
@@ -98,6 +110,9 @@ CAUGHT_BY: dict[str, str] = {
     "immediate_retry": "background-compaction control",
     "sqlite_first_open_no_retry": "first-open control",
     "verified_append_skips": "history (divergent verified appends)",
+    "txn_apply_without_commit": "txn control (killed between applies)",
+    "txn_tidy_before_apply": "txn control (killed after the commit, then tidy)",
+    "txn_reader_skips_apply": "txn control (killed after the commit, then read)",
 }
 
 # Bugs that live in the consensus backend (the runner opens consensus through
@@ -317,6 +332,32 @@ def _verified_append_skips() -> contextlib.AbstractContextManager[Any]:
     return _patched(outputs.ShardOutput, "_verify", skipping)
 
 
+def _txn_apply_without_commit() -> contextlib.AbstractContextManager[Any]:
+    from persist_lib.txn import apply as ap
+    from persist_lib.txn.txns import Txns
+
+    real = Txns._publish
+
+    def apply_first(self: Any, entries: Any, writes: Any, view: Any) -> Any:
+        for e in entries:  # linked before the log says the transaction committed
+            ap.apply_entry(self.client.machine(e.shard), e)
+        return real(self, entries, writes, view)
+
+    return _patched(Txns, "_publish", apply_first)
+
+
+def _txn_tidy_before_apply() -> contextlib.AbstractContextManager[Any]:
+    from persist_lib.txn.txns import Txns
+
+    return _patched(Txns, "_is_applied", lambda self, p: True)
+
+
+def _txn_reader_skips_apply() -> contextlib.AbstractContextManager[Any]:
+    from persist_lib.storage.controller import StorageController
+
+    return _patched(StorageController, "_txn_prepare_read", lambda self, name, shards: None)
+
+
 _PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
     "gc_ignores_holds": _gc_ignores_holds,
     "caa_no_idempotency_token": _caa_no_token,
@@ -330,6 +371,9 @@ _PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
     "immediate_retry": _immediate_retry,
     "sqlite_first_open_no_retry": _sqlite_first_open_no_retry,
     "verified_append_skips": _verified_append_skips,
+    "txn_apply_without_commit": _txn_apply_without_commit,
+    "txn_tidy_before_apply": _txn_tidy_before_apply,
+    "txn_reader_skips_apply": _txn_reader_skips_apply,
 }
 
 

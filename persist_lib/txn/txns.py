@@ -1,0 +1,277 @@
+"""``Txns``: commit, apply, tidy and recover transactions over registered data shards.
+
+The protocol and its crash cases are in the package docstring (``persist_lib.txn``).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import pyarrow.compute as pc
+
+from persist_lib.errors import ExternalError, InvalidUsage, UpperMismatch
+from persist_lib.frontier import Antichain
+from persist_lib.handles.client import PersistClient
+from persist_lib.ids import ShardId
+from persist_lib.shard import maintenance_transitions as mt
+from persist_lib.shard import transitions as tr
+from persist_lib.shard.batch_builder import build_batch, delete_batch_blobs
+from persist_lib.shard.batch_meta import HollowBatch
+from persist_lib.shard.codec import CheckedUpdates, Schemas
+from persist_lib.shard.machine import Machine
+from persist_lib.shard.part_writers import PartWriter
+from persist_lib.shard.state import ShardState
+from persist_lib.txn import apply as ap
+from persist_lib.txn.log import LogRow, LogView, Pending, TxnLog, registration_row
+
+log = logging.getLogger(__name__)
+
+# A transaction part writer never lapses by itself: the transaction releases it (the
+# apply CAS, a definite loss) or ``recover_orphans`` once it proved the commit can't land.
+TXN_PART_WRITER_LEASE_MS = 10 * 365 * 24 * 3600 * 1000
+_PURPOSE = "txn {txn} log-writer {log_writer}"
+
+
+class NotRegistered(InvalidUsage):
+    """A transaction touched a shard that is not registered in the txn log."""
+
+
+@dataclass(frozen=True)
+class ShardWrite:
+    """One data shard's part of a transaction: ``updates`` at times in ``[lower, upper)``."""
+
+    shard: str
+    schemas: Schemas
+    updates: CheckedUpdates
+    lower: Antichain
+    upper: Antichain
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed transaction: its id and the log position it committed at."""
+
+    txn: str
+    log_position: int
+    applied: bool  # whether every batch was applied before commit returned
+
+
+class Txns:
+    """Transactions over the data shards registered in one txn log."""
+
+    def __init__(
+        self, client: PersistClient, log_shard: ShardId | str | None = None, *, read_only: bool = False
+    ) -> None:
+        """``read_only``: reads the log through readers it expires at once and never
+        writes it (it still applies committed transactions, which registers nothing)."""
+        self.client = client
+        self.log = TxnLog(client, log_shard, transient=read_only)
+
+    # ----- registration ---------------------------------------------------------------
+
+    def register(self, shards: Iterable[str]) -> None:
+        """Registers data shards (idempotent; one log CAS for all that are new)."""
+        want = [str(ShardId.parse(s)) for s in shards]
+        while True:
+            view = self.log.read()
+            new = [s for s in want if s not in view.registered]
+            if not new:
+                return
+            try:
+                self.log.append([registration_row(s) for s in new], view.upper)
+                return
+            except UpperMismatch:
+                continue
+
+    def is_registered(self, shard: str) -> bool:
+        return shard in self.log.read().registered
+
+    def logical_upper(self, shard: str, view: LogView | None = None) -> Antichain:
+        """The upper the shard has once every committed transaction is applied."""
+        view = view or self.log.read()
+        pending = view.pending_upper(shard)
+        if pending is not None:
+            return pending
+        return self.client.machine(shard).fetch_latest().upper
+
+    # ----- commit ---------------------------------------------------------------------
+
+    def commit(self, writes: list[ShardWrite]) -> Committed:
+        """Commits ``writes`` atomically, iff each shard's logical upper is its ``lower``.
+
+        Raises ``UpperMismatch`` (nothing committed, the parts deleted) if one is not,
+        ``NotRegistered`` for a shard outside the log. After the commit CAS the batches
+        are applied and tidied; a failure there is logged, not raised: the transaction
+        is committed and the next reader, writer or maintenance finishes it."""
+        if len({w.shard for w in writes}) != len(writes):
+            raise InvalidUsage("a transaction writes each shard at most once")
+        for w in writes:
+            _check_write(w)
+        view = self.log.read()
+        self._check_uppers(writes, view)  # fail before writing parts when we can
+        txn = str(uuid.uuid4())
+        log_writer = self.log.writer_id
+        part_writers: list[PartWriter] = []
+        batches: list[HollowBatch] = []
+        try:
+            for w in writes:
+                part_writers.append(PartWriter.register(
+                    self.client.machine(w.shard), purpose=_PURPOSE.format(txn=txn, log_writer=log_writer),
+                    writer_id=Pending.txn_part_writer(txn, w.shard), lease_ms=TXN_PART_WRITER_LEASE_MS,
+                ))
+                batches.append(self._build(w, part_writers[-1].writer_id))
+        except Exception:
+            self._abandon(part_writers, batches)
+            raise
+        entries = [Pending(w.shard, txn, b) for w, b in zip(writes, batches, strict=True)]
+        try:
+            position, view = self._publish(entries, writes, view)
+        except (UpperMismatch, NotRegistered):
+            self._abandon(part_writers, batches)  # definite: the log never held it
+            raise
+        # The log as of our commit: the view we committed against plus our entries
+        # (everything committed before ours is in it; later commits apply their own).
+        after = replace(view, upper=position + 1, seqno=-1, pending=view.pending + tuple(entries))
+        try:
+            self.ensure_applied([w.shard for w in writes], after)
+            self.tidy()
+            return Committed(txn, position, True)
+        except ExternalError as e:
+            log.warning("transaction %s committed at log position %d; applying it failed (the "
+                        "next reader, writer or maintenance applies it): %s", txn, position, e)
+            return Committed(txn, position, False)
+
+    def _publish(
+        self, entries: list[Pending], writes: list[ShardWrite], view: LogView
+    ) -> tuple[int, LogView]:
+        """The commit CAS: the entries appended to the log iff every shard's logical upper
+        is its write's ``lower`` (re-checked whenever the log moved). Returns the log
+        position it committed at and the view it committed against."""
+        while True:
+            self._check_uppers(writes, view)
+            try:
+                self.log.append([e.row(1) for e in entries], view.upper)
+                return view.upper, view
+            except UpperMismatch:
+                view = self.log.read()  # the log moved: check again, same batches
+
+    def _check_uppers(self, writes: list[ShardWrite], view: LogView) -> None:
+        for w in writes:
+            if w.shard not in view.registered:
+                raise NotRegistered(
+                    f"shard {w.shard} is not registered in txn log {self.log.shard}: register it "
+                    "(Txns.register) before writing it through transactions"
+                )
+            cur = self.logical_upper(w.shard, view)
+            if cur != w.lower:
+                raise UpperMismatch(w.shard, w.lower, cur)
+
+    def _build(self, w: ShardWrite, writer: str) -> HollowBatch:
+        cfg = self.client.config
+        return build_batch(
+            self.client.blob, w.schemas, w.updates, shard=w.shard, writer=writer,
+            lower=w.lower, upper=w.upper, target_part_bytes=cfg.blob_target_size,
+            max_inflight_uploads=cfg.max_inflight_uploads, inline_threshold=0,
+            executor=self.client.upload_executor(), unsorted_min_bytes=cfg.unsorted_min_bytes,
+        )
+
+    def _abandon(self, part_writers: list[PartWriter], batches: list[HollowBatch]) -> None:
+        """The transaction certainly did not commit: delete its parts, release its writers."""
+        for b in batches:
+            delete_batch_blobs(self.client.blob, b)
+        for pw in part_writers:
+            pw.release()
+
+    # ----- apply and tidy -------------------------------------------------------------
+
+    def ensure_applied(self, shards: Iterable[str], view: LogView | None = None) -> int:
+        """Applies every committed transaction's batch for ``shards``, in order (what a
+        reader calls before reading them). Returns how many this call linked."""
+        view = view or self.log.read()
+        n = 0
+        for s in shards:
+            for entry in view.pending_for(s):
+                n += ap.apply_entry(self.client.machine(s), entry)
+        return n
+
+    def apply_all(self) -> int:
+        """Applies every pending entry of the log (maintenance)."""
+        view = self.log.read()
+        return self.ensure_applied(sorted({p.shard for p in view.pending}), view)
+
+    def tidy(self) -> int:
+        """Retracts the log entries that are applied; returns how many it retracted."""
+        while True:
+            view = self.log.read()
+            done = [p for p in view.pending if self._is_applied(p)]
+            if not done:
+                return 0
+            try:
+                self.log.append([p.row(-1) for p in done], view.upper)
+            except UpperMismatch:
+                continue
+            self.log.allow_compaction(view.upper)
+            return len(done)
+
+    def _is_applied(self, p: Pending) -> bool:
+        return self.client.machine(p.shard).fetch_latest().upper >= p.batch.upper
+
+    # ----- recovery ---------------------------------------------------------------------
+
+    def recover_orphans(self, shards: Iterable[str] | None = None) -> int:
+        """Releases the part writers of transactions that can never commit (their
+        committer's log writer is gone from the log's state and the log holds no entry
+        of theirs); the leaked-blob sweeper then collects their parts. Returns the count."""
+        view = self.log.read()
+        named = {(p.shard, p.part_writer) for p in view.pending}
+        released = 0
+        for s in sorted(view.registered if shards is None else set(shards)):
+            machine = self.client.machine(s)
+            for wid, ws in machine.fetch_latest().writers.items():
+                owner = _log_writer_of(ws.purpose)
+                if owner is None or owner in view.log_writers or (s, wid) in named:
+                    continue
+                _release(machine, wid)
+                released += 1
+        return released
+
+    def close(self) -> None:
+        self.log.close()
+
+
+def _release(machine: Machine, writer_id: str) -> None:
+    def release(st: ShardState, now: int) -> tr.Result:
+        return mt.release_part_writer(st, now, writer_id=writer_id)
+
+    machine.apply("release_part_writer", release)
+
+
+def _log_writer_of(purpose: str) -> str | None:
+    parts = purpose.split(" ")
+    if len(parts) == 4 and parts[0] == "txn" and parts[2] == "log-writer":
+        return parts[3]
+    return None
+
+
+def _check_write(w: ShardWrite) -> None:
+    if w.lower.is_empty() or not (w.lower < w.upper):
+        raise InvalidUsage(
+            f"shard {w.shard}: a transaction batch needs lower < upper and a non-empty lower, "
+            f"got [{w.lower}, {w.upper})"
+        )
+    t = w.updates.table
+    if t.num_rows == 0:
+        return
+    mm = pc.min_max(t["t"]).as_py()
+    lo, hi = int(mm["min"]), int(mm["max"])
+    if lo < (w.lower.time or 0) or (w.upper.time is not None and hi >= w.upper.time):
+        raise InvalidUsage(
+            f"shard {w.shard}: update times [{lo}, {hi}] lie outside the batch interval "
+            f"[{w.lower}, {w.upper}); nothing was written"
+        )
+
+
+__all__ = ["Committed", "LogRow", "NotRegistered", "ShardWrite", "Txns"]
