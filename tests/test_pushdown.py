@@ -349,6 +349,33 @@ def test_nan_values_keep_their_part() -> None:
     assert got["id"].to_pylist() == [2]
 
 
+def test_types_without_a_min_max_kernel_are_written_without_bounds() -> None:
+    """Arrow has no min/max for float16 or durations: such columns get no bounds and the
+    write succeeds (it used to fail inside the statistics), and filters on them still
+    read right (the part is kept)."""
+    client = mem_client(inline_threshold=0)
+    shard = ShardId.new()
+    val = pa.schema([("h", pa.float16()), ("d", pa.duration("us"))])
+    w, r = client.open(shard, KEY, val)
+    b = w.builder(0)
+    rows = pa.table(
+        {
+            "id": pa.array([1, 2], pa.int64()),
+            "h": pa.array([1.5, 2.5], pa.float16()),
+            "d": pa.array([5, 7], pa.duration("us")),
+            "ts": [0, 0],
+            "diff": [1, 1],
+        }
+    )
+    b.add(w.normalize(rows))
+    batch = b.finish(1)
+    w.compare_and_append_batch(batch, 0, 1)
+    assert {c for c, *_ in batch.parts[0].stats or ()} == {"t", "k.id"}
+    assert r.snapshot(0)["d"].to_pylist() == rows["d"].to_pylist()
+    got = r.snapshot(0, filter=[("id", "==", 2)])
+    assert got["id"].to_pylist() == [2]
+
+
 @settings(max_examples=400, deadline=None, database=None)
 @given(
     ids=hs.lists(hs.one_of(hs.none(), hs.integers(-5, 5)), min_size=1, max_size=6),
