@@ -74,7 +74,7 @@ from persist_lib.ids import ShardId
 from persist_lib.shard.codec import Schemas
 from persist_lib.sql.guard import SqlReadOnly as SqlReadOnly
 from persist_lib.sql.guard import read_only_connection, read_only_error
-from persist_lib.sql.rewrite import TableRef, rewrite_sql
+from persist_lib.sql.rewrite import Span, TableRef, explain_error, rewrite_sql
 from persist_lib.sql.sources import ArrowSource, Scan, Table, lazy_frame
 from persist_lib.sql.times import TimeLike, format_time, parse_time
 
@@ -272,7 +272,16 @@ class SqlSession:
 
         default = self.as_of if as_of is None else parse_time(as_of, "as_of")
         latest: dict[str, int] = {}  # one "latest" time per table within a query
-        text = rewrite_sql(query, lambda ref: self._view_for(ref, default, latest))
+        spans: list[Span] = []
+        refs: dict[str, str] = {}  # view name -> the user's text of the reference
+
+        def view_for(ref: TableRef) -> str | None:
+            view = self._view_for(ref, default, latest)
+            if view is not None:
+                refs.setdefault(view, ref.text)
+            return view
+
+        text = rewrite_sql(query, view_for, spans)
         con = self.connection
         try:
             return con.sql(text)
@@ -280,7 +289,11 @@ class SqlSession:
             refused = read_only_error(e)
             if refused is not None:
                 raise refused from None
-            raise
+            told = explain_error(str(e), query, text, spans, refs) if text != query else str(e)
+            if told == str(e):
+                raise
+            # DuckDB's own error, told about the user's query (never the internal views)
+            raise type(e)(told) from None
 
     def _view_for(self, ref: TableRef, default: int | None, latest: dict[str, int]) -> str | None:
         key = self.resolve(ref.name)
