@@ -13,6 +13,7 @@ spine as a markdown table.
 """
 
 import datetime as dt
+import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -167,6 +168,14 @@ def _summary_metadata(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def landing_kind(uri: str | None = None) -> str:
+    """The kind badge of a landing zone: ``s3`` for an S3 zone, ``file`` for a local
+    directory (``uri``, default ``PERSIST_LANDING_URI``, else the local
+    ``$PERSIST_HOME/landing``; as ``LandingZoneResource`` picks it)."""
+    uri = os.environ.get("PERSIST_LANDING_URI", "") if uri is None else uri
+    return "s3" if uri.strip().lower().startswith("s3://") else "file"
+
+
 def build_source_assets(spec: SourceSpec) -> SourceAssets:
     """The assets, checks and partitions of one configured source."""
     n = spec.name
@@ -180,7 +189,7 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
     landing = dg.AssetSpec(
         landing_key,
         group_name=group,
-        kinds={"postgres"} if cdc else {"kafka"} if kafka else {"s3"},
+        kinds={"postgres"} if cdc else {"kafka"} if kafka else {landing_kind()},
         description=(
             f"Postgres table {spec.table} read by logical replication (external)."
             if cdc

@@ -36,7 +36,9 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dagster_project.metadata import time_point
 from dagster_project.resources import PersistResource
+from persist_lib.cli.values import bytes_text
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -372,7 +374,7 @@ def build_collection_check(
         return dg.AssetCheckResult(
             passed=outcome.passed,
             severity=dg.AssetCheckSeverity.ERROR,
-            metadata={"as_of": as_of, **outcome.metadata()},
+            metadata={**time_point("as_of", as_of), **outcome.metadata()},
             description=None
             if outcome.passed
             else "failed: " + ", ".join(f["expectation"] for f in outcome.failures),
@@ -402,8 +404,15 @@ def build_errors_check(
                     for b in stream:  # streamed: the count and the first rows only
                         count += int(pc.sum(b.column("diff")).as_py() or 0)
                         for row in b.slice(0, SAMPLE - len(sample)).to_pylist():
+                            raw = row.get("raw")
                             sample.append(
-                                {"address": row["address"], "kind": row["kind"], "reason": row["reason"][:200]}
+                                {
+                                    "address": row["address"],
+                                    "kind": row["kind"],
+                                    "reason": row["reason"][:200],
+                                    # the record as text (escaped where it is not UTF-8)
+                                    "raw": None if raw is None else bytes_text(raw)[:200],
+                                }
                             )
         if not count:
             sample = []

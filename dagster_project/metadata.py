@@ -22,7 +22,7 @@ import dagster as dg
 
 from persist_lib.errors import InvalidUsage
 from persist_lib.handles.client import PersistClient
-from persist_lib.timefmt import epoch_seconds, is_epoch_ms, iso_utc
+from persist_lib.timefmt import epoch_seconds, is_epoch_ms, iso_utc, time_text
 
 
 def frontier_text(elements: Sequence[int] | None) -> str:
@@ -56,6 +56,15 @@ def time_metadata(name: str, t: int | None) -> dict[str, dg.MetadataValue]:
     if t is not None and is_epoch_ms(int(t)):
         return {f"{name}_time": dg.MetadataValue.timestamp(int(t) / 1000.0)}
     return {}
+
+
+def time_point(name: str, t: int) -> dict[str, dg.MetadataValue]:
+    """A data time as metadata: ``{name}`` a Dagster timestamp when it is ms since the
+    epoch (the UI shows a date and plots no raw integer on a check's axis), else the int;
+    ``{name}_time`` the exact integer with its ISO-8601 UTC timestamp, as text."""
+    t = int(t)
+    value = dg.MetadataValue.timestamp(t / 1000.0) if is_epoch_ms(t) else dg.MetadataValue.int(t)
+    return {name: value, f"{name}_time": dg.MetadataValue.text(time_text(t))}
 
 
 def utc_text(t: int | None) -> str:
@@ -193,7 +202,7 @@ def collection_metadata(
                 frontier_text(ri["since"]),
                 ri["batches"],
                 ri["bytes"],
-                "-" if ri.get("retired_at") is None else ri["retired_at"],
+                "-" if ri.get("retired_at") is None else time_text(int(ri["retired_at"])),
             )
             for name, ri in sorted(desc["renditions"].items())
         ],

@@ -19,8 +19,10 @@ from typing import Any
 import dagster as dg
 
 from dagster_project.checks import CollectionRules, ValidationOutcome, validate_collection
+from dagster_project.metadata import time_point
 from dagster_project.renditions import RenditionCheck
 from dagster_project.resources import PersistResource
+from persist_lib.timefmt import time_text
 
 CHECK_NAME = "ge_contents"
 
@@ -64,7 +66,7 @@ def failure_reason(outcome: ValidationOutcome) -> str:
 def check_metadata(outcome: ValidationOutcome | None, rendition: str, at: int | None) -> dict[str, Any]:
     meta: dict[str, Any] = {"rendition": dg.MetadataValue.text(rendition)}
     if at is not None:
-        meta["as_of"] = int(at)
+        meta.update(time_point("as_of", int(at)))
     if outcome is not None:
         meta.update(outcome.metadata())
     return meta
@@ -103,5 +105,5 @@ def collection_check_evaluation(
         severity=dg.AssetCheckSeverity.ERROR,
         blocking=True,
         metadata=check_metadata(outcome, rendition, at),
-        description=f"checked on rendition {rendition} before the handover at {at}",
+        description=f"checked on rendition {rendition} before the handover at {time_text(at)}",
     )

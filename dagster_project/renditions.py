@@ -40,6 +40,7 @@ from persist_lib.errors import InvalidUsage
 from persist_lib.ingest.outputs import CollectionOutput, StorageOutputs, collection_name
 from persist_lib.ingest.rebuild import rebuild_from_raw
 from persist_lib.storage import StorageController
+from persist_lib.timefmt import frontier_text, time_text
 
 log = logging.getLogger(__name__)
 
@@ -194,10 +195,10 @@ def backfill_rendition(
         return {"rendition": rendition, "status": "already active", "handover_at": None}
     n = num_shards or spec.default_rendition_shards
     created = ensure_renditions(spec, ctl, rendition, n)
-    say(f"{name}: rendition {rendition} ({n} shards) ready; created in {created or 'none'}")
+    say(f"{name}: rendition {rendition} ({n} shards) ready; created in {', '.join(created) or 'none'}")
     built = build_rendition(spec, ctl, rendition, spark=spark)
     say(
-        f"{name}: built {rendition} from {name}.raw up to {built['upper']} "
+        f"{name}: built {rendition} from {name}.raw up to {_when(built['upper'])} "
         f"({built['records']} raw records, {built['times']} times, {built['engine']})"
     )
     collections = [collection_name(name, r) for r in rendition_roles(spec)]
@@ -208,7 +209,7 @@ def backfill_rendition(
         outputs = StorageOutputs(ctl, name, num_shards=n, rendition=rendition)
         with make_ingestion(spec, ctl, landing_uri, outputs=outputs, spark=spark) as ing:
             catch_up = ing.run_once()
-        say(f"{name}: caught {rendition} up to {catch_up['upper']} ({catch_up['records']} records)")
+        say(f"{name}: caught {rendition} up to {_when(catch_up['upper'])} ({catch_up['records']} records)")
         try:
             if check is not None:
                 checked = _check_before_handover(ctl, name, rendition, check, say)
@@ -226,7 +227,10 @@ def backfill_rendition(
             say(f"{name}: hand-over refused ({e}); catching up again")
     else:
         raise InvalidUsage(f"{name}: could not hand over to {rendition} after {MAX_ROUNDS} tries")
-    say(f"{name}: handed over to {rendition} at {handovers}")
+    say(
+        f"{name}: handed over to {rendition}: "
+        + ", ".join(f"{c} at {time_text(t)}" for c, t in sorted(handovers.items()))
+    )
     # One more pass moves the metadata upper past the hand-over, so the controller's own
     # hold (kept at upper - 1) can pass it and the old rendition can be collected.
     with make_ingestion(spec, ctl, landing_uri, spark=spark) as ing:
@@ -260,15 +264,24 @@ def _check_before_handover(
     at = _upper(d, d["active_rendition"])
     new_upper = d["renditions"][rendition]["upper"]
     if not new_upper or new_upper[0] <= at:
-        raise InvalidUsage(f"{name}/{rendition}: not readable at {at} yet (upper {new_upper})")
+        raise InvalidUsage(
+            f"{name}/{rendition}: not readable at {time_text(at)} yet (upper {frontier_text(new_upper)})"
+        )
     passed, outcome, reason = check(rendition, at)
     if not passed:
         raise RenditionCheckFailed(
-            f"{name}: rendition {rendition!r} failed its check at {at} ({reason}); nothing was "
+            f"{name}: rendition {rendition!r} failed its check at {time_text(at)} ({reason}); nothing was "
             f"handed over, {d['active_rendition']!r} stays active",
             rendition=rendition,
             at=at,
             outcome=outcome,
         )
-    say(f"{name}: rendition {rendition} passed its check at {at}; handing over")
+    say(f"{name}: rendition {rendition} passed its check at {time_text(at)}; handing over")
     return {"passed": True, "at": at, "outcome": outcome}
+
+
+def _when(t: Any) -> str:
+    """A time or frontier for a log line: the integer with its ISO-8601 UTC timestamp."""
+    if isinstance(t, list | tuple):
+        return frontier_text([int(x) for x in t])
+    return time_text(int(t)) if isinstance(t, int) else str(t)

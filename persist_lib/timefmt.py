@@ -44,6 +44,24 @@ def time_text(t: int | None) -> str:
     return f"{t} ({iso_utc(t)})" if is_epoch_ms(t) else str(t)
 
 
+def short_time_text(t: int | None) -> str:
+    """A time where space is short: ``"5"``, or ``"2026-01-01T00:00:00.123Z"`` alone for an
+    epoch-ms time (``--json`` keeps the integer)."""
+    if t is None:
+        return "-"
+    return iso_utc(t) if is_epoch_ms(t) else str(t)
+
+
+def short_frontier_text(elements: list[int] | tuple[int, ...] | None) -> str:
+    """``frontier_text`` with ``short_time_text``: ``"closed"``, ``"-"``, ``"5"``, or the
+    timestamp alone."""
+    if elements is None:
+        return "-"
+    if not elements:
+        return "closed"
+    return ", ".join(short_time_text(int(e)) for e in elements)
+
+
 def frontier_text(elements: list[int] | tuple[int, ...] | None) -> str:
     """A frontier for people: ``[5]`` -> ``"5"``, ``[]`` -> ``"closed"`` (the empty
     frontier: no more times), ``None`` -> ``"-"``; epoch-ms times with their timestamp."""

@@ -100,14 +100,18 @@ class Pipeline:
         print(f"\n== {title}", flush=True)
 
     def run_job(self, name: str, **kwargs: Any) -> Any:
+        from dagster_project.run_origin import recorded_in_workspace
+
         t0 = time.monotonic()
         job = self.defs.resolve_job_def(name)
         # Dagster's event log still records everything; the console shows warnings only.
         run_config = dict(kwargs.pop("run_config", None) or {})
         run_config["loggers"] = {"console": {"config": {"log_level": self.args.log_level}}}
-        res = job.execute_in_process(
-            instance=self.instance, raise_on_error=False, run_config=run_config, **kwargs
-        )
+        # recorded as a run of the workspace's code location: on the Overview timeline
+        with recorded_in_workspace(self.instance, ROOT / "workspace.yaml"):
+            res = job.execute_in_process(
+                instance=self.instance, raise_on_error=False, run_config=run_config, **kwargs
+            )
         secs = time.monotonic() - t0
         status = "SUCCESS" if res.success else "FAILURE"
         self.runs.append(
@@ -255,8 +259,12 @@ class Pipeline:
             cfg = json.loads(json.dumps(req.run_config))
             # Show Spark compaction on the demo's (small) shards: no size floor.
             cfg["ops"]["persist_shard"]["config"]["spark_min_bytes"] = 0
+            # launched for the code location's compaction-debt sensor (the demo's threshold
+            # and size floor differ): tagged as that sensor's run, not a manual launch
+            tags = self.sensor_tags("compaction_debt_sensor", req)
+            tags["persist/debt_threshold"] = str(threshold)
             res = self.run_job(
-                "compaction_job", partition_key=req.partition_key, run_config=cfg, tags=req.tags
+                "compaction_job", partition_key=req.partition_key, run_config=cfg, tags=tags
             )
             meta = self.materialization(res, "persist_shard")
             print(
@@ -267,6 +275,7 @@ class Pipeline:
 
     def backfill(self, num_shards: int) -> str:
         from dagster_project.resources import PersistResource
+        from persist_lib.timefmt import time_text
 
         with PersistResource().read_only_controller() as ctl:  # leaves no hold behind
             have = ctl.describe("orders")["renditions"]
@@ -281,7 +290,7 @@ class Pipeline:
         print(
             f"   {meta['previous_rendition'].value} -> {rendition} ({num_shards} shards, built "
             f"({meta['build_engine'].value}) from {meta['raw_records_replayed'].value} raw records), "
-            f"handed over at {meta['handover_at'].value}"
+            f"handed over at {time_text(int(meta['handover_at'].value))}"
         )
         return rendition
 

@@ -19,6 +19,24 @@ is loaded, and takes, after the demo's handover (``orders`` now reads through th
 3. ``shard_partition.png``: the ``persist_shard`` asset's partitions with shard 0 of the
    active rendition selected (``shard_of: orders / r1 / shard 0 of 8`` and its state).
 
+Unless ``--no-scenes``, it first plays two scenes on the demo's instance (no Spark), and
+adds their pages:
+
+4. a backfill to a new rendition (4 shards) while a collection reader holds the history
+   before it (as ``persist tail`` would): ``checks_after_backfill.png`` is the ``orders``
+   asset's Checks tab (``ge_contents`` evaluated and passed in that backfill run), and
+   ``time_travel.png`` a terminal with ``persist collections`` and ``persist sql`` ``AS OF``
+   the millisecond before the handover and ``AS OF`` the handover (the old rendition, then
+   the new one: the same orders) and ``changes()`` across it;
+5. a backfill whose decoding is broken on purpose (every amount negative): its blocking
+   check fails and nothing is handed over: ``failing_check.png`` (the partition:
+   ``handover: refused``, the failed check) and ``failing_check_checks.png`` (the
+   ``orders_rendition`` Checks tab), and ``renditions_table.png``, a terminal with
+   ``persist describe orders`` (the refused rendition ``ready``, the active one, the
+   dropped ones, the handovers with their UTC times).
+
+Terminal pages are HTML ``<pre>`` transcripts of the real commands (``PERSIST_TABLE_WIDTH=120``).
+
 Each page is loaded twice by Chromium (``--headless --no-sandbox --disable-gpu
 --disable-quic --no-first-run --disable-background-networking --disable-component-update
 --disable-sync``, a fresh ``--user-data-dir``; the UI is a React app, so it runs with a
@@ -150,6 +168,110 @@ def demo_state(persist_home: Path) -> dict[str, Any]:
     }
 
 
+# ----- scenes: what the demo leaves out, played on its instance before the screenshots -----
+
+
+def negative_amounts(t: Any) -> Any:
+    """A decoding change gone wrong (every amount comes out negative): what the failing
+    backfill applies, so that the blocking Great Expectations check fails."""
+    import pyarrow.compute as pc
+
+    i = t.schema.get_field_index("amount")
+    return t.set_column(i, "amount", pc.negate(t.column("amount")))
+
+
+def persist_cli(args: list[str], env: dict[str, str]) -> str:
+    """``$ persist ARGS`` and what it printed (stdout and stderr), as a terminal shows it."""
+    out = subprocess.run(
+        [sys.executable, "-m", "persist_lib.cli.main", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    shown = " ".join(a if " " not in a and "'" not in a else f'"{a}"' for a in args)
+    return f"$ persist {shown}\n{out.stdout}{out.stderr}"
+
+
+CHANGED = "SELECT count(*) AS changed FROM changes(orders, {}, {})"
+
+
+def play_scenes(persist_home: Path) -> dict[str, Any]:
+    """On the demo's instance: (1) a backfill to a new rendition while a collection reader
+    holds the history before it (as ``persist tail`` would), and ``persist sql`` time
+    travel across that handover; (2) a backfill whose decoding breaks the rules: its
+    blocking check fails and nothing is handed over. Returns the terminal transcripts
+    and the renditions involved."""
+    import dataclasses
+
+    import dagster as dg
+
+    from dagster_project.assets import build_source_assets
+    from dagster_project.run_origin import recorded_in_workspace
+    from dagster_project.sources import ORDERS
+    from persist_lib.handles.client import PersistClient, default_uris
+    from persist_lib.storage import StorageController
+    from persist_lib.timefmt import iso_utc
+    from scripts.run_pipeline import Pipeline
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSIST_")}
+    env.update(PERSIST_HOME=str(persist_home), PYTHONPATH=str(ROOT), PERSIST_TABLE_WIDTH="120")
+    pipe = Pipeline(argparse.Namespace(no_spark=True, log_level="WARNING"), persist_home)
+    blob, consensus = default_uris(persist_home)
+    client = PersistClient.open_existing(blob, consensus)
+    ctl = StorageController(client)
+    try:
+        reader = ctl.acquire_read_handle("orders")  # holds the history before the handover
+        held = pipe.backfill(num_shards=4)
+        after = ctl.describe("orders")
+        at = int(after["timeline"][-1]["at"])
+        q = "SELECT count(*) AS orders, round(sum(amount), 2) AS amount FROM orders AS OF '{}'"
+        travel = "\n".join(
+            [
+                persist_cli(["collections"], env),
+                persist_cli(["sql", q.format(iso_utc(at - 1))], env),
+                persist_cli(["sql", q.format(iso_utc(at))], env),
+                persist_cli(["sql", CHANGED.format(at - 1, at)], env),
+            ]
+        )
+        reader.expire()
+        # the failing backfill: the rules catch the broken decoding before the handover
+        broken = build_source_assets(dataclasses.replace(ORDERS, transform=negative_amounts))
+        have = ctl.describe("orders")["renditions"]
+        failed = f"r{max(int(r[1:]) for r in have if r[1:].isdigit()) + 1}"
+        pipe.instance.add_dynamic_partitions("orders_renditions", [failed])
+        with recorded_in_workspace(pipe.instance, ROOT / "workspace.yaml"):
+            res = dg.materialize(
+                [broken.rendition],
+                resources=pipe.resources,
+                instance=pipe.instance,
+                partition_key=failed,
+                run_config={"ops": {"orders_rendition": {"config": {"num_shards": 4}}}},
+                raise_on_error=False,
+            )
+        if res.success:
+            sys.exit("screenshots: the broken backfill passed its check; expected it to fail")
+        renditions = persist_cli(["describe", "orders"], env)
+    finally:
+        ctl.close()
+        client.close()
+        pipe.instance.dispose()
+    return {"held": held, "handover_at": at, "failed": failed, "travel": travel, "renditions": renditions}
+
+
+def terminal_page(text: str, path: Path) -> int:
+    """``text`` as a terminal (an HTML page, for Chromium); returns its height in pixels."""
+    import html
+
+    lines = text.rstrip("\n").splitlines()
+    body = "\n".join(
+        f'<span class="cmd">{html.escape(x)}</span>' if x.startswith("$ ") else html.escape(x) for x in lines
+    )
+    path.write_text(
+        "<!doctype html><meta charset='utf-8'><style>body{margin:0;background:#1e1e1e;color:#d4d4d4}"
+        "pre{font:14px/18px 'DejaVu Sans Mono',monospace;padding:16px;margin:0}"
+        ".cmd{color:#8fd18f}</style><pre>" + body + "</pre>"
+    )
+    return 18 * len(lines) + 40
+
+
 def chromium(binary: str, args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
     with tempfile.TemporaryDirectory(prefix="screenshots-chromium-") as profile:
         return subprocess.run(
@@ -196,7 +318,7 @@ UI_HOST = "dagster-demo.test"
 
 
 def shoot(binary: str, port: int, page: Page, out: Path, budget_ms: int) -> dict[str, Any]:
-    url = f"http://{UI_HOST}:{port}{page.path}"
+    url = page.path if page.path.startswith("file://") else f"http://{UI_HOST}:{port}{page.path}"
     timeout_s = budget_ms / 1000 + 90
     size = f"--window-size={page.window}"
     dom = chromium(binary, [size, f"--virtual-time-budget={budget_ms}", "--dump-dom", url], timeout_s)
@@ -219,11 +341,54 @@ def shoot(binary: str, port: int, page: Page, out: Path, budget_ms: int) -> dict
         sys.exit(f"screenshots: {target} looks blank ({rows} distinct rows)")
     return {
         "file": str(target.relative_to(ROOT) if target.is_relative_to(ROOT) else target),
-        "url": page.path,
+        "url": page.path if not page.path.startswith("file://") else "(terminal)",
         "bytes": target.stat().st_size,
         "size": f"{width}x{height}",
         "shows": page.what,
     }
+
+
+def scene_pages(scenes: dict[str, Any]) -> list[Page]:
+    """The pages of ``play_scenes``: the checks after a backfill, the failing check that
+    stopped a handover, the renditions table, time travel across a handover."""
+    held, failed = scenes["held"], scenes["failed"]
+    pages = [
+        Page(
+            "checks_after_backfill.png",
+            "/assets/orders?view=checks",
+            ("ge_contents",),
+            f"asset `orders`, Checks: `ge_contents` evaluated (and passed) in the backfill run "
+            f"that handed over to {held}, on what `orders` reads since the handover",
+        ),
+        Page(
+            "failing_check.png",
+            f"/assets/orders_rendition?view=partitions&partition={failed}",
+            ("orders_rendition", failed, "refused"),
+            f"asset `orders_rendition`, Partitions: {failed} (decoding broken on purpose: every "
+            "amount negative) failed its blocking `ge_contents` check; `handover: refused`, "
+            f"{held} stays active",
+            window="1600,3000",  # down to the `handover` entry, below the spine and tables
+        ),
+        Page(
+            "failing_check_checks.png",
+            "/assets/orders_rendition?view=checks",
+            ("ge_contents",),
+            f"asset `orders_rendition`, Checks: the blocking `ge_contents` failed on {failed} "
+            "(expect_column_values_to_be_between(amount)), not handed over",
+        ),
+    ]
+    for name, key, what in (
+        ("renditions_table.png", "renditions", "`persist describe orders`: the renditions "
+         f"table (active {held}, {failed} ready: refused by its check, the older ones dropped) "
+         "and the handovers with their UTC times"),
+        ("time_travel.png", "travel", "`persist sql` time travel across the handover to "
+         f"{held} at {scenes['handover_at']}: AS OF the millisecond before reads the old "
+         "rendition, AS OF the handover the new one, the same orders; changes() across it: 0"),
+    ):
+        html_file = Path(tempfile.mkdtemp(prefix="screenshots-terminal-")) / f"{Path(name).stem}.html"
+        height = terminal_page(scenes[key], html_file)
+        pages.append(Page(name, html_file.as_uri(), ("$ persist",), what, window=f"1120,{height}"))
+    return pages
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-ms", type=int, default=20000, help="virtual time to render a page")
     p.add_argument("--startup-timeout-s", type=float, default=300.0, help="webserver start limit")
     p.add_argument("--keep-server", action="store_true", help="leave the webserver running")
+    p.add_argument(
+        "--no-scenes",
+        action="store_true",
+        help="only the pages of the demo's own state (no extra backfills, no terminal pages)",
+    )
     args = p.parse_args(argv)
 
     dagster_home = Path(os.environ.get("DAGSTER_HOME") or ROOT / ".dagster_home").resolve()
@@ -240,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (dagster_home / "dagster.yaml").exists():
         sys.exit(f"screenshots: no Dagster instance in {dagster_home}; run `make demo` first")
     binary = find_chromium(args.chromium)
+    demo_state(persist_home)  # the demo handed over (else: run `make demo` first)
+    os.environ.update(DAGSTER_HOME=str(dagster_home), PERSIST_HOME=str(persist_home))
+    for var in ("PERSIST_BLOB_URI", "PERSIST_CONSENSUS_URI", "PERSIST_LANDING_URI"):
+        os.environ.pop(var, None)  # the demo's embedded location
+    scenes = None if args.no_scenes else play_scenes(persist_home)
     state = demo_state(persist_home)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -290,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"`shard_of` (orders / {active} / shard 0 of {n}) and state",
             ),
         ]
+        if scenes is not None:
+            pages += scene_pages(scenes)
         taken = [shoot(binary, port, page, out, args.budget_ms) for page in pages]
         print(json.dumps(taken, indent=2))
         if args.keep_server:

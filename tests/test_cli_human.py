@@ -20,6 +20,7 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import PersistClient, PersistConfig, ShardId
+from persist_lib.frontier import Antichain
 from persist_lib.storage import StorageController
 from persist_lib.timefmt import frontier_text, is_epoch_ms, iso_utc, parse_time, time_text
 
@@ -147,7 +148,7 @@ def test_tables_by_default_json_for_scripts(tmp_path: Path) -> None:
     assert json.loads(ok(["--json", "describe", "orders"], home)) == doc
     # collections and shards: tables that say what each shard is
     text = ok(["collections"], home)
-    assert "orders" in text and "r1" in text and f"({ISO0}.005Z)" in text
+    assert "orders" in text and "r1" in text and f"{ISO0}.005Z" in text
     assert json.loads(ok(["collections", "--json"], home)) == [
         {"name": "orders", "active_rendition": "r1", "renditions": ["r0", "r1"]}
     ]
@@ -392,3 +393,84 @@ def test_progress_bars_on_a_terminal_only(tmp_path: Path) -> None:
     assert run(["gc", "--no-progress"], home).stderr == ""
     w.expire()
     client.close()
+
+
+# ----- issue 30 items 6-8: readable times, bytes and errors; tables of 120 columns -----------------
+
+
+def errors_collection(ctl: StorageController) -> None:
+    """``errs``: a bytes field like ``orders.errors.raw`` at T0 (upper T0+1): a line that is
+    text (with a newline and a tab), and one that is not UTF-8."""
+    ctl.create_collection("errs", K, pa.schema([("raw", pa.binary())]), num_shards=1)
+    w = ctl.open_writer("errs")
+    w.append([(((1,), (b'{"id": oops}\n',)), T0, 1), (((2,), (b"\xff\xfe\tok",)), T0, 1)], 0, T0 + 1)
+    w.expire()
+
+
+def test_metrics_shows_times_finalized_shards_and_counts_from_zero(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    client, ctl, _ = make_location(home)
+    shard = str(ShardId.new())  # a shard closed, released and finalized
+    sw, sr = client.open(shard, K, pa.schema([]))
+    sw.compare_and_append([(((1,), ()), 0, 1)], 0, Antichain.empty())
+    sr.downgrade_since(Antichain.empty())
+    sw.expire()
+    sr.expire()
+    client.finalize(shard)
+    out = ok(["metrics"], home)
+    lines = out.splitlines()
+    assert max(len(x) for x in lines) <= 120, out
+    # shards numbered from 0, as persist describe and the Dagster partitions number them
+    assert "orders / r1 / shard 0 of 3" in out and "orders / r1 / shard 2 of 3" in out, out
+    assert "shard 3 of 3" not in out and "[1/" not in out
+    # the frontiers as wall-clock times; the finalized shard says so instead of -1
+    assert iso_utc(T0 + 5) in out
+    at = lines.index(shard)
+    assert "closed (finalized)" in lines[at + 1], out
+    assert " -1 " not in out and not any(x.rstrip().endswith("-1") for x in lines)
+
+
+def test_sql_ts_and_bytes_read_as_text_and_a_malformed_query_points_at_the_users_text(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    client, ctl, _ = make_location(home)
+    errors_collection(ctl)
+    out = ok(["sql", "SELECT id, raw, ts FROM errs ORDER BY id"], home)
+    assert '{"id": oops}\\n' in out and "\\xff\\xfe\\tok" in out, out  # text, escaped where not
+    assert "b'" not in out and "7b22" not in out  # no Python repr, no hex
+    assert f"{T0} ({ISO0}Z)" in out  # ts with its timestamp
+    # --json keeps bytes as hex (lossless for scripts)
+    doc = json.loads(ok(["sql", "--json", "SELECT raw FROM errs WHERE id = 2"], home))
+    assert doc == [{"raw": "fffe096f6b"}]
+    # persist snapshot and persist tail show the same text
+    snap = ok(["snapshot", "errs"], home)
+    assert '{"id": oops}\\n' in snap and "\\xff\\xfe\\tok" in snap, snap
+    tail = ok(["tail", "errs", "--from", "0", "--until", str(T0), "--snapshot"], home)
+    assert '{"id": oops}\\n' in tail, tail
+    # a malformed query: DuckDB's error about the user's text, never the internal view
+    query = "SELECT id FROM orders AS OF 1767225600003 WHERE"  # T0 + 3
+    bad = run(["sql", query], home)
+    assert bad.returncode == 2, bad.stderr
+    assert "__persist" not in bad.stderr, bad.stderr
+    (line,) = [x for x in bad.stderr.splitlines() if x.startswith("LINE 1: ")]
+    assert line == f"LINE 1: {query}"
+    caret = bad.stderr.splitlines()[bad.stderr.splitlines().index(line) + 1]
+    assert caret.index("^") == len("LINE 1: ") + query.index("WHERE"), bad.stderr
+    # a binder error names the user's table reference
+    bad = run(["sql", "SELECT nope FROM orders AS OF 1767225600003"], home)
+    assert bad.returncode == 2 and "__persist" not in bad.stderr, bad.stderr
+    ctl.close()
+
+
+def test_tables_fit_120_columns(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    client, ctl, shard = make_location(home)
+    ctl.create_collection("wide", K, pa.schema([("note", pa.string()), ("more", pa.string())]), num_shards=1)
+    w = ctl.open_writer("wide")
+    w.append([(((1,), ("x" * 300, "y" * 200)), T0, 1)], 0, T0 + 1)
+    w.expire()
+    for args in (["sql", "SELECT * FROM wide"], ["snapshot", "wide"], ["collections"], ["describe", "orders"],
+                 ["shards"], ["sql", "--tables"]):
+        out = ok(args, home)
+        assert max(len(x) for x in out.splitlines()) <= 120, (args, out)
+    assert "xxxxxxxx…" in ok(["sql", "SELECT * FROM wide"], home)
+    ctl.close()

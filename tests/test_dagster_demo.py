@@ -56,6 +56,34 @@ def test_demo_leaves_sensor_cursors_so_the_daemon_launches_nothing_new(
                     process, logging.getLogger("test-sensor-daemon"), None, None
                 )
             )
+            # issue 30 item 8: the demo's runs are on the Overview timeline (the UI draws a
+            # run there only with its repository origin: the one the workspace gives its job)
+            # and its compaction runs were launched by the compaction-debt sensor
+            from dagster_graphql.test.utils import execute_dagster_graphql
+
+            ctx = process.create_request_context()
+            repo = ctx.get_code_location("persist_platform").get_repository("__repository__")
+            demo_runs = instance.get_runs()
+            assert demo_runs
+            for run in demo_runs:
+                expected = repo.get_full_job(run.job_name).get_remote_origin()
+                assert run.remote_job_origin == expected, run.job_name
+            compactions = [r for r in demo_runs if r.job_name == "compaction_job"]
+            assert compactions and all(
+                r.tags.get("dagster/sensor_name") == "compaction_debt_sensor" for r in compactions
+            )
+            doc = execute_dagster_graphql(
+                ctx,
+                "{ runsOrError { ... on Runs { results { jobName repositoryOrigin "
+                "{ repositoryName repositoryLocationName } } } } }",
+            )
+            assert not doc.errors, doc.errors
+            results = doc.data["runsOrError"]["results"]
+            assert len(results) == len(demo_runs)
+            assert all(
+                r["repositoryOrigin"] == {"repositoryName": "__repository__", "repositoryLocationName": "persist_platform"}
+                for r in results
+            ), results
         new_runs = instance.get_runs(limit=instance.get_runs_count() - runs_before)
         assert instance.get_runs_count() == runs_before, [
             (r.job_name, r.tags.get("dagster/run_key")) for r in new_runs

@@ -19,6 +19,7 @@ of 1).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -448,10 +449,13 @@ def test_backfill_checks_the_new_rendition_before_the_handover(
     on_rendition = ev[RENDITION_CHECK]
     assert on_rendition.passed and on_rendition.blocking
     assert on_rendition.metadata["rendition"].value == "r1"
-    assert on_rendition.metadata["as_of"].value == handover["at"]  # what readers see from then
+    # what readers see from then, as a wall-clock time (no raw integer on the check's plot)
+    assert on_rendition.metadata["as_of"].value == handover["at"] / 1000.0
+    assert on_rendition.metadata["as_of_time"].value == f"{handover['at']} ({iso_utc(handover['at'])})"
     assert on_rendition.metadata["rows"].value == rows > 0  # the same contents, rebuilt
     on_orders = ev[ORDERS_CHECK]  # the collection's own check: evaluated, not "Not Evaluated"
     assert on_orders.passed and on_orders.metadata["rendition"].value == "r1"
+    assert f"before the handover at {handover['at']} ({iso_utc(handover['at'])})" in (on_orders.description or "")
     latest = instance.event_log_storage.get_latest_asset_check_execution_by_key([ORDERS_CHECK])
     assert latest[ORDERS_CHECK].run_id == res.run_id
     # the summary runs on the checked rendition: one request, for the handover
@@ -550,7 +554,7 @@ def test_commands_report_the_since_a_reader_gets_after_a_handover(
     # `persist collections` shows that since, and AS OF it works while one before fails
     table = cli("collections").stdout
     row = next(ln for ln in table.splitlines() if ln.startswith("orders "))
-    assert re.search(rf"\b{since}\b", row), table
+    assert iso_utc(since) in row, table  # (a narrow table: the timestamp alone)
     ok = cli("sql", "--json", f"SELECT count(*) AS n FROM orders AS OF {since}")  # noqa: S608
     assert ok.returncode == 0 and json.loads(ok.stdout)[0]["n"] > 0, ok.stderr
     bad = cli("sql", "--json", f"SELECT count(*) AS n FROM orders AS OF {since - 1}")  # noqa: S608
@@ -567,3 +571,102 @@ def test_commands_report_the_since_a_reader_gets_after_a_handover(
     meta = recs[0].asset_materialization.metadata  # type: ignore[union-attr]
     assert meta["since"].value == now == meta["readable_since"].value
     assert now >= since > d["renditions"]["r1"]["since"][0]
+
+
+# ----- issue 30 items 6-8 -----------------------------------------------------------------------
+#
+# - the backfill's log lines and the collection's renditions table show wall-clock times, no
+#   Python list/dict reprs;
+# - a local landing zone has no "S3" badge;
+# - runs executed in-process by the demo carry the workspace's origin (the Overview timeline
+#   draws only those);
+# - `dagster dev` started in the background by a shell ignores SIGTERM because Dagster maps
+#   SIGTERM to SIGINT's handler, which that shell set to "ignore"; started as docs/dagster.md
+#   says, SIGTERM stops it.
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_backfill_logs_and_metadata_show_wall_clock_times(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    write_orders_file(home / "landing" / "orders", 0, 40)
+    ingest(resources, instance)
+    res = backfill(resources, instance, "r1")
+    assert res.success
+    d = describe_orders(home)
+    at = d["timeline"][-1]["at"]
+    logs = [e.user_message for e in instance.all_logs(res.run_id) if e.user_message]
+    caught = [m for m in logs if "caught r1 up to" in m]
+    assert caught and all(re.search(r"up to \d+ \(\d{4}-\d\d-\d\dT[\d:.]+Z\)", m) for m in caught), caught
+    (handed,) = [m for m in logs if "handed over to r1" in m]
+    assert f"orders at {at} ({iso_utc(at)})" in handed and "{" not in handed, handed
+    # the renditions table: the retired rendition's "retired at" as a wall-clock time
+    meta = latest(instance, "orders")
+    table = str(meta["renditions"])
+    (r0,) = [line for line in table.splitlines() if line.startswith("| r0 ")]
+    assert r0.rstrip(" |").endswith(f"{at} ({iso_utc(at)})"), table
+
+
+def test_decode_errors_sample_shows_each_record_as_text(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    write_orders_file(home / "landing" / "orders", 0, 20, bad_rows=2)
+    res = dg.materialize([ORDERS_ASSETS.ingest, *ORDERS_ASSETS.checks], resources=resources, instance=instance)
+    assert res.success
+    ev = {e.asset_check_key.name: e for e in res.get_asset_check_evaluations()}
+    sample = ev["no_decode_errors"].metadata["sample"].value
+    assert isinstance(sample, list) and len(sample) == 2
+    assert all(s["raw"] == '{"order_id": "not-a-number", "amount": 1}' for s in sample), sample
+
+
+def test_a_local_landing_zone_is_no_s3_badge(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("PERSIST_LANDING_URI", raising=False)
+    assert build_source_assets(ORDERS).landing.kinds == {"file"}
+    monkeypatch.setenv("PERSIST_LANDING_URI", str(tmp_path / "landing"))
+    assert build_source_assets(ORDERS).landing.kinds == {"file"}
+    monkeypatch.setenv("PERSIST_LANDING_URI", "s3://bucket/landing?endpoint=http://127.0.0.1:9000")
+    assert build_source_assets(ORDERS).landing.kinds == {"s3"}
+
+
+def test_in_process_runs_are_recorded_in_the_workspaces_code_location(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    from dagster_project.run_origin import recorded_in_workspace
+
+    job = build_defs(**resources).resolve_job_def("lease_expiry_job")
+    with recorded_in_workspace(instance, ROOT / "workspace.yaml"):
+        inside = job.execute_in_process(instance=instance, raise_on_error=False)
+    outside = job.execute_in_process(instance=instance, raise_on_error=False)
+    origin = instance.get_run_by_id(inside.run_id).remote_job_origin  # type: ignore[union-attr]
+    assert origin is not None and origin.job_name == "lease_expiry_job"
+    assert origin.repository_origin.repository_name == "__repository__"
+    assert origin.repository_origin.code_location_origin.location_name == "persist_platform"
+    assert instance.get_run_by_id(outside.run_id).remote_job_origin is None  # type: ignore[union-attr]
+
+
+SIGNALS = (
+    "import signal; from dagster._utils.interrupts import setup_interrupt_handlers; "
+    "setup_interrupt_handlers(); print(signal.getsignal(signal.SIGTERM) is signal.SIG_IGN)"
+)
+
+
+def test_dagster_dev_in_the_background_ignores_sigterm_unless_started_as_documented() -> None:
+    import subprocess
+    import sys
+
+    def ignoring_sigint() -> None:  # what a non-interactive shell does to a `cmd &`
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def sigterm_ignored(prefix: list[str]) -> bool:
+        out = subprocess.run(
+            [*prefix, sys.executable, "-c", SIGNALS],
+            preexec_fn=ignoring_sigint, capture_output=True, text=True, timeout=60,  # noqa: PLW1509
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip() == "True"
+
+    assert sigterm_ignored([])  # the cause: Dagster's SIGTERM handler is SIGINT's (ignored)
+    assert not sigterm_ignored(["env", "--default-signal=INT"])  # docs/dagster.md's way

@@ -173,7 +173,9 @@ def test_env_port_serves_a_process_and_persist_metrics_reads_it(tmp_path: Path) 
         assert row["cost_usd"] == pytest.approx(5 * 5e-6) and row["parts_written"] == 5
         out = run_cli(["metrics", "--url", f"127.0.0.1:{port}"], cli_env)
         assert out.returncode == 0, out.stderr
-        assert any(x.startswith(sid) and "$0.000025" in x for x in out.stdout.splitlines()), out.stdout
+        lines = out.stdout.splitlines()  # each shard id on its own line, its counters below
+        assert any(x == sid and "$0.000025" in lines[i + 1] for i, x in enumerate(lines[:-1])), out.stdout
+        assert max(len(x) for x in lines) <= 120, out.stdout
     finally:
         child.communicate("", timeout=30)
     # without --url: the shard states of the location, read now (the child is gone)

@@ -294,3 +294,46 @@ def test_times() -> None:
     for bad in ("soon", -1, 1.5, True):
         with pytest.raises(InvalidUsage):
             parse_time(bad)
+
+
+@pytest.mark.parametrize(
+    ("query", "near"),
+    [
+        ("SELECT id FROM orders AS OF 1714564800000 WHERE", "WHERE"),  # after a rewritten table
+        ("SELECT id\nFROM orders AS OF '2024-05-01T12:00:00Z' o,\n  orders.raw GROUP", "GROUP"),  # line 3
+        ("SELECT sum(id FROM orders", "FROM"),  # before it
+        ("SELECT * FROM orders x AS OF 1714564800000 ORDER", "ORDER"),  # a late AS OF (removed)
+    ],
+)
+def test_a_duckdb_error_points_at_the_users_query(query: str, near: str) -> None:
+    """DuckDB's error about the rewritten query, told about the user's: no internal view
+    name, the LINE excerpt is the user's line and the caret is under the user's text."""
+    import duckdb
+
+    from persist_lib.sql.rewrite import Span, explain_error
+
+    spans: list[Span] = []
+    refs: dict[str, str] = {}
+
+    def view_for(ref: TableRef) -> str:
+        view = f"__persist_{len(refs)}"
+        refs[view] = ref.text
+        return view
+
+    text = rewrite_sql(query, view_for, spans)
+    con = duckdb.connect()
+    for view in refs:
+        con.execute(f'CREATE TABLE "{view}" (id BIGINT)')
+    with pytest.raises(duckdb.Error) as raised:
+        con.sql(text)
+    assert "__persist_" in str(raised.value)  # what DuckDB said about the rewritten text
+    told = explain_error(str(raised.value), query, text, spans, refs)
+    assert "__persist" not in told, told
+    lines = told.splitlines()
+    (i,) = [k for k, x in enumerate(lines) if x.startswith("LINE ")]
+    pos = query.index(near)
+    line_no = query.count("\n", 0, pos) + 1
+    user_line = query.splitlines()[line_no - 1]
+    prefix = f"LINE {line_no}: "
+    assert lines[i] == prefix + user_line
+    assert lines[i + 1].index("^") == len(prefix) + pos - (query.rfind("\n", 0, pos) + 1), told

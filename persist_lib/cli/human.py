@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from persist_lib.cli.output import human_bytes, kv, render, table
+from persist_lib.cli.fit import line_width
+from persist_lib.cli.output import human_bytes, id_table, kv, nested_table, render, table
 from persist_lib.errors import InvalidUsage
 from persist_lib.handles.client import PersistClient
 
@@ -54,18 +55,22 @@ def shards_table(client: PersistClient, shards: Sequence[str]) -> str:
         try:
             st = client.inspect(sid)
         except InvalidUsage:
-            rows.append([sid, None, None, None, None, None, "(no state)"])
+            rows.append(["(no state)", None, None, None, None, None])
             continue
         what = roles.get(sid, "-")
         if st.get("tombstone"):
             what = f"{what[:-1]}, finalized)" if what.endswith(")") else f"{what} (finalized)"
         rows.append(
-            [sid, st["upper"], st["since"], st["num_batches"], st["num_updates"], st["bytes"], what]
+            [what, st["upper"], st["since"], st["num_batches"], st["num_updates"], st["bytes"]]
         )
-    return table(
-        ["shard", "upper", "since", "batches", "updates", "bytes", "what"],
+    # the shard id whole on its own line, its row below (fits 120 columns); times as
+    # timestamps (persist inspect SHARD and --json have the integers)
+    return id_table(
+        "shard",
+        list(shards),
+        ["what", "upper", "since", "batches", "updates", "bytes"],
         rows,
-        keys=["shard", "upper", "since", "batches", "updates", "bytes", "what"],
+        keys=["what", "upper_short", "since_short", "batches", "updates", "bytes"],
     )
 
 
@@ -109,7 +114,7 @@ def inspect_text(doc: Mapping[str, Any]) -> str:
         parts.append(
             "\nbatches (oldest first):\n"
             + _indent(
-                table(
+                nested_table(
                     ["batch", "level", "updates", "bytes", "parts", "lower", "upper", "since", "pending"],
                     rows,
                     keys=["batch", "level", "updates", "bytes", "parts", "lower", "upper", "since", "pending"],
@@ -121,7 +126,7 @@ def inspect_text(doc: Mapping[str, Any]) -> str:
     if readers:
         parts.append(
             _indent(
-                table(
+                nested_table(
                     ["reader", "since", "seqno", "last heartbeat", "lease", "purpose"],
                     [
                         [
@@ -143,7 +148,7 @@ def inspect_text(doc: Mapping[str, Any]) -> str:
         parts.append(f"\ncritical readers: {len(critical)}")
         parts.append(
             _indent(
-                table(
+                nested_table(
                     ["reader", "since", "opaque", "purpose"],
                     [[rid, r["since"], r["opaque"], r.get("purpose") or "-"] for rid, r in critical.items()],
                 )
@@ -154,7 +159,7 @@ def inspect_text(doc: Mapping[str, Any]) -> str:
     if writers:
         parts.append(
             _indent(
-                table(
+                nested_table(
                     ["writer", "last heartbeat", "lease", "last write upper", "purpose"],
                     [
                         [
@@ -178,7 +183,7 @@ def inspect_text(doc: Mapping[str, Any]) -> str:
         )
         parts.append(
             _indent(
-                table(
+                nested_table(
                     ["batches", "failures", "first failure", "last failure", "error"],
                     [
                         [q["batch_ids"], q["failures"], q["first_failure_ms"], q["last_failure_ms"], str(q["error"])[:120]]
@@ -207,19 +212,26 @@ def collections_table(rows: Sequence[Mapping[str, Any]], descs: Mapping[str, Map
                 info.get("num_shards"),
                 info.get("upper"),
                 None if since is None else [since],
-                info.get("updates"),
                 info.get("bytes"),
-                ", ".join(
-                    f"{r} {d['renditions'][r]['status']}" if r in d.get("renditions", {}) else r
-                    for r in c["renditions"]
-                ),
+                _renditions_text(c["renditions"], d.get("renditions", {})),
             ]
         )
+    # times as timestamps alone, no updates column (persist describe NAME has both): the
+    # table fits 120 columns
     return table(
-        ["collection", "active", "shards", "upper", "since", "updates", "bytes", "renditions"],
+        ["collection", "active", "shards", "upper", "since", "bytes", "renditions"],
         out,
-        keys=["collection", "active", "shards", "upper", "since", "updates", "bytes", "renditions"],
+        keys=["collection", "active", "shards", "upper_short", "since_short", "bytes", "renditions"],
     )
+
+
+def _renditions_text(names: Sequence[str], infos: Mapping[str, Any]) -> str:
+    """``r0 retired, r1 active``; dropped renditions counted, not listed (``r2 active, 2
+    dropped``): ``persist describe`` lists them."""
+    status = {r: infos[r]["status"] if r in infos else "?" for r in names}
+    live = [f"{r} {st}" for r, st in status.items() if st != "dropped"]
+    dropped = sum(1 for st in status.values() if st == "dropped")
+    return ", ".join(live + ([f"{dropped} dropped"] if dropped else [])) or "-"
 
 
 def describe_text(d: Mapping[str, Any]) -> str:
@@ -242,26 +254,27 @@ def describe_text(d: Mapping[str, Any]) -> str:
             ri["num_shards"],
             ri["upper"],
             ri["since"],
-            ri["batches"],
             ri["updates"],
             ri["bytes"],
             ri.get("retired_at"),
         ]
         for name, ri in d["renditions"].items()
     ]
+    # times as timestamps alone (the handovers below and --json have the integers), no
+    # batches column (persist shards has it): the table fits 120 columns
     parts = [
         head,
         "\nrenditions:",
         _indent(
-            table(
-                ["rendition", "status", "shards", "upper", "since", "batches", "updates", "bytes", "retired at"],
+            nested_table(
+                ["name", "status", "shards", "upper", "since", "updates", "bytes", "retired at"],
                 rows,
-                keys=["rendition", "status", "shards", "upper", "since", "batches", "updates", "bytes", "retired_at"],
+                keys=["name", "status", "shards", "upper_short", "since_short", "updates", "bytes", "retired_at_short"],
             )
         ),
         "\nhandovers (timeline):",
         _indent(
-            table(["at", "from", "to"], [[h["at"], h["from"], h["to"]] for h in d["timeline"]])
+            nested_table(["at", "from", "to"], [[h["at"], h["from"], h["to"]] for h in d["timeline"]])
             if d["timeline"]
             else "(none)"
         ),
@@ -270,7 +283,7 @@ def describe_text(d: Mapping[str, Any]) -> str:
         [name, i, sid] for name, ri in d["renditions"].items() for i, sid in enumerate(ri["shards"])
     ]
     if shard_rows:
-        parts += ["\nshards:", _indent(table(["rendition", "#", "shard"], shard_rows))]
+        parts += ["\nshards:", _indent(nested_table(["rendition", "#", "shard"], shard_rows))]
     return "\n".join(parts)
 
 
@@ -285,7 +298,7 @@ def ingest_status_text(doc: Mapping[str, Any]) -> str:
         ]
     )
     rows = [[role, s["shard"], s["upper"], s["since"]] for role, s in doc.get("shards", {}).items()]
-    return head + "\n\nshards:\n" + _indent(table(["role", "shard", "upper", "since"], rows))
+    return head + "\n\nshards:\n" + _indent(nested_table(["role", "shard", "upper", "since"], rows))
 
 
 def ingest_run_text(doc: Mapping[str, Any]) -> str:
@@ -300,7 +313,7 @@ def ingest_run_text(doc: Mapping[str, Any]) -> str:
     text = kv(pairs)
     outs = doc.get("outputs") or {}
     if outs:
-        text += "\n\noutputs:\n" + _indent(render(dict(outs)))
+        text += "\n\noutputs:\n" + _indent(render(dict(outs), line_width() - 2))
     return text
 
 

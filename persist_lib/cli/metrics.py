@@ -16,9 +16,11 @@ import urllib.request
 from typing import Any
 
 from persist_lib.cli.main import command
+from persist_lib.cli.output import id_table
 from persist_lib.errors import InvalidUsage
 from persist_lib.handles.client import PersistClient
 from persist_lib.shard import metrics
+from persist_lib.timefmt import short_time_text
 
 EPILOG = """\
 Counters are per process: a process serves its own at http://127.0.0.1:PORT/metrics
@@ -77,7 +79,8 @@ def _scrape(url: str, timeout_s: float) -> str:
 
 
 def _roles(client: PersistClient) -> dict[str, str]:
-    """What each shard is: ``orders/r1 [2/8]``, ``orders (metadata)``."""
+    """What each shard is: ``orders / r1 / shard 0 of 8``, ``orders (metadata)``; shards
+    numbered from 0, as everywhere else (``persist describe``, the Dagster partitions)."""
     from persist_lib.storage import StorageController
 
     out: dict[str, str] = {}
@@ -89,7 +92,7 @@ def _roles(client: PersistClient) -> dict[str, str]:
             for r, info in d["renditions"].items():
                 n = len(info["shards"])
                 for i, s in enumerate(info["shards"]):
-                    out[s] = f"{name}/{r} [{i + 1}/{n}]"
+                    out[s] = f"{name} / {r} / shard {i} of {n}"
     return out
 
 
@@ -133,24 +136,57 @@ def _cmd_metrics(client: PersistClient, ns: argparse.Namespace) -> Any:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return None
-    from persist_lib.cli.sql import print_table
-
-    order = sorted(rows, key=lambda s: (roles.get(s, "~"), s))
-    state = [(s, roles.get(s, ""), *(_num(rows[s].get(c, 0.0), c) for c in STATE)) for s in order]
-    print_table(["shard", "role", *STATE], state, len(state))
+    order = sorted(rows, key=_shard_order(roles))
+    print(_state_table(order, roles, rows))
+    print(f"({len(order)} shard{'s' if len(order) != 1 else ''})")
     if ns.url:
         active = [s for s in order if any(rows[s].get(c) for c in ACTIVITY)]
-        act = [(s, roles.get(s, ""), *(_fmt(rows[s].get(c, 0.0), c) for c in ACTIVITY)) for s in active]
         tot = {c: sum(rows[s].get(c, 0.0) for s in active) for c in ACTIVITY if c != "listen_lag"}
-        act.append(("total", "", *(_fmt(tot.get(c, 0.0), c) if c in tot else "" for c in ACTIVITY)))
-        print()
-        print_table(["shard", "role", *ACTIVITY], act, None)
+        # two tables (requests and their cost; data moved) so that each fits 120 columns
+        for part in (ACTIVITY[:7], ACTIVITY[7:]):
+            act = [(roles.get(s) or "-", *(_fmt(rows[s].get(c, 0.0), c) for c in part)) for s in active]
+            act.append(("", *(_fmt(tot[c], c) if c in tot else "-" for c in part)))
+            print()
+            print(id_table("shard", [*active, "total"], ["role", *part], act))
     else:
         print(
-            "(counters - commits, blob requests and their cost - are per process: "
-            "`persist metrics --url HOST:PORT` reads a process serving them, see --help)"
+            "(counters - commits, blob requests and their cost - are per process:\n"
+            " `persist metrics --url HOST:PORT` reads a process serving them, see --help)"
         )
     return None
+
+
+def _shard_order(roles: dict[str, str]) -> Any:
+    """Shards by role, a rendition's shards by their number (0, 1, ..., 10), then by id."""
+
+    def key(sid: str) -> tuple[str, int, str]:
+        role = roles.get(sid, "~")
+        head, sep, tail = role.rpartition(" / shard ")
+        if sep:
+            num = tail.split(" of ")[0]
+            return (head, int(num) if num.isdigit() else 0, sid)
+        return (role, 0, sid)
+
+    return key
+
+
+def _state_table(order: list[str], roles: dict[str, str], rows: dict[str, dict[str, float]]) -> str:
+    """The state gauges, one shard per two lines (``output.id_table``: the shard id, then
+    its role and gauges); times as ISO-8601 UTC timestamps, a closed frontier in words."""
+    body = [(roles.get(s) or "-", *(_state_cell(rows[s].get(c, 0.0), c) for c in STATE)) for s in order]
+    return id_table("shard", order, ["role", *STATE], body, keys=["role", "upper_short", "since_short", *STATE[2:]])
+
+
+def _state_cell(v: float, col: str) -> str | int:
+    """A state gauge for the table: frontiers as times (an epoch-ms time as its ISO-8601
+    UTC timestamp, ``--json`` has the integer), a closed frontier (the gauge's -1) in
+    words: a finalized shard's upper is ``closed (finalized)``, a released since
+    ``closed``."""
+    if col in ("upper", "since"):
+        if v < 0:
+            return "closed (finalized)" if col == "upper" else "closed"
+        return short_time_text(int(v))
+    return int(v)
 
 
 def _num(v: float, col: str) -> float | int:

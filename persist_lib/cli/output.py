@@ -4,6 +4,7 @@ progress bar on stderr.
 Scripts use ``--json`` instead (the documents the library returns, unchanged); what is
 here may change between versions. Times are shown with ``persist_lib.timefmt``: an
 ISO-8601 UTC timestamp beside the integer when it is a time in ms since the epoch.
+Tables fit 120 columns (``persist_lib.cli.fit``: long text cells end in ``…``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import IO, Any
 
-from persist_lib.timefmt import frontier_text, iso_utc, time_text
+from persist_lib.cli.fit import elide, fit_widths, line_width
+from persist_lib.cli.values import bytes_text
+from persist_lib.timefmt import (
+    frontier_text,
+    iso_utc,
+    short_frontier_text,
+    short_time_text,
+    time_text,
+)
 
 #: Keys whose integer values are always wall-clock milliseconds.
 WALL_CLOCK_KEYS = frozenset(
@@ -31,6 +40,8 @@ FRONTIER_KEYS = frozenset(
     {"since", "upper", "lower", "metadata_since", "metadata_upper", "most_recent_write_upper"}
 )
 TIME_KEYS = frozenset({"at", "retired_at", "as_of", "resumed_at", "ts", "handover_at", "remap_upper"})
+#: Column keys of times and frontiers shown as the timestamp alone (narrow tables).
+SHORT_TIME_KEYS = frozenset({"upper_short", "since_short", "retired_at_short"})
 
 
 def cell(key: str, value: Any) -> str:
@@ -45,12 +56,18 @@ def cell(key: str, value: Any) -> str:
         return frontier_text([int(v) for v in value])
     if key in (FRONTIER_KEYS | TIME_KEYS) and isinstance(value, int):
         return time_text(value)
+    if key in SHORT_TIME_KEYS and isinstance(value, list | tuple):
+        return short_frontier_text([int(v) for v in value])
+    if key in SHORT_TIME_KEYS and isinstance(value, int):
+        return short_time_text(value)
     if key == "bytes" and isinstance(value, int):
         return human_bytes(value)
     if isinstance(value, int):
         return f"{value:,}"
     if isinstance(value, float):
         return f"{value:,.3f}".rstrip("0").rstrip(".")
+    if isinstance(value, bytes | bytearray):
+        return bytes_text(value)
     if isinstance(value, list | tuple):
         return ", ".join(cell(key, v) for v in value) if value else "-"
     if isinstance(value, dict):
@@ -68,9 +85,16 @@ def human_bytes(n: int) -> str:
     return f"{n:,} B"  # pragma: no cover
 
 
-def table(header: Sequence[str], rows: Iterable[Sequence[Any]], *, keys: Sequence[str] | None = None) -> str:
+def table(
+    header: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    *,
+    keys: Sequence[str] | None = None,
+    width: int | None = None,
+) -> str:
     """An aligned text table. Cells are formatted with ``cell`` by column key (``keys``,
-    default the header); columns of numbers are right-aligned."""
+    default the header); columns of numbers are right-aligned; the lines fit ``width``
+    (default ``fit.line_width()``)."""
     keys = list(keys) if keys is not None else list(header)
     raw = [list(r) for r in rows]
     body = [[cell(k, v) for k, v in zip(keys, row, strict=False)] for row in raw]
@@ -84,9 +108,13 @@ def table(header: Sequence[str], rows: Iterable[Sequence[Any]], *, keys: Sequenc
         for i in range(len(header))
     ]
     widths = [max([len(h)] + [len(r[i]) for r in body if i < len(r)]) for i, h in enumerate(header)]
+    widths = fit_widths(widths, [not n and k not in _AS_TEXT for n, k in zip(numeric, keys, strict=False)], width)
 
     def line(cells: Sequence[str]) -> str:
-        out = [c.rjust(widths[i]) if numeric[i] else c.ljust(widths[i]) for i, c in enumerate(cells)]
+        out = [
+            elide(c, widths[i]).rjust(widths[i]) if numeric[i] else elide(c, widths[i]).ljust(widths[i])
+            for i, c in enumerate(cells)
+        ]
         return "  ".join(out).rstrip()
 
     lines = [line(list(header)), "  ".join("-" * w for w in widths)]
@@ -94,8 +122,31 @@ def table(header: Sequence[str], rows: Iterable[Sequence[Any]], *, keys: Sequenc
     return "\n".join(lines)
 
 
+def nested_table(header: Sequence[str], rows: Iterable[Sequence[Any]], *, keys: Sequence[str] | None = None) -> str:
+    """A ``table`` to be indented by two spaces under a heading: two columns narrower."""
+    return table(header, rows, keys=keys, width=line_width() - 2)
+
+
+def id_table(
+    id_header: str,
+    ids: Sequence[str],
+    header: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    *,
+    keys: Sequence[str] | None = None,
+) -> str:
+    """A table of rows named by long ids (shard ids): each id whole on its own line, its
+    row below it indented by two spaces, so the table fits the line width without
+    cutting an id."""
+    lines = table(header, rows, keys=keys, width=line_width() - 2).splitlines()
+    out = [id_header, *("  " + x for x in lines[:2])]
+    for i, line in zip(ids, lines[2:], strict=True):
+        out += [i, "  " + line]
+    return "\n".join(out)
+
+
 # Numeric columns shown as text (timestamps beside the integer read better left-aligned).
-_AS_TEXT = FRONTIER_KEYS | TIME_KEYS | WALL_CLOCK_KEYS
+_AS_TEXT = FRONTIER_KEYS | TIME_KEYS | WALL_CLOCK_KEYS | SHORT_TIME_KEYS
 
 
 def kv(pairs: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> str:
@@ -107,13 +158,13 @@ def kv(pairs: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> str:
     return "\n".join(f"{k.ljust(w)}  {cell(k, v)}" for k, v in items)
 
 
-def render(doc: Any) -> str:
+def render(doc: Any, width: int | None = None) -> str:
     """Any JSON document as text: a list of objects is a table, an object is key/value
     lines (nested lists of objects as tables below it), scalars as they are."""
     if isinstance(doc, list):
         if doc and all(isinstance(d, dict) for d in doc):
             header = list(dict.fromkeys(k for d in doc for k in d))
-            return table(header, [[d.get(k) for k in header] for d in doc])
+            return table(header, [[d.get(k) for k in header] for d in doc], width=width)
         return "\n".join(cell("", d) for d in doc) if doc else "(none)"
     if isinstance(doc, dict):
         if not doc:
@@ -124,7 +175,8 @@ def render(doc: Any) -> str:
         for k, v in nested:
             if isinstance(v, dict):
                 v = [{"": kk, **vv} if isinstance(vv, dict) else {"": kk, "value": vv} for kk, vv in v.items()]
-            parts.append(f"\n{k}:\n" + _indent(render(v)))
+            inner = (line_width() if width is None else width) - 2
+            parts.append(f"\n{k}:\n" + _indent(render(v, inner)))
         return "\n".join(parts)
     return cell("", doc)
 

@@ -34,7 +34,9 @@ from typing import IO, Any
 
 import pyarrow as pa
 
+from persist_lib.cli.fit import elide, fit_widths, line_width
 from persist_lib.cli.main import command
+from persist_lib.cli.values import bytes_text
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import Antichain
 from persist_lib.handles.client import PersistClient
@@ -170,7 +172,7 @@ def _value_text(v: Any) -> str:
     if isinstance(v, dt.datetime | dt.date | dt.time):
         return v.isoformat()
     if isinstance(v, bytes):
-        return v.hex()
+        return bytes_text(v)  # text when UTF-8, escaped otherwise (--json: hex)
     if isinstance(v, float):
         return repr(v)
     if isinstance(v, list | dict):
@@ -189,8 +191,9 @@ def _json_default(v: Any) -> Any:
 
 
 class RowPrinter:
-    """Prints rows as they stream: an aligned table (widths from the first rows; later,
-    longer cells just push the line out) or JSON Lines."""
+    """Prints rows as they stream: an aligned table (widths from the first rows, fitted
+    to 120 columns by ``persist_lib.cli.fit``; a later, longer cell pushes its line out
+    up to that width, then ends in ``…``) or JSON Lines."""
 
     def __init__(
         self,
@@ -228,9 +231,10 @@ class RowPrinter:
             cells = [self._cells(r) for r in rows]
             if self.widths is None:
                 sample = cells[:WIDTH_SAMPLE]
-                self.widths = [
-                    max([len(c)] + [len(r[i]) for r in sample]) for i, c in enumerate(self.columns)
-                ]
+                self.widths = fit_widths(
+                    [max([len(c)] + [len(r[i]) for r in sample]) for i, c in enumerate(self.columns)],
+                    [c not in ("ts", "diff") for c in self.columns],
+                )
                 self.out.write(self._line(self.columns) + "\n")
                 self.out.write("  ".join("-" * w for w in self.widths) + "\n")
             for c in cells:
@@ -245,8 +249,16 @@ class RowPrinter:
             self.out.write("  ".join("-" * w for w in self.widths) + "\n")
 
     def _line(self, cells: Sequence[str]) -> str:
+        """One row: a later, longer cell pushes the line out while it still fits the line
+        width; beyond it, text cells are cut to their column (``ts`` and ``diff`` never)."""
         assert self.widths is not None
-        return "  ".join(c.ljust(w) for c, w in zip(cells, self.widths, strict=False)).rstrip()
+        whole = "  ".join(c.ljust(w) for c, w in zip(cells, self.widths, strict=False)).rstrip()
+        if len(whole) <= line_width():
+            return whole
+        return "  ".join(
+            (c if col in ("ts", "diff") else elide(c, w)).ljust(w)
+            for c, w, col in zip(cells, self.widths, self.columns, strict=False)
+        ).rstrip()
 
 
 def _diff_text(d: Any) -> str:

@@ -14,9 +14,12 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from persist_lib.cli.fit import elide, fit_widths
 from persist_lib.cli.main import command
+from persist_lib.cli.values import bytes_text
 from persist_lib.errors import InvalidUsage
 from persist_lib.handles.client import PersistClient
+from persist_lib.timefmt import short_time_text, time_text
 
 EPILOG = """\
 Tables are collection names (orders, orders.raw: a dotted name may be written bare;
@@ -109,11 +112,11 @@ def _cmd_sql(client: PersistClient, ns: argparse.Namespace) -> Any:
     ) as s:
         if ns.tables:
             cols = ["table", "since", "upper", "latest", "columns"]
-            listed = [tuple(r[c] for c in cols) for r in _tables(s)]
+            listed = [tuple(r[c] for c in cols) for r in _tables(s, as_json=ns.json)]
             if ns.json:
                 _print_json_rows(cols, listed)
             else:
-                print_table(cols, listed, len(listed))
+                print_table(cols, listed, len(listed), keep=cols[:4])
             return None
         query = ns.query
         if query is None:
@@ -163,8 +166,12 @@ def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def _tables(s: Any) -> list[dict[str, Any]]:
+def _tables(s: Any, *, as_json: bool = False) -> list[dict[str, Any]]:
+    """The tables with their readable times: ``--json`` as ``format_time`` gives them (the
+    integer and its timestamp), the table as timestamps alone (fits 120 columns)."""
     from persist_lib.sql.times import format_time
+
+    when = format_time if as_json else (lambda t: "-" if t is None else short_time_text(t))
 
     out = []
     for name in s.collections():
@@ -174,9 +181,9 @@ def _tables(s: Any) -> list[dict[str, Any]]:
         out.append(
             {
                 "table": name,
-                "since": format_time(since.time),
-                "upper": format_time(upper.time),
-                "latest": "-" if latest is None or not since.less_equal(latest) else format_time(latest),
+                "since": when(since.time),
+                "upper": when(upper.time),
+                "latest": "-" if latest is None or not since.less_equal(latest) else when(latest),
                 "columns": ", ".join(f.name for f in t.schema),
             }
         )
@@ -214,29 +221,39 @@ def _print_json_rows(cols: list[str], rows: Sequence[Sequence[Any]]) -> None:
     sys.stdout.write("\n")
 
 
-def _cell(v: Any, width: int = 60) -> str:
-    s = "NULL" if v is None else str(v)
-    s = s.replace("\n", " ")
-    return s if len(s) <= width else s[: width - 1] + "…"
+def _cell(v: Any, col: str) -> str:
+    if v is None:
+        return "NULL"
+    if col == "ts" and isinstance(v, int) and not isinstance(v, bool):
+        return time_text(v)  # the time column: a timestamp beside an epoch-ms integer
+    if isinstance(v, (bytes, bytearray)):
+        return bytes_text(v)
+    return str(v).replace("\n", " ")
 
 
-def print_table(cols: list[str], rows: Sequence[Sequence[Any]], total: int | None) -> None:
-    """A plain-text table: numbers right-aligned, long cells cut; ``total`` rows in the
-    footer when known."""
-    cells = [[_cell(v) for v in r] for r in rows]
+def print_table(
+    cols: list[str], rows: Sequence[Sequence[Any]], total: int | None, *, keep: Sequence[str] = ("ts",)
+) -> None:
+    """A plain-text table fitted to the line width (``persist_lib.cli.fit``): numbers
+    right-aligned, long text cells cut (never those of the ``keep`` columns); ``ts`` with
+    its timestamp; bytes as text; ``total`` rows in the footer when known."""
+    cells = [[_cell(v, c) for v, c in zip(r, cols, strict=True)] for r in rows]
     numeric = [
-        all(
+        c != "ts"
+        and all(
             isinstance(r[i], (int, float, decimal.Decimal)) and not isinstance(r[i], bool)
             for r in rows
             if r[i] is not None
         )
-        for i in range(len(cols))
+        for i, c in enumerate(cols)
     ]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
+    widths = fit_widths(widths, [not n and c not in keep for n, c in zip(numeric, cols, strict=True)])
 
     def line(vals: Sequence[str]) -> str:
         return "  ".join(
-            v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric, strict=True)
+            elide(v, w).rjust(w) if num else elide(v, w).ljust(w)
+            for v, w, num in zip(vals, widths, numeric, strict=True)
         ).rstrip()
 
     print(line(cols))

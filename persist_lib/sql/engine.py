@@ -76,7 +76,7 @@ from persist_lib.shard.predicate import Predicate
 from persist_lib.sql.guard import SqlReadOnly as SqlReadOnly
 from persist_lib.sql.guard import read_only_connection, read_only_error
 from persist_lib.sql.pushdown import filter_terms, scan_filters
-from persist_lib.sql.rewrite import TableRef, rewrite_sql
+from persist_lib.sql.rewrite import Span, TableRef, explain_error, rewrite_sql
 from persist_lib.sql.sources import ArrowSource, Scan, Table, lazy_frame
 from persist_lib.sql.times import TimeLike, format_time, parse_time
 
@@ -278,25 +278,40 @@ class SqlSession:
         default = self.as_of if as_of is None else parse_time(as_of, "as_of")
         latest: dict[str, int] = {}  # one "latest" time per table within a query
         used: list[str] = []
+        spans: list[Span] = []
+        refs: dict[str, str] = {}  # view name -> the user's text of the reference
 
         def view_for(ref: TableRef) -> str | None:
-            v = self._view_for(ref, default, latest)
-            if v is not None:
-                used.append(v)
-            return v
+            view = self._view_for(ref, default, latest)
+            if view is not None:
+                used.append(view)
+                refs.setdefault(view, ref.text)
+            return view
 
-        text = rewrite_sql(query, view_for)
+        text = rewrite_sql(query, view_for, spans)
         con = self.connection
         pushed = self._pushed_view(text, used)
         if pushed is not None:
-            text = rewrite_sql(query, lambda ref: pushed if self._view_for(ref, default, latest) else None)
+            spans.clear()  # positions of the second rewrite, for ``explain_error``
+
+            def pushed_for(ref: TableRef) -> str | None:
+                if self._view_for(ref, default, latest) is None:
+                    return None
+                refs.setdefault(pushed, ref.text)
+                return pushed
+
+            text = rewrite_sql(query, pushed_for, spans)
         try:
             return con.sql(text)
         except duckdb.Error as e:
             refused = read_only_error(e)
             if refused is not None:
                 raise refused from None
-            raise
+            told = explain_error(str(e), query, text, spans, refs) if text != query else str(e)
+            if told == str(e):
+                raise
+            # DuckDB's own error, told about the user's query (never the internal views)
+            raise type(e)(told) from None
 
     def _pushed_view(self, text: str, used: list[str]) -> str | None:
         """A view of the query's one persist source with the query's filter pushed down

@@ -152,9 +152,14 @@ def _cte_names(toks: list[_Tok]) -> set[str]:
     return out
 
 
-def rewrite_sql(query: str, view_for: Callable[[TableRef], str | None]) -> str:
+def rewrite_sql(
+    query: str,
+    view_for: Callable[[TableRef], str | None],
+    spans: list[Span] | None = None,
+) -> str:
     """Rewrites the table references of ``query`` (the syntax in ``engine``'s docstring) to the views
-    ``view_for`` returns (``None``: leave the reference to DuckDB)."""
+    ``view_for`` returns (``None``: leave the reference to DuckDB). ``spans``, when given,
+    receives where each rewritten piece is, for ``explain_error``."""
     toks = _tokens(query)
     ctes = _cte_names(toks)
     edits: list[tuple[int, int, str]] = []
@@ -190,9 +195,77 @@ def rewrite_sql(query: str, view_for: Callable[[TableRef], str | None]) -> str:
         elif t.upper in _CLAUSE_END:
             in_from[-1] = False
         i += 1
+    if spans is not None:
+        shift = 0
+        for start, end, text in sorted(edits):
+            spans.append(Span(start + shift, start + shift + len(text), start, end))
+            shift += len(text) - (end - start)
     for start, end, text in sorted(edits, reverse=True):
         query = query[:start] + text + query[end:]
     return query
+
+
+@dataclass(frozen=True)
+class Span:
+    """A rewritten piece: ``[new_start, new_end)`` of the rewritten query replaced
+    ``[start, end)`` of the user's."""
+
+    new_start: int
+    new_end: int
+    start: int
+    end: int
+
+
+def original_position(spans: list[Span], pos: int) -> int:
+    """Where position ``pos`` of the rewritten query is in the user's query (the start of
+    the reference when it falls inside a rewritten piece)."""
+    shift = 0
+    for sp in spans:
+        if pos < sp.new_start:
+            break
+        if pos < sp.new_end:
+            return sp.start
+        shift = sp.end - sp.new_end
+    return pos + shift
+
+
+_LINE = re.compile(r"^LINE (\d+): (.*)\n( *)(\^+) *$", re.M)
+_VIEW = re.compile(r'"?__persist_\d+"?')
+
+
+def explain_error(message: str, query: str, rewritten: str, spans: list[Span], views: dict[str, str]) -> str:
+    """A DuckDB error message about ``rewritten`` told in terms of the user's ``query``:
+    the internal view names (``"__persist_0"``) become the user's table references
+    (``views``: view name -> the reference's text) and the ``LINE n: ...`` excerpt with its
+    caret points into the user's query."""
+
+    def name(m: re.Match[str]) -> str:
+        return views.get(m.group().strip('"'), m.group())
+
+    m = _LINE.search(message)
+    if m is None:
+        return _VIEW.sub(name, message)
+    head = _VIEW.sub(name, message[: m.start()])
+    tail = _VIEW.sub(name, message[m.end() :])
+    line_no, shown, caret = int(m.group(1)), m.group(2), len(m.group(3)) - len(f"LINE {m.group(1)}: ")
+    lines = rewritten.split("\n")
+    if not 1 <= line_no <= len(lines):
+        return _VIEW.sub(name, message)
+    line = lines[line_no - 1]
+    body = shown[3:] if shown.startswith("...") else shown
+    off = line.find(body.rstrip(".")) if body else -1
+    if off < 0 or caret < 0:
+        return _VIEW.sub(name, message)
+    line_start = sum(len(x) + 1 for x in lines[: line_no - 1])
+    pos = line_start + off + caret - (len(shown) - len(body))
+    orig = original_position(spans, pos)
+    o_line_no = query.count("\n", 0, orig) + 1
+    o_start = query.rfind("\n", 0, orig) + 1
+    o_end = query.find("\n", orig)
+    o_line = query[o_start : len(query) if o_end < 0 else o_end]
+    prefix = f"LINE {o_line_no}: "
+    excerpt = f"{prefix}{o_line}\n{' ' * (len(prefix) + orig - o_start)}{m.group(4)}"
+    return f"{head}{excerpt}{tail}"
 
 
 def _table_ref(
