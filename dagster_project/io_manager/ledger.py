@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist_lib.errors import InvalidUsage, UpperMismatch
+from dagster_project.io_manager.collection_setup import ensure_collection
+from persist_lib.errors import UpperMismatch
 from persist_lib.storage import StorageController
 
 LEDGER_KEY = pa.schema([("collection", pa.string()), ("write_id", pa.string())])
@@ -44,13 +45,6 @@ class WriteLedger:
         self.ctl = ctl
         self.name = name
 
-    def _ensure(self) -> None:
-        try:
-            self.ctl.create_collection(self.name, LEDGER_KEY, LEDGER_VAL, num_shards=1)
-        except InvalidUsage:  # created by another process meanwhile
-            if self.name not in self.ctl.list_collections():
-                raise
-
     def lookup(self, collection: str, write_id: str) -> LandedWrite | None:
         if self.name not in self.ctl.list_collections():
             return None
@@ -67,8 +61,7 @@ class WriteLedger:
         return LandedWrite(int(hit["time"][0].as_py()), int(hit["upper"][0].as_py()))
 
     def record(self, collection: str, write_id: str, landed: LandedWrite) -> None:
-        if self.name not in self.ctl.list_collections():
-            self._ensure()
+        ensure_collection(self.ctl, self.name, LEDGER_KEY, LEDGER_VAL, 1)
         row = pa.table(
             {
                 "collection": [collection],

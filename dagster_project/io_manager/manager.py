@@ -15,6 +15,7 @@ import dagster as dg
 import pyarrow as pa
 
 from dagster_project.io_manager import lineage, write_modes
+from dagster_project.io_manager.collection_setup import ensure_collection
 from dagster_project.io_manager.errors import (
     IOManagerConfigError,
     NoRecordedMaterialization,
@@ -123,13 +124,8 @@ class PersistIOManagerImpl(dg.IOManager):
         return ordered, pa.schema([schema.field(c) for c in s.key]), pa.schema([schema.field(c) for c in vals])
 
     def _ensure_collection(self, ctl: StorageController, name: str, key: pa.Schema, val: pa.Schema, shards: int, where: str) -> None:
-        if name not in ctl.list_collections():
-            try:
-                ctl.create_collection(name, key, val, num_shards=shards)
-                return
-            except Exception:  # noqa: BLE001 - another process created it meanwhile; check below
-                if name not in ctl.list_collections():
-                    raise
+        if ensure_collection(ctl, name, key, val, shards):
+            return
         with ctl.acquire_read_handle(name) as r:
             recorded = r.schemas
         if recorded != Schemas.create(key, val):
@@ -198,7 +194,8 @@ class PersistIOManagerImpl(dg.IOManager):
             table = table.select(settings.columns)
         if context.has_asset_key and context.step_context is not None:
             self._reads.setdefault(context.step_context.step.key, {})[name] = as_of
-        context.add_input_metadata({"persist/as_of": dg.MetadataValue.int(as_of), lineage.COLLECTION: name})
+        if sel is None or len(sel.keys) == 1:  # Dagster attaches input metadata to one partition
+            context.add_input_metadata({"persist/as_of": dg.MetadataValue.int(as_of), lineage.COLLECTION: name})
         return from_arrow(table, context.dagster_type.typing_type, where)
 
     def _as_of(
