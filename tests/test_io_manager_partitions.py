@@ -190,3 +190,38 @@ def test_multi_partitions_map_each_dimension_to_a_column(persist: PersistResourc
     assert sorted((x["day"], x["color"], x["n"]) for x in rows) == [
         ("2026-01-01", "blue", 1), ("2026-01-01", "red", 2), ("2026-01-02", "red", 1)
     ]
+
+
+def test_a_write_that_lost_the_race_recomputes_its_partition(persist: PersistResource, instance: dg.DagsterInstance) -> None:
+    """Deterministic interleaving: between computing its updates and committing them, a
+    write of partition 2026-01-02 sees another run commit partition 2026-01-01. Its
+    compare-and-append loses; it recomputes against the new contents and lands, and
+    the other partition's rows stay."""
+    @dg.asset(key_prefix=["part"], name="interleaved", partitions_def=daily,
+              metadata={"persist/key": ["day", "id"], "persist/partition_column": "day"})
+    def interleaved(context: dg.AssetExecutionContext) -> pa.Table:
+        return _table(_day_rows(context.partition_key, 4, "p"))
+
+    other = PersistIOManager(persist=persist)
+    assert dg.materialize([interleaved], partition_key="2026-01-03", resources={"io_manager": other}, instance=instance).success
+
+    class Interleaving(PersistIOManager):
+        def create_io_manager(self, context: dg.InitResourceContext) -> Any:
+            impl = super().create_io_manager(context)
+            fired: list[bool] = []
+
+            def concurrent_write() -> None:
+                if not fired:
+                    fired.append(True)
+                    res = dg.materialize([interleaved], partition_key="2026-01-01", resources={"io_manager": other}, instance=instance)
+                    assert res.success
+
+            impl.before_commit = concurrent_write
+            return impl
+
+    res = dg.materialize([interleaved], partition_key="2026-01-02", resources={"io_manager": Interleaving(persist=persist)}, instance=instance)
+    assert res.success
+    (ev,) = [e for e in res.get_asset_materialization_events()]
+    assert ev.materialization.metadata["persist/attempts"].value == 2
+    got = _contents(persist, "part.interleaved")
+    assert got == sorted((r["day"].isoformat(), r["id"], r["v"]) for k in ("2026-01-01", "2026-01-02", "2026-01-03") for r in _day_rows(k, 4, "p"))

@@ -9,6 +9,7 @@ concurrent one recomputes its updates against the new contents and tries again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import dagster as dg
@@ -75,6 +76,9 @@ class PersistIOManagerImpl(dg.IOManager):
         self.prefix = prefix
         self.ledger_name = ledger
         self._reads: dict[str, dict[str, int]] = {}  # step key -> {input collection: time read}
+        # Called between computing a write's updates and committing them (tests interleave a
+        # concurrent write there, deterministically).
+        self.before_commit: Callable[[], None] | None = None
 
     # ----- output --------------------------------------------------------------------
 
@@ -140,7 +144,7 @@ class PersistIOManagerImpl(dg.IOManager):
     ) -> tuple[LandedWrite, dict[str, int]]:
         with ctl.open_writer(name) as w, ctl.acquire_read_handle(name) as r:
             upper = 0
-            for _ in range(MAX_ATTEMPTS):
+            for attempt in range(1, MAX_ATTEMPTS + 1):
                 u = w.upper.time
                 assert u is not None
                 upper = u
@@ -157,6 +161,8 @@ class PersistIOManagerImpl(dg.IOManager):
                 t = max(upper, now_ms())
                 updates = updates.append_column("ts", pa.array([t] * updates.num_rows, pa.int64()))
                 updates = updates.select([*w.schemas.key_names, *w.schemas.val_names, "ts", "diff"])
+                if self.before_commit is not None:
+                    self.before_commit()
                 try:
                     w.compare_and_append(updates, upper, t + 1)
                 except UpperMismatch:
@@ -165,6 +171,7 @@ class PersistIOManagerImpl(dg.IOManager):
                 return LandedWrite(t, t + 1), {
                     "inserted": sum(d for d in diffs if d > 0),
                     "retracted": -sum(d for d in diffs if d < 0),
+                    "attempts": attempt,
                 }
         raise UpperMismatch(name, Antichain([upper]), w.upper)
 
