@@ -23,20 +23,7 @@ from dagster_project.resources import PersistResource
 from persist_lib.errors import InvalidUsage
 
 pytestmark = pytest.mark.dagster
-
-
-@pytest.fixture(scope="module")
-def persist(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PersistResource]:
-    pr = PersistResource(home=str(tmp_path_factory.mktemp("persist")))
-    yield pr
-    pr.close()
-
-
-@pytest.fixture(scope="module")
-def instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dg.DagsterInstance]:
-    """An on-disk instance (SQLite event log under a temp DAGSTER_HOME)."""
-    with dg.instance_for_test(temp_dir=str(tmp_path_factory.mktemp("dagster"))) as inst:
-        yield inst
+pytest_plugins = ["tests.io_manager_fixtures"]
 
 
 def _rows(t: pa.Table) -> list[dict[str, Any]]:

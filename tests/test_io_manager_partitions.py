@@ -7,7 +7,6 @@ dimension to a column, and rows outside the partition are refused."""
 import datetime as dt
 import multiprocessing as mp
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
@@ -18,28 +17,12 @@ from dagster_project.io_manager import PartitionMismatch, PersistIOManager
 from dagster_project.resources import PersistResource
 
 pytestmark = pytest.mark.dagster
+pytest_plugins = ["tests.io_manager_fixtures"]
+
 
 daily = dg.DailyPartitionsDefinition(start_date="2026-01-01", end_date="2026-01-05")
 colors = dg.StaticPartitionsDefinition(["red", "blue"])
 grid = dg.MultiPartitionsDefinition({"day": daily, "color": colors})
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tmp_path_factory.mktemp("persist"))
-
-
-@pytest.fixture(scope="module")
-def persist(home: str) -> Iterator[PersistResource]:
-    pr = PersistResource(home=home)
-    yield pr
-    pr.close()
-
-
-@pytest.fixture(scope="module")
-def instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dg.DagsterInstance]:
-    with dg.instance_for_test(temp_dir=str(tmp_path_factory.mktemp("dagster"))) as inst:
-        yield inst
 
 
 def _day_rows(day: str, n: int, tag: str) -> list[dict[str, Any]]:

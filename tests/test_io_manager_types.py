@@ -3,7 +3,6 @@ LazyFrame, PySpark (pyarrow is covered in test_io_manager.py). Each type is writ
 one asset and read back, as the same type, by a downstream asset of the same run."""
 
 import datetime as dt
-from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
@@ -16,14 +15,7 @@ from dagster_project.io_manager import PersistIOManager
 from dagster_project.resources import PersistResource
 
 pytestmark = pytest.mark.dagster
-pytest_plugins = ["tests.spark_fixtures"]
-
-
-@pytest.fixture(scope="module")
-def persist(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PersistResource]:
-    pr = PersistResource(home=str(tmp_path_factory.mktemp("persist")))
-    yield pr
-    pr.close()
+pytest_plugins = ["tests.spark_fixtures", "tests.io_manager_fixtures"]
 
 
 def _pair(name: str, typ: Any, value: Any, got: dict[str, Any], **md: Any) -> list[dg.AssetsDefinition]:
