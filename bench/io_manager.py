@@ -69,8 +69,8 @@ class TimedPersist(PersistIOManager):
         impl: PersistIOManagerImpl = super().create_io_manager(context)
         t = _Timed("persist")
         handle, load = impl.handle_output, impl.load_input
-        impl.handle_output = lambda c, o: t.time("write", handle, c, o)  # type: ignore[method-assign]
-        impl.load_input = lambda c: t.time("load", load, c)  # type: ignore[method-assign]
+        impl.handle_output = lambda c, o: t.time("write", handle, c, o)  # type: ignore[method-assign,assignment]
+        impl.load_input = lambda c: t.time("load", load, c)  # type: ignore[method-assign,assignment]
         return impl
 
 
