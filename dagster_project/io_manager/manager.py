@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import dagster as dg
+import numpy as np
 import pyarrow as pa
 
 from dagster_project.io_manager import lineage, write_modes
@@ -159,7 +160,7 @@ class PersistIOManagerImpl(dg.IOManager):
                     else:
                         updates = write_modes.upsert(old, new, s.key, s.delete_column)
                 t = max(upper, now_ms())
-                updates = updates.append_column("ts", pa.array([t] * updates.num_rows, pa.int64()))
+                updates = updates.append_column("ts", pa.array(np.full(updates.num_rows, t, dtype=np.int64)))
                 updates = updates.select([*w.schemas.key_names, *w.schemas.val_names, "ts", "diff"])
                 if self.before_commit is not None:
                     self.before_commit()

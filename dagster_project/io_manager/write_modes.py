@@ -17,6 +17,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dagster_project.io_manager.errors import IOManagerConfigError
+from persist_lib.shard.codec import D_COL, T_COL
+from persist_lib.shard.consolidate import consolidate
 
 DIFF = "diff"
 
@@ -41,16 +43,22 @@ def _with_diff(table: pa.Table, d: int) -> pa.Table:
 
 
 def multiset_difference(old: pa.Table, new: pa.Table) -> pa.Table:
-    """``new - old`` as updates: each distinct row once with the change of its count."""
-    both = pa.concat_tables([_with_diff(old, -1), _with_diff(new.select(old.column_names), 1)])
+    """``new - old`` as updates: each distinct row once with the change of its count.
+
+    Computed by persist's own consolidation (``shard.consolidate``: a multi-threaded
+    sort, equal rows' diffs summed, zeros dropped), on the columns renamed to positions
+    so that no user column can be taken for its time or diff column."""
+    names = old.column_names
+    both = pa.concat_tables([_with_diff(old, -1), _with_diff(new.select(names), 1)])
     if both.num_rows == 0:
         return both
-    try:
-        agg = both.group_by(old.column_names, use_threads=False).aggregate([(DIFF, "sum")])
-    except (pa.ArrowNotImplementedError, pa.ArrowTypeError):
-        return both  # nested types: persist's consolidation cancels what is unchanged
-    agg = agg.rename_columns([*old.column_names, DIFF])
-    return agg.filter(pc.not_equal(agg.column(DIFF), 0))
+    if old.num_rows == 0:
+        return both  # nothing to cancel: the batch builder consolidates duplicates
+    positional = [f"c{i}" for i in range(len(names))]
+    internal = both.rename_columns([*positional, D_COL])
+    internal = internal.add_column(len(names), T_COL, pa.array(np.zeros(both.num_rows, dtype=np.int64)))
+    out = consolidate(internal).drop_columns([T_COL])
+    return out.rename_columns([*names, DIFF])
 
 
 def overwrite(old: pa.Table, new: pa.Table) -> pa.Table:
