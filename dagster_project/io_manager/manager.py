@@ -252,3 +252,6 @@ class PersistIOManager(dg.ConfigurableIOManagerFactory):
         if not 1 <= self.num_shards <= 1024:
             raise IOManagerConfigError(f"PersistIOManager.num_shards must be in [1, 1024], got {self.num_shards}")
         return PersistIOManagerImpl(self.persist, self.default_mode, self.num_shards, self.prefix, self.ledger)
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        self.persist.close()  # the controller's holds and the client (reopened on next use)
