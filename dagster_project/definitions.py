@@ -22,7 +22,7 @@ from dagster_project.resources import (
     SparkResource,
     spark_config_from_env,
 )
-from dagster_project.revenue import IO_MANAGER_KEY, REVENUE_ASSETS
+from dagster_project.revenue import IO_MANAGER_KEY, REVENUE_ASSETS, REVENUE_JOBS
 from jobs import JOBS, SCHEDULES
 from sensors import SENSORS
 
@@ -57,7 +57,7 @@ def build_defs(**resources: object) -> dg.Definitions:
         executor=dg.in_process_executor,
         assets=assets,  # type: ignore[arg-type]
         asset_checks=checks,
-        jobs=JOBS,
+        jobs=[*JOBS, *REVENUE_JOBS],
         schedules=SCHEDULES,
         sensors=SENSORS,
         resources=build_resources(**resources),  # type: ignore[arg-type]

@@ -110,3 +110,12 @@ def orders_revenue_trend(daily: pa.Table) -> pa.Table:
 
 
 REVENUE_ASSETS = [orders_daily_revenue, orders_revenue_trend]
+
+#: The demo's jobs: one day of revenue (partitioned), then the trend over every day.
+orders_daily_revenue_job = dg.define_asset_job(
+    "orders_daily_revenue_job", selection=dg.AssetSelection.assets(orders_daily_revenue), partitions_def=daily
+)
+orders_revenue_trend_job = dg.define_asset_job(
+    "orders_revenue_trend_job", selection=dg.AssetSelection.assets(orders_revenue_trend)
+)
+REVENUE_JOBS = [orders_daily_revenue_job, orders_revenue_trend_job]
