@@ -28,3 +28,12 @@ def persist(home: str) -> Iterator[PersistResource]:
 def instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dg.DagsterInstance]:
     with dg.instance_for_test(temp_dir=str(tmp_path_factory.mktemp("dagster"))) as inst:
         yield inst
+
+
+def root_error(e: BaseException) -> BaseException:
+    """The user's exception inside Dagster's wrappers (``user_exception`` / ``__cause__``)."""
+    while True:
+        nxt = getattr(e, "user_exception", None) or e.__cause__
+        if nxt is None:
+            return e
+        e = nxt

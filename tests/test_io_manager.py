@@ -21,6 +21,7 @@ import pytest
 from dagster_project.io_manager import OutputSchemaMismatch, PersistIOManager
 from dagster_project.resources import PersistResource
 from persist_lib.errors import InvalidUsage
+from tests.io_manager_fixtures import root_error
 
 pytestmark = pytest.mark.dagster
 pytest_plugins = ["tests.io_manager_fixtures"]
@@ -273,7 +274,7 @@ def test_bad_configuration_fails_at_once_with_one_line(
 
     with pytest.raises(Exception) as ei:
         dg.materialize([bad], resources={"io_manager": _io(persist, **config)}, instance=instance)
-    err = _root(ei.value)
+    err = root_error(ei.value)
     assert message in str(err) and "\n" not in str(err), str(err)
     assert isinstance(err, InvalidUsage)
     assert "bad.bad" not in persist.controller().list_collections()  # nothing written
@@ -284,16 +285,8 @@ def test_schema_mismatch_is_refused_and_writes_nothing(persist: PersistResource,
     holder["v"] = pa.table({"id": [1], "x": [1.5]})
     with pytest.raises(Exception) as ei:
         dg.materialize([_asset("schema")], resources={"io_manager": _io(persist)}, instance=instance)
-    err = _root(ei.value)
+    err = root_error(ei.value)
     assert isinstance(err, OutputSchemaMismatch), err
     assert "differ from collection 'modes.schema'" in str(err) and "\n" not in str(err)
     with persist.controller().acquire_read_handle("modes.schema") as r:
         assert r.upper.time == t1 + 1
-
-
-def _root(e: BaseException) -> BaseException:
-    while True:
-        nxt = getattr(e, "user_exception", None) or e.__cause__
-        if nxt is None:
-            return e
-        e = nxt

@@ -15,6 +15,7 @@ import pytest
 
 from dagster_project.io_manager import PartitionMismatch, PersistIOManager
 from dagster_project.resources import PersistResource
+from tests.io_manager_fixtures import root_error
 
 pytestmark = pytest.mark.dagster
 pytest_plugins = ["tests.io_manager_fixtures"]
@@ -85,9 +86,7 @@ def test_rows_outside_the_partition_are_refused(persist: PersistResource, instan
 
     with pytest.raises(Exception) as ei:
         dg.materialize([leaky], partition_key="2026-01-03", resources={"io_manager": PersistIOManager(persist=persist)}, instance=instance)
-    e: BaseException = ei.value
-    while getattr(e, "user_exception", None) is not None or e.__cause__ is not None:
-        e = getattr(e, "user_exception", None) or e.__cause__  # type: ignore[assignment]
+    e = root_error(ei.value)
     assert isinstance(e, PartitionMismatch) and "outside partition 2026-01-03" in str(e), e
 
 
@@ -208,3 +207,24 @@ def test_a_write_that_lost_the_race_recomputes_its_partition(persist: PersistRes
     assert ev.materialization.metadata["persist/attempts"].value == 2
     got = _contents(persist, "part.interleaved")
     assert got == sorted((r["day"].isoformat(), r["id"], r["v"]) for k in ("2026-01-01", "2026-01-02", "2026-01-03") for r in _day_rows(k, 4, "p"))
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ({"persist/key": ["day", "id"]}, "the asset is partitioned: add metadata {'persist/partition_column'"),
+        ({"persist/key": ["day", "id"], "persist/partition_column": "nope"}, "partition column 'nope' is not a column"),
+        ({"persist/key": ["day", "id"], "persist/partition_column": 7}, "persist/partition_column must be a column name"),
+    ],
+)
+def test_bad_partition_configuration_fails_with_one_line(
+    persist: PersistResource, instance: dg.DagsterInstance, metadata: dict[str, Any], message: str
+) -> None:
+    @dg.asset(key_prefix=["badpart"], name="p", partitions_def=daily, metadata=metadata)
+    def p(context: dg.AssetExecutionContext) -> pa.Table:
+        return _table(_day_rows(context.partition_key, 1, "x"))
+
+    with pytest.raises(Exception) as ei:
+        dg.materialize([p], partition_key="2026-01-01", resources={"io_manager": PersistIOManager(persist=persist)}, instance=instance)
+    e = root_error(ei.value)
+    assert message in str(e) and "\n" not in str(e), e
