@@ -1,0 +1,84 @@
+"""The write ledger: which write identities already landed, so a retried step never
+writes twice.
+
+A write's identity is ``run id / step key / asset key / partitions``: the same for every
+attempt of one step of one run (a Dagster retry), different for a new run. The ledger is a
+collection of its own (key ``collection``, ``write_id``; value the persist ``time`` the
+write landed at and the collection's ``upper`` after it), appended right after the
+data's commit. Before writing, the I/O manager looks its identity up and, if it landed,
+reports the recorded time instead of writing again.
+
+What it does not cover yet: a process killed between the data commit and the ledger
+append (a window of one small commit). Closing it needs one atomic commit across the
+data and ledger collections: the collection transactions being built (atomic
+multi-shard compare-and-append) make that a single commit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dagster_project.io_manager.collection_setup import ensure_collection
+from persist_lib.errors import UpperMismatch
+from persist_lib.storage import StorageController
+
+LEDGER_KEY = pa.schema([("collection", pa.string()), ("write_id", pa.string())])
+LEDGER_VAL = pa.schema([("time", pa.int64()), ("upper", pa.int64())])
+
+
+@dataclass(frozen=True)
+class LandedWrite:
+    time: int
+    upper: int
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class WriteLedger:
+    def __init__(self, ctl: StorageController, name: str) -> None:
+        self.ctl = ctl
+        self.name = name
+
+    def lookup(self, collection: str, write_id: str) -> LandedWrite | None:
+        if self.name not in self.ctl.list_collections():
+            return None
+        with self.ctl.acquire_read_handle(self.name) as r:
+            upper = r.upper.time
+            if not upper:
+                return None
+            snap = r.snapshot(upper - 1)
+        hit = snap.filter(
+            pc.and_(pc.equal(snap["collection"], collection), pc.equal(snap["write_id"], write_id))
+        )
+        if hit.num_rows == 0:
+            return None
+        return LandedWrite(int(hit["time"][0].as_py()), int(hit["upper"][0].as_py()))
+
+    def record(self, collection: str, write_id: str, landed: LandedWrite) -> None:
+        ensure_collection(self.ctl, self.name, LEDGER_KEY, LEDGER_VAL, 1)
+        row = pa.table(
+            {
+                "collection": [collection],
+                "write_id": [write_id],
+                "time": pa.array([landed.time], pa.int64()),
+                "upper": pa.array([landed.upper], pa.int64()),
+            }
+        )
+        with self.ctl.open_writer(self.name) as w:
+            while True:
+                upper = w.upper.time
+                assert upper is not None
+                t = max(upper, now_ms())
+                ts = row.append_column("ts", pa.array([t], pa.int64()))
+                ts = ts.append_column("diff", pa.array([1], pa.int64()))
+                try:
+                    w.compare_and_append(ts, upper, t + 1)
+                    return
+                except UpperMismatch:
+                    continue
