@@ -25,7 +25,7 @@ def _status(ctl: StorageController, name: str) -> str | None:
 
 def ensure_collection(
     ctl: StorageController, name: str, key: pa.Schema, val: pa.Schema, num_shards: int,
-    *, wait_s: float = READY_WAIT_S,
+    *, transactional: bool = False, wait_s: float = READY_WAIT_S,
 ) -> bool:
     """Creates ``name`` unless it exists; returns whether this call created it."""
     deadline = time.monotonic() + wait_s
@@ -36,7 +36,7 @@ def ensure_collection(
             return False
         if status is None:
             try:
-                ctl.create_collection(name, key, val, num_shards=num_shards)
+                ctl.create_collection(name, key, val, num_shards=num_shards, transactional=transactional)
                 return True
             except InvalidUsage:
                 if _status(ctl, name) is None:

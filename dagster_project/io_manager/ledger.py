@@ -4,14 +4,16 @@ writes twice.
 A write's identity is ``run id / step key / asset key / partitions``: the same for every
 attempt of one step of one run (a Dagster retry), different for a new run. The ledger is a
 collection of its own (key ``collection``, ``write_id``; value the persist ``time`` the
-write landed at and the collection's ``upper`` after it), appended right after the
-data's commit. Before writing, the I/O manager looks its identity up and, if it landed,
-reports the recorded time instead of writing again.
+write landed at and the collection's ``upper`` after it). Before writing, the I/O manager
+looks its identity up and, if it landed, reports the recorded time instead of writing
+again.
 
-What it does not cover yet: a process killed between the data commit and the ledger
-append (a window of one small commit). Closing it needs one atomic commit across the
-data and ledger collections: the collection transactions being built (atomic
-multi-shard compare-and-append) make that a single commit.
+The ledger and the collections the I/O manager creates are transactional: a write and
+its ledger entry are ONE transaction (``atomic_commit.py``), so there is no window in
+which the data landed and the entry did not. A data collection (or a ledger) created
+non-transactional by an earlier version keeps the old two-commit path: the data's
+compare-and-append, then the entry's; a process killed between the two writes again on
+retry (a window of one small commit).
 """
 
 from __future__ import annotations
@@ -60,25 +62,36 @@ class WriteLedger:
             return None
         return LandedWrite(int(hit["time"][0].as_py()), int(hit["upper"][0].as_py()))
 
+    def ensure(self) -> None:
+        """Creates the ledger (transactional) unless it exists."""
+        ensure_collection(self.ctl, self.name, LEDGER_KEY, LEDGER_VAL, 1, transactional=True)
+
     def record(self, collection: str, write_id: str, landed: LandedWrite) -> None:
-        ensure_collection(self.ctl, self.name, LEDGER_KEY, LEDGER_VAL, 1)
-        row = pa.table(
-            {
-                "collection": [collection],
-                "write_id": [write_id],
-                "time": pa.array([landed.time], pa.int64()),
-                "upper": pa.array([landed.upper], pa.int64()),
-            }
-        )
+        """The entry as a commit of its own (the two-commit path of non-transactional
+        collections)."""
+        self.ensure()
         with self.ctl.open_writer(self.name) as w:
             while True:
                 upper = w.upper.time
                 assert upper is not None
                 t = max(upper, now_ms())
-                ts = row.append_column("ts", pa.array([t], pa.int64()))
-                ts = ts.append_column("diff", pa.array([1], pa.int64()))
+                ts = entry(collection, write_id, landed, t)
                 try:
                     w.compare_and_append(ts, upper, t + 1)
                     return
                 except UpperMismatch:
                     continue
+
+
+def entry(collection: str, write_id: str, landed: LandedWrite, at: int) -> pa.Table:
+    """The ledger row of a landed write, as an update at time ``at``."""
+    return pa.table(
+        {
+            "collection": [collection],
+            "write_id": [write_id],
+            "time": pa.array([landed.time], pa.int64()),
+            "upper": pa.array([landed.upper], pa.int64()),
+            "ts": pa.array([at], pa.int64()),
+            "diff": pa.array([1], pa.int64()),
+        }
+    )

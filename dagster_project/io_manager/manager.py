@@ -2,14 +2,17 @@
 
 The asset key names the collection (``a/b/c`` -> ``a.b.c``: the key prefix is the
 namespace); the output's key columns come from ``persist/key``, every other column is
-the value. Each write is one compare-and-append at a new time ``t`` (wall-clock
-milliseconds, never below the collection's upper); a write that lost the race against a
-concurrent one recomputes its updates against the new contents and tries again.
+the value. Each write is one transaction at a new time ``t`` (wall-clock milliseconds,
+never below the collection's or the ledger's upper) holding the data's updates and the
+write's ledger entry, conditional on both uppers (``atomic_commit``); a write that lost
+the race against a concurrent one recomputes its updates against the new contents and
+tries again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import dagster as dg
@@ -17,13 +20,14 @@ import numpy as np
 import pyarrow as pa
 
 from dagster_project.io_manager import lineage, write_modes
+from dagster_project.io_manager.atomic_commit import commit_with_ledger
 from dagster_project.io_manager.collection_setup import ensure_collection
 from dagster_project.io_manager.errors import (
     IOManagerConfigError,
     NoRecordedMaterialization,
     OutputSchemaMismatch,
 )
-from dagster_project.io_manager.ledger import LandedWrite, WriteLedger, now_ms
+from dagster_project.io_manager.ledger import LandedWrite, WriteLedger, entry, now_ms
 from dagster_project.io_manager.partitions import PartitionSelection
 from dagster_project.io_manager.settings import InputSettings, OutputSettings, check_mode
 from dagster_project.io_manager.type_handlers import from_arrow, to_arrow
@@ -32,6 +36,8 @@ from persist_lib.errors import UpperMismatch
 from persist_lib.frontier import Antichain
 from persist_lib.shard.codec import Schemas
 from persist_lib.storage import StorageController
+from persist_lib.storage.reader import CollectionReader
+from persist_lib.storage.writer import CollectionWriter
 
 MAX_ATTEMPTS = 64
 
@@ -106,9 +112,8 @@ class PersistIOManagerImpl(dg.IOManager):
         counts = {"rows": new.num_rows}
         replayed = landed is not None
         if landed is None:
-            landed, changes = self._write(ctl, name, new, settings, sel, where)
+            landed, changes = self._write(ctl, name, new, settings, sel, where, ledger, write_id)
             counts.update(changes)
-            ledger.record(name, write_id, landed)
         else:
             context.log.info(f"{where}: write {write_id} already landed at {landed.time}; not written again")
         reads = self._reads.pop(context.step_key, {})
@@ -129,7 +134,7 @@ class PersistIOManagerImpl(dg.IOManager):
         return ordered, pa.schema([schema.field(c) for c in s.key]), pa.schema([schema.field(c) for c in vals])
 
     def _ensure_collection(self, ctl: StorageController, name: str, key: pa.Schema, val: pa.Schema, shards: int, where: str) -> None:
-        if ensure_collection(ctl, name, key, val, shards):
+        if ensure_collection(ctl, name, key, val, shards, transactional=True):
             return
         with ctl.acquire_read_handle(name) as r:
             recorded = r.schemas
@@ -141,40 +146,69 @@ class PersistIOManagerImpl(dg.IOManager):
 
     def _write(
         self, ctl: StorageController, name: str, new: pa.Table, s: OutputSettings,
-        sel: PartitionSelection | None, where: str,
+        sel: PartitionSelection | None, where: str, ledger: WriteLedger, write_id: str,
     ) -> tuple[LandedWrite, dict[str, int]]:
-        with ctl.open_writer(name) as w, ctl.acquire_read_handle(name) as r:
-            upper = 0
+        """Writes ``new`` and its ledger entry: one transaction when both collections are
+        transactional (``atomic_commit``), else the data's compare-and-append and then the
+        entry's (the old collections' two-commit path, see ``ledger``)."""
+        ledger.ensure()
+        atomic = ctl.is_transactional(name) and ctl.is_transactional(ledger.name)
+        with ExitStack() as stack:
+            w = stack.enter_context(ctl.open_writer(name))
+            r = stack.enter_context(ctl.acquire_read_handle(name))
+            lw = stack.enter_context(ctl.open_writer(ledger.name)) if atomic else None
+            upper = -1
+            updates = new
             for attempt in range(1, MAX_ATTEMPTS + 1):
                 u = w.upper.time
                 assert u is not None
-                upper = u
-                if s.mode == "append":
-                    updates = write_modes.append(new)
-                else:
-                    old = write_modes.expand(r.snapshot(upper - 1)) if upper > 0 else new.slice(0, 0).select(w.schemas.key_names + w.schemas.val_names)
-                    if s.mode == "overwrite":
-                        if sel is not None:
-                            old = old.filter(sel.mask(old, where))
-                        updates = write_modes.overwrite(old, new)
-                    else:
-                        updates = write_modes.upsert(old, new, s.key, s.delete_column)
+                if u != upper:  # the contents moved (or the first attempt): recompute
+                    upper = u
+                    updates = self._updates(w, r, new, s, sel, upper, where)
                 t = max(upper, now_ms())
-                updates = updates.append_column("ts", pa.array(np.full(updates.num_rows, t, dtype=np.int64)))
-                updates = updates.select([*w.schemas.key_names, *w.schemas.val_names, "ts", "diff"])
+                lower_l = 0
+                if lw is not None:
+                    lu = lw.upper.time
+                    assert lu is not None
+                    lower_l, t = lu, max(t, lu)
+                landed = LandedWrite(t, t + 1)
+                timed = updates.append_column("ts", pa.array(np.full(updates.num_rows, t, dtype=np.int64)))
+                timed = timed.select([*w.schemas.key_names, *w.schemas.val_names, "ts", "diff"])
                 if self.before_commit is not None:
                     self.before_commit()
                 try:
-                    w.compare_and_append(updates, upper, t + 1)
+                    if lw is not None:
+                        commit_with_ledger(ctl, w, timed, upper, lw, entry(name, write_id, landed, t), lower_l, t + 1)
+                    else:
+                        w.compare_and_append(timed, upper, t + 1)
                 except UpperMismatch:
-                    continue
-                diffs = updates.column("diff").to_pylist()
-                return LandedWrite(t, t + 1), {
+                    continue  # the data or the ledger moved: nothing was written
+                if lw is None:
+                    ledger.record(name, write_id, landed)  # a second commit: the crash window
+                diffs = timed.column("diff").to_pylist()
+                return landed, {
                     "inserted": sum(d for d in diffs if d > 0),
                     "retracted": -sum(d for d in diffs if d < 0),
                     "attempts": attempt,
                 }
         raise UpperMismatch(name, Antichain([upper]), w.upper)
+
+    def _updates(
+        self, w: CollectionWriter, r: CollectionReader, new: pa.Table, s: OutputSettings,
+        sel: PartitionSelection | None, upper: int, where: str,
+    ) -> pa.Table:
+        """The updates (with ``diff``) that turn the contents as of ``upper - 1`` into the output."""
+        if s.mode == "append":
+            return write_modes.append(new)
+        if upper > 0:
+            old = write_modes.expand(r.snapshot(upper - 1))
+        else:
+            old = new.slice(0, 0).select(w.schemas.key_names + w.schemas.val_names)
+        if s.mode == "overwrite":
+            if sel is not None:
+                old = old.filter(sel.mask(old, where))
+            return write_modes.overwrite(old, new)
+        return write_modes.upsert(old, new, s.key, s.delete_column)
 
     # ----- input ---------------------------------------------------------------------
 
