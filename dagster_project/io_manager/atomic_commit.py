@@ -25,6 +25,16 @@ from persist_lib.storage.writer import CollectionWriter
 from persist_lib.txn.txns import ShardWrite
 
 
+def logical_upper(w: CollectionWriter) -> int:
+    """The collection's upper including committed transactions, with its metadata upper
+    moved there: a committer killed after its commit CAS never advanced the metadata, so
+    readers (``CollectionReader.upper``, snapshots) would not see its write yet."""
+    upper = w.upper
+    assert upper.time is not None, f"collection {w.name} is closed for writes"
+    w.advance_metadata(upper)
+    return upper.time
+
+
 def shard_writes(w: CollectionWriter, updates: pa.Table, lower: int, upper: int) -> list[ShardWrite]:
     """``updates`` (user layout with ``ts`` and ``diff``) as one write per shard of ``w``'s
     collection (an empty batch where no row routes: every shard moves to ``upper``)."""

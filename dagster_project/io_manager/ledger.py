@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dagster_project.io_manager.atomic_commit import logical_upper
 from dagster_project.io_manager.collection_setup import ensure_collection
 from persist_lib.errors import UpperMismatch
 from persist_lib.storage import StorageController
@@ -50,6 +51,9 @@ class WriteLedger:
     def lookup(self, collection: str, write_id: str) -> LandedWrite | None:
         if self.name not in self.ctl.list_collections():
             return None
+        if self.ctl.is_transactional(self.name):
+            with self.ctl.open_writer(self.name) as w:
+                logical_upper(w)  # a killed committer's entry made readable
         with self.ctl.acquire_read_handle(self.name) as r:
             upper = r.upper.time
             if not upper:

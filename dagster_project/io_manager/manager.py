@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from dagster_project.io_manager import lineage, write_modes
-from dagster_project.io_manager.atomic_commit import commit_with_ledger
+from dagster_project.io_manager.atomic_commit import commit_with_ledger, logical_upper
 from dagster_project.io_manager.collection_setup import ensure_collection
 from dagster_project.io_manager.errors import (
     IOManagerConfigError,
@@ -107,14 +107,8 @@ class PersistIOManagerImpl(dg.IOManager):
         write_id = "/".join([context.run_id, context.step_key, key.to_user_string(), parts or ""])
         ctl = self.persist.controller()
         self._ensure_collection(ctl, name, key_schema, val_schema, settings.num_shards, where)
-        ledger = WriteLedger(ctl, self.ledger_name)
-        landed = ledger.lookup(name, write_id)
-        counts = {"rows": new.num_rows}
-        replayed = landed is not None
-        if landed is None:
-            landed, changes = self._write(ctl, name, new, settings, sel, where, ledger, write_id)
-            counts.update(changes)
-        else:
+        landed, counts, replayed = self.store(ctl, name, new, settings, sel, where, write_id)
+        if replayed:
             context.log.info(f"{where}: write {write_id} already landed at {landed.time}; not written again")
         reads = self._reads.pop(context.step_key, {})
         context.add_output_metadata(
@@ -144,6 +138,20 @@ class PersistIOManagerImpl(dg.IOManager):
                 f"{name!r}'s {recorded.describe()}; return the recorded columns and types, or materialize into a new asset key"
             )
 
+    def store(
+        self, ctl: StorageController, name: str, new: pa.Table, s: OutputSettings,
+        sel: PartitionSelection | None, where: str, write_id: str,
+    ) -> tuple[LandedWrite, dict[str, int], bool]:
+        """Writes ``new`` (key and value columns) into existing collection ``name`` unless
+        the ledger holds ``write_id`` already. Returns where it landed, its counts and
+        whether it had landed before (then nothing was written)."""
+        ledger = WriteLedger(ctl, self.ledger_name)
+        landed = ledger.lookup(name, write_id)
+        if landed is not None:
+            return landed, {"rows": new.num_rows}, True
+        landed, changes = self._write(ctl, name, new, s, sel, where, ledger, write_id)
+        return landed, {"rows": new.num_rows, **changes}, False
+
     def _write(
         self, ctl: StorageController, name: str, new: pa.Table, s: OutputSettings,
         sel: PartitionSelection | None, where: str, ledger: WriteLedger, write_id: str,
@@ -160,7 +168,7 @@ class PersistIOManagerImpl(dg.IOManager):
             upper = -1
             updates = new
             for attempt in range(1, MAX_ATTEMPTS + 1):
-                u = w.upper.time
+                u = logical_upper(w) if atomic else w.upper.time
                 assert u is not None
                 if u != upper:  # the contents moved (or the first attempt): recompute
                     upper = u
@@ -168,8 +176,7 @@ class PersistIOManagerImpl(dg.IOManager):
                 t = max(upper, now_ms())
                 lower_l = 0
                 if lw is not None:
-                    lu = lw.upper.time
-                    assert lu is not None
+                    lu = logical_upper(lw)
                     lower_l, t = lu, max(t, lu)
                 landed = LandedWrite(t, t + 1)
                 timed = updates.append_column("ts", pa.array(np.full(updates.num_rows, t, dtype=np.int64)))
