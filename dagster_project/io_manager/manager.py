@@ -277,8 +277,9 @@ class PersistIOManager(dg.ConfigurableIOManagerFactory):
     """Stores asset outputs in persist collections (see ``docs/dagster.md``).
 
     ``default_mode``: the write mode of assets that set no ``persist/mode``;
-    ``num_shards``: shards of the collections it creates (1: every write is one atomic
-    commit); ``prefix``: a namespace put before every asset key; ``ledger``: the
+    ``num_shards``: shards of the collections it creates (default 1; any number up to
+    1024: the collections are transactional, so a write to all shards and its ledger
+    entry is one atomic commit); ``prefix``: a namespace put before every asset key; ``ledger``: the
     collection that records which writes landed (retried steps never write twice).
     """
 
