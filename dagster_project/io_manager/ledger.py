@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from dagster_project.io_manager.atomic_commit import logical_upper
 from dagster_project.io_manager.collection_setup import ensure_collection
@@ -58,10 +57,9 @@ class WriteLedger:
             upper = r.upper.time
             if not upper:
                 return None
-            snap = r.snapshot(upper - 1)
-        hit = snap.filter(
-            pc.and_(pc.equal(snap["collection"], collection), pc.equal(snap["write_id"], write_id))
-        )
+            hit = r.snapshot_batches(
+                upper - 1, filter=[("collection", "==", collection), ("write_id", "==", write_id)]
+            ).read_all()
         if hit.num_rows == 0:
             return None
         return LandedWrite(int(hit["time"][0].as_py()), int(hit["upper"][0].as_py()))

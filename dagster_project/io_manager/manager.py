@@ -75,6 +75,10 @@ def _selection(context: dg.OutputContext | dg.InputContext, columns: dict[str, s
     return PartitionSelection(columns, [{"": k} for k in keys], window)
 
 
+def _column_types(schemas: Schemas) -> dict[str, pa.DataType]:
+    return {f.name: f.type for f in [*schemas.key, *schemas.val]}
+
+
 class PersistIOManagerImpl(dg.IOManager):
     def __init__(self, persist: PersistResource, default_mode: str, num_shards: int, prefix: str, ledger: str) -> None:
         self.persist = persist
@@ -208,7 +212,8 @@ class PersistIOManagerImpl(dg.IOManager):
         if s.mode == "append":
             return write_modes.append(new)
         if upper > 0:
-            old = write_modes.expand(r.snapshot(upper - 1))
+            filt = sel.pushdown(_column_types(w.schemas), where) if sel is not None and s.mode == "overwrite" else None
+            old = write_modes.expand(r.snapshot_batches(upper - 1, filter=filt).read_all())
         else:
             old = new.slice(0, 0).select(w.schemas.key_names + w.schemas.val_names)
         if s.mode == "overwrite":
@@ -233,13 +238,20 @@ class PersistIOManagerImpl(dg.IOManager):
         ctl = self.persist.controller()
         with ctl.acquire_read_handle(name) as r:
             as_of = self._as_of(context, settings, sel, r.upper.time or 0, where)
-            table = write_modes.expand(r.snapshot(as_of))
+            types = _column_types(r.schemas)
+            filt = sel.pushdown(types, where) if sel is not None else None
+            cols = None
+            if settings.columns is not None:
+                bad = [c for c in settings.columns if c not in types]
+                if bad:
+                    raise IOManagerConfigError(f"{where}: columns {bad} are not columns of {name!r} ({list(types)})")
+                cols = list(dict.fromkeys([*settings.columns, *(sel.columns.values() if sel is not None else [])]))
+            # only the parts that can hold the partitions' rows are fetched; only the
+            # asked-for columns (and the partition columns) are returned
+            table = write_modes.expand(r.snapshot_batches(as_of, columns=cols, filter=filt).read_all())
         if sel is not None:
             table = table.filter(sel.mask(table, where))
         if settings.columns is not None:
-            bad = [c for c in settings.columns if c not in table.column_names]
-            if bad:
-                raise IOManagerConfigError(f"{where}: columns {bad} are not columns of {name!r} ({table.column_names})")
             table = table.select(settings.columns)
         if context.has_asset_key and context.step_context is not None:
             self._reads.setdefault(context.step_context.step.key, {})[name] = as_of

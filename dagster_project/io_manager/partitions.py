@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -61,6 +62,28 @@ class PartitionSelection:
                 clause = eq if clause is None else pc.and_(clause, eq)
             out = clause if out is None else pc.or_(out, clause)
         return pc.fill_null(out, False)
+
+    def pushdown(self, types: dict[str, pa.DataType], where: str) -> list[tuple[str, str, Any]]:
+        """A read filter (``snapshot_batches(filter=)``) every row of these partitions
+        satisfies, so parts whose statistics rule it out are never fetched: the window's
+        bounds, or per column ``IN`` the keys (for several dimensions a superset: each
+        dimension's keys; ``mask`` then keeps exactly the partitions' rows)."""
+        for col in self.columns.values():
+            if col not in types:
+                raise IOManagerConfigError(
+                    f"{where}: partition column {col!r} is not a column of the collection ({sorted(types)})"
+                )
+        if self.window is not None:
+            col = self.columns[""]
+            typ = types[col]
+            if pa.types.is_timestamp(typ) or pa.types.is_date(typ):
+                lo, hi = (_temporal_scalar(x, typ) for x in self.window)
+                return [(col, ">=", lo), (col, "<", hi)]
+        out: list[tuple[str, str, Any]] = []
+        for d, c in self.columns.items():
+            keys = sorted({k[d] for k in self.keys})
+            out.append((c, "in", _cast_keys(keys, types[c], where).to_pylist()))
+        return out
 
     def check_owns(self, table: pa.Table, where: str) -> None:
         """Refuses an output with rows outside the partitions being materialized."""
