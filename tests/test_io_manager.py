@@ -160,6 +160,24 @@ def test_four_shard_asset_round_trip_and_overwrite(persist: PersistResource, ins
     assert _rows(seen["src"]) == _rows(big2)
 
 
+def test_an_old_non_transactional_collection_keeps_the_two_commit_path(
+    persist: PersistResource, instance: dg.DagsterInstance
+) -> None:
+    """A collection created before the I/O manager made them transactional is still
+    written: the data, then its ledger entry (two commits)."""
+    ctl = persist.controller()
+    ctl.create_collection("legacy.t", V1.schema.remove(1), V1.schema.remove(0))
+    (t1,) = _versions(persist, instance, _asset("t", **{"persist/mode": "append"}).with_attributes(
+        asset_key_replacements={dg.AssetKey(["modes", "t"]): dg.AssetKey(["legacy", "t"])}
+    ), [V1])
+    ctl = persist.controller()
+    assert not ctl.is_transactional("legacy.t")
+    assert _snapshot(persist, "legacy.t", t1) == _rows(V1)
+    with ctl.acquire_read_handle("dagster_io.writes") as r:
+        entries = r.snapshot((r.upper.time or 1) - 1).to_pylist()
+    assert [e["time"] for e in entries if e["collection"] == "legacy.t"] == [t1]
+
+
 def test_append_adds_every_row(persist: PersistResource, instance: dg.DagsterInstance) -> None:
     t1, t2 = _versions(persist, instance, _asset("ap", **{"persist/mode": "append"}), [V1, V2])
     assert _snapshot(persist, "modes.ap", t1) == _rows(V1)
