@@ -11,11 +11,6 @@ collection exactly once, with one ledger entry, whatever point the kill hit.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -28,49 +23,20 @@ from dagster_project.io_manager.settings import OutputSettings
 from dagster_project.resources import PersistResource
 from persist_lib import PersistClient, PersistConfig
 from persist_lib.storage import StorageController
+from tests.support.kill_at_op import commit_point, phase_points, run_until_stopped
 
 NAME, LEDGER, WRITE_ID = "crash.orders", "dagster_io.writes", "run-1/orders_step/crash/orders/"
 ROWS = pa.table({"id": pa.array(range(30), pa.int64()), "v": [f"r{i}" for i in range(30)]})
 SETTINGS = OutputSettings(["id"], "append", None, {}, 2)
 
-CHILD = textwrap.dedent(
-    """
-    import sys
-    from persist_lib.location.file_blob import FileBlob
-    from persist_lib.location.sqlite_consensus import SqliteConsensus
-    from persist_lib.txn.log import TxnLog
+CHILD = """
     from tests.test_io_manager_crash import open_ctl, store
-    blob, cons, stop_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    counting, ops = [False], [0]
-
-    def durable(cls, name):
-        real = getattr(cls, name)
-        def op(self, *a, **kw):
-            out = real(self, *a, **kw)
-            if counting[0]:
-                ops[0] += 1
-                print("op", ops[0], name, flush=True)
-                if ops[0] == stop_at:
-                    print("stopped", flush=True)
-                    sys.stdin.readline()  # blocks until the parent's kill -9
-            return out
-        setattr(cls, name, op)
-
-    for cls, name in ((FileBlob, "set"), (FileBlob, "delete"),
-                      (SqliteConsensus, "compare_and_set"), (SqliteConsensus, "truncate")):
-        durable(cls, name)
-    real_append = TxnLog.append
-    def marked(self, rows, at):
-        real_append(self, rows, at)
-        print("logcas", "commit" if rows and rows[0][2] == 1 else "tidy", ops[0], flush=True)
-    TxnLog.append = marked
     ctl = open_ctl(blob, cons)
     ctl.list_collections()
     counting[0] = True
     _, _, replayed = store(ctl)
     print("done", ops[0], replayed, flush=True)
     """
-)
 
 
 def open_ctl(blob: str, cons: str) -> StorageController:
@@ -93,25 +59,7 @@ def _location(tmp: Path) -> tuple[str, str]:
 
 
 def _run_child(blob: str, cons: str, stop_at: int) -> list[str]:
-    root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, blob, cons, str(stop_at)], cwd=root, env=env,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    while True:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line.strip())
-        if line.startswith("stopped"):
-            os.kill(proc.pid, signal.SIGKILL)
-            break
-    _, err = proc.communicate()
-    assert "Traceback" not in err, err
-    return lines
+    return run_until_stopped(CHILD, blob, cons, stop_at)
 
 
 def _contents(ctl: StorageController, name: str) -> Counter:
@@ -134,10 +82,7 @@ def _contents(ctl: StorageController, name: str) -> Counter:
 def _calibrate(tmp: Path) -> tuple[int, int]:
     """(ops of a whole store, op index of its commit CAS), from an uncrashed run."""
     blob, cons = _location(tmp)
-    lines = _run_child(blob, cons, 10**9)
-    total = int(next(line for line in lines if line.startswith("done")).split()[1])
-    commit = int(next(line for line in lines if line.startswith("logcas commit")).split()[2])
-    return total, commit
+    return commit_point(_run_child(blob, cons, 10**9))
 
 
 def _kill_then_retry(tmp: Path, stop_at: int) -> bool:
@@ -163,8 +108,7 @@ def _kill_then_retry(tmp: Path, stop_at: int) -> bool:
 
 def test_killed_store_leaves_data_and_ledger_entry_both_or_neither(tmp_path: Path) -> None:
     total, commit = _calibrate(tmp_path / "calibrate")
-    assert commit < total
-    points = sorted({commit - 1, commit, commit + 2, total - 1})
+    points = phase_points(total, commit)
     landed = {p: _kill_then_retry(tmp_path / f"k{p}", p) for p in points}
     assert landed == {p: p >= commit for p in points}, (commit, landed)
 
