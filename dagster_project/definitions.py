@@ -15,12 +15,14 @@ import dagster as dg
 from dagster_aws.s3 import S3Resource
 
 from dagster_project.assets import SOURCE_ASSETS, persist_shard
+from dagster_project.io_manager import PersistIOManager
 from dagster_project.resources import (
     LandingZoneResource,
     PersistResource,
     SparkResource,
     spark_config_from_env,
 )
+from dagster_project.revenue import IO_MANAGER_KEY, REVENUE_ASSETS, REVENUE_JOBS
 from jobs import JOBS, SCHEDULES
 from sensors import SENSORS
 
@@ -32,8 +34,11 @@ def build_resources(
     landing: LandingZoneResource | None = None,
 ) -> dict[str, object]:
     """The resources of the code location (environment defaults, overridable)."""
+    persist = persist or PersistResource()
     return {
-        "persist": persist or PersistResource(),
+        "persist": persist,
+        # Assets of users stored in persist (the demo's revenue assets; docs/dagster.md).
+        IO_MANAGER_KEY: PersistIOManager(persist=persist),
         "spark": spark or SparkResource(spark_config=spark_config_from_env()),
         "landing": landing or LandingZoneResource(s3=S3Resource()),
     }
@@ -41,7 +46,7 @@ def build_resources(
 
 def build_defs(**resources: object) -> dg.Definitions:
     """``Definitions`` with the given resource overrides (tests, scripts)."""
-    assets: list[object] = [persist_shard]
+    assets: list[object] = [persist_shard, *REVENUE_ASSETS]
     checks: list[dg.AssetChecksDefinition] = []
     for sa in SOURCE_ASSETS.values():
         assets += sa.assets()
@@ -52,7 +57,7 @@ def build_defs(**resources: object) -> dg.Definitions:
         executor=dg.in_process_executor,
         assets=assets,  # type: ignore[arg-type]
         asset_checks=checks,
-        jobs=JOBS,
+        jobs=[*JOBS, *REVENUE_JOBS],
         schedules=SCHEDULES,
         sensors=SENSORS,
         resources=build_resources(**resources),  # type: ignore[arg-type]

@@ -233,6 +233,20 @@ class Pipeline:
         if not result.run_requests:
             print(f"   {name}: {result.skip_reason}")
 
+    def revenue(self) -> None:
+        """The I/O manager's demo (dagster_project/revenue.py): today's partition of
+        demo/orders_daily_revenue, then demo/orders_revenue_trend reading it as of the time
+        that materialization recorded."""
+        import datetime as dt
+
+        today = dt.datetime.now(dt.UTC).date().isoformat()
+        day = self.run_job("orders_daily_revenue_job", partition_key=today)
+        trend = self.run_job("orders_revenue_trend_job")
+        for res, key in ((day, "orders_daily_revenue"), (trend, "orders_revenue_trend")):
+            (ev,) = [e for e in res.get_asset_materialization_events() if e.asset_key.path[-1] == key]
+            md = ev.materialization.metadata
+            print(f"   demo.{key}: {md['persist/rows'].value} rows at persist time {md['persist/time'].value}")
+
     def compaction_tick(self) -> None:
         """One tick of the code location's compaction-debt sensor (its own threshold)."""
         name = "compaction_debt_sensor"
@@ -384,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         pipe.ingest_on_arrival()
         pipe.step("3. Asset sensor -> downstream orders_summary")
         pipe.downstream()
+        pipe.step("   PersistIOManager: today's revenue per status, then the trend read as of it")
+        pipe.revenue()
         pipe.step("4. Compaction-debt sensor -> compaction")
         pipe.compact()
         pipe.step("5. Rendition backfill from orders.raw (8 shards) and hand-over")

@@ -13,11 +13,6 @@ leaves nothing registered once its committer's lease lapsed (``recover_orphans``
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 import time
 from collections import Counter
 from pathlib import Path
@@ -30,44 +25,16 @@ from persist_lib.errors import UpperMismatch
 from persist_lib.storage import StorageController
 from persist_lib.txn.log import default_txn_log_shard
 from persist_lib.txn.txns import Txns
+from tests.support.kill_at_op import commit_point, phase_points, run_until_stopped
 
 K = pa.schema([("k", pa.int64())])
 V = pa.schema([("v", pa.string())])
 A = Counter({(k, "A"): 1 for k in range(40)})
 B = Counter({(k, "B"): 1 for k in range(7, 47)})
 
-CHILD = textwrap.dedent(
-    """
-    import sys
+CHILD = """
     from persist_lib import PersistClient, PersistConfig
-    from persist_lib.location.file_blob import FileBlob
-    from persist_lib.location.sqlite_consensus import SqliteConsensus
     from persist_lib.storage import StorageController
-    from persist_lib.txn.log import TxnLog
-    blob, cons, stop_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    counting, ops = [False], [0]
-
-    def durable(cls, name):
-        real = getattr(cls, name)
-        def op(self, *a, **kw):
-            out = real(self, *a, **kw)
-            if counting[0]:
-                ops[0] += 1
-                print("op", ops[0], name, flush=True)
-                if ops[0] == stop_at:
-                    print("stopped", flush=True)
-                    sys.stdin.readline()  # blocks until the parent's kill -9
-            return out
-        setattr(cls, name, op)
-
-    for cls, name in ((FileBlob, "set"), (FileBlob, "delete"),
-                      (SqliteConsensus, "compare_and_set"), (SqliteConsensus, "truncate")):
-        durable(cls, name)
-    real_append = TxnLog.append
-    def marked(self, rows, at):
-        real_append(self, rows, at)
-        print("logcas", "commit" if rows and rows[0][2] == 1 else "tidy", ops[0], flush=True)
-    TxnLog.append = marked
     config = PersistConfig.for_tests(compaction_enabled=False)
     ctl = StorageController(PersistClient.open(blob, cons, config))
     w = ctl.open_writer("c")
@@ -75,7 +42,6 @@ CHILD = textwrap.dedent(
     w.compare_and_append([(((k,), ("A",)), 0, 1) for k in range(40)], 0, 1)
     print("done", ops[0], flush=True)
     """
-)
 
 
 def _location(tmp: Path) -> tuple[str, str]:
@@ -87,23 +53,7 @@ def _location(tmp: Path) -> tuple[str, str]:
 
 
 def _run_child(blob: str, cons: str, stop_at: int) -> list[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, blob, cons, str(stop_at)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    while True:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line.strip())
-        if line.startswith("stopped"):
-            os.kill(proc.pid, signal.SIGKILL)
-            break
-    _, err = proc.communicate()
-    assert "Traceback" not in err, err
-    return lines
+    return run_until_stopped(CHILD, blob, cons, stop_at)
 
 
 def _acc(table: pa.Table) -> Counter:
@@ -116,10 +66,7 @@ def _acc(table: pa.Table) -> Counter:
 def _calibrate(tmp: Path) -> tuple[int, int]:
     """(ops of a whole write, op index of its commit CAS), from an uncrashed run."""
     blob, cons = _location(tmp)
-    lines = _run_child(blob, cons, 10**9)
-    total = int(next(line for line in lines if line.startswith("done")).split()[1])
-    commit = int(next(line for line in lines if line.startswith("logcas commit")).split()[2])
-    return total, commit
+    return commit_point(_run_child(blob, cons, 10**9))
 
 
 def _kill_then_second_writer(tmp: Path, stop_at: int) -> str:
@@ -163,10 +110,7 @@ def _kill_then_second_writer(tmp: Path, stop_at: int) -> str:
 
 def test_kill_at_each_phase_of_a_four_shard_transaction(tmp_path: Path) -> None:
     total, commit = _calibrate(tmp_path / "calibrate")
-    assert commit < total
-    # before the commit (registrations, uploads), the commit CAS itself, between the
-    # applies, the tidy
-    points = sorted({commit - 1, commit, commit + 2, total - 1})
+    points = phase_points(total, commit)
     outcomes = {p: _kill_then_second_writer(tmp_path / f"k{p}", p) for p in points}
     assert outcomes[commit] == "A" and outcomes[commit - 1] == "B", outcomes
 

@@ -1,0 +1,25 @@
+"""A Dagster I/O manager that stores any asset in persist (``PersistIOManager``).
+
+One module per concern: ``settings`` (the ``persist/*`` metadata), ``type_handlers``
+(pyarrow, pandas, polars, PySpark <-> Arrow), ``write_modes`` (overwrite as a diff,
+append, upsert), ``partitions`` (partition key -> rows), ``ledger`` (retried steps never
+write twice), ``lineage`` (materialization metadata, data versions, which time an input
+reads) and ``manager`` (the I/O manager itself).
+"""
+
+from dagster_project.io_manager.errors import (
+    IOManagerConfigError,
+    NoRecordedMaterialization,
+    OutputSchemaMismatch,
+    PartitionMismatch,
+)
+from dagster_project.io_manager.manager import PersistIOManager, collection_name
+
+__all__ = [
+    "IOManagerConfigError",
+    "NoRecordedMaterialization",
+    "OutputSchemaMismatch",
+    "PartitionMismatch",
+    "PersistIOManager",
+    "collection_name",
+]

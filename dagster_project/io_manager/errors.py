@@ -1,0 +1,25 @@
+"""The I/O manager's typed errors (subclasses of persist's ``InvalidUsage``).
+
+Each message is one line naming the asset, what was wrong and how to fix it; nothing is
+written when one is raised.
+"""
+
+from __future__ import annotations
+
+from persist_lib.errors import InvalidUsage, SchemaMismatch
+
+
+class IOManagerConfigError(InvalidUsage):
+    """The I/O manager or an asset's ``persist/*`` metadata is configured wrongly."""
+
+
+class OutputSchemaMismatch(SchemaMismatch):
+    """An output's schema differs from the schemas its collection was created with."""
+
+
+class PartitionMismatch(InvalidUsage):
+    """An output holds rows outside the partition(s) being materialized."""
+
+
+class NoRecordedMaterialization(InvalidUsage):
+    """An input is read as of its upstream's recorded materialization, but none exists."""
