@@ -103,3 +103,6 @@ class OneShotSnapshot(SnapshotReader):
             f"shard {self.shard_id}: a one-shot read has no registered reader (no since, no "
             "lease); open a leased reader for that"
         )
+
+    def __repr__(self) -> str:
+        return f"OneShotSnapshot(shard={self.shard_id})"
