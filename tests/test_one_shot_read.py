@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,7 +17,6 @@ import pytest
 from persist_lib import PersistClient, PersistConfig, ShardId
 from persist_lib.errors import InvalidUsage, SchemaMismatch, SincePassed
 from persist_lib.handles import maintenance as mn
-from persist_lib.location.base import Blob, BlobMetadata
 from persist_lib.location.file_blob import FileBlob
 from persist_lib.location.sqlite_consensus import SqliteConsensus
 from persist_lib.shard.machine import clear_state_cache
@@ -27,12 +26,12 @@ VAL = pa.schema([("v", pa.string())])
 CFG = {"blob_target_size": 4096, "inline_threshold": 0, "rollup_interval": 8, "compaction_enabled": False}
 
 
-class HookBlob(Blob):
+class HookBlob(FileBlob):
     """A real ``FileBlob`` that runs ``hook`` once, before the first fetch of a part
     (a key other than a rollup's): the moment a read has picked its state version."""
 
-    def __init__(self, inner: Blob) -> None:
-        self.inner = inner
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
         self.hook: Callable[[], None] | None = None
         self._lock = threading.Lock()
 
@@ -42,19 +41,7 @@ class HookBlob(Blob):
                 hook, self.hook = self.hook, None
                 if hook is not None:
                     hook()
-        return self.inner.get(key)
-
-    def set(self, key: str, value: bytes) -> None:
-        self.inner.set(key, value)
-
-    def delete(self, key: str) -> int | None:
-        return self.inner.delete(key)
-
-    def list_keys_and_metadata(self, prefix: str) -> Iterator[BlobMetadata]:
-        return self.inner.list_keys_and_metadata(prefix)
-
-    def close(self) -> None:
-        self.inner.close()
+        return super().get(key)
 
 
 def contents(table: pa.Table) -> dict[tuple[int, str], int]:
@@ -65,7 +52,7 @@ def contents(table: pa.Table) -> dict[tuple[int, str], int]:
 
 
 def client_on(d: Path) -> tuple[PersistClient, HookBlob]:
-    blob = HookBlob(FileBlob(d / "blob"))
+    blob = HookBlob(d / "blob")
     cons = SqliteConsensus(d / "consensus.db")
     return PersistClient(blob, cons, PersistConfig.for_tests(**CFG)), blob
 
