@@ -35,6 +35,7 @@ __all__ = [
     "PersistError",
     "SchemaMismatch",
     "ShardTombstoned",
+    "SincePassed",
     "StateFormatTooNew",
     "Timeout",
     "UpperMismatch",
@@ -52,6 +53,14 @@ class LeaseExpired(InvalidUsage):
 
 class ShardTombstoned(InvalidUsage):
     """The shard was finalized (its since and upper are empty): it can't be opened."""
+
+
+class SincePassed(InvalidUsage):
+    """A read without a registered reader (``PersistClient.snapshot``) asked for a time
+    before the shard's since, or the since moved past it while the read ran and the parts
+    it needed were compacted away and collected: history before the since is no longer
+    kept. Read as of a time at or after the since, or hold the since with a leased reader
+    (``open_leased_reader``) or a critical since handle while reading old times."""
 
 
 class InvalidUri(InvalidUsage):

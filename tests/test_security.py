@@ -442,6 +442,15 @@ def _txns(x: _World) -> Any:
     return t
 
 
+def _one_shot(x: _World) -> list[Any]:
+    """A one-shot snapshot reader (``PersistClient.snapshot`` builds one per call)."""
+    from persist_lib.handles.one_shot import ONE_SHOT_READER, OneShotSnapshot
+    from persist_lib.shard.codec import Schemas
+
+    m = x.client.machine(x.shard)
+    return [OneShotSnapshot(x.client, m, ONE_SHOT_READER, Schemas.create(KEY, VAL), "one-shot snapshot")]
+
+
 def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
     """How to build each credential-holding class on a hostile world."""
     from persist_lib.handles.maintenance import BackgroundCompactor
@@ -501,6 +510,7 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
         # (the layers ReadHandle is built from: the same object)
         "persist_lib.handles.leased_reader.LeasedReader": lambda x: [x.r],
         "persist_lib.handles.snapshot.SnapshotReader": lambda x: [x.r],
+        "persist_lib.handles.one_shot.OneShotSnapshot": _one_shot,
         "persist_lib.shard.machine.Machine": lambda x: [x.client.machine(x.shard)],
         "persist_lib.handles.splits.SnapshotSplit": lambda x: _splits(x, "snapshot"),
         "persist_lib.handles.splits.RangeSplit": lambda x: _splits(x, "range"),

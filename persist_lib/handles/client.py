@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ from typing import Any
 import pyarrow as pa
 
 from persist_lib.config import PersistConfig
-from persist_lib.errors import InvalidUsage, LeaseExpired
+from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned
+from persist_lib.handles.one_shot import ONE_SHOT_READER, OneShotSnapshot
 from persist_lib.handles.read import ReadHandle
 from persist_lib.handles.since import SinceHandle
 from persist_lib.handles.write import WriteHandle
@@ -250,6 +252,50 @@ class PersistClient:
         r = ReadHandle(self, m, rid, schemas, purpose)
         self._track(r)
         return r
+
+    def snapshot(
+        self,
+        shard: ShardLike,
+        key_schema: pa.Schema,
+        val_schema: pa.Schema,
+        as_of: int,
+        timeout_s: float | None = None,
+        *,
+        memory_budget: int | None = None,
+        columns: Sequence[str] | None = None,
+        filter: Any = None,
+    ) -> pa.Table:
+        """One snapshot of an existing shard as of ``as_of``, without registering a reader.
+
+        The same rows as ``open_leased_reader(...).snapshot(as_of, ...)`` followed by
+        ``expire()``, without their two consensus writes: nothing is written, so a read
+        of an old time by a new client costs the state load and the parts
+        (``handles.one_shot`` argues why it can't return wrong rows). ``as_of`` before
+        the shard's since, or the since passing it while the read runs and the parts it
+        needed being collected, is ``SincePassed`` (nothing returned): hold the since
+        with a leased reader to read old times reliably under compaction and GC.
+        A shard that does not exist is an ``InvalidUsage`` (this never creates one);
+        schemas other than the recorded ones a ``SchemaMismatch``.
+        """
+        schemas = Schemas.create(key_schema, val_schema)
+        m = self.machine(shard)
+        s = m.cached()
+        if not s.exists:
+            s = m.fetch_latest()
+        if not s.exists:
+            raise InvalidUsage(
+                f"shard {m.shard_id} does not exist at {self!r}; a snapshot never creates one "
+                "(open it with a writer first, or check the shard id and the location)"
+            )
+        if s.tombstone:
+            raise ShardTombstoned(
+                f"shard {m.shard_id} was finalized and is a tombstone: it can't be read"
+            )
+        tr.check_schemas(s, schemas)
+        reader = OneShotSnapshot(self, m, ONE_SHOT_READER, schemas, "one-shot snapshot")
+        return reader.read(
+            as_of, timeout_s, memory_budget=memory_budget, columns=columns, filter=filter
+        )
 
     def open_critical_since(
         self,

@@ -235,9 +235,7 @@ class LeasedReader:
             with ThreadPoolExecutor(max_workers=self._client.config.fetch_parallelism) as ex:
                 return list(ex.map(one, parts))
         except BlobNotFound:
-            # A missing blob we were entitled to read means our lease lapsed (expiry
-            # dropped our seqno hold and GC ran); anything else is a real loss.
-            self._me(self._machine.fetch_latest())
+            self._blob_missing()
             raise
 
     def _guard_missing(self, it: Iterator[pa.Table]) -> Iterator[pa.Table]:
@@ -246,8 +244,15 @@ class LeasedReader:
         try:
             yield from it
         except BlobNotFound:
-            self._me(self._machine.fetch_latest())
+            self._blob_missing()
             raise
+
+    def _blob_missing(self) -> None:
+        """A part this read was entitled to fetch is gone. For a leased reader that means
+        its lease lapsed (expiry dropped its seqno hold and GC ran): ``LeaseExpired``;
+        otherwise it returns and the ``BlobNotFound`` propagates (a real loss). A read
+        without a lease (``handles.one_shot``) decides differently."""
+        self._me(self._machine.fetch_latest())
 
     def _read_budget(self, memory_budget: int | None) -> int:
         b = self._client.config.read_memory_budget if memory_budget is None else memory_budget

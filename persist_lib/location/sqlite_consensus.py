@@ -37,11 +37,26 @@ Why it looks the way it does (research/reliability.md section 5):
   (1 ms doubling to 50 ms) until ``busy_timeout_ms`` has passed since the first
   attempt (a retry's statements wait at most what is left); the error then says how
   long and how many attempts it tried.
+- **Closing keeps a few connections idle for reuse** (``_IdlePool``). Closing the last
+  connection of a WAL database checkpoints the WAL into the file (an fsync under
+  ``synchronous=FULL``) and deletes the WAL and its shared-memory index, which the next
+  open creates again: a client that opens, reads or writes once and closes (a cold
+  read, a CLI command) paid that every time (docs/benchmarks.md, issue 28). ``close()``
+  hands this process's idle connections (no transaction open) to a small process-wide
+  pool instead (at most ``IDLE_MAX`` in all, the oldest closed first); the next
+  ``SqliteConsensus`` of the same file and settings takes one instead of connecting. A
+  pooled connection is reused only by the process that opened it and only while the
+  path is still the same file (device and inode checked): a database deleted and
+  created again under the same name is connected afresh. An idle connection holds no
+  transaction, so it blocks no reader, writer or checkpoint of any process; it only
+  defers the last-close checkpoint, which happens at process exit (``atexit``) or when
+  the pool evicts it, and any process that opens the file recovers a WAL left behind.
 - Never put the file on a network filesystem (WAL needs shared memory).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import sqlite3
@@ -106,6 +121,82 @@ def _write_lock(path: str) -> threading.Lock:
 
 _INSTANCES: weakref.WeakSet[SqliteConsensus] = weakref.WeakSet()
 
+#: Idle connections kept for reuse by later instances, process-wide (module docstring).
+IDLE_MAX = 8
+
+
+class _IdlePool:
+    """Idle, initialised connections of closed instances, newest last, keyed by
+    ``(path, synchronous, busy_timeout_ms)`` and the file's ``(st_dev, st_ino)``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: list[tuple[tuple[str, str, int], tuple[int, int], int, sqlite3.Connection]] = []
+        # Connections a forked child inherited: never used nor closed there (closing
+        # one would run the parent's last-close logic on a file the parent still uses).
+        self.inherited: list[sqlite3.Connection] = []
+
+    def put(self, key: tuple[str, str, int], conn: sqlite3.Connection) -> None:
+        ident = _file_identity(key[0])
+        if ident is None or conn.in_transaction:
+            _close_quietly(conn)
+            return
+        with self.lock:
+            self.entries.append((key, ident, os.getpid(), conn))
+            evicted = self.entries[:-IDLE_MAX] if len(self.entries) > IDLE_MAX else []
+            del self.entries[: len(evicted)]
+        for _, _, _, c in evicted:
+            _close_quietly(c)
+
+    def take(self, key: tuple[str, str, int]) -> sqlite3.Connection | None:
+        ident = _file_identity(key[0])
+        stale: list[sqlite3.Connection] = []
+        found: sqlite3.Connection | None = None
+        with self.lock:
+            for i in range(len(self.entries) - 1, -1, -1):
+                k, fid, pid, c = self.entries[i]
+                if k != key or pid != os.getpid():
+                    continue
+                del self.entries[i]
+                if fid == ident:
+                    found = c
+                    break
+                stale.append(c)  # the name now points at another file
+        for c in stale:
+            _close_quietly(c)
+        return found
+
+    def close_all(self) -> None:
+        with self.lock:
+            entries, self.entries = self.entries, []
+        for _, _, pid, c in entries:
+            if pid == os.getpid():
+                _close_quietly(c)
+
+    def reset_in_child(self) -> None:
+        self.lock = threading.Lock()
+        self.inherited.extend(c for _, _, _, c in self.entries)
+        self.entries = []
+
+
+def _file_identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _close_quietly(conn: sqlite3.Connection) -> None:
+    try:
+        conn.close()
+    except sqlite3.Error:
+        pass
+
+
+_IDLE = _IdlePool()
+atexit.register(_IDLE.close_all)
+
 
 def _reset_locks_in_child() -> None:
     """After ``fork``, in the child: a write lock (or an instance's connection-list lock)
@@ -115,6 +206,7 @@ def _reset_locks_in_child() -> None:
     global _WRITE_LOCKS, _WRITE_LOCKS_GUARD
     _WRITE_LOCKS = {}
     _WRITE_LOCKS_GUARD = threading.Lock()
+    _IDLE.reset_in_child()
     for c in list(_INSTANCES):
         c._lock = threading.Lock()
         c._write = _write_lock(c.path)
@@ -197,6 +289,9 @@ class SqliteConsensus(Consensus):
     def _open_connection(self) -> sqlite3.Connection:
         """A new, initialised connection; the initialisation is retried while the file
         is busy, for up to ``busy_timeout_ms`` in all (see the module docstring)."""
+        pooled = _IDLE.take(self._pool_key())
+        if pooled is not None:
+            return pooled
         start = time.monotonic()
         budget_s = self.busy_timeout_ms / 1000.0
         timeout_s = budget_s  # the busy wait of each statement of this attempt
@@ -253,17 +348,19 @@ class SqliteConsensus(Consensus):
             "holds the write lock)"
         )
 
+    def _pool_key(self) -> tuple[str, str, int]:
+        return self.path, self.synchronous, self.busy_timeout_ms
+
     def close(self) -> None:
+        """Releases this instance's connections: idle ones go to the process's pool for
+        the next instance on this file (module docstring), the rest are closed."""
         with self._lock:
             conns, self._conns = self._conns, []
             self._closed = True
         for pid, _, c in conns:
             if pid != os.getpid():
                 continue
-            try:
-                c.close()
-            except sqlite3.Error:
-                pass
+            _IDLE.put(self._pool_key(), c)
 
     def _error(
         self,

@@ -53,6 +53,12 @@ def _check_schemas(state: ShardState, schemas: Schemas, changes: dict[str, Any])
         )
 
 
+def check_schemas(state: ShardState, schemas: Schemas) -> None:
+    """``SchemaMismatch`` unless ``schemas`` are the ones recorded in ``state`` (a state
+    without recorded schemas accepts any): for reads that register nothing."""
+    _check_schemas(state, schemas, {})
+
+
 def _require_writer(state: ShardState, writer_id: str) -> WriterState:
     _check_not_tombstone(state)
     w = state.writers.get(writer_id)
