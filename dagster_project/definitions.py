@@ -32,13 +32,15 @@ def build_resources(
     persist: PersistResource | None = None,
     spark: SparkResource | None = None,
     landing: LandingZoneResource | None = None,
+    persist_io: PersistIOManager | None = None,
 ) -> dict[str, object]:
-    """The resources of the code location (environment defaults, overridable)."""
+    """The resources of the code location (environment defaults, overridable; the keys
+    are the resource keys, so ``build_defs(**build_resources(...))`` round-trips)."""
     persist = persist or PersistResource()
     return {
         "persist": persist,
         # Assets of users stored in persist (the demo's revenue assets; docs/dagster.md).
-        IO_MANAGER_KEY: PersistIOManager(persist=persist),
+        IO_MANAGER_KEY: persist_io or PersistIOManager(persist=persist),
         "spark": spark or SparkResource(spark_config=spark_config_from_env()),
         "landing": landing or LandingZoneResource(s3=S3Resource()),
     }
