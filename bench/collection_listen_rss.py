@@ -52,8 +52,7 @@ MiB = 1 << 20
 
 CHILD = textwrap.dedent(
     """
-    import json, sys, time, threading
-    import psutil
+    import json, sys, time
     import pyarrow as pa
     import pyarrow.compute as pc
     from persist_lib import PersistClient, PersistConfig
@@ -75,16 +74,9 @@ CHILD = textwrap.dedent(
     warm.handover("w", to="r1", at=1)
     wl = warm.acquire_read_handle("w").listen(0, memory_budget=1 << 20)
     wl.read_until(2)
-    proc = psutil.Process()
-    baseline = proc.memory_info().rss
-    peak = [baseline]
-    done = threading.Event()
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.005)
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
+    from bench.rss import RssPeak, vm_hwm
+    rss = RssPeak().start()
+    baseline = rss.baseline
     ctl = StorageController(PersistClient.open(blob, cons, PersistConfig.for_tests(read_memory_budget=budget)))
     reader = ctl.acquire_read_handle("c")
     t0 = time.perf_counter()
@@ -109,11 +101,11 @@ CHILD = textwrap.dedent(
         rows = out.num_rows
         del both, out
     secs = time.perf_counter() - t0
-    done.set(); th.join()
+    rss.stop()
     reader.expire()
     print(json.dumps({
-        "rows": rows, "seconds": secs, "baseline_rss": baseline, "peak_rss_sampled": peak[0],
-        "vm_hwm": [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0],
+        "rows": rows, "seconds": secs, "baseline_rss": baseline, "peak_rss_sampled": rss.peak,
+        "vm_hwm": vm_hwm(),
         "stats": stats, "arrow_pool": pa.default_memory_pool().backend_name,
     }))
     """

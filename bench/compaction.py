@@ -267,8 +267,7 @@ def gc_held_reader() -> dict[str, Any]:
 
 CHILD = textwrap.dedent(
     """
-    import json, sys, time, threading
-    import psutil
+    import json, sys, time
     import os
     if os.environ.get("PERSIST_BENCH_ENTRY_POINT"):  # what the persist CLI and Dagster do
         from persist_lib.allocator import configure_bounded_allocator
@@ -285,26 +284,19 @@ CHILD = textwrap.dedent(
     for t in range(3):
         w.compare_and_append([(((i,), (i,)), t, 1) for i in range(2000)], t, t + 1)
     mn.compact(warm, ws)
-    proc = psutil.Process()
-    baseline = proc.memory_info().rss
-    peak = [baseline]
-    done = threading.Event()
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.005)
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
+    from bench.rss import RssPeak, vm_hwm
+    rss = RssPeak().start()
+    baseline = rss.baseline
     client = PersistClient.open(blob, cons, cfg)
     t0 = time.perf_counter()
     res = mn.compact(client, shard)
     secs = time.perf_counter() - t0
-    done.set(); th.join()
+    rss.stop()
     print(json.dumps({
-        "baseline_rss": baseline, "peak_rss_sampled": peak[0],
+        "baseline_rss": baseline, "peak_rss_sampled": rss.peak,
         # VmHWM: this process's own high-water mark (ru_maxrss would include the
         # parent's, inherited across fork+exec on Linux).
-        "vm_hwm": [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0],
+        "vm_hwm": vm_hwm(),
         "compact": res, "seconds": secs,
         "arrow_pool": pa.default_memory_pool().backend_name,
         "arrow_pool_max_memory": pa.default_memory_pool().max_memory(),

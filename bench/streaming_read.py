@@ -54,8 +54,7 @@ MiB = 1 << 20
 
 CHILD = textwrap.dedent(
     """
-    import json, sys, time, threading
-    import psutil
+    import json, sys, time
     import pyarrow as pa
     from persist_lib import PersistClient, PersistConfig, ShardId
     blob, cons, shard, as_of, budget, mode = (
@@ -72,16 +71,9 @@ CHILD = textwrap.dedent(
         for _ in s:
             pass
     wr.snapshot(2)
-    proc = psutil.Process()
-    baseline = proc.memory_info().rss
-    peak = [baseline]
-    done = threading.Event()
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.005)
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
+    from bench.rss import RssPeak, vm_hwm
+    rss = RssPeak().start()
+    baseline = rss.baseline
     client = PersistClient.open(blob, cons, cfg)
     r = client.open_leased_reader(shard, K, V)
     t0 = time.perf_counter()
@@ -102,12 +94,12 @@ CHILD = textwrap.dedent(
         rows, batches = t.num_rows, 1
         del t
     secs = time.perf_counter() - t0
-    done.set(); th.join()
+    rss.stop()
     r.expire()
     print(json.dumps({
         "rows": rows, "batches": batches, "seconds": secs,
-        "baseline_rss": baseline, "peak_rss_sampled": peak[0],
-        "vm_hwm": [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0],
+        "baseline_rss": baseline, "peak_rss_sampled": rss.peak,
+        "vm_hwm": vm_hwm(),
         "stats": stats,
         "arrow_pool": pa.default_memory_pool().backend_name,
         "arrow_pool_max_memory": pa.default_memory_pool().max_memory(),
