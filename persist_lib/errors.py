@@ -27,6 +27,7 @@ __all__ = [
     "Indeterminate",
     "InvalidBlobKey",
     "InvalidUri",
+    "IncompatibleSchemaChange",
     "InvalidUsage",
     "InvalidUtf8",
     "InvalidUtf8InPart",
@@ -36,6 +37,7 @@ __all__ = [
     "SchemaMismatch",
     "ShardTombstoned",
     "SincePassed",
+    "StaleSchema",
     "StateFormatTooNew",
     "Timeout",
     "UpperMismatch",
@@ -45,6 +47,24 @@ __all__ = [
 
 class SchemaMismatch(InvalidUsage):
     """A shard was opened with schemas other than the ones recorded in its state."""
+
+
+class StaleSchema(SchemaMismatch):
+    """A shard's (or collection's) schemas evolved past the version a handle was opened
+    with: a writer under an older version is refused (nothing written), and a reader
+    meets parts of a version it does not know. Reopen the handle with the current
+    schemas (``persist schema show``). ``current_version`` is the version now in force."""
+
+    def __init__(self, message: str, *, current_version: int | None = None) -> None:
+        self.current_version = current_version
+        super().__init__(message)
+
+
+class IncompatibleSchemaChange(InvalidUsage):
+    """A schema change that can't be made in place (a key column changed, a type
+    narrowed or changed kind, a new column not nullable, a reordered or re-used column):
+    nothing was changed. Build a new rendition with the new schemas instead (rebuild it
+    from the raw collection, then hand over to it)."""
 
 
 class LeaseExpired(InvalidUsage):

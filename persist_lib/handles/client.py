@@ -31,6 +31,7 @@ from persist_lib.config import PersistConfig
 from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned
 from persist_lib.handles.one_shot import ONE_SHOT_READER, OneShotSnapshot
 from persist_lib.handles.read import ReadHandle
+from persist_lib.handles.schema_evolve import evolve_shard_schemas
 from persist_lib.handles.since import SinceHandle
 from persist_lib.handles.write import WriteHandle
 from persist_lib.ids import CriticalReaderId, ReaderId, ShardId, WriterId
@@ -42,6 +43,7 @@ from persist_lib.shard.codec import Schemas
 from persist_lib.shard.context import Lease
 from persist_lib.shard.machine import Machine, MachineMetrics, describe_state
 from persist_lib.shard.metrics import PersistMetrics, serve_if_configured
+from persist_lib.shard.schema_registry import EvolveResult, with_history
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +227,7 @@ class PersistClient:
         m = self.machine(shard)
         wid, rid = str(WriterId.new()), str(ReaderId.new())
         self._register(m, schemas, wid, rid, purpose)
+        schemas = with_history(m.cached(), schemas)  # with the versions old parts need
         w = WriteHandle(self, m, wid, schemas, purpose)
         r = ReadHandle(self, m, rid, schemas, purpose)
         self._track(w)
@@ -238,6 +241,7 @@ class PersistClient:
         m = self.machine(shard)
         wid = str(WriterId.new())
         self._register(m, schemas, wid, None, purpose)
+        schemas = with_history(m.cached(), schemas)
         w = WriteHandle(self, m, wid, schemas, purpose)
         self._track(w)
         return w
@@ -249,6 +253,7 @@ class PersistClient:
         m = self.machine(shard)
         rid = str(ReaderId.new())
         self._register(m, schemas, None, rid, purpose)
+        schemas = with_history(m.cached(), schemas)
         r = ReadHandle(self, m, rid, schemas, purpose)
         self._track(r)
         return r
@@ -292,6 +297,7 @@ class PersistClient:
                 f"shard {m.shard_id} was finalized and is a tombstone: it can't be read"
             )
         tr.check_schemas(s, schemas)
+        schemas = with_history(s, schemas)
         reader = OneShotSnapshot(self, m, ONE_SHOT_READER, schemas, "one-shot snapshot")
         return reader.read(
             as_of, timeout_s, memory_budget=memory_budget, columns=columns, filter=filter
@@ -321,6 +327,22 @@ class PersistClient:
             ),
         )
         return SinceHandle(m, rid, schemas)
+
+    def compare_and_evolve_schema(
+        self,
+        shard: ShardLike,
+        expected: tuple[pa.Schema, pa.Schema],
+        new: tuple[pa.Schema, pa.Schema],
+    ) -> EvolveResult:
+        """Evolves the shard's (key, value) schemas from ``expected`` to ``new`` in one
+        compare-and-set: the compatibility check and the change commit together
+        (docs/architecture.md, "Schema evolution"). ``MISMATCH`` (nothing changed) when
+        the shard's schemas are not ``expected``; ``IncompatibleSchemaChange`` when
+        ``new`` can't be an in-place change. Handles opened before it keep their version:
+        writes through them are refused (``StaleSchema``); reopen them."""
+        return evolve_shard_schemas(
+            self.machine(shard), Schemas.create(*expected), Schemas.create(*new)
+        )
 
     def _register(
         self, m: Machine, schemas: Schemas, wid: str | None, rid: str | None, purpose: str

@@ -329,6 +329,7 @@ class WriteHandle:
                 return tr.compare_and_append(
                     s, now, writer_id=self.writer_id, batch=b, token=token,
                     inline_max_total=cfg.inline_max_total, release_writer=release,
+                    schemas=self.schemas,
                 )
 
             res, state = self._machine.apply("compare_and_append", caa, progress)

@@ -128,9 +128,27 @@ class Schemas:
 
     key: pa.Schema
     val: pa.Schema
+    # The shard's earlier schema versions, oldest first (version ids 0, 1, ...; these
+    # schemas are version ``len(history)``): parts written under them are migrated on
+    # read (``shard.migrate``). Not part of equality or the fingerprint.
+    history: tuple[Schemas, ...] = ()
 
     def __post_init__(self) -> None:
         _validate_schemas(self.key, self.val)
+
+    @property
+    def version(self) -> int:
+        """This version's id in the shard's schema registry (0 before any evolution)."""
+        return len(self.history)
+
+    def for_fingerprint(self, fp: str) -> Schemas | None:
+        """The version (these schemas or an earlier one) whose fingerprint is ``fp``."""
+        if fp == self.fingerprint():
+            return self
+        for h in self.history:
+            if h.fingerprint() == fp:
+                return h
+        return None
 
     @classmethod
     def create(cls, key_schema: pa.Schema, val_schema: pa.Schema | None = None) -> Schemas:
@@ -168,11 +186,15 @@ class Schemas:
         return fp
 
     def to_json(self) -> dict[str, Any]:
-        """Both schemas as base64 Arrow IPC (round-trips metadata and nested types)."""
-        return {
+        """Both schemas as base64 Arrow IPC (round-trips metadata and nested types);
+        with ``versions`` (the earlier versions, oldest first) once the schemas evolved."""
+        out: dict[str, Any] = {
             "key": base64.b64encode(self.key.serialize().to_pybytes()).decode("ascii"),
             "val": base64.b64encode(self.val.serialize().to_pybytes()).decode("ascii"),
         }
+        if self.history:
+            out["versions"] = [h.to_json() for h in self.history]
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Schemas:
@@ -181,8 +203,10 @@ class Schemas:
         equal inputs give the same immutable object."""
         try:
             k, v = d["key"], d["val"]
-            hit = _FROM_JSON.get((k, v)) if isinstance(k, str) and isinstance(v, str) else None
-        except (KeyError, TypeError) as e:
+            past = d.get("versions") or ()
+            memo_key = (k, v, tuple((h["key"], h["val"]) for h in past))
+            hit = _FROM_JSON.get(memo_key) if isinstance(k, str) and isinstance(v, str) else None
+        except (KeyError, TypeError, AttributeError) as e:
             raise InvalidUsage(f"cannot decode schemas from {str(d)[:200]!r}: {e}") from e
         if hit is not None:
             return hit
@@ -191,12 +215,13 @@ class Schemas:
             val = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(v)))
         except (KeyError, TypeError, ValueError, pa.ArrowException) as e:
             raise InvalidUsage(f"cannot decode schemas from {str(d)[:200]!r}: {e}") from e
-        out = cls(key, val)
+        history = tuple(cls.from_json({"key": h["key"], "val": h["val"]}) for h in past)
+        out = cls(key, val, history)
         if isinstance(k, str) and isinstance(v, str):
             with _FROM_JSON_LOCK:
                 if len(_FROM_JSON) >= _FROM_JSON_MAX:
                     _FROM_JSON.pop(next(iter(_FROM_JSON)))  # oldest first
-                _FROM_JSON[(k, v)] = out
+                _FROM_JSON[memo_key] = out
         return out
 
     @property
@@ -208,8 +233,8 @@ class Schemas:
         return list(self.val.names)
 
 
-# Schemas.from_json's memo: (key b64, val b64) -> Schemas, oldest evicted first.
-_FROM_JSON: dict[tuple[str, str], Schemas] = {}
+# Schemas.from_json's memo: (key b64, val b64, earlier versions) -> Schemas, oldest evicted first.
+_FROM_JSON: dict[tuple[str, str, tuple[tuple[str, str], ...]], Schemas] = {}
 _FROM_JSON_MAX = 256
 _FROM_JSON_LOCK = threading.Lock()
 

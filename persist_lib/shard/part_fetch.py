@@ -22,6 +22,7 @@ from persist_lib.errors import BlobNotFound, CorruptionError
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import D_COL, T_COL, Schemas, internal_schema
+from persist_lib.shard.migrate import migrate, writing_schemas
 from persist_lib.shard.parts import (
     FORMAT_VERSION,
     META_FORMAT,
@@ -168,8 +169,11 @@ def _raw_to_internal(raw: pa.Table, schemas: Schemas, target: pa.Schema, shard: 
     return table
 
 
-def _open_verified(data: bytes, part: PartMeta, schemas: Schemas, shard: str) -> pq.ParquetFile:
-    """Verifies a part's bytes (size and SHA-256) and its Parquet metadata, then opens it."""
+def _open_verified(
+    data: bytes, part: PartMeta, reader: Schemas, shard: str
+) -> tuple[pq.ParquetFile, Schemas]:
+    """Verifies a part's bytes (size and SHA-256) and its Parquet metadata, then opens
+    it; also returns the schema version (``reader`` or an earlier one) it was written under."""
     key = part.location
     verify_part_bytes(data, expected_sha256=part.sha256, expected_size=part.size, shard=shard, key=key)
     try:
@@ -179,12 +183,11 @@ def _open_verified(data: bytes, part: PartMeta, schemas: Schemas, shard: str) ->
         raise _corrupt(shard, key, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
     if meta.get(META_FORMAT) != FORMAT_VERSION.encode():
         raise _corrupt(shard, key, f"unknown part format {meta.get(META_FORMAT)!r}")
-    if meta.get(META_SCHEMAS) != schemas.fingerprint().encode():
-        raise _corrupt(shard, key, f"part was written for other schemas than {schemas.describe()}")
+    schemas = writing_schemas(reader, meta.get(META_SCHEMAS), shard=shard, key=key)
     expected_cols = ["k", "v", T_COL, D_COL] if len(schemas.val) else ["k", T_COL, D_COL]
     if pf.schema_arrow.names != expected_cols:
         raise _corrupt(shard, key, f"columns {pf.schema_arrow.names}, expected {expected_cols}")
-    return pf
+    return pf, schemas
 
 
 def decode_whole(
@@ -197,11 +200,11 @@ def decode_whole(
     ``use_threads``: decode columns in parallel (Arrow's pool), for a part decoded
     while nothing else is (a ~1 MB part: 1.7x faster).
     """
-    pf = _open_verified(data, part, schemas, shard)
+    pf, written = _open_verified(data, part, schemas, shard)
     try:
         raw = pf.read(use_threads=use_threads)
     except Exception as e:
         raise _corrupt(shard, part.location, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
-    table = _raw_to_internal(raw, schemas, internal_schema(schemas), shard, part.location)
-    check_part_strings(table, schemas, shard, part.location)  # (never merged into a new part)
-    return table
+    table = _raw_to_internal(raw, written, internal_schema(written), shard, part.location)
+    check_part_strings(table, written, shard, part.location)  # (never merged into a new part)
+    return migrate(table, written, schemas)  # an earlier version's part: to the reader's layout

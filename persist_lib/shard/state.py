@@ -35,9 +35,21 @@ from persist_lib.shard.batch_meta import HollowBatch
 
 # 1.1: quarantined_merges. 2.0: parts may be unsorted (``PartMeta.sorted``): code that
 # assumes every part sorted must not read such a state, hence a major version.
-FORMAT_MAJOR = 2
-# 2.1: parts may carry ``decoded`` (their Arrow size as written); 2.0 code ignores it
-FORMAT_MINOR = 1
+# 2.1: parts may carry ``decoded`` (their Arrow size as written); 2.0 code ignores it.
+# 3.0: the schemas evolved (``schemas`` carries earlier ``versions``): parts may be of an
+# earlier version, which 2.x code would take for corrupt. Only such a state is written
+# as 3.0; a shard whose schemas never changed keeps writing 2.1, byte for byte as before.
+FORMAT_MAJOR = 3
+FORMAT_MINOR = 0
+FORMAT_UNEVOLVED = (2, 1)
+
+
+def state_format(state: ShardState) -> list[int]:
+    """The format a state is encoded in: 3.0 once its schemas evolved, else 2.1."""
+    sch = state.schemas
+    if sch is not None and sch.get("versions"):
+        return [FORMAT_MAJOR, FORMAT_MINOR]
+    return list(FORMAT_UNEVOLVED)
 CODE_VERSION = "0.1.0"
 
 
@@ -292,7 +304,7 @@ class ShardState:
 
     def to_rollup_json(self) -> dict[str, Any]:
         return {
-            "format": [FORMAT_MAJOR, FORMAT_MINOR],
+            "format": state_format(self),
             "kind": "rollup",
             "scalars": self._scalars_json(),
             "maps": {
@@ -412,7 +424,7 @@ def encode_diff(old: ShardState, new: ShardState) -> bytes:
             maps[name] = {"set": set_, "del": dels}
     lr = new.latest_rollup()
     doc = {
-        "format": [FORMAT_MAJOR, FORMAT_MINOR],
+        "format": state_format(new),
         "kind": "diff",
         "prev": old.seqno,
         "rollup": [lr[0], lr[1].key] if lr else None,

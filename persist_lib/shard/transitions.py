@@ -14,7 +14,13 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
-from persist_lib.errors import InvalidUsage, LeaseExpired, SchemaMismatch, ShardTombstoned
+from persist_lib.errors import (
+    InvalidUsage,
+    LeaseExpired,
+    SchemaMismatch,
+    ShardTombstoned,
+    StaleSchema,
+)
 from persist_lib.frontier import Antichain
 from persist_lib.shard.batch_meta import HollowBatch
 from persist_lib.shard.codec import Schemas
@@ -46,11 +52,25 @@ def _check_schemas(state: ShardState, schemas: Schemas, changes: dict[str, Any])
         return
     recorded = Schemas.from_json(state.schemas)
     if recorded != schemas:
+        if any(h == schemas for h in recorded.history):
+            raise stale_schema(state.shard_id, recorded, schemas)
         raise SchemaMismatch(
             f"shard {state.shard_id} was created with schemas {recorded.describe()} but was "
             f"opened with {schemas.describe()}; open it with the recorded schemas (or write "
             "to a new shard)"
         )
+
+
+def stale_schema(shard: str, recorded: Schemas, schemas: Schemas) -> StaleSchema:
+    """The error for a handle of an earlier version of ``recorded`` (the shard's current)."""
+    old = next((i for i, h in enumerate(recorded.history) if h == schemas), None)
+    was = f"version {old}" if old is not None else "an earlier version"
+    return StaleSchema(
+        f"shard {shard}: its schemas evolved to version {recorded.version} "
+        f"({recorded.describe()}); this handle uses {was} ({schemas.describe()}). Nothing was "
+        "written: reopen with the current schemas (`persist schema show`)",
+        current_version=recorded.version,
+    )
 
 
 def check_schemas(state: ShardState, schemas: Schemas) -> None:
@@ -244,8 +264,13 @@ def compare_and_append(
     token: str,
     inline_max_total: int = DEFAULT_INLINE_MAX_TOTAL,
     release_writer: str | None = None,
+    schemas: Schemas | None = None,
 ) -> Result:
     """Appends ``batch`` iff the shard upper equals ``batch.lower``.
+
+    ``schemas`` (a write handle's): refused with ``StaleSchema`` unless they are the
+    shard's current schemas (it evolved since the handle was opened). Without it (a
+    committed transaction being applied) the batch is linked whatever its version.
 
     ``release_writer`` (a part writer whose parts the batch links, e.g. a Spark job's)
     is unregistered by the same state change when the append applies.
@@ -258,6 +283,10 @@ def compare_and_append(
     w = _require_writer(state, writer_id)
     if w.most_recent_write_token == token:
         return None, CaaResult(CaaOutcome.ALREADY_COMMITTED, state.upper)
+    if schemas is not None and state.schemas is not None:
+        recorded = Schemas.from_json(state.schemas)
+        if recorded.history and recorded.fingerprint() != schemas.fingerprint():
+            raise stale_schema(state.shard_id, recorded, schemas)
     if state.upper != batch.lower:
         return None, CaaResult(CaaOutcome.UPPER_MISMATCH, state.upper)
     if batch.upper < batch.lower:

@@ -1,0 +1,34 @@
+"""Evolving a shard's schemas through a client (``PersistClient.compare_and_evolve_schema``).
+
+The transition and its rules are ``shard.schema_registry`` and ``shard.schema_compat``;
+this runs it through the shard's machine: one compare-and-set that checks and records
+the change together, re-run against fresh state if another change landed first.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from persist_lib.errors import InvalidUsage
+from persist_lib.shard.codec import Schemas
+from persist_lib.shard.schema_registry import EvolveResult, compare_and_evolve
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persist_lib.shard.machine import Machine
+
+
+def evolve_shard_schemas(machine: Machine, expected: Schemas, new: Schemas) -> EvolveResult:
+    """Moves the shard's schemas from ``expected`` to ``new`` in one CAS (see
+    ``compare_and_evolve``); a shard that does not exist is an ``InvalidUsage``."""
+    state = machine.cached()
+    if not state.exists:
+        state = machine.fetch_latest()
+    if not state.exists:
+        raise InvalidUsage(
+            f"shard {machine.shard_id} does not exist; evolving schemas never creates one"
+        )
+    res, _ = machine.apply(
+        "compare_and_evolve_schema",
+        lambda s, now: compare_and_evolve(s, now, expected=expected, new=new),
+    )
+    return res
