@@ -143,6 +143,7 @@ def _load_plugins() -> None:
         "persist_lib.cli.metrics",
         "persist_lib.cli.insert",
         "persist_lib.cli.txns",
+        "persist_lib.cli.schema",
     ):
         try:
             importlib.import_module(mod)

@@ -28,10 +28,10 @@ from typing import Any
 import pyarrow as pa
 
 from persist_lib.config import PersistConfig
-from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned
+from persist_lib.errors import InvalidUsage, LeaseExpired, SchemaMismatch, ShardTombstoned
 from persist_lib.handles.one_shot import ONE_SHOT_READER, OneShotSnapshot
 from persist_lib.handles.read import ReadHandle
-from persist_lib.handles.schema_evolve import evolve_shard_schemas
+from persist_lib.handles.schema_evolve import evolve_shard_schemas, retry_fresh
 from persist_lib.handles.since import SinceHandle
 from persist_lib.handles.write import WriteHandle
 from persist_lib.ids import CriticalReaderId, ReaderId, ShardId, WriterId
@@ -296,7 +296,11 @@ class PersistClient:
             raise ShardTombstoned(
                 f"shard {m.shard_id} was finalized and is a tombstone: it can't be read"
             )
-        tr.check_schemas(s, schemas)
+        try:
+            tr.check_schemas(s, schemas)
+        except SchemaMismatch:  # the cached state may predate an evolution elsewhere
+            s = m.fetch_latest()
+            tr.check_schemas(s, schemas)
         schemas = with_history(s, schemas)
         reader = OneShotSnapshot(self, m, ONE_SHOT_READER, schemas, "one-shot snapshot")
         return reader.read(
@@ -320,10 +324,14 @@ class PersistClient:
         schemas = Schemas.create(key_schema, val_schema)
         rid = str(CriticalReaderId(reader_id)) if reader_id else str(CriticalReaderId.new())
         m = self.machine(shard)
-        m.apply(
-            "register_critical_reader",
-            lambda s, now: tr.register_critical_reader(
-                s, now, schemas=schemas, reader_id=rid, initial_opaque=initial_opaque, purpose=purpose
+        retry_fresh(
+            m,
+            lambda: m.apply(
+                "register_critical_reader",
+                lambda s, now: tr.register_critical_reader(
+                    s, now, schemas=schemas, reader_id=rid, initial_opaque=initial_opaque,
+                    purpose=purpose,
+                ),
             ),
         )
         return SinceHandle(m, rid, schemas)
@@ -348,11 +356,14 @@ class PersistClient:
         self, m: Machine, schemas: Schemas, wid: str | None, rid: str | None, purpose: str
     ) -> None:
         cfg = self.config
-        m.apply(
-            "register",
-            lambda s, now: tr.register(
-                s, now, schemas=schemas, writer_id=wid, writer_lease_ms=cfg.writer_lease_ms,
-                reader_id=rid, reader_lease_ms=cfg.reader_lease_ms, purpose=purpose,
+        retry_fresh(
+            m,
+            lambda: m.apply(
+                "register",
+                lambda s, now: tr.register(
+                    s, now, schemas=schemas, writer_id=wid, writer_lease_ms=cfg.writer_lease_ms,
+                    reader_id=rid, reader_lease_ms=cfg.reader_lease_ms, purpose=purpose,
+                ),
             ),
         )
 

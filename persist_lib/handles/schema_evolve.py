@@ -7,9 +7,10 @@ the change together, re-run against fresh state if another change landed first.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
-from persist_lib.errors import InvalidUsage
+from persist_lib.errors import InvalidUsage, SchemaMismatch
 from persist_lib.shard.codec import Schemas
 from persist_lib.shard.schema_registry import EvolveResult, compare_and_evolve
 
@@ -32,3 +33,17 @@ def evolve_shard_schemas(machine: Machine, expected: Schemas, new: Schemas) -> E
         lambda s, now: compare_and_evolve(s, now, expected=expected, new=new),
     )
     return res
+
+
+R = TypeVar("R")
+
+
+def retry_fresh(machine: Machine, fn: Callable[[], R]) -> R:
+    """``fn()`` (a transition that checks schemas), once more against the latest state
+    when it raised ``SchemaMismatch`` on a cached one: another process may have evolved
+    the shard's schemas since this process cached its state."""
+    try:
+        return fn()
+    except SchemaMismatch:
+        machine.fetch_latest()
+        return fn()

@@ -285,7 +285,8 @@ def compare_and_append(
         return None, CaaResult(CaaOutcome.ALREADY_COMMITTED, state.upper)
     if schemas is not None and state.schemas is not None:
         recorded = Schemas.from_json(state.schemas)
-        if recorded.history and recorded.fingerprint() != schemas.fingerprint():
+        # (schemas newer than this state, a stale cached one: the CAS fails and re-runs)
+        if recorded.history and any(h == schemas for h in recorded.history):
             raise stale_schema(state.shard_id, recorded, schemas)
     if state.upper != batch.lower:
         return None, CaaResult(CaaOutcome.UPPER_MISMATCH, state.upper)

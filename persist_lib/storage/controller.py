@@ -54,6 +54,14 @@ from persist_lib.storage.metadata import (
 )
 from persist_lib.storage.readable import readable_since
 from persist_lib.storage.reader import CollectionDeleted, CollectionReader
+from persist_lib.storage.schema_evolution import (
+    EVOLVING,
+    collection_schemas,
+    evolve_collection,
+    finish_evolution,
+    schema_info,
+    settle,
+)
 from persist_lib.storage.status import rendition_status
 from persist_lib.storage.transactions import Transaction
 from persist_lib.storage.writer import CollectionWriter
@@ -245,7 +253,7 @@ class StorageController:
     def open_writer(self, name: str, rendition: str | None = None) -> CollectionWriter:
         """A writer for ``rendition`` (default: the rendition active at the metadata upper)."""
         self._check_writable("open_writer")
-        spec = self._spec(name)
+        spec = settle(self, name, self._spec(name))
         r = rendition if rendition is not None else self._active_rendition_at_upper(name)
         info = spec["renditions"].get(r)
         if info is None or info["status"] != "ready":
@@ -329,11 +337,22 @@ class StorageController:
         return self.describe(name)
 
     def acquire_read_handle(self, name: str) -> CollectionReader:
-        spec = self._spec(name)
+        spec = settle(self, name, self._spec(name))
         r = self.client.open_leased_reader(
             spec["metadata_shard"], METADATA_KEY, METADATA_VAL, purpose=f"storage-reader:{name}"
         )
         return CollectionReader(self, name, self._schemas(spec), r)
+
+    def evolve_schema(self, name: str, key_schema: pa.Schema, val_schema: pa.Schema) -> dict[str, Any]:
+        """Evolves the collection's schemas in place (add a nullable value field, widen
+        one, drop one) in its catalog entry and every shard, crash-safe
+        (``storage/schema_evolution.py``); ``IncompatibleSchemaChange`` with nothing
+        changed for anything else (build a new rendition with the new schemas instead)."""
+        return evolve_collection(self, name, key_schema, val_schema)
+
+    def schema(self, name: str) -> dict[str, Any]:
+        """The collection's schema version, its schemas and every earlier version."""
+        return schema_info(self._spec(name))
 
     def allow_compaction(self, name: str, since: FrontierLike) -> None:
         """Lets the controller's holds on the collection advance to ``since``.
@@ -434,6 +453,7 @@ class StorageController:
         return {
             "name": name,
             "schemas": self._schemas(spec).describe(),
+            "schema_version": collection_schemas(spec).version,
             "metadata_shard": meta,
             "metadata_since": ms.since.elements,
             "metadata_upper": ms.upper.elements,
@@ -466,6 +486,9 @@ class StorageController:
                         report["renditions_rolled_back"].append(f"{name}/{r}")
                     elif info["status"] == "dropping":
                         self._drop_rendition(name, r)
+                if spec.get(EVOLVING) is not None:  # an evolution a crash interrupted
+                    finish_evolution(self, name, self._spec(name))
+                    report.setdefault("schema_evolutions_finished", []).append(name)
                 self._reconcile_handovers(name)
         return report
 

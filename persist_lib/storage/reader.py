@@ -19,7 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned
+from persist_lib.errors import InvalidUsage, LeaseExpired, ShardTombstoned, StaleSchema
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
 from persist_lib.handles.batch_stream import BatchStream
 from persist_lib.handles.pushdown import ReadPushdown
@@ -293,6 +293,14 @@ class CollectionReader:
         rs = self._renditions.get(rendition)
         if rs is None:
             rs = self._ctl._open_rendition_readers(self.name, rendition)
+            if any(r.schemas != self.schemas for r in rs):  # evolved since this handle opened
+                for r in rs:
+                    r.expire()
+                raise StaleSchema(
+                    f"collection {self.name}: its schemas evolved to {rs[0].schemas.describe()} "
+                    f"after this reader was opened with {self.schemas.describe()}; nothing was "
+                    "read. Open a new reader (ctl.acquire_read_handle)"
+                )
             since = self._meta.since
             for r in rs:
                 if r.since < since:
