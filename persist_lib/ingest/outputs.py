@@ -392,7 +392,10 @@ class StorageOutputs:
 
     def open(self, role: str, key_schema: pa.Schema, val_schema: pa.Schema) -> Output:
         cname = collection_name(self.name, role)
-        ensure_collection(self.ctl, cname, key_schema, val_schema, self.num_shards)
+        ensure_collection(
+            self.ctl, cname, key_schema, val_schema, self.num_shards,
+            rendition=None if role == "raw" else self.rendition,
+        )
         # The raw collection doesn't depend on the decoding logic: it is never rebuilt,
         # so it is always written in its active rendition.
         return CollectionOutput(self.ctl, cname, role, None if role == "raw" else self.rendition)
@@ -402,14 +405,20 @@ class StorageOutputs:
 
 
 def ensure_collection(
-    ctl: Any, name: str, key_schema: pa.Schema, val_schema: pa.Schema, num_shards: int
+    ctl: Any, name: str, key_schema: pa.Schema, val_schema: pa.Schema, num_shards: int,
+    *, rendition: str | None = None,
 ) -> None:
-    """Creates collection ``name`` unless it exists (then its schemas must match)."""
+    """Creates collection ``name`` unless it exists (then its schemas, or those of
+    ``rendition`` when given and it exists, must match)."""
     want = Schemas.create(key_schema, val_schema)
     for _ in range(3):
         if name in ctl.list_collections():
-            have = ctl.describe(name)["schemas"]
+            d = ctl.describe(name)
+            have = d["renditions"].get(rendition, d)["schemas"] if rendition else d["schemas"]
             if have != want.describe():
+                from persist_lib.ingest.schema_follow import check_not_evolved
+
+                check_not_evolved(ctl, name, want)
                 raise IngestConfigError(
                     f"collection {name!r} exists with schemas {have}, but the ingestion writes "
                     f"{want.describe()}; use another ingestion name or a new collection for the new "

@@ -253,7 +253,10 @@ def rebuild_rendition(
     for r in roles:
         cname = collection_name(name, r)
         if rendition not in ctl.describe(cname)["renditions"]:
-            ctl.create_rendition(cname, rendition, num_shards)
+            # Data and state take the rebuild's schemas (a schema change that can't be
+            # made in place is rebuilt this way); the errors collection's never change.
+            schemas = {"key_schema": key_schema, "val_schema": val_schema} if r in ("data", "state") else {}
+            ctl.create_rendition(cname, rendition, num_shards, **schemas)
     return rebuild_from_raw(
         client, name, key_schema, val_schema,
         outputs=StorageOutputs(ctl, name, num_shards=num_shards, rendition=rendition),

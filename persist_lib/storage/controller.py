@@ -59,7 +59,9 @@ from persist_lib.storage.schema_evolution import (
     collection_schemas,
     evolve_collection,
     finish_evolution,
+    rendition_schemas,
     schema_info,
+    schemas_after_handover,
     settle,
 )
 from persist_lib.storage.status import rendition_status
@@ -217,12 +219,33 @@ class StorageController:
         self.catalog.update(done)
         return self.describe(name)
 
-    def create_rendition(self, name: str, rendition: str, num_shards: int) -> dict[str, Any]:
-        """Adds a rendition (empty shards) that a backfill can fill before a handover."""
+    def create_rendition(
+        self,
+        name: str,
+        rendition: str,
+        num_shards: int,
+        *,
+        key_schema: pa.Schema | None = None,
+        val_schema: pa.Schema | None = None,
+    ) -> dict[str, Any]:
+        """Adds a rendition (empty shards) that a backfill can fill before a handover.
+
+        ``key_schema``/``val_schema``: the rendition's own schemas (default: the
+        collection's), for a change that can't be made in place (``evolve_schema``
+        refuses it): rebuild the rendition under them, then a handover to it makes them
+        the collection's (``storage/schema_evolution.py``)."""
         self._check_writable("create_rendition")
         _check_name("rendition", rendition)
         self._check_num_shards(num_shards)
         shards = [str(ShardId.new()) for _ in range(num_shards)]
+        own = None
+        if key_schema is not None or val_schema is not None:
+            cur = self._schemas(self._spec(name))
+            mine = Schemas.create(
+                key_schema if key_schema is not None else cur.key,
+                val_schema if val_schema is not None else cur.val,
+            )
+            own = None if mine == cur else mine.to_json()
 
         def intent(cat: Catalog) -> dict[str, Spec | None]:
             spec = cat.get(name)
@@ -232,10 +255,12 @@ class StorageController:
                 raise InvalidUsage(f"collection {name!r} already has a rendition {rendition!r}")
             rs = dict(spec["renditions"])
             rs[rendition] = {"shards": shards, "status": "creating", "created_ms": _now()}
+            if own is not None:
+                rs[rendition]["schemas"] = own
             return {name: dict(spec, renditions=rs)}
 
         cat = self.catalog.update(intent)
-        schemas = self._schemas(cat[name])
+        schemas = rendition_schemas(cat[name], rendition)
         for s in shards:
             self._create_shard(s, schemas.key, schemas.val)
         if cat[name].get("transactional"):
@@ -261,7 +286,7 @@ class StorageController:
                 f"collection {name!r} has no rendition {r!r}; renditions: "
                 f"{sorted(k for k, v in spec['renditions'].items() if v['status'] == 'ready')}"
             )
-        schemas = self._schemas(spec)
+        schemas = rendition_schemas(spec, r)
         meta_purpose = f"storage:{name}"
         if spec.get("transactional"):
             mw = self.client.open_writer(spec["metadata_shard"], METADATA_KEY, METADATA_VAL, purpose=meta_purpose)
@@ -363,15 +388,15 @@ class StorageController:
         self._check_writable("allow_compaction")
         target = as_frontier(since, "since")
         spec = self._spec(name)
-        schemas = self._schemas(spec)
         meta = spec["metadata_shard"]
         self._downgrade_critical(meta, METADATA_KEY, METADATA_VAL, target)
         self._sync_own_reader(name, meta)
         meta_since = self.client.machine(meta).fetch_latest().since
         cap = min(target, meta_since)
-        for info in spec["renditions"].values():
+        for r, info in spec["renditions"].items():
             if info["status"] != "ready":
                 continue
+            schemas = rendition_schemas(spec, r)
             for s in info["shards"]:
                 self._downgrade_critical(s, schemas.key, schemas.val, cap)
 
@@ -439,6 +464,7 @@ class StorageController:
             states = [self.client.machine(s).fetch_latest() for s in info["shards"]]
             live = [s for s in states if s.exists and not s.tombstone]
             renditions[r] = {
+                "schemas": rendition_schemas(spec, r).describe(),
                 "status": rendition_status(info, active=r == active),
                 "active": r == active,
                 "num_shards": len(info["shards"]),
@@ -681,7 +707,7 @@ class StorageController:
         info = spec["renditions"].get(rendition)
         if info is None:
             raise CollectionDeleted(f"collection {name!r}: rendition {rendition!r} no longer exists")
-        schemas = self._schemas(spec)
+        schemas = rendition_schemas(spec, rendition)
         return [
             self.client.open_leased_reader(s, schemas.key, schemas.val, purpose=f"storage-reader:{name}/{rendition}")
             for s in info["shards"]
@@ -699,7 +725,8 @@ class StorageController:
             rs[h.old] = dict(info, retired_at=h.at)
             if h.new in rs and rs[h.new].get("retired_at") is not None and rs[h.new]["retired_at"] <= h.at:
                 rs[h.new] = {k: v for k, v in rs[h.new].items() if k != "retired_at"}
-            return {name: dict(spec, renditions=rs)}
+            spec = dict(spec, renditions=rs)
+            return {name: schemas_after_handover(spec, h.new) or spec}
 
         self.catalog.update(fn)
 

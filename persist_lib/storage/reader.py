@@ -297,9 +297,12 @@ class CollectionReader:
                 for r in rs:
                     r.expire()
                 raise StaleSchema(
-                    f"collection {self.name}: its schemas evolved to {rs[0].schemas.describe()} "
-                    f"after this reader was opened with {self.schemas.describe()}; nothing was "
-                    "read. Open a new reader (ctl.acquire_read_handle)"
+                    f"collection {self.name}: rendition {rendition!r} has schemas "
+                    f"{rs[0].schemas.describe()}, this reader reads {self.schemas.describe()}; "
+                    "nothing was read. Either the collection's schemas evolved after the reader "
+                    "was opened (open a new one: ctl.acquire_read_handle), or the time lies "
+                    "before a handover to a rendition rebuilt with other schemas (times before "
+                    "it are read through that rendition's shards, with its schemas)"
                 )
             since = self._meta.since
             for r in rs:

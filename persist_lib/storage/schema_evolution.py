@@ -62,6 +62,41 @@ def collection_schemas(spec: Spec) -> Schemas:
     return Schemas.from_json(spec["schemas"])
 
 
+# ----- renditions with schemas of their own (the rebuild path) ---------------------------
+#
+# A change that can't be made in place goes through a new rendition created with the new
+# schemas (``create_rendition(..., key_schema=, val_schema=)``): its catalog entry records
+# them (``schemas``), its shards are created with them, a backfill (e.g. a rebuild from
+# the raw collection) writes under them, and a handover to it makes them the collection's
+# schemas. The renditions it replaces keep theirs (pinned in their entries), so a reader
+# of the new schemas refuses their times (``StaleSchema``) instead of misreading them.
+
+
+def rendition_schemas(spec: Spec, rendition: str) -> Schemas:
+    """The schemas rendition ``rendition`` is written and read with."""
+    own = spec["renditions"][rendition].get("schemas")
+    return Schemas.from_json(own) if own is not None else collection_schemas(spec)
+
+
+def schemas_after_handover(spec: Spec, to: str) -> Spec | None:
+    """The collection entry once rendition ``to``, with schemas of its own, is active: its
+    schemas become the collection's, every other rendition keeps its own. None when
+    ``to`` has none (nothing changes): idempotent, so recovery can re-apply it."""
+    info = spec["renditions"].get(to)
+    if info is None or info.get("schemas") is None:
+        return None
+    old = spec["schemas"]
+    rs = {}
+    for r, i in spec["renditions"].items():
+        if r == to:
+            rs[r] = {k: v for k, v in i.items() if k != "schemas"}
+        elif i.get("schemas") is None:
+            rs[r] = dict(i, schemas=old)
+        else:
+            rs[r] = i
+    return dict(spec, schemas=info["schemas"], renditions=rs)
+
+
 def pending_version(spec: Spec) -> int | None:
     """The version an interrupted evolution is moving the collection to (None: none)."""
     p = spec.get(EVOLVING)
@@ -123,8 +158,9 @@ def finish_evolution(ctl: StorageController, name: str, spec: Spec) -> dict[str,
     cur = collection_schemas(spec)
     evolved = already = 0
     for r, info in sorted(spec["renditions"].items()):
-        if info["status"] != "ready":
-            continue  # creating ones are rolled back, dropping ones finalized
+        if info["status"] != "ready" or info.get("schemas") is not None:
+            continue  # creating ones are rolled back, dropping ones finalized; renditions
+            # with schemas of their own (rebuilt for another schema) keep them
         for s in info["shards"]:
             res = ctl.client.compare_and_evolve_schema(s, (cur.key, cur.val), (target.key, target.val))
             if res.outcome is EvolveOutcome.MISMATCH:
