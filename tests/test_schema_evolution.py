@@ -75,16 +75,19 @@ def write_three_versions(client: PersistClient, shard: ShardId) -> None:
         w.expire()
 
 
-def compact_all(client: PersistClient, shard: ShardId) -> None:
-    """One merge of the whole trace (what the spine would do eventually)."""
-    m = client.machine(shard)
-    s = m.fetch_latest()
+def whole_trace(s: st.ShardState) -> CompactionRequest:
+    """A merge of the shard's whole trace (what the spine would do eventually)."""
     trace = s.trace_batches()
-    req = CompactionRequest(
+    return CompactionRequest(
         tuple(i for i, _ in trace), trace[0][1].lower, trace[-1][1].upper, s.since,
         tuple(b for _, b in trace),
     )
-    res = compact_request(m, Schemas.from_json(s.schemas), client.config, req, context=client)
+
+
+def compact_all(client: PersistClient, shard: ShardId) -> None:
+    m = client.machine(shard)
+    s = m.fetch_latest()
+    res = compact_request(m, Schemas.from_json(s.schemas), client.config, whole_trace(s), context=client)
     assert res.applied
 
 

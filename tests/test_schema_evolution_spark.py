@@ -15,8 +15,8 @@ from persist_lib.shard.codec import Schemas
 from persist_lib.shard.maintenance_transitions import MergeOutcome
 from persist_lib.shard.part_fetch import fetch_part_bytes
 from persist_lib.shard.parts import META_SCHEMAS
-from persist_lib.shard.spine import CompactionRequest
 from persist_lib.storage import StorageController
+from tests.test_schema_evolution import whole_trace
 from tests.test_spark_support import file_location, open_client
 
 pytest_plugins = ["tests.spark_fixtures"]
@@ -65,11 +65,7 @@ def test_spark_reads_and_merges_an_evolved_collection(spark: Any, tmp_path: Path
     shard = r.rendition_readers("r0")[0].shard_id
     m = client.machine(shard)
     s = m.fetch_latest()
-    trace = s.trace_batches()
-    req = CompactionRequest(
-        tuple(i for i, _ in trace), trace[0][1].lower, trace[-1][1].upper, s.since,
-        tuple(b for _, b in trace),
-    )
+    req = whole_trace(s)
     schemas = Schemas.from_json(s.schemas)
     assert schemas.version == 2
     out = spark_merge(spark, client, schemas, req, shard_id=shard, num_buckets=2)

@@ -21,10 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
 def evolve_shard_schemas(machine: Machine, expected: Schemas, new: Schemas) -> EvolveResult:
     """Moves the shard's schemas from ``expected`` to ``new`` in one CAS (see
     ``compare_and_evolve``); a shard that does not exist is an ``InvalidUsage``."""
-    state = machine.cached()
-    if not state.exists:
-        state = machine.fetch_latest()
-    if not state.exists:
+    if not machine.fetch_latest().exists:  # (a rare call: always against the latest state)
         raise InvalidUsage(
             f"shard {machine.shard_id} does not exist; evolving schemas never creates one"
         )
