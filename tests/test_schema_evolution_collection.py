@@ -4,6 +4,7 @@ every shard of every live rendition, crash-safe; stale writers and readers refus
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -181,3 +182,73 @@ def test_a_writable_controller_finishes_a_pending_evolution_before_writing(monke
     w = ctl.open_writer("c")  # finishes the evolution first
     assert w.schemas == Schemas.create(K, V2)
     assert ctl.describe("c")["schema_version"] == 1
+
+
+_KILL_CHILD = """
+import os, signal, sys
+import pyarrow as pa
+from persist_lib import PersistClient, PersistConfig
+from persist_lib.storage import StorageController
+client = PersistClient.default(sys.argv[1], PersistConfig.for_tests())
+real = client.compare_and_evolve_schema
+def evolve_then_die(*a, **kw):
+    out = real(*a, **kw)
+    os.kill(os.getpid(), signal.SIGKILL)  # right after the first shard's CAS
+    return out
+client.compare_and_evolve_schema = evolve_then_die
+ctl = StorageController(client)
+K = pa.schema([pa.field("k", pa.int64(), nullable=False)])
+ctl.evolve_schema("c", K, pa.schema([("a", pa.int32()), ("b", pa.string())]))
+"""
+
+
+def test_a_process_killed_mid_evolve_leaves_a_completable_state(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    client = PersistClient.default(home, PersistConfig.for_tests())
+    with StorageController(client) as ctl:
+        ctl.create_collection("c", K, V1, num_shards=4)
+        w = ctl.open_writer("c")
+        w.append([(((k,), (k,)), 0, 1) for k in range(20)], 0, 1)
+        w.expire()
+    client.close()
+    p = subprocess.run([sys.executable, "-c", _KILL_CHILD, str(home)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    client = PersistClient.default(home, PersistConfig.for_tests())
+    ro = StorageController(client, read_only=True)
+    assert ro.catalog.load()[0]["c"][EVOLVING]["version"] == 1
+    versions = sorted(
+        Schemas.from_json(client.machine(s).fetch_latest().schemas or {}).version for s in shard_ids(ro, "c")
+    )
+    assert versions == [0, 0, 0, 1]
+    with pytest.raises(StaleSchema, match="interrupted"):
+        ro.acquire_read_handle("c")
+    with StorageController(client) as ctl:  # recovery finishes it
+        assert ctl.describe("c")["schema_version"] == 1
+        r = ctl.acquire_read_handle("c")
+        assert rows(r.snapshot(0)) == {(k, k, None, 0, 1) for k in range(20)}
+        r.expire()
+    client.close()
+
+
+def test_a_listener_opened_before_an_evolution_stops_typed_at_the_new_version() -> None:
+    ctl = StorageController(mem_client())
+    ctl.create_collection("c", K, V1, num_shards=2)
+    w = ctl.open_writer("c")
+    w.append([(((1,), (1,)), 0, 1)], 0, 1)
+    r = ctl.acquire_read_handle("c")
+    listen = r.listen(0)
+    w.append([(((2,), (2,)), 1, 1)], 1, 2)
+    assert rows(listen.read_until(2)) == {(2, 2, 1, 1)}  # still its version: read
+    ctl.evolve_schema("c", K, V2)
+    w2 = ctl.open_writer("c")
+    w2.append([(((3,), (3, "x")), 2, 1)], 2, 3)
+    with pytest.raises(StaleSchema, match="Reopen"):
+        listen.read_until(3)
+    fresh = ctl.acquire_read_handle("c")
+    assert rows(fresh.listen(1).read_until(3)) == {(3, 3, "x", 2, 1)}
+    for h in (w, w2, r, fresh):
+        h.expire()
