@@ -99,6 +99,14 @@ def test_collection_reads_across_versions_and_renditions() -> None:
         (0, 0, None, 2, -1), (0, 0, "zero", 2, 1), (7, 7, "seven", 2, 1), (8, 2**35, "eight", 3, 1)
     }
     r.expire()
+    # A rendition created now starts with the collection's registry (its version ids).
+    ctl.create_rendition("c", "r2", 2)
+    new_shards = ctl.describe("c")["renditions"]["r2"]["shards"]
+    reg = [Schemas.from_json(ctl.client.machine(s).fetch_latest().schemas or {}) for s in new_shards]
+    assert [x.version for x in reg] == [2, 2] and all(x.history == reg[0].history for x in reg)
+    assert [h.fingerprint() for h in reg[0].history] == [
+        Schemas.create(K, V1).fingerprint(), Schemas.create(K, V2).fingerprint()
+    ]
 
 
 def test_an_incompatible_collection_change_changes_nothing() -> None:

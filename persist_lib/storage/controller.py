@@ -57,6 +57,7 @@ from persist_lib.storage.reader import CollectionDeleted, CollectionReader
 from persist_lib.storage.schema_evolution import (
     EVOLVING,
     collection_schemas,
+    create_with_history,
     evolve_collection,
     finish_evolution,
     rendition_schemas,
@@ -260,9 +261,8 @@ class StorageController:
             return {name: dict(spec, renditions=rs)}
 
         cat = self.catalog.update(intent)
-        schemas = rendition_schemas(cat[name], rendition)
         for s in shards:
-            self._create_shard(s, schemas.key, schemas.val)
+            create_with_history(self.client, s, rendition_schemas(cat[name], rendition), self._create_shard)
         if cat[name].get("transactional"):
             self.txns.register(shards)
 

@@ -25,6 +25,7 @@ writable controller finish the pending evolution first (a read-only one refuses 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
@@ -76,6 +77,30 @@ def rendition_schemas(spec: Spec, rendition: str) -> Schemas:
     """The schemas rendition ``rendition`` is written and read with."""
     own = spec["renditions"][rendition].get("schemas")
     return Schemas.from_json(own) if own is not None else collection_schemas(spec)
+
+
+def create_with_history(
+    client: PersistClient, shard: str, schemas: Schemas, create: Callable[[str, pa.Schema, pa.Schema], None]
+) -> None:
+    """Creates ``shard`` (``create``: the controller's, with its since hold) with the
+    collection's registry: at its first version, then evolved through the later ones, so a
+    new rendition's shards number versions as the collection does (and name the same
+    version in a ``StaleSchema``). Idempotent: a resumed step answers ``ALREADY``."""
+    versions = [*schemas.history, Schemas(schemas.key, schemas.val)]
+    state = client.machine(shard).fetch_latest()
+    if state.exists and state.schemas is not None:
+        start = Schemas.from_json(state.schemas).version  # resumed after a crash
+    else:
+        create(shard, versions[0].key, versions[0].val)
+        start = 0
+    for i in range(start, len(versions) - 1):
+        prev, nxt = versions[i], versions[i + 1]
+        res = client.compare_and_evolve_schema(shard, (prev.key, prev.val), (nxt.key, nxt.val))
+        if res.outcome is EvolveOutcome.MISMATCH:
+            raise SchemaMismatch(
+                f"new shard {shard}: has schemas {res.schemas.describe()}, expected version {i} "
+                f"({prev.describe()})"
+            )
 
 
 def schemas_after_handover(spec: Spec, to: str) -> Spec | None:
