@@ -2,27 +2,49 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
-import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
 from persist_lib import PersistClient, PersistConfig
+from persist_lib.cli.main import main
 from persist_lib.cli.schema import BadColumnSpec, parse_type
 from persist_lib.storage import StorageController
 
-PERSIST = [sys.executable, "-m", "persist_lib.cli.main"]
 K = pa.schema([pa.field("id", pa.int64(), nullable=False)])
 V1 = pa.schema([("qty", pa.int32()), ("note", pa.string())])
 
 
-def run(args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PERSIST_HOME": str(home)}
-    return subprocess.run(PERSIST + args, env=env, capture_output=True, text=True, timeout=120)
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run(args: list[str], home: Path) -> Ran:
+    """``persist ARGS`` in this process (the CLI's own entry point, exit code and output)."""
+    out, err = io.StringIO(), io.StringIO()
+    old = os.environ.get("PERSIST_HOME")
+    os.environ["PERSIST_HOME"] = str(home)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(args)
+            except SystemExit as e:  # --help
+                code = int(e.code or 0)
+    finally:
+        if old is None:
+            os.environ.pop("PERSIST_HOME", None)
+        else:
+            os.environ["PERSIST_HOME"] = old
+    return Ran(code, out.getvalue(), err.getvalue())
 
 
 def test_parse_type() -> None:
