@@ -6,6 +6,8 @@ import contextlib
 import io
 import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,9 +82,15 @@ def test_persist_schema_evolve_and_sql_before_and_after(tmp_path: Path) -> None:
     out = run(["schema", "show", "orders", "--json"], home)
     assert json.loads(out.stdout)["version"] == 0
 
-    out = run(["schema", "evolve", "orders", "--add", "price:float64", "--json"], home)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["version"] == 1
+    # This one in another process (as an operator would): this process's cached states
+    # of the shards still say version 0, and opening a writer of version 1 here must
+    # look at the latest state, not refuse on the cached one.
+    p = subprocess.run(
+        [sys.executable, "-m", "persist_lib.cli.main", "schema", "evolve", "orders", "--add", "price:float64", "--json"],
+        env={**os.environ, "PERSIST_HOME": str(home)}, capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["version"] == 1
 
     client = PersistClient.default(home, PersistConfig.for_tests())
     with StorageController(client) as ctl:
