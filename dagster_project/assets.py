@@ -259,6 +259,11 @@ def build_source_assets(spec: SourceSpec) -> SourceAssets:
             summary["upper"],
             summary["engine"],
         )
+        for cname, res in (summary.get("schema_evolved") or {}).items():
+            context.log.info(
+                "%s: schemas changed in code: evolved to version %s (%s)",
+                cname, res["version"], "; ".join(res.get("changes") or []) or res["outcome"],
+            )
         client = persist.client()
         sync_source_partitions(context, client, ctl, n, rendition_parts)
         run_meta = _summary_metadata(summary)

@@ -316,7 +316,8 @@ def validate_collection(
         if rendition is None:
             opened = reader.snapshot_batches(as_of, memory_budget=budget)
         else:
-            opened = _rendition_stream(reader.rendition_readers(rendition), as_of, budget)
+            readers = reader.rendition_readers(rendition, own_schemas=True)  # maybe rebuilt under new schemas
+            opened = _rendition_stream(readers, as_of, budget)
         with opened as stream:
             chunks = key_chunks(
                 stream, stream.schema, chunk_bytes=max(64 << 10, memory_budget // 32),

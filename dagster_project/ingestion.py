@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dagster_project.schema_changes import follow_declared_schema
 from dagster_project.sources import SourceSpec
 from persist_lib.ingest import (
     IngestConfig,
@@ -108,8 +109,11 @@ def ingest_source(
     elif spec.kind == "postgres_cdc":
         spark = None  # a replication stream is read by the driver only
     t0 = time.monotonic()
+    evolved = follow_declared_schema(spec, ctl)  # schemas changed in code: evolve first
     with make_ingestion(spec, ctl, landing_uri, progress=progress, spark=spark) as ing:
         summary = ing.run_once()
+    if evolved:
+        summary["schema_evolved"] = evolved
     summary["engine"] = "spark" if spark is not None else "in-process"
     summary.setdefault("duration_s", round(time.monotonic() - t0, 3))
     summary.setdefault("remap_shard", str(shard_id_for(spec.name, "remap")))

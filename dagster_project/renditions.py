@@ -131,7 +131,10 @@ def ensure_renditions(
         name = collection_name(spec.name, role)
         info = ctl.describe(name)["renditions"].get(rendition)
         if info is None:
-            ctl.create_rendition(name, rendition, num_shards)
+            # Data and state take the source's declared schemas: a change persist can't
+            # make in place is rebuilt this way (schema_changes.py); errors' never change.
+            own = {"key_schema": spec.key_schema, "val_schema": spec.val_schema} if role != "errors" else {}
+            ctl.create_rendition(name, rendition, num_shards, **own)
             created.append(name)
         elif info["status"] not in ("ready", "active"):  # retired, dropped, ...: never rebuilt
             raise InvalidUsage(

@@ -61,6 +61,10 @@ class SourceSpec:
     #: A row-wise fix-up of decoded rows (same schema). Changing it changes what the
     #: pipeline writes: build a new rendition (the rendition backfill) and hand over.
     transform: Callable[[pa.Table], pa.Table] | None = None
+    #: When the schemas above change in code: ``"evolve"`` (the next ingestion evolves
+    #: the collections in place when persist can, else stops and asks for a rendition
+    #: backfill) or ``"fail"`` (any change stops ingestion). ``schema_changes.py``.
+    on_schema_change: str = "evolve"
 
     @property
     def default_rendition_shards(self) -> int:

@@ -13,6 +13,7 @@ from jobs.maintenance import (
     lease_expiry_job,
     lease_expiry_schedule,
 )
+from jobs.schema import evolve_schema_job
 
 JOBS = [
     *INGESTION_JOBS.values(),
@@ -21,6 +22,7 @@ JOBS = [
     compaction_job,
     gc_job,
     lease_expiry_job,
+    evolve_schema_job,
 ]
 SCHEDULES = [gc_schedule, lease_expiry_schedule]
 
@@ -31,6 +33,7 @@ __all__ = [
     "SCHEDULES",
     "SUMMARY_JOBS",
     "compaction_job",
+    "evolve_schema_job",
     "gc_job",
     "gc_schedule",
     "lease_expiry_job",

@@ -10,20 +10,16 @@ interrupted. A change that can't be made in place is refused with
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
 import pyarrow as pa
 
 from persist_lib.cli.main import command
-from persist_lib.errors import InvalidUsage
 from persist_lib.handles.client import PersistClient
+from persist_lib.storage.schema_spec import TYPES_HELP, BadColumnSpec, evolved_val, parse_type
 
-TYPES_HELP = (
-    "TYPE is an Arrow type name: int8/16/32/64, uint8/16/32/64, float16/32/64 (float, "
-    "double), string, large_string, binary, large_binary, bool, date32, "
-    "timestamp[s|ms|us|ns], decimal128(P,S) (or decimal(P,S)), decimal256(P,S)"
-)
+__all__ = ["BadColumnSpec", "parse_type"]
+
 EPILOG = (
     "In place: --add a nullable value column, --widen a value column (int8/16/32 -> "
     "int64, float32 -> float64, decimal precision up at the same scale, string -> "
@@ -33,54 +29,10 @@ EPILOG = (
     "new rendition with the new schemas (create_rendition, rebuild from raw, handover). "
     + TYPES_HELP
 )
-_DECIMAL = re.compile(r"^decimal(128|256)?\((\d+),\s*(\d+)\)$")
 
 
-class BadColumnSpec(InvalidUsage):
-    """A ``--add``/``--widen``/``--drop`` argument that can't be understood."""
-
-
-def parse_type(text: str, what: str) -> pa.DataType:
-    """An Arrow type from its name (``TYPES_HELP``)."""
-    t = text.strip()
-    m = _DECIMAL.match(t)
-    if m:
-        p, s = int(m.group(2)), int(m.group(3))
-        return pa.decimal256(p, s) if m.group(1) == "256" else pa.decimal128(p, s)
-    try:
-        return pa.type_for_alias(t)
-    except (ValueError, KeyError) as e:
-        raise BadColumnSpec(f"{what}: unknown type {t!r}; {TYPES_HELP}") from e
-
-
-def _col_type(spec: str, flag: str) -> tuple[str, pa.DataType]:
-    name, sep, typ = spec.partition(":")
-    if not sep or not name.strip() or not typ.strip():
-        raise BadColumnSpec(f"{flag} {spec!r}: expected COLUMN:TYPE, e.g. {flag} price:float64")
-    return name.strip(), parse_type(typ, f"{flag} {spec!r}")
-
-
-def evolved_val(val: pa.Schema, ns: argparse.Namespace) -> pa.Schema:
-    """The value schema after ``--drop``, ``--widen`` and ``--add`` (in that order)."""
-    fields = list(val)
-    names = [f.name for f in fields]
-    for d in ns.drop or []:
-        if d not in names:
-            raise BadColumnSpec(f"--drop {d!r}: no such value column (value columns: {names})")
-        fields = [f for f in fields if f.name != d]
-        names.remove(d)
-    for spec in ns.widen or []:
-        name, typ = _col_type(spec, "--widen")
-        if name not in names:
-            raise BadColumnSpec(f"--widen {spec!r}: no such value column (value columns: {names})")
-        fields = [pa.field(f.name, typ, f.nullable, f.metadata) if f.name == name else f for f in fields]
-    for spec in ns.add or []:
-        name, typ = _col_type(spec, "--add")
-        if name in names:
-            raise BadColumnSpec(f"--add {spec!r}: a value column {name!r} exists already")
-        fields.append(pa.field(name, typ, nullable=True))
-        names.append(name)
-    return pa.schema(fields)
+def _evolved(val: pa.Schema, ns: argparse.Namespace) -> pa.Schema:
+    return evolved_val(val, add=ns.add or (), widen=ns.widen or (), drop=ns.drop or ())
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -122,7 +74,7 @@ def _schema(client: PersistClient, ns: argparse.Namespace) -> Any:
         with StorageController(client, read_only=True) as ro:
             spec = ro._spec(ns.name)
             cur = Schemas.from_json(spec["schemas"])
-            new = Schemas.create(cur.key, evolved_val(cur.val, ns))
+            new = Schemas.create(cur.key, _evolved(cur.val, ns))
             changes = check_evolution(cur, new, shard=f"collection {ns.name!r}")
             return {
                 "name": ns.name, "dry_run": True, "version": cur.version + (1 if changes else 0),
@@ -133,4 +85,4 @@ def _schema(client: PersistClient, ns: argparse.Namespace) -> Any:
             info = ctl.schema(ns.name)
             return {"name": ns.name, "resumed": True, "version": info["version"], "schemas": info["schemas"]}
         cur = Schemas.from_json(ctl._spec(ns.name)["schemas"])
-        return ctl.evolve_schema(ns.name, cur.key, evolved_val(cur.val, ns))
+        return ctl.evolve_schema(ns.name, cur.key, _evolved(cur.val, ns))

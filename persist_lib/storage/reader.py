@@ -284,16 +284,21 @@ class CollectionReader:
         snap = self._meta.snapshot(as_of, timeout_s)
         return active_in(snap.to_pylist(), as_of, self._meta.shard_id)
 
-    def rendition_readers(self, rendition: str) -> list[ReadHandle]:
+    def rendition_readers(self, rendition: str, *, own_schemas: bool = False) -> list[ReadHandle]:
         """The leased readers of a rendition's shards (opened once, at this handle's since),
-        in routing order: for readers that plan their own splits (Spark)."""
-        return list(self._guard(lambda: self._readers_for(rendition)))
+        in routing order: for readers that plan their own splits (Spark).
 
-    def _readers_for(self, rendition: str) -> list[ReadHandle]:
-        rs = self._renditions.get(rendition)
+        ``own_schemas``: read the rendition with its own schemas even when they are not
+        this handle's (a rendition rebuilt under other schemas, checked before the handover
+        to it); by default such a rendition raises ``StaleSchema``."""
+        return list(self._guard(lambda: self._readers_for(rendition, own_schemas=own_schemas)))
+
+    def _readers_for(self, rendition: str, *, own_schemas: bool = False) -> list[ReadHandle]:
+        slot = "own:" + rendition if own_schemas else rendition  # ':' is not in a rendition name
+        rs = self._renditions.get(slot)
         if rs is None:
             rs = self._ctl._open_rendition_readers(self.name, rendition)
-            if any(r.schemas != self.schemas for r in rs):  # evolved since this handle opened
+            if not own_schemas and any(r.schemas != self.schemas for r in rs):  # evolved since opened
                 for r in rs:
                     r.expire()
                 raise StaleSchema(
@@ -308,7 +313,7 @@ class CollectionReader:
             for r in rs:
                 if r.since < since:
                     r.downgrade_since(since)
-            self._renditions[rendition] = rs
+            self._renditions[slot] = rs
         # txn hook (issue 27): committed transactions on these shards are applied first.
         self._ctl._txn_prepare_read(self.name, [r.shard_id for r in rs])
         return rs
