@@ -12,6 +12,8 @@ from dagster_project.io_manager.errors import (
     NoRecordedMaterialization,
     OutputSchemaMismatch,
     PartitionMismatch,
+    RunDidNotMaterialize,
+    UnknownAsOfRun,
 )
 from dagster_project.io_manager.manager import PersistIOManager, collection_name
 
@@ -21,5 +23,7 @@ __all__ = [
     "OutputSchemaMismatch",
     "PartitionMismatch",
     "PersistIOManager",
+    "RunDidNotMaterialize",
+    "UnknownAsOfRun",
     "collection_name",
 ]

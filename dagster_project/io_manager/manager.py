@@ -264,12 +264,14 @@ class PersistIOManagerImpl(dg.IOManager):
     ) -> int:
         if isinstance(s.as_of, int):
             return s.as_of
+        partitions = [k for k in context.asset_partition_keys] if sel is not None else None
+        if s.run_id is not None:
+            return lineage.time_as_of_run(context.instance, s.run_id, context.asset_key, partitions, where)
         if s.as_of == "latest":
             if upper == 0:
                 raise NoRecordedMaterialization(f"{where}: the collection has no data yet; materialize the upstream first")
             return upper - 1
         instance = context.instance
-        partitions = [k for k in context.asset_partition_keys] if sel is not None else None
         produced_by = context.upstream_output.run_id if context.upstream_output is not None else None
         if produced_by:
             for rid in lineage.run_lineage(instance, produced_by):
