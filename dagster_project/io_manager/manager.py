@@ -19,7 +19,7 @@ import dagster as dg
 import numpy as np
 import pyarrow as pa
 
-from dagster_project.io_manager import lineage, write_modes
+from dagster_project.io_manager import lazy_read, lineage, spark_read, write_modes
 from dagster_project.io_manager.atomic_commit import commit_with_ledger, logical_upper
 from dagster_project.io_manager.collection_setup import ensure_collection
 from dagster_project.io_manager.errors import (
@@ -30,8 +30,14 @@ from dagster_project.io_manager.errors import (
 from dagster_project.io_manager.ledger import LandedWrite, WriteLedger, entry, now_ms
 from dagster_project.io_manager.partitions import PartitionSelection
 from dagster_project.io_manager.settings import InputSettings, OutputSettings, check_mode
-from dagster_project.io_manager.type_handlers import from_arrow, to_arrow
+from dagster_project.io_manager.type_handlers import (
+    from_arrow,
+    is_lazy_type,
+    is_spark_type,
+    to_arrow,
+)
 from dagster_project.resources import PersistResource
+from persist_lib.config import MiB
 from persist_lib.errors import UpperMismatch
 from persist_lib.frontier import Antichain
 from persist_lib.shard.codec import Schemas
@@ -80,8 +86,12 @@ def _column_types(schemas: Schemas) -> dict[str, pa.DataType]:
 
 
 class PersistIOManagerImpl(dg.IOManager):
-    def __init__(self, persist: PersistResource, default_mode: str, num_shards: int, prefix: str, ledger: str) -> None:
+    def __init__(
+        self, persist: PersistResource, default_mode: str, num_shards: int, prefix: str, ledger: str,
+        read_memory_budget: int | None = None,
+    ) -> None:
         self.persist = persist
+        self.read_memory_budget = read_memory_budget
         self.default_mode = default_mode
         self.num_shards = num_shards
         self.prefix = prefix
@@ -236,6 +246,7 @@ class PersistIOManagerImpl(dg.IOManager):
         sel = _selection(context, pcols, where)
         name = collection_name(key, self.prefix)
         ctl = self.persist.controller()
+        typ = context.dagster_type.typing_type
         with ctl.acquire_read_handle(name) as r:
             as_of = self._as_of(context, settings, sel, r.upper.time or 0, where)
             types = _column_types(r.schemas)
@@ -248,16 +259,28 @@ class PersistIOManagerImpl(dg.IOManager):
                 cols = list(dict.fromkeys([*settings.columns, *(sel.columns.values() if sel is not None else [])]))
             # only the parts that can hold the partitions' rows are fetched; only the
             # asked-for columns (and the partition columns) are returned
-            table = write_modes.expand(r.snapshot_batches(as_of, columns=cols, filter=filt).read_all())
-        if sel is not None:
-            table = table.filter(sel.mask(table, where))
-        if settings.columns is not None:
-            table = table.select(settings.columns)
+            if is_spark_type(typ):  # fetched and decoded on the executors
+                value = spark_read.load_dataframe(
+                    spark_read.active_session(), r, as_of, columns=cols, filter=filt, sel=sel,
+                    keep=settings.columns, where=where,
+                )
+            elif is_lazy_type(typ):  # read when collected, streamed within the budget
+                value = lazy_read.lazy_frame(
+                    lambda: self.persist.controller().acquire_read_handle(name), r.schemas, as_of,
+                    filter=filt, sel=sel, keep=settings.columns, memory_budget=self.read_memory_budget, where=where,
+                )
+            else:
+                table = write_modes.expand(r.snapshot_batches(as_of, columns=cols, filter=filt).read_all())
+                if sel is not None:
+                    table = table.filter(sel.mask(table, where))
+                if settings.columns is not None:
+                    table = table.select(settings.columns)
+                value = from_arrow(table, typ, where)
         if context.has_asset_key and context.step_context is not None:
             self._reads.setdefault(context.step_context.step.key, {})[name] = as_of
         if sel is None or len(sel.keys) == 1:  # Dagster attaches input metadata to one partition
             context.add_input_metadata({"persist/as_of": dg.MetadataValue.int(as_of), lineage.COLLECTION: name})
-        return from_arrow(table, context.dagster_type.typing_type, where)
+        return value
 
     def _as_of(
         self, context: dg.InputContext, s: InputSettings, sel: PartitionSelection | None, upper: int, where: str
@@ -294,7 +317,9 @@ class PersistIOManager(dg.ConfigurableIOManagerFactory):
     ``num_shards``: shards of the collections it creates (default 1; any number up to
     1024: the collections are transactional, so a write to all shards and its ledger
     entry is one atomic commit); ``prefix``: a namespace put before every asset key; ``ledger``: the
-    collection that records which writes landed (retried steps never write twice).
+    collection that records which writes landed (retried steps never write twice);
+    ``read_memory_budget``: what a LazyFrame input's streaming read decodes at most at once
+    (default: persist's ``read_memory_budget``).
     """
 
     persist: PersistResource
@@ -302,12 +327,19 @@ class PersistIOManager(dg.ConfigurableIOManagerFactory):
     num_shards: int = 1
     prefix: str = ""
     ledger: str = "dagster_io.writes"
+    read_memory_budget: int | None = None
 
     def create_io_manager(self, context: dg.InitResourceContext) -> PersistIOManagerImpl:
         check_mode(self.default_mode, "PersistIOManager.default_mode")
         if not 1 <= self.num_shards <= 1024:
             raise IOManagerConfigError(f"PersistIOManager.num_shards must be in [1, 1024], got {self.num_shards}")
-        return PersistIOManagerImpl(self.persist, self.default_mode, self.num_shards, self.prefix, self.ledger)
+        if self.read_memory_budget is not None and self.read_memory_budget < MiB:
+            raise IOManagerConfigError(
+                f"PersistIOManager.read_memory_budget must be at least 1 MiB ({MiB} bytes), got {self.read_memory_budget}"
+            )
+        return PersistIOManagerImpl(
+            self.persist, self.default_mode, self.num_shards, self.prefix, self.ledger, self.read_memory_budget
+        )
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         self.persist.close()  # the controller's holds and the client (reopened on next use)
