@@ -81,6 +81,14 @@ def _selection(context: dg.OutputContext | dg.InputContext, columns: dict[str, s
     return PartitionSelection(columns, [{"": k} for k in keys], window)
 
 
+def _snapshot(r: CollectionReader, as_of: int, columns: list[str] | None, filter: Any) -> pa.Table:
+    """The collection at ``as_of``, whole: each shard's in-memory snapshot (it decodes the
+    parts whole when they fit persist's read budget and streams them otherwise), which
+    is cheaper than assembling ``snapshot_batches``' stream when the table is kept whole."""
+    shards = r.rendition_readers(r.active_rendition(as_of))
+    return pa.concat_tables([h.snapshot(as_of, columns=columns, filter=filter) for h in shards])
+
+
 def _column_types(schemas: Schemas) -> dict[str, pa.DataType]:
     return {f.name: f.type for f in [*schemas.key, *schemas.val]}
 
@@ -206,10 +214,10 @@ class PersistIOManagerImpl(dg.IOManager):
                     continue  # the data or the ledger moved: nothing was written
                 if lw is None:
                     ledger.record(name, write_id, landed)  # a second commit: the crash window
-                diffs = timed.column("diff").to_pylist()
+                diffs = np.asarray(timed.column("diff"))
                 return landed, {
-                    "inserted": sum(d for d in diffs if d > 0),
-                    "retracted": -sum(d for d in diffs if d < 0),
+                    "inserted": int(diffs[diffs > 0].sum()),
+                    "retracted": -int(diffs[diffs < 0].sum()),
                     "attempts": attempt,
                 }
         raise UpperMismatch(name, Antichain([upper]), w.upper)
@@ -223,13 +231,13 @@ class PersistIOManagerImpl(dg.IOManager):
             return write_modes.append(new)
         if upper > 0:
             filt = sel.pushdown(_column_types(w.schemas), where) if sel is not None and s.mode == "overwrite" else None
-            old = write_modes.expand(r.snapshot_batches(upper - 1, filter=filt).read_all())
+            old = write_modes.expand(_snapshot(r, upper - 1, None, filt))
         else:
             old = new.slice(0, 0).select(w.schemas.key_names + w.schemas.val_names)
         if s.mode == "overwrite":
             if sel is not None:
                 old = old.filter(sel.mask(old, where))
-            return write_modes.overwrite(old, new)
+            return write_modes.overwrite(old, new, s.key)
         return write_modes.upsert(old, new, s.key, s.delete_column)
 
     # ----- input ---------------------------------------------------------------------
@@ -270,7 +278,7 @@ class PersistIOManagerImpl(dg.IOManager):
                     filter=filt, sel=sel, keep=settings.columns, memory_budget=self.read_memory_budget, where=where,
                 )
             else:
-                table = write_modes.expand(r.snapshot_batches(as_of, columns=cols, filter=filt).read_all())
+                table = write_modes.expand(_snapshot(r, as_of, cols, filt))
                 if sel is not None:
                     table = table.filter(sel.mask(table, where))
                 if settings.columns is not None:
