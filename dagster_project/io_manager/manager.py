@@ -81,14 +81,6 @@ def _selection(context: dg.OutputContext | dg.InputContext, columns: dict[str, s
     return PartitionSelection(columns, [{"": k} for k in keys], window)
 
 
-def _snapshot(r: CollectionReader, as_of: int, columns: list[str] | None, filter: Any) -> pa.Table:
-    """The collection at ``as_of``, whole: each shard's in-memory snapshot (it decodes the
-    parts whole when they fit persist's read budget and streams them otherwise), which
-    is cheaper than assembling ``snapshot_batches``' stream when the table is kept whole."""
-    shards = r.rendition_readers(r.active_rendition(as_of))
-    return pa.concat_tables([h.snapshot(as_of, columns=columns, filter=filter) for h in shards])
-
-
 def _column_types(schemas: Schemas) -> dict[str, pa.DataType]:
     return {f.name: f.type for f in [*schemas.key, *schemas.val]}
 
@@ -231,7 +223,7 @@ class PersistIOManagerImpl(dg.IOManager):
             return write_modes.append(new)
         if upper > 0:
             filt = sel.pushdown(_column_types(w.schemas), where) if sel is not None and s.mode == "overwrite" else None
-            old = write_modes.expand(_snapshot(r, upper - 1, None, filt))
+            old = write_modes.expand(r.snapshot_batches(upper - 1, filter=filt).read_all())
         else:
             old = new.slice(0, 0).select(w.schemas.key_names + w.schemas.val_names)
         if s.mode == "overwrite":
@@ -278,7 +270,7 @@ class PersistIOManagerImpl(dg.IOManager):
                     filter=filt, sel=sel, keep=settings.columns, memory_budget=self.read_memory_budget, where=where,
                 )
             else:
-                table = write_modes.expand(_snapshot(r, as_of, cols, filt))
+                table = write_modes.expand(r.snapshot_batches(as_of, columns=cols, filter=filt).read_all())
                 if sel is not None:
                     table = table.filter(sel.mask(table, where))
                 if settings.columns is not None:
