@@ -142,14 +142,19 @@ class PersistIOManagerImpl(dg.IOManager):
         return ordered, pa.schema([schema.field(c) for c in s.key]), pa.schema([schema.field(c) for c in vals])
 
     def _ensure_collection(self, ctl: StorageController, name: str, key: pa.Schema, val: pa.Schema, shards: int, where: str) -> None:
-        if ensure_collection(ctl, name, key, val, shards, transactional=True):
-            return
-        with ctl.acquire_read_handle(name) as r:
-            recorded = r.schemas
-        if recorded != Schemas.create(key, val):
+        """Creates the collection unless it exists (its schemas are checked by ``store``,
+        on the writer it opens anyway)."""
+        ensure_collection(ctl, name, key, val, shards, transactional=True)
+
+    @staticmethod
+    def _check_schemas(w: CollectionWriter, new: pa.Table, s: OutputSettings, name: str, where: str) -> None:
+        schema = new.schema
+        key = pa.schema([schema.field(c) for c in s.key])
+        val = pa.schema([f for f in schema if f.name not in s.key and f.name != s.delete_column])
+        if w.schemas != Schemas.create(key, val):
             raise OutputSchemaMismatch(
                 f"{where}: output schemas {Schemas.create(key, val).describe()} differ from collection "
-                f"{name!r}'s {recorded.describe()}; return the recorded columns and types, or materialize into a new asset key"
+                f"{name!r}'s {w.schemas.describe()}; return the recorded columns and types, or materialize into a new asset key"
             )
 
     def store(
@@ -158,60 +163,68 @@ class PersistIOManagerImpl(dg.IOManager):
     ) -> tuple[LandedWrite, dict[str, int], bool]:
         """Writes ``new`` (key and value columns) into existing collection ``name`` unless
         the ledger holds ``write_id`` already. Returns where it landed, its counts and
-        whether it had landed before (then nothing was written)."""
+        whether it had landed before (then nothing was written).
+
+        Writes its ledger entry in the same transaction when both collections are
+        transactional (``atomic_commit``), else after the data's compare-and-append (the
+        old collections' two-commit path, see ``ledger``). The handles are opened once for
+        the schema check, the ledger lookup and the write."""
         ledger = WriteLedger(ctl, self.ledger_name)
-        landed = ledger.lookup(name, write_id)
-        if landed is not None:
-            return landed, {"rows": new.num_rows}, True
-        landed, changes = self._write(ctl, name, new, s, sel, where, ledger, write_id)
+        ledger.ensure()
+        atomic = ctl.is_transactional(name) and ctl.is_transactional(ledger.name)
+        with ExitStack() as stack:
+            w = stack.enter_context(ctl.open_writer(name))
+            self._check_schemas(w, new, s, name, where)
+            lw = stack.enter_context(ctl.open_writer(ledger.name)) if atomic else None
+            landed = ledger.lookup(name, write_id, writer=lw)
+            if landed is not None:
+                return landed, {"rows": new.num_rows}, True
+            r = stack.enter_context(ctl.acquire_read_handle(name))
+            landed, changes = self._write(ctl, name, new, s, sel, where, ledger, write_id, w, r, lw)
         return landed, {"rows": new.num_rows, **changes}, False
 
     def _write(
         self, ctl: StorageController, name: str, new: pa.Table, s: OutputSettings,
         sel: PartitionSelection | None, where: str, ledger: WriteLedger, write_id: str,
+        w: CollectionWriter, r: CollectionReader, lw: CollectionWriter | None,
     ) -> tuple[LandedWrite, dict[str, int]]:
-        """Writes ``new`` and its ledger entry: one transaction when both collections are
-        transactional (``atomic_commit``), else the data's compare-and-append and then the
-        entry's (the old collections' two-commit path, see ``ledger``)."""
-        ledger.ensure()
-        atomic = ctl.is_transactional(name) and ctl.is_transactional(ledger.name)
-        with ExitStack() as stack:
-            w = stack.enter_context(ctl.open_writer(name))
-            r = stack.enter_context(ctl.acquire_read_handle(name))
-            lw = stack.enter_context(ctl.open_writer(ledger.name)) if atomic else None
-            upper = -1
-            updates = new
-            for attempt in range(1, MAX_ATTEMPTS + 1):
-                u = logical_upper(w) if atomic else w.upper.time
-                assert u is not None
-                if u != upper:  # the contents moved (or the first attempt): recompute
-                    upper = u
-                    updates = self._updates(w, r, new, s, sel, upper, where)
-                t = max(upper, now_ms())
-                lower_l = 0
+        """The write's attempts: its updates against the contents at the collection's
+        upper, committed (with the ledger's entry through ``lw``, when given) unless
+        either collection moved meanwhile, recomputed when the data's did."""
+        atomic = lw is not None
+        upper = -1
+        updates = new
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            u = logical_upper(w) if atomic else w.upper.time
+            assert u is not None
+            if u != upper:  # the contents moved (or the first attempt): recompute
+                upper = u
+                updates = self._updates(w, r, new, s, sel, upper, where)
+            t = max(upper, now_ms())
+            lower_l = 0
+            if lw is not None:
+                lu = logical_upper(lw)
+                lower_l, t = lu, max(t, lu)
+            landed = LandedWrite(t, t + 1)
+            timed = updates.append_column("ts", pa.array(np.full(updates.num_rows, t, dtype=np.int64)))
+            timed = timed.select([*w.schemas.key_names, *w.schemas.val_names, "ts", "diff"])
+            if self.before_commit is not None:
+                self.before_commit()
+            try:
                 if lw is not None:
-                    lu = logical_upper(lw)
-                    lower_l, t = lu, max(t, lu)
-                landed = LandedWrite(t, t + 1)
-                timed = updates.append_column("ts", pa.array(np.full(updates.num_rows, t, dtype=np.int64)))
-                timed = timed.select([*w.schemas.key_names, *w.schemas.val_names, "ts", "diff"])
-                if self.before_commit is not None:
-                    self.before_commit()
-                try:
-                    if lw is not None:
-                        commit_with_ledger(ctl, w, timed, upper, lw, entry(name, write_id, landed, t), lower_l, t + 1)
-                    else:
-                        w.compare_and_append(timed, upper, t + 1)
-                except UpperMismatch:
-                    continue  # the data or the ledger moved: nothing was written
-                if lw is None:
-                    ledger.record(name, write_id, landed)  # a second commit: the crash window
-                diffs = np.asarray(timed.column("diff"))
-                return landed, {
-                    "inserted": int(diffs[diffs > 0].sum()),
-                    "retracted": -int(diffs[diffs < 0].sum()),
-                    "attempts": attempt,
-                }
+                    commit_with_ledger(ctl, w, timed, upper, lw, entry(name, write_id, landed, t), lower_l, t + 1)
+                else:
+                    w.compare_and_append(timed, upper, t + 1)
+            except UpperMismatch:
+                continue  # the data or the ledger moved: nothing was written
+            if lw is None:
+                ledger.record(name, write_id, landed)  # a second commit: the crash window
+            diffs = np.asarray(timed.column("diff"))
+            return landed, {
+                "inserted": int(diffs[diffs > 0].sum()),
+                "retracted": -int(diffs[diffs < 0].sum()),
+                "attempts": attempt,
+            }
         raise UpperMismatch(name, Antichain([upper]), w.upper)
 
     def _updates(
