@@ -3,14 +3,14 @@
 Round trips, the three write modes' contents and history, reproducible reads (a
 downstream reads its upstream as of the recorded materialization, also in a
 re-execution after the upstream was materialized again), retried steps that write
-nothing twice, and bad configuration that fails at once with one clear line.
+nothing twice (``test_io_manager_instances.py``, on ephemeral and on-disk instances), and
+bad configuration that fails at once with one clear line.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -190,35 +190,6 @@ def test_upsert_replaces_and_deletes_by_key(persist: PersistResource, instance: 
     t1, t2 = _versions(persist, instance, a, [V1.append_column("gone", pa.array([False] * 3)), flagged])
     assert _snapshot(persist, "modes.up", t1) == _rows(V1)
     assert _snapshot(persist, "modes.up", t2) == _rows(pa.table({"id": [1, 2, 5], "x": ["a", "B", "e"]}))
-
-
-def test_retried_step_writes_nothing_twice(persist: PersistResource, instance: dg.DagsterInstance) -> None:
-    """A multi-asset stores its first output, then fails; Dagster retries the step in the
-    same run: the append-mode output is not written again."""
-    attempts: list[int] = []
-
-    @dg.multi_asset(
-        outs={
-            "first": dg.AssetOut(key=["retry", "first"], metadata={"persist/key": ["id"], "persist/mode": "append"}),
-            "second": dg.AssetOut(key=["retry", "second"], metadata={"persist/key": ["id"]}),
-        },
-        retry_policy=dg.RetryPolicy(max_retries=1),
-    )
-    def both() -> Iterator[dg.Output[pa.Table]]:
-        attempts.append(1)
-        yield dg.Output(V1, "first")
-        if len(attempts) == 1:
-            raise RuntimeError("fails after the first output was stored")
-        yield dg.Output(V2, "second")
-
-    res = dg.materialize([both], resources={"io_manager": _io(persist)}, instance=instance)
-    assert res.success and len(attempts) == 2
-    first = [e for e in res.get_asset_materialization_events() if e.asset_key == dg.AssetKey(["retry", "first"])]
-    assert len(first) == 2  # recorded by both attempts ...
-    times = {e.materialization.metadata["persist/time"].value for e in first}
-    assert len(times) == 1  # ... at the one time it was written
-    assert [e.materialization.metadata["persist/replayed"].value for e in first] == [False, True]
-    assert _snapshot(persist, "retry.first", times.pop()) == _rows(V1)  # each row once
 
 
 def _asof_job() -> dg.JobDefinition:

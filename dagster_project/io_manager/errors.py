@@ -23,3 +23,12 @@ class PartitionMismatch(InvalidUsage):
 
 class NoRecordedMaterialization(InvalidUsage):
     """An input is read as of its upstream's recorded materialization, but none exists."""
+
+
+class UnknownAsOfRun(IOManagerConfigError):
+    """An input's ``persist/as_of`` names a run the Dagster instance does not know."""
+
+
+class RunDidNotMaterialize(NoRecordedMaterialization):
+    """An input's ``persist/as_of`` names a run that recorded no persist time for the
+    upstream asset (or for the partitions being loaded)."""

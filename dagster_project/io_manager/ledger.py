@@ -27,6 +27,7 @@ from dagster_project.io_manager.atomic_commit import logical_upper
 from dagster_project.io_manager.collection_setup import ensure_collection
 from persist_lib.errors import UpperMismatch
 from persist_lib.storage import StorageController
+from persist_lib.storage.writer import CollectionWriter
 
 LEDGER_KEY = pa.schema([("collection", pa.string()), ("write_id", pa.string())])
 LEDGER_VAL = pa.schema([("time", pa.int64()), ("upper", pa.int64())])
@@ -47,12 +48,17 @@ class WriteLedger:
         self.ctl = ctl
         self.name = name
 
-    def lookup(self, collection: str, write_id: str) -> LandedWrite | None:
-        if self.name not in self.ctl.list_collections():
-            return None
-        if self.ctl.is_transactional(self.name):
-            with self.ctl.open_writer(self.name) as w:
-                logical_upper(w)  # a killed committer's entry made readable
+    def lookup(self, collection: str, write_id: str, *, writer: CollectionWriter | None = None) -> LandedWrite | None:
+        """The landed write ``write_id`` of ``collection``, if the ledger holds it.
+        ``writer``: an open writer of the (transactional) ledger the caller holds."""
+        if writer is not None:
+            logical_upper(writer)  # a killed committer's entry made readable
+        else:
+            if self.name not in self.ctl.list_collections():
+                return None
+            if self.ctl.is_transactional(self.name):
+                with self.ctl.open_writer(self.name) as w:
+                    logical_upper(w)
         with self.ctl.acquire_read_handle(self.name) as r:
             upper = r.upper.time
             if not upper:

@@ -8,6 +8,9 @@ input is read, by default, as of the time its upstream materialization recorded:
 * the materialization the same run (or, for a re-execution, the parent run that produced
   the upstream output) recorded for the asset and partitions, when there is one;
 * else the latest recorded materialization of each partition read (the largest time).
+
+Or, with input metadata ``persist/as_of: <run id>``, as of the time a given run's
+materialization recorded (``time_as_of_run``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import dagster as dg
 
+from dagster_project.io_manager.errors import RunDidNotMaterialize, UnknownAsOfRun
 from persist_lib.timefmt import time_text
 
 TIME = "persist/time"
@@ -114,3 +118,26 @@ def run_lineage(instance: dg.DagsterInstance, run_id: str) -> Iterable[str]:
         yield rid
         run = instance.get_run_by_id(rid)
         rid = run.parent_run_id if run is not None else None
+
+
+def time_as_of_run(
+    instance: dg.DagsterInstance, run_id: str, key: dg.AssetKey, partitions: Sequence[str] | None, where: str
+) -> int:
+    """The persist time run ``run_id`` recorded for ``key`` (the largest of ``partitions``'),
+    looked up in the instance's event log; for a re-execution that did not run the
+    upstream step, the time its parent run recorded (what that run read). Typed errors
+    for a run the instance does not know and a run that recorded no such time."""
+    if instance.get_run_by_id(run_id) is None:
+        raise UnknownAsOfRun(
+            f"{where}: persist/as_of names run {run_id!r}, which this Dagster instance does not know; "
+            f"give the id of a run that materialized {key.to_user_string()} (or 'recorded', 'latest' or a persist time)"
+        )
+    for rid in run_lineage(instance, run_id):
+        t = time_in_run(instance, rid, key, partitions)
+        if t is not None:
+            return t
+    which = "" if partitions is None else f" partition(s) {', '.join(partitions[:3])}{'...' if len(partitions) > 3 else ''} of"
+    raise RunDidNotMaterialize(
+        f"{where}: run {run_id!r} recorded no persist time for{which} {key.to_user_string()} (it did not "
+        "materialize it through PersistIOManager); give a run that did, or 'recorded', 'latest' or a persist time"
+    )

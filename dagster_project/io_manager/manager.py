@@ -19,7 +19,7 @@ import dagster as dg
 import numpy as np
 import pyarrow as pa
 
-from dagster_project.io_manager import lineage, write_modes
+from dagster_project.io_manager import lazy_read, lineage, spark_read, write_modes
 from dagster_project.io_manager.atomic_commit import commit_with_ledger, logical_upper
 from dagster_project.io_manager.collection_setup import ensure_collection
 from dagster_project.io_manager.errors import (
@@ -30,8 +30,14 @@ from dagster_project.io_manager.errors import (
 from dagster_project.io_manager.ledger import LandedWrite, WriteLedger, entry, now_ms
 from dagster_project.io_manager.partitions import PartitionSelection
 from dagster_project.io_manager.settings import InputSettings, OutputSettings, check_mode
-from dagster_project.io_manager.type_handlers import from_arrow, to_arrow
+from dagster_project.io_manager.type_handlers import (
+    from_arrow,
+    is_lazy_type,
+    is_spark_type,
+    to_arrow,
+)
 from dagster_project.resources import PersistResource
+from persist_lib.config import MiB
 from persist_lib.errors import UpperMismatch
 from persist_lib.frontier import Antichain
 from persist_lib.shard.codec import Schemas
@@ -80,8 +86,12 @@ def _column_types(schemas: Schemas) -> dict[str, pa.DataType]:
 
 
 class PersistIOManagerImpl(dg.IOManager):
-    def __init__(self, persist: PersistResource, default_mode: str, num_shards: int, prefix: str, ledger: str) -> None:
+    def __init__(
+        self, persist: PersistResource, default_mode: str, num_shards: int, prefix: str, ledger: str,
+        read_memory_budget: int | None = None,
+    ) -> None:
         self.persist = persist
+        self.read_memory_budget = read_memory_budget
         self.default_mode = default_mode
         self.num_shards = num_shards
         self.prefix = prefix
@@ -132,14 +142,19 @@ class PersistIOManagerImpl(dg.IOManager):
         return ordered, pa.schema([schema.field(c) for c in s.key]), pa.schema([schema.field(c) for c in vals])
 
     def _ensure_collection(self, ctl: StorageController, name: str, key: pa.Schema, val: pa.Schema, shards: int, where: str) -> None:
-        if ensure_collection(ctl, name, key, val, shards, transactional=True):
-            return
-        with ctl.acquire_read_handle(name) as r:
-            recorded = r.schemas
-        if recorded != Schemas.create(key, val):
+        """Creates the collection unless it exists (its schemas are checked by ``store``,
+        on the writer it opens anyway)."""
+        ensure_collection(ctl, name, key, val, shards, transactional=True)
+
+    @staticmethod
+    def _check_schemas(w: CollectionWriter, new: pa.Table, s: OutputSettings, name: str, where: str) -> None:
+        schema = new.schema
+        key = pa.schema([schema.field(c) for c in s.key])
+        val = pa.schema([f for f in schema if f.name not in s.key and f.name != s.delete_column])
+        if w.schemas != Schemas.create(key, val):
             raise OutputSchemaMismatch(
                 f"{where}: output schemas {Schemas.create(key, val).describe()} differ from collection "
-                f"{name!r}'s {recorded.describe()}; return the recorded columns and types, or materialize into a new asset key"
+                f"{name!r}'s {w.schemas.describe()}; return the recorded columns and types, or materialize into a new asset key"
             )
 
     def store(
@@ -148,60 +163,68 @@ class PersistIOManagerImpl(dg.IOManager):
     ) -> tuple[LandedWrite, dict[str, int], bool]:
         """Writes ``new`` (key and value columns) into existing collection ``name`` unless
         the ledger holds ``write_id`` already. Returns where it landed, its counts and
-        whether it had landed before (then nothing was written)."""
+        whether it had landed before (then nothing was written).
+
+        Writes its ledger entry in the same transaction when both collections are
+        transactional (``atomic_commit``), else after the data's compare-and-append (the
+        old collections' two-commit path, see ``ledger``). The handles are opened once for
+        the schema check, the ledger lookup and the write."""
         ledger = WriteLedger(ctl, self.ledger_name)
-        landed = ledger.lookup(name, write_id)
-        if landed is not None:
-            return landed, {"rows": new.num_rows}, True
-        landed, changes = self._write(ctl, name, new, s, sel, where, ledger, write_id)
+        ledger.ensure()
+        atomic = ctl.is_transactional(name) and ctl.is_transactional(ledger.name)
+        with ExitStack() as stack:
+            w = stack.enter_context(ctl.open_writer(name))
+            self._check_schemas(w, new, s, name, where)
+            lw = stack.enter_context(ctl.open_writer(ledger.name)) if atomic else None
+            landed = ledger.lookup(name, write_id, writer=lw)
+            if landed is not None:
+                return landed, {"rows": new.num_rows}, True
+            r = stack.enter_context(ctl.acquire_read_handle(name))
+            landed, changes = self._write(ctl, name, new, s, sel, where, ledger, write_id, w, r, lw)
         return landed, {"rows": new.num_rows, **changes}, False
 
     def _write(
         self, ctl: StorageController, name: str, new: pa.Table, s: OutputSettings,
         sel: PartitionSelection | None, where: str, ledger: WriteLedger, write_id: str,
+        w: CollectionWriter, r: CollectionReader, lw: CollectionWriter | None,
     ) -> tuple[LandedWrite, dict[str, int]]:
-        """Writes ``new`` and its ledger entry: one transaction when both collections are
-        transactional (``atomic_commit``), else the data's compare-and-append and then the
-        entry's (the old collections' two-commit path, see ``ledger``)."""
-        ledger.ensure()
-        atomic = ctl.is_transactional(name) and ctl.is_transactional(ledger.name)
-        with ExitStack() as stack:
-            w = stack.enter_context(ctl.open_writer(name))
-            r = stack.enter_context(ctl.acquire_read_handle(name))
-            lw = stack.enter_context(ctl.open_writer(ledger.name)) if atomic else None
-            upper = -1
-            updates = new
-            for attempt in range(1, MAX_ATTEMPTS + 1):
-                u = logical_upper(w) if atomic else w.upper.time
-                assert u is not None
-                if u != upper:  # the contents moved (or the first attempt): recompute
-                    upper = u
-                    updates = self._updates(w, r, new, s, sel, upper, where)
-                t = max(upper, now_ms())
-                lower_l = 0
+        """The write's attempts: its updates against the contents at the collection's
+        upper, committed (with the ledger's entry through ``lw``, when given) unless
+        either collection moved meanwhile, recomputed when the data's did."""
+        atomic = lw is not None
+        upper = -1
+        updates = new
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            u = logical_upper(w) if atomic else w.upper.time
+            assert u is not None
+            if u != upper:  # the contents moved (or the first attempt): recompute
+                upper = u
+                updates = self._updates(w, r, new, s, sel, upper, where)
+            t = max(upper, now_ms())
+            lower_l = 0
+            if lw is not None:
+                lu = logical_upper(lw)
+                lower_l, t = lu, max(t, lu)
+            landed = LandedWrite(t, t + 1)
+            timed = updates.append_column("ts", pa.array(np.full(updates.num_rows, t, dtype=np.int64)))
+            timed = timed.select([*w.schemas.key_names, *w.schemas.val_names, "ts", "diff"])
+            if self.before_commit is not None:
+                self.before_commit()
+            try:
                 if lw is not None:
-                    lu = logical_upper(lw)
-                    lower_l, t = lu, max(t, lu)
-                landed = LandedWrite(t, t + 1)
-                timed = updates.append_column("ts", pa.array(np.full(updates.num_rows, t, dtype=np.int64)))
-                timed = timed.select([*w.schemas.key_names, *w.schemas.val_names, "ts", "diff"])
-                if self.before_commit is not None:
-                    self.before_commit()
-                try:
-                    if lw is not None:
-                        commit_with_ledger(ctl, w, timed, upper, lw, entry(name, write_id, landed, t), lower_l, t + 1)
-                    else:
-                        w.compare_and_append(timed, upper, t + 1)
-                except UpperMismatch:
-                    continue  # the data or the ledger moved: nothing was written
-                if lw is None:
-                    ledger.record(name, write_id, landed)  # a second commit: the crash window
-                diffs = timed.column("diff").to_pylist()
-                return landed, {
-                    "inserted": sum(d for d in diffs if d > 0),
-                    "retracted": -sum(d for d in diffs if d < 0),
-                    "attempts": attempt,
-                }
+                    commit_with_ledger(ctl, w, timed, upper, lw, entry(name, write_id, landed, t), lower_l, t + 1)
+                else:
+                    w.compare_and_append(timed, upper, t + 1)
+            except UpperMismatch:
+                continue  # the data or the ledger moved: nothing was written
+            if lw is None:
+                ledger.record(name, write_id, landed)  # a second commit: the crash window
+            diffs = np.asarray(timed.column("diff"))
+            return landed, {
+                "inserted": int(diffs[diffs > 0].sum()),
+                "retracted": -int(diffs[diffs < 0].sum()),
+                "attempts": attempt,
+            }
         raise UpperMismatch(name, Antichain([upper]), w.upper)
 
     def _updates(
@@ -219,7 +242,7 @@ class PersistIOManagerImpl(dg.IOManager):
         if s.mode == "overwrite":
             if sel is not None:
                 old = old.filter(sel.mask(old, where))
-            return write_modes.overwrite(old, new)
+            return write_modes.overwrite(old, new, s.key)
         return write_modes.upsert(old, new, s.key, s.delete_column)
 
     # ----- input ---------------------------------------------------------------------
@@ -236,6 +259,7 @@ class PersistIOManagerImpl(dg.IOManager):
         sel = _selection(context, pcols, where)
         name = collection_name(key, self.prefix)
         ctl = self.persist.controller()
+        typ = context.dagster_type.typing_type
         with ctl.acquire_read_handle(name) as r:
             as_of = self._as_of(context, settings, sel, r.upper.time or 0, where)
             types = _column_types(r.schemas)
@@ -248,28 +272,42 @@ class PersistIOManagerImpl(dg.IOManager):
                 cols = list(dict.fromkeys([*settings.columns, *(sel.columns.values() if sel is not None else [])]))
             # only the parts that can hold the partitions' rows are fetched; only the
             # asked-for columns (and the partition columns) are returned
-            table = write_modes.expand(r.snapshot_batches(as_of, columns=cols, filter=filt).read_all())
-        if sel is not None:
-            table = table.filter(sel.mask(table, where))
-        if settings.columns is not None:
-            table = table.select(settings.columns)
+            if is_spark_type(typ):  # fetched and decoded on the executors
+                value = spark_read.load_dataframe(
+                    spark_read.active_session(), r, as_of, columns=cols, filter=filt, sel=sel,
+                    keep=settings.columns, where=where,
+                )
+            elif is_lazy_type(typ):  # read when collected, streamed within the budget
+                value = lazy_read.lazy_frame(
+                    lambda: self.persist.controller().acquire_read_handle(name), r.schemas, as_of,
+                    filter=filt, sel=sel, keep=settings.columns, memory_budget=self.read_memory_budget, where=where,
+                )
+            else:
+                table = write_modes.expand(r.snapshot_batches(as_of, columns=cols, filter=filt).read_all())
+                if sel is not None:
+                    table = table.filter(sel.mask(table, where))
+                if settings.columns is not None:
+                    table = table.select(settings.columns)
+                value = from_arrow(table, typ, where)
         if context.has_asset_key and context.step_context is not None:
             self._reads.setdefault(context.step_context.step.key, {})[name] = as_of
         if sel is None or len(sel.keys) == 1:  # Dagster attaches input metadata to one partition
             context.add_input_metadata({"persist/as_of": dg.MetadataValue.int(as_of), lineage.COLLECTION: name})
-        return from_arrow(table, context.dagster_type.typing_type, where)
+        return value
 
     def _as_of(
         self, context: dg.InputContext, s: InputSettings, sel: PartitionSelection | None, upper: int, where: str
     ) -> int:
         if isinstance(s.as_of, int):
             return s.as_of
+        partitions = [k for k in context.asset_partition_keys] if sel is not None else None
+        if s.run_id is not None:
+            return lineage.time_as_of_run(context.instance, s.run_id, context.asset_key, partitions, where)
         if s.as_of == "latest":
             if upper == 0:
                 raise NoRecordedMaterialization(f"{where}: the collection has no data yet; materialize the upstream first")
             return upper - 1
         instance = context.instance
-        partitions = [k for k in context.asset_partition_keys] if sel is not None else None
         produced_by = context.upstream_output.run_id if context.upstream_output is not None else None
         if produced_by:
             for rid in lineage.run_lineage(instance, produced_by):
@@ -292,7 +330,9 @@ class PersistIOManager(dg.ConfigurableIOManagerFactory):
     ``num_shards``: shards of the collections it creates (default 1; any number up to
     1024: the collections are transactional, so a write to all shards and its ledger
     entry is one atomic commit); ``prefix``: a namespace put before every asset key; ``ledger``: the
-    collection that records which writes landed (retried steps never write twice).
+    collection that records which writes landed (retried steps never write twice);
+    ``read_memory_budget``: what a LazyFrame input's streaming read decodes at most at once
+    (default: persist's ``read_memory_budget``).
     """
 
     persist: PersistResource
@@ -300,12 +340,19 @@ class PersistIOManager(dg.ConfigurableIOManagerFactory):
     num_shards: int = 1
     prefix: str = ""
     ledger: str = "dagster_io.writes"
+    read_memory_budget: int | None = None
 
     def create_io_manager(self, context: dg.InitResourceContext) -> PersistIOManagerImpl:
         check_mode(self.default_mode, "PersistIOManager.default_mode")
         if not 1 <= self.num_shards <= 1024:
             raise IOManagerConfigError(f"PersistIOManager.num_shards must be in [1, 1024], got {self.num_shards}")
-        return PersistIOManagerImpl(self.persist, self.default_mode, self.num_shards, self.prefix, self.ledger)
+        if self.read_memory_budget is not None and self.read_memory_budget < MiB:
+            raise IOManagerConfigError(
+                f"PersistIOManager.read_memory_budget must be at least 1 MiB ({MiB} bytes), got {self.read_memory_budget}"
+            )
+        return PersistIOManagerImpl(
+            self.persist, self.default_mode, self.num_shards, self.prefix, self.ledger, self.read_memory_budget
+        )
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         self.persist.close()  # the controller's holds and the client (reopened on next use)

@@ -11,7 +11,9 @@ Output (asset definition) metadata:
 * ``persist/num_shards``: shards of a new collection (default: the I/O manager's).
 
 Input metadata: ``persist/as_of`` (``recorded``, the default: the time the upstream
-materialization recorded; ``latest``; or an integer persist time) and ``columns``.
+materialization recorded; ``latest``; an integer persist time; or the id of a run that
+materialized the upstream, read as of the time that materialization recorded) and
+``columns``.
 """
 
 from __future__ import annotations
@@ -92,19 +94,27 @@ class OutputSettings:
 
 @dataclass(frozen=True)
 class InputSettings:
-    as_of: str | int
+    as_of: str | int  # "recorded", "latest", a persist time or a run id (``run_id``)
     columns: list[str] | None
+
+    @property
+    def run_id(self) -> str | None:
+        """The run whose materialization of the upstream the input is read as of."""
+        return self.as_of if isinstance(self.as_of, str) and self.as_of not in AS_OF_MODES else None
 
     @classmethod
     def parse(cls, metadata: Mapping[str, Any] | None, where: str) -> InputSettings:
         md = {k: _meta_value(v) for k, v in (metadata or {}).items()}
         as_of = md.get("persist/as_of", "recorded")
         if isinstance(as_of, bool) or not (
-            as_of in AS_OF_MODES or (isinstance(as_of, int) and as_of >= 0)
+            (isinstance(as_of, str) and as_of.strip()) or (isinstance(as_of, int) and as_of >= 0)
         ):
             raise IOManagerConfigError(
-                f"{where}: persist/as_of must be 'recorded', 'latest' or a persist time (an int >= 0), got {as_of!r}"
+                f"{where}: persist/as_of must be 'recorded', 'latest', a persist time (an int >= 0) "
+                f"or a run id, got {as_of!r}"
             )
+        if isinstance(as_of, str):
+            as_of = as_of.strip()
         cols = md.get("columns")
         columns = None if cols is None else _str_list(cols, "columns", where)
         return cls(as_of, columns)

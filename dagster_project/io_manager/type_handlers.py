@@ -31,6 +31,16 @@ def _is_spark(t: Any) -> bool:
     return _type_name(t).startswith("pyspark.sql") and getattr(t, "__name__", "") == "DataFrame"
 
 
+def is_spark_type(t: Any) -> bool:
+    """Whether an input annotated ``t`` is loaded through the distributed Spark read."""
+    return _is_spark(t)
+
+
+def is_lazy_type(t: Any) -> bool:
+    """Whether an input annotated ``t`` is loaded as a streaming polars LazyFrame."""
+    return _is_polars(t, "LazyFrame")
+
+
 def _normalize_arrow(table: pa.Table) -> pa.Table:
     """View types (polars exports strings as ``string_view``) cast to what persist stores."""
     fields = []
@@ -66,8 +76,10 @@ def to_arrow(obj: Any, where: str) -> tuple[pa.Table, str]:
     )
 
 
-def from_arrow(table: pa.Table, typ: Any, where: str, spark: Any = None) -> Any:
-    """The input as the type the downstream asset annotated (``pyarrow.Table`` when it did not)."""
+def from_arrow(table: pa.Table, typ: Any, where: str) -> Any:
+    """The input as the type the downstream asset annotated (``pyarrow.Table`` when it did
+    not). A LazyFrame (``lazy_read``) and a Spark DataFrame (``spark_read``) are read
+    their own ways, not from a table."""
     if typ is None or typ is Any or typ is pa.Table or typ is object:
         return table
     if _is_pandas(typ):
@@ -76,17 +88,6 @@ def from_arrow(table: pa.Table, typ: Any, where: str, spark: Any = None) -> Any:
         import polars as pl
 
         return pl.from_arrow(table)
-    if _is_polars(typ, "LazyFrame"):
-        import polars as pl
-
-        df = pl.from_arrow(table)
-        return df.lazy()  # type: ignore[union-attr]
-    if _is_spark(typ):
-        if spark is None:
-            from pyspark.sql import SparkSession
-
-            spark = SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
-        return spark.createDataFrame(table)
     raise IOManagerConfigError(
         f"{where}: can't load an input of type {_type_name(typ)}; annotate it as pyarrow.Table, "
         "pandas.DataFrame, polars.DataFrame/LazyFrame or a PySpark DataFrame"

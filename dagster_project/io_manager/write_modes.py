@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dagster_project.io_manager.errors import IOManagerConfigError
+from dagster_project.io_manager.keyed_diff import keyed_difference
 from persist_lib.shard.codec import D_COL, T_COL
 from persist_lib.shard.consolidate import consolidate
 
@@ -42,12 +43,17 @@ def _with_diff(table: pa.Table, d: int) -> pa.Table:
     return table.append_column(DIFF, pa.array(np.full(table.num_rows, d, dtype=np.int64)))
 
 
-def multiset_difference(old: pa.Table, new: pa.Table) -> pa.Table:
+def multiset_difference(old: pa.Table, new: pa.Table, key: list[str] | None = None) -> pa.Table:
     """``new - old`` as updates: each distinct row once with the change of its count.
 
-    Computed by persist's own consolidation (``shard.consolidate``: a multi-threaded
+    With ``key`` and each key at most once per side: by a sort on the key columns
+    (``keyed_diff``). Otherwise computed by persist's own consolidation (``shard.consolidate``: a multi-threaded
     sort, equal rows' diffs summed, zeros dropped), on the columns renamed to positions
     so that no user column can be taken for its time or diff column."""
+    if key and old.num_rows:
+        keyed = keyed_difference(old, new, key)
+        if keyed is not None:
+            return keyed
     names = old.column_names
     both = pa.concat_tables([_with_diff(old, -1), _with_diff(new.select(names), 1)])
     if both.num_rows == 0:
@@ -61,8 +67,8 @@ def multiset_difference(old: pa.Table, new: pa.Table) -> pa.Table:
     return out.rename_columns([*names, DIFF])
 
 
-def overwrite(old: pa.Table, new: pa.Table) -> pa.Table:
-    return multiset_difference(old, new)
+def overwrite(old: pa.Table, new: pa.Table, key: list[str]) -> pa.Table:
+    return multiset_difference(old, new, key)
 
 
 def append(new: pa.Table) -> pa.Table:
@@ -86,4 +92,4 @@ def upsert(old: pa.Table, new: pa.Table, key: list[str], delete_column: str | No
     hits = keys.append_column(marker, pa.array(np.ones(keys.num_rows, dtype=np.int8)))
     joined = old.join(hits, key, join_type="left outer", use_threads=False)
     touched = joined.filter(pc.is_valid(joined.column(marker))).drop_columns([marker])
-    return multiset_difference(touched.select(old.column_names), live)
+    return multiset_difference(touched.select(old.column_names), live, key)
