@@ -148,3 +148,22 @@ def test_split_by_shard_keeps_every_row_in_order(num_shards: int) -> None:
     for shard, part in enumerate(parts):
         assert part.to_pylist() == [r for r, s in zip(t.to_pylist(), routes, strict=True) if s == shard]
     assert split_by_shard(t, ["k"], 1) == [t]
+
+
+def test_temporal_keys_hash_their_integer_storage() -> None:
+    # date32 has no Arrow cast to int64 (routing a date key used to raise); every
+    # temporal key hashes its stored integer (days, seconds, micro/nanoseconds).
+    days = [0, 1, 19_000, -3, None]
+    cols = {
+        "date32": pa.array(days, pa.date32()),
+        "time32": pa.array([0, 5, 86_399, 7, None], pa.time32("s")),
+        "date64": pa.array([d * 86_400_000 if d is not None else None for d in days], pa.date64()),
+        "timestamp": pa.array([0, 10**15, -(10**12), 42, None], pa.timestamp("us")),
+        "duration": pa.array([0, 1, -1, 10**9, None], pa.duration("ns")),
+    }
+    for name, col in cols.items():
+        raw = col.view(pa.int32() if col.type.bit_width == 32 else pa.int64()).to_pylist()
+        expected = [ref_hash((v,)) % 97 for v in raw]
+        assert route(pa.table({"k": col}), ["k"], 97).tolist() == expected, name
+    dates = pa.table({"d": pa.array([datetime.date(2026, 11, i) for i in range(1, 28)])})
+    assert sum(len(p) for p in split_by_shard(dates, ["d"], 4)) == 27

@@ -49,7 +49,9 @@ def _hash_column(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
     t = arr.type
     valid = np.ones(n, dtype=bool) if arr.null_count == 0 else ~np.asarray(arr.is_null())
     if pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_temporal(t):
-        as_int = pc.cast(arr, pa.int64(), safe=False) if not pa.types.is_uint64(t) else pc.cast(arr, pa.int64(), safe=False)
+        if pa.types.is_temporal(t):  # its integer storage (Arrow casts no date32 to int64)
+            arr = arr.view(pa.int32() if t.bit_width == 32 else pa.int64())
+        as_int = pc.cast(arr, pa.int64(), safe=False)
         vals = np.asarray(as_int.fill_null(0), dtype=np.int64).view(np.uint64)
         h = _splitmix(vals)
     elif pa.types.is_floating(t):
