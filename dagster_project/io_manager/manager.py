@@ -29,6 +29,7 @@ from dagster_project.io_manager.errors import (
 )
 from dagster_project.io_manager.ledger import LandedWrite, WriteLedger, entry, now_ms
 from dagster_project.io_manager.partitions import PartitionSelection
+from dagster_project.io_manager.schema_follow import conform_output
 from dagster_project.io_manager.settings import InputSettings, OutputSettings, check_mode
 from dagster_project.io_manager.type_handlers import (
     from_arrow,
@@ -121,15 +122,25 @@ class PersistIOManagerImpl(dg.IOManager):
         write_id = "/".join([context.run_id, context.step_key, key.to_user_string(), parts or ""])
         ctl = self.persist.controller()
         self._ensure_collection(ctl, name, key_schema, val_schema, settings.num_shards, where)
+        conformed = conform_output(ctl, name, new, settings.key, settings.delete_column, settings.schema_change, where)
+        new = conformed.table
+        if conformed.evolved is not None:
+            context.log.info(
+                f"{where}: collection {name!r} evolved to schema version {conformed.evolved['version']} "
+                f"({'; '.join(conformed.evolved.get('changes') or []) or conformed.evolved['outcome']})"
+            )
+        if conformed.filled:
+            context.log.info(f"{where}: columns {conformed.filled} are not in the output: written as nulls")
         landed, counts, replayed = self.store(ctl, name, new, settings, sel, where, write_id)
         if replayed:
             context.log.info(f"{where}: write {write_id} already landed at {landed.time}; not written again")
         reads = self._reads.pop(context.step_key, {})
-        context.add_output_metadata(
-            lineage.output_metadata(
-                name, landed.time, landed.upper, settings.mode, counts, write_id, handler, parts, reads, replayed
-            )
+        meta = lineage.output_metadata(
+            name, landed.time, landed.upper, settings.mode, counts, write_id, handler, parts, reads, replayed
         )
+        if conformed.evolved is not None:
+            meta["persist/schema_version"] = conformed.evolved["version"]
+        context.add_output_metadata(meta)
         context.step_context.set_data_version(key, lineage.data_version(landed.time))
 
     def _split(self, table: pa.Table, s: OutputSettings, where: str) -> tuple[pa.Table, pa.Schema, pa.Schema]:

@@ -8,7 +8,9 @@ Output (asset definition) metadata:
   their key (the column itself is not stored);
 * ``persist/partition_column``: the column a partitioned asset's partition key maps to
   (a dict ``{dimension: column}`` for multi-partitions);
-* ``persist/num_shards``: shards of a new collection (default: the I/O manager's).
+* ``persist/num_shards``: shards of a new collection (default: the I/O manager's);
+* ``persist/schema_change``: ``evolve`` (default: an output with new value columns or
+  wider types evolves the collection in place, ``schema_follow.py``) or ``fail``.
 
 Input metadata: ``persist/as_of`` (``recorded``, the default: the time the upstream
 materialization recorded; ``latest``; an integer persist time; or the id of a run that
@@ -25,6 +27,7 @@ from typing import Any
 from dagster_project.io_manager.errors import IOManagerConfigError
 
 MODES = ("overwrite", "append", "upsert")
+SCHEMA_CHANGES = ("evolve", "fail")
 AS_OF_MODES = ("recorded", "latest")
 
 
@@ -56,6 +59,7 @@ class OutputSettings:
     delete_column: str | None
     partition_columns: dict[str, str]  # dimension ("" for a one-dimensional asset) -> column
     num_shards: int
+    schema_change: str = "evolve"
 
     @classmethod
     def parse(
@@ -89,7 +93,12 @@ class OutputSettings:
         shards = md.get("persist/num_shards", default_shards)
         if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= 1024:
             raise IOManagerConfigError(f"{where}: persist/num_shards must be an int in [1, 1024], got {shards!r}")
-        return cls(key, mode, delete, parts, shards)
+        change = md.get("persist/schema_change", "evolve")
+        if change not in SCHEMA_CHANGES:
+            raise IOManagerConfigError(
+                f"{where}: persist/schema_change must be one of {', '.join(SCHEMA_CHANGES)}, got {change!r}"
+            )
+        return cls(key, mode, delete, parts, shards, str(change))
 
 
 @dataclass(frozen=True)
