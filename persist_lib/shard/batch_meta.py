@@ -37,6 +37,10 @@ class PartMeta:
     # null count)`` per internal column with exact bounds. None: written before writers
     # recorded them (or by a writer that didn't); reads then assume anything may match.
     stats: tuple[tuple[str, Any, Any, int], ...] | None = None
+    # An indexed part (``shard.part_index``): the length and SHA-256 of its Parquet
+    # footer, which holds each row group's byte range and SHA-256, so a read can fetch
+    # and verify only some row groups. None: read whole (older parts, small parts).
+    footer: tuple[int, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -57,6 +61,8 @@ class PartMeta:
         if self.stats is not None:
             # An optional key: state readers that predate it ignore it.
             d["stats"] = [list(s) for s in self.stats]
+        if self.footer is not None:
+            d["footer"] = list(self.footer)  # optional, like "stats"
         return d
 
     @classmethod
@@ -73,6 +79,7 @@ class PartMeta:
             sorted=not d.get("unsorted", False),
             decoded=int(d["decoded"]) if d.get("decoded") is not None else None,
             stats=_stats_from_json(d.get("stats")),
+            footer=(int(d["footer"][0]), str(d["footer"][1])) if d.get("footer") is not None else None,
         )
 
     @property
