@@ -79,9 +79,10 @@ def write_indexed(out: pa.Table, schemas: Schemas, **write_kw: Any) -> bytes:
     ends: list[int] = []
     hashes: list[str] = []
     start = len(PARQUET_MAGIC)
+    rows = INDEXED_ROW_GROUP_ROWS  # (read once: tests set smaller groups)
     with pq.ParquetWriter(sink, out.schema, **write_kw) as writer:
-        for off in range(0, out.num_rows, INDEXED_ROW_GROUP_ROWS):
-            writer.write_table(out.slice(off, INDEXED_ROW_GROUP_ROWS), row_group_size=INDEXED_ROW_GROUP_ROWS)
+        for off in range(0, out.num_rows, rows):
+            writer.write_table(out.slice(off, rows), row_group_size=rows)
             end = sink.tell()
             with bio.getbuffer() as mv:
                 hashes.append(hashlib.sha256(mv[start:end]).hexdigest())

@@ -29,14 +29,10 @@ from persist_lib.errors import (
     InvalidUtf8InPart,
 )
 from persist_lib.location.base import Blob
+from persist_lib.shard import part_index
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import D_COL, T_COL, Schemas, internal_schema
-from persist_lib.shard.part_index import (
-    INDEXED_ROW_GROUP_ROWS,
-    META_INDEX,
-    footer_record,
-    write_indexed,
-)
+from persist_lib.shard.part_index import META_INDEX, footer_record, write_indexed
 from persist_lib.shard.ranks import estimated_distinct, to_numpy
 from persist_lib.utf8 import describe_value, first_invalid
 
@@ -124,7 +120,7 @@ def encode_part(table: pa.Table, schemas: Schemas, *, indexed: bool = False) -> 
         "use_dictionary": dictionary,
         "column_encoding": _delta_columns(table, schemas, dictionary),
     }
-    if indexed and table.num_rows > INDEXED_ROW_GROUP_ROWS:
+    if indexed and table.num_rows > part_index.INDEXED_ROW_GROUP_ROWS:
         return write_indexed(out, schemas, **options)
     sink = pa.BufferOutputStream()
     pq.write_table(out, sink, row_group_size=ROW_GROUP_ROWS, write_statistics=[T_COL], **options)
@@ -300,7 +296,7 @@ def part_meta_for(
             f"key={key!r} inline={inline}"
         )
     mm = pc.min_max(table.column(T_COL))
-    indexed = table.num_rows > INDEXED_ROW_GROUP_ROWS and META_INDEX in (
+    indexed = table.num_rows > part_index.INDEXED_ROW_GROUP_ROWS and META_INDEX in (
         pq.read_metadata(pa.BufferReader(data)).metadata or {}
     )
     return PartMeta(
