@@ -5,7 +5,9 @@ once; a read then uses it at three places:
 
 1. choosing parts: a part whose recorded statistics (``shard.stats``) prove that no
    row can satisfy the filter is skipped, never fetched (a part without statistics,
-   written before they existed, is always read);
+   written before they existed, is always read); within an indexed part
+   (``shard.part_index``), so is a row group whose footer statistics prove it (or
+   whose times are all after a snapshot's as-of: ``snapshot_groups``);
 2. after decoding each part, *before* consolidation: its rows are filtered by the
    conjuncts on key and value columns. That is exact: consolidation sums diffs within
    equal ``(k, v)`` (at equal forwarded time), and such a conjunct is true or false

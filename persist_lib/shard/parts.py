@@ -39,7 +39,7 @@ from persist_lib.utf8 import describe_value, first_invalid
 FORMAT_VERSION = "1"
 META_FORMAT = b"persist.format"
 META_SCHEMAS = b"persist.schemas"
-# One row group up to this many rows: parts are read whole, so more groups only cost.
+# One row group up to this many rows in a part without the row-group index (read whole).
 ROW_GROUP_ROWS = 1 << 20
 BLOB_KEY_RE = re.compile(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_.=-]+)*$")
 
