@@ -79,6 +79,18 @@ def _build(ctx: Ctx, n: int = 50, *, growing: bool = False) -> dict[str, Any]:
     return {"persist_dir": str(d), "shard": str(shard), "delta_path": p, "commits": n}
 
 
+def _cold_one_shot(d: Path, shard: Any) -> int:
+    """A cold read as of ``AS_OF``: empty state cache, a new client, ``client.snapshot``."""
+    from persist_lib.shard.machine import clear_state_cache
+
+    clear_state_cache()
+    c = persist_file_client(d)
+    try:
+        return int(c.snapshot(shard, KEY_SCHEMA, VAL_SCHEMA, AS_OF).num_rows)
+    finally:
+        c.close()
+
+
 def _cold_growing(ctx: Ctx) -> tuple[float, float, int, dict[str, Any]]:
     """The cold one-shot read as of ``AS_OF`` of a shard whose keys grow with time, and
     delta-rs at the same version: the compacted batch holding the old times is key-
@@ -86,21 +98,11 @@ def _cold_growing(ctx: Ctx) -> tuple[float, float, int, dict[str, Any]]:
     from deltalake import DeltaTable
 
     from persist_lib.ids import ShardId
-    from persist_lib.shard.machine import clear_state_cache
 
     src = _build(ctx, ctx.pick(50, 500), growing=True)
     d = Path(src["persist_dir"])
     shard = ShardId.parse(src["shard"])
-
-    def cold() -> int:
-        clear_state_cache()
-        c = persist_file_client(d)
-        try:
-            return int(c.snapshot(shard, KEY_SCHEMA, VAL_SCHEMA, AS_OF).num_rows)
-        finally:
-            c.close()
-
-    cold_s, rows = median_time(cold, REPS)
+    cold_s, rows = median_time(lambda: _cold_one_shot(d, shard), REPS)
     c = persist_file_client(d)
     state = c.machine(shard).fetch_latest()
     parts = [p for _, b in state.trace_batches() if b.lower.less_equal(AS_OF) for p in b.parts if p.tmin <= AS_OF]
@@ -124,12 +126,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     det: dict[str, Any] = {"source": src, "as_of": AS_OF}
 
     def cold() -> int:
-        clear_state_cache()
-        c = persist_file_client(d)
-        try:
-            return int(c.snapshot(shard, KEY_SCHEMA, VAL_SCHEMA, AS_OF).num_rows)
-        finally:
-            c.close()
+        return _cold_one_shot(d, shard)
 
     def cold_leased() -> int:
         clear_state_cache()

@@ -21,12 +21,11 @@ from hypothesis import strategies as hs
 from persist_lib import PersistClient, PersistConfig, ShardId
 from persist_lib.errors import CorruptionError
 from persist_lib.handles.read import ReadHandle
-from persist_lib.handles.write import WriteHandle
 from persist_lib.location import FileBlob, MemConsensus
 from persist_lib.shard import part_index
-from persist_lib.shard.batch_meta import HollowBatch, PartMeta
+from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.predicate import Predicate, Term
-from tests.test_pushdown import NAMES, py_eval, term_st
+from tests.test_pushdown import NAMES, append, as_rows, mem_client, py_eval, term_st
 
 KEY = pa.schema([("id", pa.int64())])
 VAL = pa.schema([("name", pa.string()), ("score", pa.int64())])
@@ -40,46 +39,14 @@ def small_groups(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def mem_client() -> PersistClient:
-    name = uuid.uuid4().hex
-    return PersistClient.open(f"mem://{name}", f"mem://{name}", PersistConfig.for_tests(metrics=True))
-
-
 def file_client(root: Path) -> PersistClient:
     cfg = PersistConfig.for_tests(metrics=True, inline_threshold=0)
     return PersistClient(FileBlob(root), MemConsensus(uuid.uuid4().hex), cfg)
 
 
-def updates(rows: list[tuple[int, str | None, int | None, int, int]]) -> pa.Table:
-    return pa.table(
-        {
-            "id": pa.array([r[0] for r in rows], pa.int64()),
-            "name": pa.array([r[1] for r in rows], pa.string()),
-            "score": pa.array([r[2] for r in rows], pa.int64()),
-            "ts": pa.array([r[3] for r in rows], pa.int64()),
-            "diff": pa.array([r[4] for r in rows], pa.int64()),
-        }
-    )
-
-
-def append(w: WriteHandle, rows: list[Any], lower: int, upper: int, *, index: bool = True) -> HollowBatch:
-    """One batch; ``index=False`` writes it as writers before the index did (no
-    statistics, no footer index)."""
-    b = w.builder(lower)
-    b.record_stats = index
-    b.add(w.normalize(updates(rows)))
-    batch = b.finish(upper)
-    w.compare_and_append_batch(batch, lower, upper)
-    return batch
-
-
 def bytes_read(client: PersistClient, shard: ShardId) -> int:
     assert client.metrics is not None
     return client.metrics.shard(str(shard)).bytes_read
-
-
-def as_rows(t: pa.Table) -> list[tuple[Any, ...]]:
-    return sorted((tuple(r.values()) for r in t.to_pylist()), key=repr)
 
 
 def model(rows: list[tuple[int, str | None, int | None, int, int]], lo: int, hi: int, *, as_of: int | None) -> list[dict[str, Any]]:
@@ -113,7 +80,7 @@ def test_sorted_parts_carry_a_footer_index_and_old_state_parses(small_groups: No
     # Four rows or fewer are one row group: nothing to index. And writers told to record
     # no statistics write parts as before.
     assert append(w, [(1, "x", 1, 1, 1)], 1, 2).parts[0].footer is None
-    assert append(w, [(i, "y", i, 2, 1) for i in range(10)], 2, 3, index=False).parts[0].footer is None
+    assert append(w, [(i, "y", i, 2, 1) for i in range(10)], 2, 3, stats=False).parts[0].footer is None
     assert r.snapshot(2).num_rows == 21
 
 
@@ -155,7 +122,7 @@ def test_ranged_reads_equal_the_model(
     for b, (rows, index) in enumerate(batches):
         lower = 3 * b
         batch = [(i, n, s, lower + dt, d) for (i, n, s, d), dt in rows]
-        append(w, batch, lower, lower + 3, index=index)
+        append(w, batch, lower, lower + 3, stats=index)
         written += batch
     upper = 3 * len(batches)
     as_of = max(0, upper - 1 - as_of_back)

@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 
 from persist_lib.errors import CorruptionError
 from persist_lib.shard.codec import T_COL, Schemas
+from persist_lib.shard.kernels import is_var_binary
 from persist_lib.shard.stats import MAX_STAT_COLUMNS, ColumnStats
 
 META_INDEX = b"persist.rg"
@@ -50,16 +51,9 @@ PARQUET_MAGIC = b"PAR1"
 
 def _exact_group_type(t: pa.DataType) -> bool:
     """Types whose Parquet statistics are exact bounds in the predicate's domain: not
-    floats (NaN), not temporal types (Parquet returns dates and may store another unit than the
-    column's; the predicate compares physical integers), not decimals."""
-    return (
-        pa.types.is_integer(t)
-        or pa.types.is_boolean(t)
-        or pa.types.is_string(t)
-        or pa.types.is_large_string(t)
-        or pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-    )
+    floats (NaN), not temporal types (Parquet returns dates and may store another unit
+    than the column's; the predicate compares physical integers), not decimals."""
+    return pa.types.is_integer(t) or pa.types.is_boolean(t) or is_var_binary(t)
 
 
 def group_stat_columns(schemas: Schemas) -> list[str]:
