@@ -59,6 +59,16 @@ def model(rows: list[tuple[int, str | None, int | None, int, int]], lo: int, hi:
     return [{"id": i, "name": n, "score": s, "ts": t, "diff": d} for (i, n, s, t), d in acc.items() if d]
 
 
+def summed(tables: list[pa.Table]) -> list[tuple[Any, ...]]:
+    """The rows of split tables consolidated across splits (what a caller of the splits
+    does: each split is consolidated on its own)."""
+    acc: dict[tuple[Any, ...], int] = defaultdict(int)
+    for t in tables:
+        for row in t.to_pylist():
+            acc[(row["id"], row["name"], row["score"], row["ts"])] += row["diff"]
+    return sorted(((*k, d) for k, d in acc.items() if d), key=repr)
+
+
 def indexed_parts(r: ReadHandle) -> list[PartMeta]:
     state = r._machine.fetch_latest()
     return [p for _, b in state.trace_batches() for p in b.parts if p.footer is not None]
@@ -140,9 +150,16 @@ def test_ranged_reads_equal_the_model(
     with r.snapshot_batches(as_of, filter=pred) as s:
         streamed = pa.Table.from_batches(list(s), schema=s.schema)
     assert as_rows(streamed) == expect(model(written, 0, as_of + 1, as_of=as_of))
+    # The splits other processes (Spark executors) fetch read ranged too.
+    split_tables = [s.fetch(client.blob) for s in r.snapshot_splits(as_of, 2, filter=pred)]
+    assert summed(split_tables) == expect(model(written, 0, as_of + 1, as_of=as_of))
+    r.release_splits()
     if lower < upper:
         got = r.updates_between(lower, upper, filter=pred)
         assert as_rows(got) == expect(model(written, lower, upper, as_of=None))
+        ranged = [s.fetch(client.blob) for s in r.range_splits(lower, upper, 2, filter=pred)]
+        assert summed(ranged) == expect(model(written, lower, upper, as_of=None))
+        r.release_splits()
 
 
 # -- what is fetched ------------------------------------------------------------------------
@@ -189,6 +206,12 @@ def test_selective_filter_reads_a_few_row_groups_of_a_big_part(small_groups: Non
     assert p.footer is not None
     footer, groups = p.footer[0], p.size - p.footer[0]
     assert (fetched - footer) * 50 < groups, (fetched, footer, groups)  # 1 of 100 groups
+    # So does a split fetched by another process (Spark's read_snapshot).
+    (split,) = r.snapshot_splits(0, 1, filter=[("id", ">=", 200), ("id", "<", 204)])
+    b1 = bytes_read(client, shard)
+    assert as_rows(split.fetch(client.blob)) == as_rows(got)
+    assert (bytes_read(client, shard) - b1 - footer) * 50 < groups
+    r.release_splits()
 
 
 # -- every byte returned is verified ---------------------------------------------------------
