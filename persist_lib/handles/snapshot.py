@@ -37,6 +37,7 @@ from persist_lib.shard import state as st
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import to_user_table
 from persist_lib.shard.consolidate import consolidate, consolidate_sorted
+from persist_lib.shard.disjoint_runs import chain_disjoint_runs
 from persist_lib.shard.kway_merge import FEW_RUNS, merges_linearly
 from persist_lib.shard.memory_plan import MergeStats
 from persist_lib.shard.ranged_fetch import fetch_part_groups
@@ -140,7 +141,8 @@ class SnapshotReader(LeasedReader):
             if b.lower.less_equal(as_of)
             for run in batch_runs(b)
         ]
-        runs = [run for run in runs if run]
+        # Runs whose statistics prove disjoint key ranges read as one (``disjoint_runs``).
+        runs = chain_disjoint_runs([run for run in runs if run], self.schemas)
         parts = [p for run in runs for p in run]
         linear = merges_linearly(self.schemas)
 
