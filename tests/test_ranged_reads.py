@@ -83,7 +83,7 @@ def test_sorted_parts_carry_a_footer_index_and_old_state_parses(small_groups: No
     w, r = client.open(shard, KEY, VAL)
     batch = append(w, [(i, "n", i, 0, 1) for i in range(10)], 0, 1)
     (p,) = batch.parts
-    assert p.footer is not None and len(p.footer[1]) == 64
+    assert p.footer is not None and len(p.footer[1]) == 64 and p.footer[2] == 0
     d = p.to_json()
     assert PartMeta.from_json(json.loads(json.dumps(d))) == p
     assert PartMeta.from_json({k: v for k, v in d.items() if k != "footer"}).footer is None
@@ -190,6 +190,25 @@ def test_old_as_of_reads_only_the_row_groups_of_old_times(monkeypatch: pytest.Mo
     between = r.updates_between(5, 6)
     assert as_rows(between) == as_rows(pa.Table.from_pylist(model(rows, 5, 6, as_of=None)))
     assert (bytes_read(client, shard) - b2 - footer) * 8 < groups
+
+
+def test_times_mixed_in_every_row_group_read_the_part_whole(small_groups: None) -> None:
+    """Random keys: every row group holds early times, so an old as-of can skip none;
+    state says so (the largest smallest-time of the groups) and the read is one GET of
+    the whole part, no footer first."""
+    client = mem_client()
+    shard = ShardId.new()
+    w, r = client.open(shard, KEY, VAL)
+    rows = [((i * 7919) % 400, "n", i, i % 3, 1) for i in range(400)]  # times 0, 1, 2 everywhere
+    append(w, rows, 0, 3)
+    (p,) = indexed_parts(r)
+    assert p.footer is not None and p.footer[2] == 0
+    assert client.metrics is not None
+    sm = client.metrics.shard(str(shard))
+    gets, b0 = sm.parts_read, bytes_read(client, shard)
+    got = r.snapshot(1)
+    assert (sm.parts_read - gets, bytes_read(client, shard) - b0) == (1, p.size)
+    assert as_rows(got) == as_rows(pa.Table.from_pylist(model(rows, 0, 2, as_of=1)))
 
 
 def test_selective_filter_reads_a_few_row_groups_of_a_big_part(small_groups: None) -> None:

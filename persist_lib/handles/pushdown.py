@@ -90,8 +90,8 @@ class ReadPushdown:
         a time ``<= as_of`` (a later update adds nothing at ``as_of``) and rows passing
         the key/value conjuncts. None when the part's bounds leave nothing to prune."""
         data = self.pred.data_terms() if self.pred is not None else None
-        if p.tmax <= as_of and not data:
-            return None
+        if not data and (p.tmax <= as_of or (p.footer is not None and as_of >= p.footer[2])):
+            return None  # every row group may hold a time <= as_of: read the part whole
 
         def keep(rows: int, s: dict[str, ColumnStats]) -> bool:
             t = s.get(T_COL)

@@ -39,8 +39,10 @@ class PartMeta:
     stats: tuple[tuple[str, Any, Any, int], ...] | None = None
     # An indexed part (``shard.part_index``): the length and SHA-256 of its Parquet
     # footer, which holds each row group's byte range and SHA-256, so a read can fetch
-    # and verify only some row groups. None: read whole (older parts, small parts).
-    footer: tuple[int, str] | None = None
+    # and verify only some row groups; and the largest smallest-time of its row groups
+    # (a snapshot as of that time or later can't skip a group by time). None: read
+    # whole (older parts, small parts).
+    footer: tuple[int, str, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -79,12 +81,19 @@ class PartMeta:
             sorted=not d.get("unsorted", False),
             decoded=int(d["decoded"]) if d.get("decoded") is not None else None,
             stats=_stats_from_json(d.get("stats")),
-            footer=(int(d["footer"][0]), str(d["footer"][1])) if d.get("footer") is not None else None,
+            footer=_footer_from_json(d.get("footer")),
         )
 
     @property
     def location(self) -> str:
         return self.key if self.key is not None else "<inline>"
+
+
+def _footer_from_json(raw: Any) -> tuple[int, str, int] | None:
+    if raw is None:
+        return None
+    length, sha, group_tmin = raw
+    return int(length), str(sha), int(group_tmin)
 
 
 def _stats_from_json(raw: Any) -> tuple[tuple[str, Any, Any, int], ...] | None:

@@ -12,8 +12,11 @@ SHA-256 as before) with three additions:
 - key-value metadata ``persist.rg`` in the Parquet footer: the byte range
   ``[start, end)`` of every row group (the groups are contiguous from byte 4 to the
   footer) and the SHA-256 of each range;
-- in state, ``PartMeta.footer = (length, sha256)`` of the footer (the Parquet
-  ``FileMetaData``, its length and the closing magic: the last ``length`` bytes).
+- in state, ``PartMeta.footer = (length, sha256, group_tmin)``: the length and SHA-256
+  of the footer (the Parquet ``FileMetaData``, its length and the closing magic: the
+  last ``length`` bytes), and the largest smallest-time of the row groups: a snapshot
+  as of that time or later can skip no group by time, so it reads the part whole (one
+  GET) unless a filter may prune.
 
 A ranged read (``shard.ranged_fetch``) fetches the footer, checks it against the
 ``sha256`` state records, then fetches only the row groups it needs and checks each
@@ -94,10 +97,22 @@ def footer_start(data: bytes) -> int:
     return len(data) - 8 - int.from_bytes(data[-8:-4], "little")
 
 
-def footer_record(data: bytes) -> tuple[int, str]:
-    """What state records of an indexed part: the footer's length and SHA-256."""
+def footer_record(data: bytes, md: pq.FileMetaData) -> tuple[int, str, int]:
+    """What state records of an indexed part (``md``: its Parquet metadata): the
+    footer's length and SHA-256, and the largest smallest-time of its row groups."""
     start = footer_start(data)
-    return len(data) - start, hashlib.sha256(data[start:]).hexdigest()
+    group_tmin = max(_group_tmin(md.row_group(i)) for i in range(md.num_row_groups))
+    return len(data) - start, hashlib.sha256(data[start:]).hexdigest(), group_tmin
+
+
+def _group_tmin(rg: pq.RowGroupMetaData) -> int:
+    """A row group's smallest time (as a bound: the largest int64 when unknown, so that
+    no snapshot counts on skipping it)."""
+    for j in range(rg.num_columns):
+        c = rg.column(j)
+        if c.path_in_schema == T_COL and c.is_stats_set and c.statistics.has_min_max:
+            return int(c.statistics.min)
+    return (1 << 63) - 1
 
 
 def _corrupt(shard: str, key: str, what: str) -> CorruptionError:
@@ -122,10 +137,10 @@ class OpenedPart:
         return len(self.ranges)
 
 
-def open_footer(footer: bytes, size: int, expected: tuple[int, str], *, shard: str, key: str) -> OpenedPart:
+def open_footer(footer: bytes, size: int, expected: tuple[int, str, int], *, shard: str, key: str) -> OpenedPart:
     """Verifies ``footer`` (the last bytes of a part of ``size`` bytes) against the
-    ``(length, sha256)`` state records, parses it and checks the index it holds."""
-    length, sha = expected
+    ``(length, sha256, _)`` state records, parses it and checks the index it holds."""
+    length, sha, _ = expected
     if len(footer) != length:
         raise _corrupt(shard, key, f"footer size mismatch: expected {length} bytes, got {len(footer)}")
     got = hashlib.sha256(footer).hexdigest()

@@ -296,9 +296,8 @@ def part_meta_for(
             f"key={key!r} inline={inline}"
         )
     mm = pc.min_max(table.column(T_COL))
-    indexed = table.num_rows > part_index.INDEXED_ROW_GROUP_ROWS and META_INDEX in (
-        pq.read_metadata(pa.BufferReader(data)).metadata or {}
-    )
+    md = pq.read_metadata(pa.BufferReader(data)) if table.num_rows > part_index.INDEXED_ROW_GROUP_ROWS else None
+    indexed = md is not None and META_INDEX in (md.metadata or {})
     return PartMeta(
         key=key,
         size=len(data),
@@ -310,7 +309,7 @@ def part_meta_for(
         sorted=sorted,
         decoded=table.nbytes,
         stats=stats,
-        footer=footer_record(data) if indexed else None,
+        footer=footer_record(data, md) if md is not None and indexed else None,
     )
 
 
