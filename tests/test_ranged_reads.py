@@ -280,7 +280,7 @@ def test_a_corrupted_row_group_that_is_read_raises_and_one_skipped_does_not(
     # A damaged footer fails every ranged read before anything is decoded.
     _flip(path, (a + b) // 2)  # (group 5 repaired)
     _flip(path, len(data) - 20)
-    with pytest.raises(CorruptionError, match="footer checksum mismatch"):
+    with pytest.raises(CorruptionError, match="footer: checksum mismatch"):
         r.snapshot(0, filter=[("id", ">=", 30)])
 
 

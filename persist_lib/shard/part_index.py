@@ -122,6 +122,20 @@ def _corrupt(shard: str, key: str, what: str) -> CorruptionError:
     )
 
 
+def verify_range_bytes(
+    data: bytes | memoryview, *, expected_sha256: str, expected_size: int, shard: str, key: str, what: str
+) -> None:
+    """Raises ``CorruptionError`` unless ``data`` (the part's ``what``: its footer or a
+    row group) has the expected size and SHA-256."""
+    if len(data) != expected_size:
+        raise _corrupt(shard, key, f"{what}: size mismatch: expected {expected_size} bytes, got {len(data)}")
+    got = hashlib.sha256(data).hexdigest()
+    if got != expected_sha256.lower():
+        raise _corrupt(
+            shard, key, f"{what}: checksum mismatch: expected sha256 {expected_sha256[:12]}..., got {got[:12]}..."
+        )
+
+
 @dataclass
 class OpenedPart:
     """An indexed part with its verified footer in place: ``buf`` is the part's size,
@@ -141,11 +155,7 @@ def open_footer(footer: bytes, size: int, expected: tuple[int, str, int], *, sha
     """Verifies ``footer`` (the last bytes of a part of ``size`` bytes) against the
     ``(length, sha256, _)`` state records, parses it and checks the index it holds."""
     length, sha, _ = expected
-    if len(footer) != length:
-        raise _corrupt(shard, key, f"footer size mismatch: expected {length} bytes, got {len(footer)}")
-    got = hashlib.sha256(footer).hexdigest()
-    if got != sha.lower():
-        raise _corrupt(shard, key, f"footer checksum mismatch: expected sha256 {sha[:12]}..., got {got[:12]}...")
+    verify_range_bytes(footer, expected_sha256=sha, expected_size=length, shard=shard, key=key, what="footer")
     if size < length + len(PARQUET_MAGIC):
         raise _corrupt(shard, key, f"footer of {length} bytes in a part of {size}")
     buf = np.zeros(size, dtype=np.uint8)  # calloc: pages never written are never touched
@@ -185,13 +195,9 @@ def open_footer(footer: bytes, size: int, expected: tuple[int, str, int], *, sha
 def place_group(part: OpenedPart, i: int, data: bytes | memoryview, *, shard: str, key: str) -> None:
     """Verifies row group ``i``'s bytes against the footer's hash and puts them in place."""
     a, b = part.ranges[i]
-    if len(data) != b - a:
-        raise _corrupt(shard, key, f"row group {i}: expected {b - a} bytes, got {len(data)}")
-    got = hashlib.sha256(data).hexdigest()
-    if got != part.hashes[i]:
-        raise _corrupt(
-            shard, key, f"row group {i}: checksum mismatch: expected sha256 {part.hashes[i][:12]}..., got {got[:12]}..."
-        )
+    verify_range_bytes(
+        data, expected_sha256=part.hashes[i], expected_size=b - a, shard=shard, key=key, what=f"row group {i}"
+    )
     part.buf[a:b] = np.frombuffer(data, dtype=np.uint8)
 
 
