@@ -12,6 +12,10 @@ when run alone:
 - delta-rs: ``DeltaTable(path, version=6).to_pyarrow_table()`` (version 0 is the create).
 persist reads every part of every batch whose ``lower <= 5``: after compaction the old
 commits live in merged batches, so it fetches (and filters) more than delta's 6 files.
+A last row reads a second table whose keys grow with time (50 commits; full: 500): its
+compacted parts are key-sorted and so time-clustered, and an indexed part's row groups
+after the as-of are not fetched (``shard.part_index``); with random keys every row
+group holds every time and nothing can be skipped.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from bench.common import (
     KEY_SCHEMA,
@@ -37,15 +45,25 @@ AS_OF = 5
 REPS = 5
 
 
-def _build(ctx: Ctx) -> dict[str, Any]:
-    """50 commits of 1,000 rows on both sides (when small_appends did not run)."""
+def _growing_keys(n: int, t: int) -> pa.Table:
+    """``n`` updates at time ``t`` whose keys grow with time (``t * n + i``): an
+    append-only table keyed by an increasing id (offsets, LSNs, sequence ids)."""
+    keys = pa.array(np.arange(t * n, (t + 1) * n, dtype=np.int64))
+    vals = pc.binary_join_element_wise("val_", pc.cast(keys, pa.string()), "")
+    return pa.table({"key": keys, "value": vals, "ts": pa.array(np.full(n, t, dtype=np.int64)),
+                     "diff": pa.array(np.ones(n, dtype=np.int64))})
+
+
+def _build(ctx: Ctx, n: int = 50, *, growing: bool = False) -> dict[str, Any]:
+    """``n`` commits of 1,000 rows on both sides (random keys: when small_appends did
+    not run; ``growing``: keys that grow with time)."""
     from deltalake import DeltaTable, write_deltalake
 
     from persist_lib.ids import ShardId
 
-    n = 50
-    data = [update_batch(1000, i, i) for i in range(n)]
-    d = ctx.dir("tt_persist")
+    data = [_growing_keys(1000, i) if growing else update_batch(1000, i, i) for i in range(n)]
+    tag = "_growing" if growing else ""
+    d = ctx.dir(f"tt_persist{tag}")
     client = persist_file_client(d, compaction_enabled=compaction_available())
     shard = ShardId.new()
     w, _r = client.open(shard, KEY_SCHEMA, VAL_SCHEMA)
@@ -53,12 +71,47 @@ def _build(ctx: Ctx) -> dict[str, Any]:
         w.compare_and_append(b, i, i + 1)
     wait_compaction_idle(client)
     client.close()
-    p = str(ctx.dir("tt_delta"))
+    p = str(ctx.dir(f"tt_delta{tag}"))
     DeltaTable.create(p, schema=data[0].schema)
     dt = DeltaTable(p)
     for b in data:
         write_deltalake(dt, b, mode="append")
     return {"persist_dir": str(d), "shard": str(shard), "delta_path": p, "commits": n}
+
+
+def _cold_one_shot(d: Path, shard: Any) -> int:
+    """A cold read as of ``AS_OF``: empty state cache, a new client, ``client.snapshot``."""
+    from persist_lib.shard.machine import clear_state_cache
+
+    clear_state_cache()
+    c = persist_file_client(d)
+    try:
+        return int(c.snapshot(shard, KEY_SCHEMA, VAL_SCHEMA, AS_OF).num_rows)
+    finally:
+        c.close()
+
+
+def _cold_growing(ctx: Ctx) -> tuple[float, float, int, dict[str, Any]]:
+    """The cold one-shot read as of ``AS_OF`` of a shard whose keys grow with time, and
+    delta-rs at the same version: the compacted batch holding the old times is key-
+    sorted, so its early row groups hold the early times (``shard.part_index``)."""
+    from deltalake import DeltaTable
+
+    from persist_lib.ids import ShardId
+
+    src = _build(ctx, ctx.pick(50, 500), growing=True)
+    d = Path(src["persist_dir"])
+    shard = ShardId.parse(src["shard"])
+    cold_s, rows = median_time(lambda: _cold_one_shot(d, shard), REPS)
+    c = persist_file_client(d)
+    state = c.machine(shard).fetch_latest()
+    parts = [p for _, b in state.trace_batches() if b.lower.less_equal(AS_OF) for p in b.parts if p.tmin <= AS_OF]
+    c.close()
+    delta_s, _ = median_time(lambda: DeltaTable(src["delta_path"], version=AS_OF + 1).to_pyarrow_table().num_rows, REPS)
+    det = {"commits": src["commits"], "cold_ms": round(cold_s * 1e3, 2), "delta_ms": round(delta_s * 1e3, 2),
+           "rows": rows, "parts_read": len(parts), "updates_in_parts_read": sum(p.count for p in parts),
+           "parts_indexed": sum(1 for p in parts if getattr(p, "footer", None) is not None)}
+    return cold_s, delta_s, rows, det
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
@@ -73,12 +126,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     det: dict[str, Any] = {"source": src, "as_of": AS_OF}
 
     def cold() -> int:
-        clear_state_cache()
-        c = persist_file_client(d)
-        try:
-            return int(c.snapshot(shard, KEY_SCHEMA, VAL_SCHEMA, AS_OF).num_rows)
-        finally:
-            c.close()
+        return _cold_one_shot(d, shard)
 
     def cold_leased() -> int:
         clear_state_cache()
@@ -151,4 +199,18 @@ def run(ctx: Ctx) -> dict[str, Any]:
             det["delta"]["ms"],
         ),
     ]
+    g_s, g_delta_s, g_rows, det["growing_keys"] = _cold_growing(ctx)
+    g = det["growing_keys"]
+    rows.append(
+        row(
+            NAME,
+            f"read as of time {AS_OF}, keys growing with time (cold, one-shot; {g['commits']} commits)",
+            round(g_s * 1e3, 2),
+            "ms",
+            f"delta-rs version={AS_OF + 1} ({g_rows:,} rows)",
+            round(g_delta_s * 1e3, 2),
+            goal_ratio=("<=", 1.0),
+            note=f"{g['parts_read']} parts ({g['parts_indexed']} indexed) holding {g['updates_in_parts_read']:,}",
+        )
+    )
     return {"rows": rows, "detail": det}

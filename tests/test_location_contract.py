@@ -88,6 +88,23 @@ def test_blob_get_set_overwrite_delete(blob: Blob) -> None:
     assert blob.delete("empty") == 0
 
 
+def test_blob_get_range(blob: Blob) -> None:
+    """Ranged reads (issue 28): bytes [start, end) of a value, fewer past its end, None
+    for a missing key, a usage error for a malformed range."""
+    data = bytes(range(256)) * 40  # 10 KiB
+    assert blob.get_range("r0", 0, 10) is None
+    blob.set("r0", data)
+    for a, b in [(0, 1), (0, len(data)), (100, 5000), (len(data) - 3, len(data)), (7, 7)]:
+        assert blob.get_range("r0", a, b) == data[a:b], (a, b)
+    assert blob.get_range("r0", len(data) - 4, len(data) + 100) == data[-4:]
+    assert blob.get_range("r0", len(data) + 10, len(data) + 20) == b""
+    for a, b in [(-1, 3), (5, 4), (0.5, 3)]:
+        with pytest.raises(InvalidUsage, match="0 <= start <= end"):
+            blob.get_range("r0", a, b)  # type: ignore[arg-type]
+    blob.delete("r0")
+    assert blob.get_range("r0", 0, 10) is None
+
+
 def test_blob_reopen_sees_same_data(blob_uri: str) -> None:
     a = open_blob(blob_uri)
     a.set("shard-1/part-1", b"durable")
@@ -384,6 +401,7 @@ def test_wrappers_pass_the_contract_when_available(tmp_path: Path) -> None:
     test_consensus_cas_sequence(c)
     test_consensus_truncate(MemConsensus(f"w2-{tmp_path.name}"))
     test_blob_get_set_overwrite_delete(b)
+    test_blob_get_range(b)
     assert handle.snapshot_counts()["calls"] > 20
     assert sum(v for k, v in handle.snapshot_counts().items() if k != "calls") == 0
 

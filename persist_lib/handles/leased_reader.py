@@ -221,13 +221,15 @@ class LeasedReader:
             self._apply_released()
             return dict(self._holds)
 
-    def _fetch_all(self, parts: list[PartMeta], post: Any) -> list[pa.Table]:
+    def _fetch_all(self, parts: list[PartMeta], post: Any, fetch: Any = None) -> list[pa.Table]:
         """Fetches and decodes ``parts`` in parallel, each passed through ``post(table,
-        part)``; in the order of ``parts``."""
+        part)``; in the order of ``parts``. ``fetch(part)``: how to fetch one (default:
+        the whole part)."""
         blob = self._client.blob
 
         def one(p: PartMeta) -> pa.Table:
-            return post(fetch_part(blob, p, self.schemas, self.shard_id), p)
+            t = fetch(p) if fetch is not None else fetch_part(blob, p, self.schemas, self.shard_id)
+            return post(t, p)
 
         try:
             if len(parts) <= 1:

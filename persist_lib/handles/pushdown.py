@@ -5,7 +5,9 @@ once; a read then uses it at three places:
 
 1. choosing parts: a part whose recorded statistics (``shard.stats``) prove that no
    row can satisfy the filter is skipped, never fetched (a part without statistics,
-   written before they existed, is always read);
+   written before they existed, is always read); within an indexed part
+   (``shard.part_index``), so is a row group whose footer statistics prove it (or
+   whose times are all after a snapshot's as-of: ``snapshot_groups``);
 2. after decoding each part, *before* consolidation: its rows are filtered by the
    conjuncts on key and value columns. That is exact: consolidation sums diffs within
    equal ``(k, v)`` (at equal forwarded time), and such a conjunct is true or false
@@ -28,8 +30,9 @@ import pyarrow as pa
 
 from persist_lib.errors import InvalidUsage
 from persist_lib.shard.batch_meta import PartMeta
-from persist_lib.shard.codec import Schemas, user_schema
+from persist_lib.shard.codec import T_COL, Schemas, user_schema
 from persist_lib.shard.predicate import BoundPredicate, bind_filter
+from persist_lib.shard.ranged_fetch import GroupFilter
 from persist_lib.shard.stats import ColumnStats, parse_stats
 
 ALWAYS = ("ts", "diff")
@@ -79,6 +82,40 @@ class ReadPushdown:
         probe = pa.table({"t": pa.array([as_of], pa.int64())})
         m = self.pred.time_terms().mask(probe)
         return m is None or bool(m[0].as_py())
+
+    # -- 1b. row groups of indexed parts (``shard.ranged_fetch``) -------------------
+
+    def snapshot_groups(self, p: PartMeta, as_of: int) -> GroupFilter | None:
+        """Which row groups of ``p`` a snapshot at ``as_of`` reads: those that may hold
+        a time ``<= as_of`` (a later update adds nothing at ``as_of``) and rows passing
+        the key/value conjuncts. None when the part's bounds leave nothing to prune."""
+        data = self.pred.data_terms() if self.pred is not None else None
+        if not data and (p.tmax <= as_of or (p.footer is not None and as_of >= p.footer[2])):
+            return None  # every row group may hold a time <= as_of: read the part whole
+
+        def keep(rows: int, s: dict[str, ColumnStats]) -> bool:
+            t = s.get(T_COL)
+            if t is not None and t.lo is not None and t.lo > as_of:
+                return False
+            return not data or data.may_match(s, rows)
+
+        return keep
+
+    def range_groups(self, p: PartMeta, lower: int, upper: int | None) -> GroupFilter | None:
+        """Which row groups of ``p`` a time-range read of ``[lower, upper)`` reads (every
+        conjunct prunes: times are kept). None when nothing can be pruned."""
+        inside = lower <= p.tmin and (upper is None or p.tmax < upper)
+        if inside and self.pred is None:
+            return None
+        pred = self.pred
+
+        def keep(rows: int, s: dict[str, ColumnStats]) -> bool:
+            t = s.get(T_COL)
+            if t is not None and t.lo is not None and (t.hi < lower or (upper is not None and t.lo >= upper)):
+                return False
+            return pred is None or pred.may_match(s, rows)
+
+        return keep
 
     # -- 2. rows -------------------------------------------------------------------
 

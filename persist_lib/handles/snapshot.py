@@ -37,9 +37,10 @@ from persist_lib.shard import state as st
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import to_user_table
 from persist_lib.shard.consolidate import consolidate, consolidate_sorted
+from persist_lib.shard.disjoint_runs import chain_disjoint_runs
 from persist_lib.shard.kway_merge import FEW_RUNS, merges_linearly
 from persist_lib.shard.memory_plan import MergeStats
-from persist_lib.shard.parts import fetch_part
+from persist_lib.shard.ranged_fetch import fetch_part_groups
 from persist_lib.shard.read_merge import merge_decoded_runs, stream_merge
 from persist_lib.shard.runs import RunOrderViolation, batch_runs
 from persist_lib.shard.sorted_run_stream import sorted_run_stream_bytes, stream_sorted_run
@@ -140,16 +141,24 @@ class SnapshotReader(LeasedReader):
             if b.lower.less_equal(as_of)
             for run in batch_runs(b)
         ]
-        runs = [run for run in runs if run]
+        # Runs whose statistics prove disjoint key ranges read as one (``disjoint_runs``).
+        runs = chain_disjoint_runs([run for run in runs if run], self.schemas)
         parts = [p for run in runs for p in run]
         linear = merges_linearly(self.schemas)
 
         def at_as_of(t: pa.Table, p: PartMeta) -> pa.Table:
             return pd.filter_data(snapshot_at(t, as_of, all_at_or_before=p.tmax <= as_of))
 
+        blob, schemas, shard = self._client.blob, self.schemas, self.shard_id
+
+        def fetch(p: PartMeta) -> pa.Table:
+            # Indexed parts: only the row groups that may hold times <= as_of and rows
+            # passing the filter (``shard.ranged_fetch``); others whole.
+            return fetch_part_groups(blob, p, schemas, shard, pd.snapshot_groups(p, as_of))
+
         one_sorted_run = len(runs) == 1 and linear and all(p.sorted for p in parts)
         if one_sorted_run and sorted_run_read_bytes(parts, self.schemas, beyond_result=result_held) <= budget:
-            only = consolidate_sorted(concat_updates(self._fetch_all(parts, at_as_of), self.schemas))
+            only = consolidate_sorted(concat_updates(self._fetch_all(parts, at_as_of, fetch), self.schemas))
             if only is not None:
                 stats.runs += 1
                 stats.output_rows += only.num_rows
@@ -163,11 +172,8 @@ class SnapshotReader(LeasedReader):
             [decoded_bytes(p, self.schemas) for p in parts], [p.count for p in parts]
         ) <= budget:
             # Larger than the budget whole: streamed part by part, still linear.
-            blob, schemas, shard = self._client.blob, self.schemas, self.shard_id
             try:
-                for t in self._guard_missing(
-                    stream_sorted_run(parts, as_of, lambda p: fetch_part(blob, p, schemas, shard), shard)
-                ):
+                for t in self._guard_missing(stream_sorted_run(parts, as_of, fetch, shard)):
                     t = pd.filter_data(t)
                     stats.output_rows += t.num_rows
                     if t.num_rows:
@@ -180,7 +186,7 @@ class SnapshotReader(LeasedReader):
             stats.runs += len(runs)
             if all(p.sorted for p in parts) and 1 <= len(runs) <= MERGE_DECODED_MAX_RUNS and linear:
                 # A few sorted runs: merged, not sorted again.
-                fetched = iter(self._fetch_all(parts, at_as_of))
+                fetched = iter(self._fetch_all(parts, at_as_of, fetch))
                 run_tables = [concat_updates([next(fetched) for _ in run], self.schemas) for run in runs]
                 before = stats.output_rows
                 merged = merge_decoded_runs(self.schemas, self.shard_id, run_tables, budget, stats)
@@ -192,7 +198,7 @@ class SnapshotReader(LeasedReader):
             else:
                 # Unsorted parts (or many runs): one sort of everything, on two threads
                 # (``consolidation_plan``), rather than a sort per part and a merge.
-                tables = self._fetch_all(parts, at_as_of)
+                tables = self._fetch_all(parts, at_as_of, fetch)
             out = consolidate(concat_updates(tables, self.schemas))
             stats.output_rows += out.num_rows
             if out.num_rows:
@@ -219,7 +225,12 @@ class SnapshotReader(LeasedReader):
         pd = pd if pd is not None else ReadPushdown(self.schemas, None, None)
         parts = [p for p in parts_in_range(state, lower, upper) if pd.keeps_range_part(p)]
         if whole_read_bytes(parts, self.schemas) <= budget:
-            tables = self._fetch_all(parts, lambda t, p: pd.filter_range(time_range(t, lower, upper)))
+            blob, schemas, shard = self._client.blob, self.schemas, self.shard_id
+            tables = self._fetch_all(
+                parts,
+                lambda t, p: pd.filter_range(time_range(t, lower, upper)),
+                lambda p: fetch_part_groups(blob, p, schemas, shard, pd.range_groups(p, lower, upper)),
+            )
             out = consolidate(concat_updates(tables, self.schemas))
             stats.output_rows += out.num_rows
             if out.num_rows:

@@ -18,7 +18,7 @@ from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import Schemas, to_user_table
 from persist_lib.shard.consolidate import consolidate
-from persist_lib.shard.parts import fetch_part
+from persist_lib.shard.ranged_fetch import fetch_part_groups
 from persist_lib.shard.time_filters import snapshot_at, time_range
 
 
@@ -56,7 +56,9 @@ class SnapshotSplit:
         if not pd.snapshot_time_ok(self.as_of):
             return to_user_table(concat_updates([], schemas), schemas)
         tables = [
-            pd.filter_data(snapshot_at(fetch_part(b, p, schemas, self.shard_id), self.as_of))
+            pd.filter_data(snapshot_at(
+                fetch_part_groups(b, p, schemas, self.shard_id, pd.snapshot_groups(p, self.as_of)), self.as_of
+            ))
             for p in self.parts
         ]
         internal = consolidate(concat_updates(tables, schemas))
@@ -93,7 +95,10 @@ class RangeSplit:
         b = blob if blob is not None else open_blob(self.blob_uri)
         pd = ReadPushdown.plan(schemas, None, self.filter, shard=self.shard_id)
         tables = [
-            pd.filter_range(time_range(fetch_part(b, p, schemas, self.shard_id), self.lower, self.upper))
+            pd.filter_range(time_range(
+                fetch_part_groups(b, p, schemas, self.shard_id, pd.range_groups(p, self.lower, self.upper)),
+                self.lower, self.upper,
+            ))
             for p in self.parts
         ]
         return to_user_table(consolidate(concat_updates(tables, schemas)), schemas)

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 
+from persist_lib.errors import InvalidUsage
+
 
 @dataclass(frozen=True)
 class BlobMetadata:
@@ -53,6 +55,16 @@ class Blob(abc.ABC):
     def get(self, key: str) -> bytes | None:
         """The value of ``key``, or ``None`` if it doesn't exist."""
 
+    def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        """Bytes ``[start, end)`` of ``key``'s value (fewer when the value is shorter),
+        or ``None`` if it doesn't exist.
+
+        Backends that can read a byte range (file, S3 ``Range``, memory) override this;
+        the default fetches the whole value and slices it (correct, not cheaper)."""
+        check_range(key, start, end)
+        data = self.get(key)
+        return None if data is None else bytes(data[start:end])
+
     @abc.abstractmethod
     def set(self, key: str, value: bytes) -> None:
         """Atomically writes ``value`` at ``key`` (readers see old or new, never part)."""
@@ -71,6 +83,21 @@ class Blob(abc.ABC):
     def describe(self) -> str:
         """A redacted, human-readable description (for logs and errors)."""
         return type(self).__name__
+
+
+def check_range(key: str, start: int, end: int) -> None:
+    """Raises ``InvalidUsage`` unless ``0 <= start <= end`` (integers)."""
+    if (
+        isinstance(start, bool)
+        or isinstance(end, bool)
+        or not isinstance(start, int)
+        or not isinstance(end, int)
+        or not 0 <= start <= end
+    ):
+        raise InvalidUsage(
+            f"blob get_range of {key!r}: the range must be integers 0 <= start <= end, got "
+            f"[{start!r}, {end!r})"
+        )
 
 
 class Consensus(abc.ABC):

@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Iterator
 
 from persist_lib.errors import Determinate, Indeterminate, InvalidBlobKey
-from persist_lib.location.base import Blob, BlobMetadata
+from persist_lib.location.base import Blob, BlobMetadata, check_range
 
 __all__ = ["FileBlob", "MAX_KEY_LEN", "validate_key"]
 
@@ -207,6 +207,14 @@ class FileBlob(Blob):
     # -- Blob ----------------------------------------------------------------------
 
     def get(self, key: str) -> bytes | None:
+        return self._read(key, None)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        check_range(key, start, end)
+        return self._read(key, (start, end))
+
+    def _read(self, key: str, rng: tuple[int, int] | None) -> bytes | None:
+        """The value of ``key`` (``rng``: only bytes ``[start, end)`` of it)."""
         segs = self._check(key)
         try:
             try:
@@ -229,6 +237,8 @@ class FileBlob(Blob):
             try:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     return None
+                if rng is not None:
+                    return os.pread(fd, rng[1] - rng[0], rng[0]) if rng[1] > rng[0] else b""
                 with os.fdopen(fd, "rb", closefd=False) as f:
                     return f.read()
             finally:

@@ -17,6 +17,7 @@ from persist_lib.location.base import (
     CaSResult,
     Consensus,
     VersionedData,
+    check_range,
 )
 
 
@@ -47,6 +48,12 @@ class MemBlob(Blob):
         with self._d.lock:
             v = self._d.data.get(key)
         return None if v is None else v[0]
+
+    def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        check_range(key, start, end)
+        with self._d.lock:
+            v = self._d.data.get(key)
+        return None if v is None else v[0][start:end]
 
     def set(self, key: str, value: bytes) -> None:
         with self._d.lock:

@@ -159,6 +159,21 @@ class RetryingBlob(Blob):
             m.blob_read(key, len(data))
         return data
 
+    def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        m = self.metrics
+        what = f"blob get {key!r} bytes [{start}, {end}) from {self.describe()}"
+        if m is None:
+            return self._r(lambda: self.inner.get_range(key, start, end), what)
+
+        def attempt() -> bytes | None:
+            m.on_get(key)
+            return self.inner.get_range(key, start, end)
+
+        data = self._r(attempt, what)
+        if data is not None:
+            m.blob_read(key, len(data))
+        return data
+
     def set(self, key: str, value: bytes) -> None:
         m = self.metrics
         if m is None:

@@ -35,7 +35,7 @@ from botocore.exceptions import (
 )
 
 from persist_lib.errors import Determinate, Indeterminate, InvalidUsage
-from persist_lib.location.base import Blob, BlobMetadata
+from persist_lib.location.base import Blob, BlobMetadata, check_range
 from persist_lib.location.redaction import SensitiveUrl, scrub, secret_forms
 
 __all__ = ["MULTIPART_PART_SIZE", "S3Blob"]
@@ -200,6 +200,32 @@ class S3Blob(Blob):
             except ClientError as e:
                 if self._is_not_found(e):
                     return None
+                raise
+            body = resp["Body"]
+            try:
+                return bytes(body.read())
+            finally:
+                body.close()
+
+        return self._call("get", key, False, run)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        """One ranged GET (``Range: bytes=start-(end-1)``)."""
+        check_range(key, start, end)
+        if end == start:
+            # An empty range can't be expressed as an HTTP Range: ask whether it exists.
+            whole = self.get(key)
+            return None if whole is None else b""
+        k = self.prefix + key
+
+        def run() -> bytes | None:
+            try:
+                resp = self._client.get_object(Bucket=self.bucket, Key=k, Range=f"bytes={start}-{end - 1}")
+            except ClientError as e:
+                if self._is_not_found(e):
+                    return None
+                if e.response.get("Error", {}).get("Code") == "InvalidRange":
+                    return b""  # the range starts at or past the end of the value
                 raise
             body = resp["Body"]
             try:

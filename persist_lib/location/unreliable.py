@@ -179,6 +179,11 @@ class UnreliableBlob(Blob):
     def get(self, key: str) -> bytes | None:
         return self.handle.run(f"blob get {key!r}", lambda: self.inner.get(key))
 
+    def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        return self.handle.run(
+            f"blob get {key!r} bytes [{start}, {end})", lambda: self.inner.get_range(key, start, end)
+        )
+
     def set(self, key: str, value: bytes) -> None:
         self.handle.run(f"blob set {key!r}", lambda: self.inner.set(key, value))
 

@@ -308,7 +308,9 @@ class BatchBuilder:
             part = table.combine_chunks() if self.consolidated else consolidate(table)
         if part.num_rows == 0:
             return None
-        data = encode_part(part, self.schemas)
+        # Sorted parts get the row-group index for ranged reads (with the statistics: a
+        # builder told to record none writes parts as the writers before both did).
+        data = encode_part(part, self.schemas, indexed=self.record_stats and not unsorted)
         stats = part_stats(part, self.schemas) if self.record_stats else None
         if len(data) <= self.inline_threshold:
             return part_meta_for(data, part, None, inline=True, sorted=not unsorted, stats=stats)

@@ -37,6 +37,12 @@ class PartMeta:
     # null count)`` per internal column with exact bounds. None: written before writers
     # recorded them (or by a writer that didn't); reads then assume anything may match.
     stats: tuple[tuple[str, Any, Any, int], ...] | None = None
+    # An indexed part (``shard.part_index``): the length and SHA-256 of its Parquet
+    # footer, which holds each row group's byte range and SHA-256, so a read can fetch
+    # and verify only some row groups; and the largest smallest-time of its row groups
+    # (a snapshot as of that time or later can't skip a group by time). None: read
+    # whole (older parts, small parts).
+    footer: tuple[int, str, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -57,6 +63,8 @@ class PartMeta:
         if self.stats is not None:
             # An optional key: state readers that predate it ignore it.
             d["stats"] = [list(s) for s in self.stats]
+        if self.footer is not None:
+            d["footer"] = list(self.footer)  # optional, like "stats"
         return d
 
     @classmethod
@@ -73,11 +81,19 @@ class PartMeta:
             sorted=not d.get("unsorted", False),
             decoded=int(d["decoded"]) if d.get("decoded") is not None else None,
             stats=_stats_from_json(d.get("stats")),
+            footer=_footer_from_json(d.get("footer")),
         )
 
     @property
     def location(self) -> str:
         return self.key if self.key is not None else "<inline>"
+
+
+def _footer_from_json(raw: Any) -> tuple[int, str, int] | None:
+    if raw is None:
+        return None
+    length, sha, group_tmin = raw
+    return int(length), str(sha), int(group_tmin)
 
 
 def _stats_from_json(raw: Any) -> tuple[tuple[str, Any, Any, int], ...] | None:

@@ -146,7 +146,7 @@ def _corrupt(shard: str, key: str, what: str) -> CorruptionError:
     )
 
 
-def _raw_to_internal(raw: pa.Table, schemas: Schemas, target: pa.Schema, shard: str, key: str) -> pa.Table:
+def raw_to_internal(raw: pa.Table, schemas: Schemas, target: pa.Schema, shard: str, key: str) -> pa.Table:
     """Flattens a decoded Parquet slice (``k``/``v`` structs) into the internal layout
     (the same mapping ``parts.decode_part`` applies to a whole part)."""
     try:
@@ -178,6 +178,15 @@ def _open_verified(
     verify_part_bytes(data, expected_sha256=part.sha256, expected_size=part.size, shard=shard, key=key)
     try:
         pf = pq.ParquetFile(pa.BufferReader(data), pre_buffer=False)
+    except Exception as e:
+        raise _corrupt(shard, key, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
+    return pf, check_part_metadata(pf, reader, shard, key)
+
+
+def check_part_metadata(pf: pq.ParquetFile, reader: Schemas, shard: str, key: str) -> Schemas:
+    """Checks a verified part's Parquet metadata: format version, schemas, columns;
+    returns the schema version (``reader`` or an earlier one) it was written under."""
+    try:
         meta = pf.schema_arrow.metadata or {}
     except Exception as e:
         raise _corrupt(shard, key, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
@@ -187,7 +196,7 @@ def _open_verified(
     expected_cols = ["k", "v", T_COL, D_COL] if len(schemas.val) else ["k", T_COL, D_COL]
     if pf.schema_arrow.names != expected_cols:
         raise _corrupt(shard, key, f"columns {pf.schema_arrow.names}, expected {expected_cols}")
-    return pf, schemas
+    return schemas
 
 
 def decode_whole(
@@ -205,6 +214,6 @@ def decode_whole(
         raw = pf.read(use_threads=use_threads)
     except Exception as e:
         raise _corrupt(shard, part.location, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
-    table = _raw_to_internal(raw, written, internal_schema(written), shard, part.location)
+    table = raw_to_internal(raw, written, internal_schema(written), shard, part.location)
     check_part_strings(table, written, shard, part.location)  # (never merged into a new part)
     return migrate(table, written, schemas)  # an earlier version's part: to the reader's layout

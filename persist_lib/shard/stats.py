@@ -8,9 +8,10 @@ old reader ignores the field), and a column whose bounds can't be kept exactly
 (nested types, decimals, floats holding NaN, strings or bytes longer than
 ``MAX_STAT_BYTES``) simply has no entry: no entry means "anything may be in there".
 
-Per row group, Parquet's own footer statistics are the record (``parts.encode_part``
-writes them for every flat column): they are read from the verified footer when a part
-is decoded, not copied into state, which would grow with every row group of every part.
+Per row group, Parquet's own footer statistics are the record: an indexed part
+(``part_index``) has them for ``t`` and the key and value fields of exact types, read
+from its verified footer by ranged reads, not copied into state, which would grow with
+every row group of every part.
 
 The values are kept in their JSON form: integers, floats, booleans and strings as
 themselves; dates, times and timestamps as their integer physical value (days, or units

@@ -176,7 +176,7 @@ def _compaction_drops_part() -> contextlib.AbstractContextManager[Any]:
 
 
 def _skipped_checksum() -> contextlib.AbstractContextManager[Any]:
-    from persist_lib.shard import part_fetch, parts
+    from persist_lib.shard import part_fetch, part_index, parts
 
     def no_verify(data: bytes, **kw: Any) -> None:
         return None
@@ -184,6 +184,8 @@ def _skipped_checksum() -> contextlib.AbstractContextManager[Any]:
     stack = contextlib.ExitStack()
     stack.enter_context(_patched(parts, "verify_part_bytes", no_verify))
     stack.enter_context(_patched(part_fetch, "verify_part_bytes", no_verify))
+    # (ranged reads of indexed parts: the footer's and each row group's checksum)
+    stack.enter_context(_patched(part_index, "verify_range_bytes", no_verify))
     return stack
 
 
