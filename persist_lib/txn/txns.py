@@ -179,7 +179,7 @@ class Txns:
         txn = prepared.txn
         entries = [Pending(s, txn, b) for s, b in zip(prepared.shards, batches, strict=True)]
         try:
-            position, view = self._publish(entries, view)
+            position, view = self._publish(entries, [(e.shard, e.batch.lower) for e in entries], view)
         except (UpperMismatch, NotRegistered):
             self.abandon(prepared, batches)  # definite: the log never held it
             raise
@@ -195,12 +195,14 @@ class Txns:
                         "next reader, writer or maintenance applies it): %s", txn, position, e)
             return Committed(txn, position, False)
 
-    def _publish(self, entries: list[Pending], view: LogView | None) -> tuple[int, LogView]:
+    def _publish(
+        self, entries: list[Pending], wants: list[tuple[str, Antichain]], view: LogView | None
+    ) -> tuple[int, LogView]:
         """The commit CAS: the entries appended to the log iff every shard's logical upper
         is its batch's ``lower`` (re-checked whenever the log moved). Returns the log
         position it committed at and the view it committed against. ``view``: a view
-        ``commit`` checked already (the check is not repeated against it)."""
-        wants = [(e.shard, e.batch.lower) for e in entries]
+        ``commit`` checked already (the check is not repeated against it); ``wants``:
+        each entry's shard and the logical upper it needs."""
         checked = view is not None
         if view is None:
             view = self.log.read()
