@@ -54,6 +54,9 @@ class ShardWrite:
     updates: CheckedUpdates
     lower: Antichain
     upper: Antichain
+    # Parts of at least this many Arrow bytes written unsorted (None: the client's
+    # ``PersistConfig.unsorted_min_bytes``), as ``WriteHandle`` builders do.
+    unsorted_min_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,11 @@ class Txns:
         if pending is not None:
             return pending
         return self.client.machine(shard).fetch_latest().upper
+
+    def logical_uppers(self, shards: list[str], view: LogView | None = None) -> list[Antichain]:
+        """``logical_upper`` of each shard (the physical ones read in parallel)."""
+        view = view or self.log.read()
+        return _each(lambda s: self.logical_upper(s, view), shards)
 
     # ----- commit ---------------------------------------------------------------------
 
@@ -224,7 +232,7 @@ class Txns:
                     "(Txns.register) before writing it through transactions"
                 )
         # Shards with nothing pending: their physical upper, read now (in parallel).
-        curs = _each(lambda sw: self.logical_upper(sw[0], view), wants)
+        curs = self.logical_uppers([s for s, _ in wants], view)
         for (shard, lower), cur in zip(wants, curs, strict=True):
             if cur != lower:
                 raise UpperMismatch(shard, lower, cur)
@@ -235,7 +243,8 @@ class Txns:
             self.client.blob, w.schemas, w.updates, shard=w.shard, writer=writer,
             lower=w.lower, upper=w.upper, target_part_bytes=cfg.blob_target_size,
             max_inflight_uploads=cfg.max_inflight_uploads, inline_threshold=0,
-            executor=self.client.upload_executor(), unsorted_min_bytes=cfg.unsorted_min_bytes,
+            executor=self.client.upload_executor(),
+            unsorted_min_bytes=cfg.unsorted_min_bytes if w.unsorted_min_bytes is None else w.unsorted_min_bytes,
         )
 
     def abandon(self, prepared: Prepared, batches: Iterable[HollowBatch] = ()) -> None:
