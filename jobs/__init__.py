@@ -12,6 +12,8 @@ from jobs.maintenance import (
     gc_schedule,
     lease_expiry_job,
     lease_expiry_schedule,
+    txn_maintenance_job,
+    txn_maintenance_schedule,
 )
 
 JOBS = [
@@ -21,8 +23,9 @@ JOBS = [
     compaction_job,
     gc_job,
     lease_expiry_job,
+    txn_maintenance_job,
 ]
-SCHEDULES = [gc_schedule, lease_expiry_schedule]
+SCHEDULES = [gc_schedule, lease_expiry_schedule, txn_maintenance_schedule]
 
 __all__ = [
     "INGESTION_JOBS",
@@ -35,4 +38,6 @@ __all__ = [
     "gc_schedule",
     "lease_expiry_job",
     "lease_expiry_schedule",
+    "txn_maintenance_job",
+    "txn_maintenance_schedule",
 ]

@@ -313,3 +313,33 @@ def test_no_summary_run_after_an_ingestion_that_appended_nothing(
     newest_good = max(sid for sid, n in appended.items() if n)
     assert appended[max(appended)] == 0  # the newest one appended nothing ...
     assert key == f"orders:{newest_good}"  # ... the run is for the one that did
+
+
+def test_txn_maintenance_schedule_finishes_a_dead_committers_transaction(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    from jobs.maintenance import txn_maintenance_job, txn_maintenance_schedule
+    from persist_lib.storage import StorageController
+
+    when = dt.datetime(2026, 1, 1, 12, 20, tzinfo=dt.UTC)
+    data = txn_maintenance_schedule.evaluate_tick(dg.build_schedule_context(scheduled_execution_time=when))
+    assert data.run_requests is not None and len(data.run_requests) == 1
+    assert txn_maintenance_schedule.job_name == txn_maintenance_job.name
+
+    # A committer that stopped right after its commit CAS: committed, applied nowhere.
+    client = PersistClient.default(home, PersistConfig.for_tests())
+    ctl = StorageController(client)
+    ctl.create_collection("t", pa.schema([("k", pa.int64())]), pa.schema([("v", pa.string())]), 2)
+    ctl.txns.ensure_applied = lambda *a, **k: 0  # type: ignore[method-assign]
+    ctl.open_writer("t").compare_and_append([(((k,), ("a",)), 0, 1) for k in range(8)], 0, 1)
+    shards = ctl.describe("t")["renditions"]["r0"]["shards"]
+    assert len(ctl.txns.log.read().pending) == 2
+    assert all(client.machine(s).fetch_latest().upper.time == 0 for s in shards)
+    res = txn_maintenance_job.execute_in_process(resources=resources, instance=instance)
+    assert res.success
+    out = res.output_for_node("finish_transactions_op")
+    assert out["applied"] == 2 and out["tidied"] == 2 and out["pending"] == 0
+    assert all(client.machine(s).fetch_latest().upper.time == 1 for s in shards)
+    again = txn_maintenance_job.execute_in_process(resources=resources, instance=instance)
+    assert again.output_for_node("finish_transactions_op")["applied"] == 0  # idempotent
+    client.close()
