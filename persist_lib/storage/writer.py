@@ -2,17 +2,17 @@
 
 Each shard of the rendition gets the rows whose key hashes to it (``routing.route``);
 every shard advances to the same upper, so the rendition's upper (the minimum over its
-shards) moves with each write. ``append`` is the definite, replicated-writer append of
-persist, shard by shard; ``compare_and_append`` is atomic only for a one-shard
-rendition (a multi-shard rendition has no cross-shard transaction: a writer that lost
-midway simply retries with identical data, which definite appends make harmless).
+shards) moves with each write.
 
-A *transactional* collection (``create_collection(..., transactional=True)``) has its
-shards registered in the location's txn log (``persist_lib.txn``): its writer is opened
-with a ``Txns`` and then writes every shard of the rendition as ONE transaction, so
-``compare_and_append`` is atomic for any number of shards and ``append`` is definite
-across crashes between shards. Its shards are written only that way (no direct shard
-writers).
+A *transactional* collection (every multi-shard one by default; ``make_transactional``
+converts others) has its shards registered in the location's txn log
+(``persist_lib.txn``): its writer writes every shard of the rendition as ONE
+transaction, so ``compare_and_append`` is atomic for any number of shards and ``append``
+is definite across crashes between shards (each shard from its own upper, so a write an
+old direct writer left cut between shards is healed). Its shards are written only that
+way (no direct shard writers). A one-shard collection that is not transactional writes
+its shard directly: one compare-and-set is atomic already. A direct writer fenced by a
+conversion (``LeaseExpired``) carries on through transactions.
 
 After writing, the writer of the *active* rendition advances the metadata shard's
 upper, declaring that no handover happens before it. A writer of a rendition that is
