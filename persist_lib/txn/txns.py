@@ -6,6 +6,7 @@ The protocol and its crash cases are in the package docstring (``persist_lib.txn
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Callable, Iterable
@@ -341,6 +342,16 @@ class Txns:
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 _PARALLEL_SHARDS = 8  # consensus round trips of one transaction in flight at once
+
+
+def _forget_pool_in_child() -> None:
+    """After ``fork`` the pool's threads are gone (only the forking thread survives):
+    the child starts its own pool on first use."""
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 def _each(fn: Callable[[T], R], items: list[T] | tuple[T, ...]) -> list[R]:
