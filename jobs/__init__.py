@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from jobs.ingestion import INGESTION_JOBS, RENDITION_JOBS, SUMMARY_JOBS
+from jobs.insert import insert_job
 from jobs.maintenance import (
     compaction_job,
     gc_job,
@@ -24,6 +25,7 @@ JOBS = [
     gc_job,
     lease_expiry_job,
     txn_maintenance_job,
+    insert_job,
 ]
 SCHEDULES = [gc_schedule, lease_expiry_schedule, txn_maintenance_schedule]
 
@@ -36,6 +38,7 @@ __all__ = [
     "compaction_job",
     "gc_job",
     "gc_schedule",
+    "insert_job",
     "lease_expiry_job",
     "lease_expiry_schedule",
     "txn_maintenance_job",
