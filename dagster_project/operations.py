@@ -167,3 +167,27 @@ def expire_leases(client: PersistClient, now_ms: int | None = None) -> dict[str,
         "writers_expired": sum(len(v["writers"]) for v in expired.values()),
         "expired": expired,
     }
+
+
+def finish_transactions(client: PersistClient) -> dict[str, Any]:
+    """The txn log's maintenance (``persist_lib.txn``): applies every committed
+    transaction a dead committer left unapplied, tidies the log, and releases the part
+    writers of transactions that can never commit (their committer's log lease lapsed)."""
+    from persist_lib.txn.txns import Txns
+
+    txns = Txns(client)
+    try:
+        applied = txns.apply_all()
+        tidied = txns.tidy()
+        released = txns.recover_orphans()
+        view = txns.log.read()
+        return {
+            "applied": applied,
+            "tidied": tidied,
+            "released_part_writers": released,
+            "registered_shards": len(view.registered),
+            "pending": len(view.pending),
+            "log_upper": view.upper,
+        }
+    finally:
+        txns.close()

@@ -6,12 +6,15 @@
 from __future__ import annotations
 
 from jobs.ingestion import INGESTION_JOBS, RENDITION_JOBS, SUMMARY_JOBS
+from jobs.insert import insert_job
 from jobs.maintenance import (
     compaction_job,
     gc_job,
     gc_schedule,
     lease_expiry_job,
     lease_expiry_schedule,
+    txn_maintenance_job,
+    txn_maintenance_schedule,
 )
 from jobs.schema import evolve_schema_job
 
@@ -23,8 +26,10 @@ JOBS = [
     gc_job,
     lease_expiry_job,
     evolve_schema_job,
+    txn_maintenance_job,
+    insert_job,
 ]
-SCHEDULES = [gc_schedule, lease_expiry_schedule]
+SCHEDULES = [gc_schedule, lease_expiry_schedule, txn_maintenance_schedule]
 
 __all__ = [
     "INGESTION_JOBS",
@@ -36,6 +41,9 @@ __all__ = [
     "evolve_schema_job",
     "gc_job",
     "gc_schedule",
+    "insert_job",
     "lease_expiry_job",
     "lease_expiry_schedule",
+    "txn_maintenance_job",
+    "txn_maintenance_schedule",
 ]

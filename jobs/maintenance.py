@@ -7,16 +7,20 @@
   (``unreferenced_blobs(delete=True)``) and the collection of retired renditions; the
   partitions of dropped renditions and of their finalized shards are then removed.
 - ``lease_expiry_job``: ``client.expire_leases()`` on every shard.
+- ``txn_maintenance_job``: the txn log's upkeep (``operations.finish_transactions``):
+  applies what dead committers committed, tidies the log, releases the part writers of
+  transactions that can never commit.
 
-GC runs hourly and lease expiry every five minutes; both are idempotent, cheap when
-there is nothing to do, and safe to run concurrently with writers and readers.
+GC runs hourly, lease expiry and txn maintenance every five minutes; all are
+idempotent, cheap when there is nothing to do, and safe to run concurrently with
+writers and readers.
 """
 
 import dagster as dg
 
 from dagster_project.assets import SOURCE_ASSETS, persist_shard
 from dagster_project.metadata import blob_requests, request_metadata
-from dagster_project.operations import collect_garbage, expire_leases
+from dagster_project.operations import collect_garbage, expire_leases, finish_transactions
 from dagster_project.partition_sync import sync_source_partitions
 from dagster_project.resources import PersistResource
 
@@ -82,6 +86,14 @@ def expire_leases_op(context: dg.OpExecutionContext, persist: PersistResource) -
     return out
 
 
+@dg.op(description="Apply committed transactions, tidy the txn log, release dead transactions' writers.")
+def finish_transactions_op(context: dg.OpExecutionContext, persist: PersistResource) -> dict:
+    start = blob_requests(persist.client())
+    out = finish_transactions(persist.client())
+    context.add_output_metadata({**out, **request_metadata(persist.client(), start)})
+    return out
+
+
 @dg.job(description="Garbage collection of every shard.", executor_def=dg.in_process_executor)
 def gc_job() -> None:
     collect_garbage_op()
@@ -90,6 +102,11 @@ def gc_job() -> None:
 @dg.job(description="Lease expiry on every shard.", executor_def=dg.in_process_executor)
 def lease_expiry_job() -> None:
     expire_leases_op()
+
+
+@dg.job(description="Txn log upkeep: apply, tidy, recover.", executor_def=dg.in_process_executor)
+def txn_maintenance_job() -> None:
+    finish_transactions_op()
 
 
 gc_schedule = dg.ScheduleDefinition(
@@ -106,4 +123,12 @@ lease_expiry_schedule = dg.ScheduleDefinition(
     cron_schedule="*/5 * * * *",
     default_status=dg.DefaultScheduleStatus.RUNNING,
     description="Lease expiry every 5 minutes (idempotent).",
+)
+
+txn_maintenance_schedule = dg.ScheduleDefinition(
+    name="txn_maintenance_schedule",
+    job=txn_maintenance_job,
+    cron_schedule="*/5 * * * *",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+    description="Txn log upkeep every 5 minutes (idempotent).",
 )

@@ -90,8 +90,9 @@ def test_definitions_load() -> None:
         "compaction_job",
         "gc_job",
         "lease_expiry_job",
+        "txn_maintenance_job",
     } <= jobs
-    assert {s.name for s in defs.schedules} == {"gc_schedule", "lease_expiry_schedule"}
+    assert {s.name for s in defs.schedules} == {"gc_schedule", "lease_expiry_schedule", "txn_maintenance_schedule"}
     assert {s.name for s in defs.sensors} == {
         "orders_arrival_sensor",
         "compaction_debt_sensor",

@@ -1,4 +1,5 @@
-"""Sensors and schedules: source arrivals, compaction debt, downstream work, GC, leases.
+"""Sensors and schedules: source arrivals, compaction debt, downstream work, GC, leases,
+txn maintenance; and the insert job.
 
 Sensors are evaluated directly with ``build_sensor_context`` against a temporary
 instance; schedules with ``evaluate_tick(build_schedule_context(...))``; the maintenance
@@ -313,3 +314,70 @@ def test_no_summary_run_after_an_ingestion_that_appended_nothing(
     newest_good = max(sid for sid, n in appended.items() if n)
     assert appended[max(appended)] == 0  # the newest one appended nothing ...
     assert key == f"orders:{newest_good}"  # ... the run is for the one that did
+
+
+def test_txn_maintenance_schedule_finishes_a_dead_committers_transaction(
+    home: Path, resources: dict[str, object], instance: dg.DagsterInstance
+) -> None:
+    from jobs.maintenance import txn_maintenance_job, txn_maintenance_schedule
+    from persist_lib.storage import StorageController
+
+    when = dt.datetime(2026, 1, 1, 12, 20, tzinfo=dt.UTC)
+    data = txn_maintenance_schedule.evaluate_tick(dg.build_schedule_context(scheduled_execution_time=when))
+    assert data.run_requests is not None and len(data.run_requests) == 1
+    assert txn_maintenance_schedule.job_name == txn_maintenance_job.name
+
+    # A committer that stopped right after its commit CAS: committed, applied nowhere.
+    client = PersistClient.default(home, PersistConfig.for_tests())
+    ctl = StorageController(client)
+    ctl.create_collection("t", pa.schema([("k", pa.int64())]), pa.schema([("v", pa.string())]), 2)
+    ctl.txns.ensure_applied = lambda *a, **k: 0  # type: ignore[method-assign]
+    ctl.open_writer("t").compare_and_append([(((k,), ("a",)), 0, 1) for k in range(8)], 0, 1)
+    shards = ctl.describe("t")["renditions"]["r0"]["shards"]
+    assert len(ctl.txns.log.read().pending) == 2
+    assert all(client.machine(s).fetch_latest().upper.time == 0 for s in shards)
+    res = txn_maintenance_job.execute_in_process(resources=resources, instance=instance)
+    assert res.success
+    out = res.output_for_node("finish_transactions_op")
+    assert out["applied"] == 2 and out["tidied"] == 2 and out["pending"] == 0
+    assert all(client.machine(s).fetch_latest().upper.time == 1 for s in shards)
+    again = txn_maintenance_job.execute_in_process(resources=resources, instance=instance)
+    assert again.output_for_node("finish_transactions_op")["applied"] == 0  # idempotent
+    client.close()
+
+
+TK = pa.schema([("k", pa.int64())])
+TV = pa.schema([("v", pa.string())])
+
+
+def _insert_run(home: Path, instance: dg.DagsterInstance, rows: dict) -> dg.ExecuteInJobResult:
+    from jobs.insert import insert_job
+
+    return insert_job.execute_in_process(
+        resources={"persist": PersistResource(home=str(home))}, instance=instance,
+        run_config={"ops": {"insert_rows_op": {"config": {"rows": rows}}}}, raise_on_error=False,
+    )
+
+
+def test_insert_job_writes_two_collections_at_one_time(home: Path, instance: dg.DagsterInstance) -> None:
+    from persist_lib.storage import StorageController
+
+    with StorageController(PersistClient.default(home, PersistConfig.for_tests())) as ctl:
+        ctl.create_collection("a", TK, TV, num_shards=3)
+        ctl.create_collection("b", TK, TV, num_shards=2)
+        ctl.create_collection("plain", TK, TV)  # one shard: not transactional
+    res = _insert_run(home, instance, {"a": [{"k": i, "v": f"a{i}"} for i in range(5)], "b": [{"k": 1, "v": "b"}]})
+    assert res.success
+    out = res.output_for_node("insert_rows_op")
+    assert out["rows"] == {"a": 5, "b": 1}
+    t = out["time"]
+    bad = _insert_run(home, instance, {"a": [{"k": 9, "v": "x"}], "plain": [{"k": 1, "v": "y"}]})
+    assert not bad.success  # a non-transactional collection in the set: nothing written
+    err = bad.get_step_failure_events()[0].step_failure_data.error
+    assert err is not None and err.cause is not None and "not transactional" in err.cause.message
+    with StorageController(PersistClient.default(home, PersistConfig.for_tests())) as ctl:
+        for name, want in (("a", {(i, f"a{i}") for i in range(5)}), ("b", {(1, "b")})):
+            r = ctl.acquire_read_handle(name)
+            assert {(x["k"], x["v"]) for x in r.snapshot(t).to_pylist() if x["diff"] == 1} == want
+            r.expire()
+        assert ctl.open_writer("a").upper.time == t + 1  # the refused run wrote nothing

@@ -287,7 +287,9 @@ class _Crash(Exception):
 
 
 class _CrashingOutputs:
-    """Raises before the ``crash_at``-th append (counted over every output)."""
+    """Raises before the ``crash_at``-th output append of a flush (counted over every
+    output): the driver hands each output's updates over (``shard_pieces``) one output
+    after the other before it commits them all as one transaction."""
 
     def __init__(self, inner: OutputFactory, crash_at: int) -> None:
         self.inner, self.crash_at, self.count = inner, crash_at, 0
@@ -295,15 +297,15 @@ class _CrashingOutputs:
     def open(self, role: str, k: pa.Schema, v: pa.Schema) -> Output:
         out = self.inner.open(role, k, v)
         parent = self
-        orig = out.append
+        orig = out.shard_pieces
 
-        def append(updates: pa.Table, lower: int, upper: int) -> None:
+        def shard_pieces(updates: pa.Table) -> list:
             parent.count += 1
             if parent.count == parent.crash_at:
                 raise _Crash(f"injected crash before append #{parent.count} ({role})")
-            orig(updates, lower, upper)
+            return orig(updates)
 
-        out.append = append  # type: ignore[method-assign]
+        out.shard_pieces = shard_pieces  # type: ignore[method-assign]
         return out
 
     def describe(self) -> dict[str, Any]:

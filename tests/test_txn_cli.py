@@ -65,3 +65,18 @@ def test_txn_commands_never_create_a_location(tmp_path: Path) -> None:
         out = run(args, missing, stdin)
         assert out.returncode == 2 and "LocationNotFound" in out.stderr, (args, out.stderr)
         assert not missing.exists(), args
+
+
+def test_make_transactional_command(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    with StorageController(PersistClient.default(home, PersistConfig.for_tests())) as ctl:
+        ctl.create_collection("old", pa.schema([("k", pa.int64())]), pa.schema([("v", pa.string())]), 2,
+                              transactional=False)
+    refused = run(["insert", "old"], home, '{"k": 1, "v": "x"}\n')
+    assert refused.returncode == 2 and "make-transactional" in refused.stderr, refused.stderr
+    out = run(["--json", "make-transactional", "old"], home)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["converted"] is True
+    again = run(["--json", "make-transactional", "old"], home)
+    assert json.loads(again.stdout)["converted"] is False
+    assert run(["insert", "old"], home, '{"k": 1, "v": "x"}\n').returncode == 0

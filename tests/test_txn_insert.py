@@ -46,7 +46,7 @@ def test_transaction_over_two_collections_is_visible_at_one_time() -> None:
 def test_refusals_write_nothing() -> None:
     ctl = mem_ctl()
     ctl.create_collection("a", K, V, num_shards=2, transactional=True)
-    ctl.create_collection("plain", K, V, num_shards=2)
+    ctl.create_collection("plain", K, V, num_shards=2, transactional=False)
     with pytest.raises(InvalidUsage, match="not transactional"):
         ctl.insert("plain", [((1,), ("x",))])
     with pytest.raises(InvalidUsage):

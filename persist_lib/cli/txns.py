@@ -1,4 +1,5 @@
-"""``persist txns [--finish]``: the location's txn log (``persist_lib.txn``).
+"""``persist txns [--finish]``: the location's txn log (``persist_lib.txn``); and
+``persist make-transactional NAME`` (``StorageController.make_transactional``).
 
 Shows the registered data shards and the committed transactions not applied yet. With
 ``--finish`` it does what any reader or writer would do after a committer died: applies
@@ -45,3 +46,17 @@ def _txns(client: PersistClient, ns: argparse.Namespace) -> Any:
         return doc
     finally:
         txns.close()
+
+
+def _convert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="the collection to make transactional")
+
+
+@command("make-transactional",
+         "make an existing collection transactional (atomic writes over all its shards; fences its direct writers)",
+         _convert_args)
+def _make_transactional(client: PersistClient, ns: argparse.Namespace) -> Any:
+    from persist_lib.storage import StorageController
+
+    with StorageController(client) as ctl:
+        return ctl.make_transactional(ns.name)

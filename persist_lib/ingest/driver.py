@@ -9,7 +9,9 @@ On start (and whenever it has to re-synchronize):
    order: the messages with addresses in ``[F(b-1), F(b))`` are decoded, passed through
    the envelope, and the resulting output/state/error/raw updates are appended at time
    ``b`` with *verified definite appends* (a range another instance already committed is
-   compared, and a difference raises ``NeedsNewRendition``);
+   compared, and a difference raises ``NeedsNewRendition``); every output of a flush
+   (data, errors, raw, state) is appended as ONE transaction of the location's txn log
+   (``atomic_append.py``), so no reader sees a binding's data without its errors;
 5. when the remap has no more bindings, the driver reads ahead (at most
    ``max_records_per_binding`` records: the binding's extent depends only on the
    source's contents, not on timing) and proposes the next binding at
@@ -40,6 +42,7 @@ import pyarrow as pa
 
 from persist_lib.config import system_clock_ms
 from persist_lib.ingest.addresses import Frontier, Note, frontier_text
+from persist_lib.ingest.atomic_append import append_atomically
 from persist_lib.ingest.decode import (
     RAW_KEY,
     RAW_VAL,
@@ -54,10 +57,11 @@ from persist_lib.ingest.errors import (
     SourceDataGone,
     SourceUnavailable,
 )
-from persist_lib.ingest.outputs import Output, OutputFactory, ShardOutputs, shard_id_for
+from persist_lib.ingest.outputs import Output, OutputFactory, ShardOutputs, shard_id_for, txns_of
 from persist_lib.ingest.progress import IngestProgress, ProgressCallback
 from persist_lib.ingest.remap import Binding, RemapShard
 from persist_lib.ingest.source import Chunk, Source, SourceReader
+from persist_lib.txn.txns import Txns
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.handles.client import PersistClient
@@ -177,6 +181,8 @@ class Ingestion:
         self.progress = progress
         self.transform = transform
         self._outs: dict[str, Output] = {}
+        self._txns: Txns | None = None  # the outputs' transactions (opened with them)
+        self._own_txns = False
         self._remap: RemapShard | None = None
         self._reader: SourceReader | None = None
         self._pending: list[Chunk] = []
@@ -230,6 +236,11 @@ class Ingestion:
                 out.unsorted_min_bytes = self.config.unsorted_min_bytes
             self._outs[role] = out
             self._empties[role] = _empty_user(k, v)
+        txns = txns_of(self.outputs_factory)
+        if txns is None:
+            txns, self._own_txns = Txns(self.client), True
+        self._txns = txns
+        txns.register(self._output_shards())
         self._remap = RemapShard(
             self.client, shard_id_for(self.name, "remap"), self.source.initial_frontier(),
             label=f"{self.name}/remap",
@@ -244,6 +255,9 @@ class Ingestion:
         for o in self._outs.values():
             o.close()
         self._outs.clear()
+        if self._txns is not None and self._own_txns:
+            self._txns.close()
+        self._txns = None
         if self._remap is not None:
             self._remap.close()
             self._remap = None
@@ -269,7 +283,11 @@ class Ingestion:
 
     def _resync(self) -> None:
         """Steps 1-3 of the recipe: t = min upper; rehydrate at t-1; reopen the source."""
-        uppers = {role: o.upper() for role, o in self._outs.items()}
+        uppers = self._uppers()
+        for role, o in self._data_last():
+            # A predecessor killed after its commit CAS left the collections' metadata
+            # uppers behind their shards: catch them up (a no-op for plain shards).
+            o.committed(uppers[role])
         t = min(uppers.values())
         remap = self.remap
         remap.load(t - 1 if t > 0 else None)
@@ -294,6 +312,21 @@ class Ingestion:
         if self._resumed_at is None:
             self._resumed_at = t  # (run_once/run reset it per run; subclasses may not)
         log.info("ingestion %s resumes at %d from %s", self.name, t, frontier_text(frontier))
+
+    def _uppers(self) -> dict[str, int]:
+        """Each output's upper, with every committed transaction applied first."""
+        if self._txns is not None:
+            self._txns.ensure_applied(self._output_shards())
+        return {role: o.upper() for role, o in self._outs.items()}
+
+    def _data_last(self) -> list[tuple[str, Output]]:
+        """The outputs with data last: their metadata uppers (what bounds a collection
+        reader) advance errors, raw and state first, so a reader that sees a binding's
+        data finds its errors."""
+        return sorted(self._outs.items(), key=lambda kv: kv[0] == "data")
+
+    def _output_shards(self) -> list[str]:
+        return [t.shard_id for o in self._outs.values() for t in o.shard_outputs()]
 
     def _reopen_reader(self) -> None:
         base = max(self._t - 1, 0)
@@ -412,8 +445,13 @@ class Ingestion:
         if upper <= self._t:
             return
         lower = self._t
-        for role, out in self._outs.items():
-            out.append(acc.take(role, self._empties[role]), lower, upper)
+        tables = {role: acc.take(role, self._empties[role]) for role in self._outs}
+        if self._txns is None:
+            raise IngestInvariantError("the ingestion is not open")
+        pieces = [p for role, o in self._outs.items() for p in o.shard_pieces(tables[role])]
+        append_atomically(self._txns, list(pieces), lower, upper)  # one transaction
+        for _, o in self._data_last():
+            o.committed(upper)
         acc.records = 0
         self._t = upper
         remap = self.remap
@@ -534,7 +572,7 @@ class Ingestion:
         try:
             return step()
         except SourceDataGone:
-            uppers = [o.upper() for o in self._outs.values()]
+            uppers = list(self._uppers().values())
             if min(uppers) > self._t:
                 self._stats.resyncs += 1
                 self._resync()

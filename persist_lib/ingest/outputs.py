@@ -20,7 +20,12 @@ Adapters:
   the role (``uuid5``), so every instance finds the same shards without a catalog.
 - ``StorageOutputs``: STORAGE collections (``name``, ``name.errors``, ``name.raw``,
   ``name.state``) written through their renditions' shards, routed by key hash, with
-  the collection's metadata upper advanced after each append.
+  the collection's metadata upper advanced after each append. They are transactional
+  collections, so an append to one is one transaction over its shards.
+
+The ingestion driver appends every output of a flush as ONE transaction
+(``atomic_append.py``): each output only splits its updates over its shards
+(``shard_pieces``) and is told when the commit landed (``committed``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import pyarrow.compute as pc
 from persist_lib.errors import InvalidUsage, UpperMismatch
 from persist_lib.frontier import Antichain
 from persist_lib.ids import ShardId
+from persist_lib.ingest.atomic_append import append_atomically
 from persist_lib.ingest.errors import (
     IngestConfigError,
     IngestInvariantError,
@@ -44,6 +50,7 @@ from persist_lib.ingest.errors import (
 )
 from persist_lib.shard.codec import Schemas, normalize_updates
 from persist_lib.shard.consolidate import consolidate
+from persist_lib.txn.txns import Txns
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.handles.client import PersistClient
@@ -92,6 +99,18 @@ class Output(Protocol):
 
     def downgrade_since(self, since: int) -> None: ...
 
+    def shard_outputs(self) -> list[ShardOutput]:
+        """This output's shards."""
+        ...
+
+    def shard_pieces(self, updates: pa.Table) -> list[tuple[ShardOutput, pa.Table]]:
+        """``updates`` split over this output's shards (for ``append_atomically``)."""
+        ...
+
+    def committed(self, upper: int) -> None:
+        """After ``append_atomically`` committed this output up to ``upper``."""
+        ...
+
     def heartbeat(self) -> None:
         """Extends the leases of this output's handles."""
         ...
@@ -105,6 +124,13 @@ class OutputFactory(Protocol):
     def open(self, role: str, key_schema: pa.Schema, val_schema: pa.Schema) -> Output: ...
 
     def describe(self) -> dict[str, Any]: ...
+
+
+def txns_of(factory: OutputFactory) -> Txns | None:
+    """The transactions a factory's outputs commit through (``StorageOutputs``: its
+    controller's); None: the caller opens ``Txns(client)`` on the same location."""
+    txns = getattr(factory, "txns", None)
+    return txns if isinstance(txns, Txns) else None
 
 
 def _time(f: Antichain, what: str) -> int:
@@ -260,6 +286,15 @@ class ShardOutput:
         if self._r.since < Antichain([since]):
             self._r.downgrade_since(since)
 
+    def shard_outputs(self) -> list[ShardOutput]:
+        return [self]
+
+    def shard_pieces(self, updates: pa.Table) -> list[tuple[ShardOutput, pa.Table]]:
+        return [(self, updates)]
+
+    def committed(self, upper: int) -> None:
+        return None
+
     def heartbeat(self) -> None:
         self._r.heartbeat()
         self._w.heartbeat()
@@ -306,6 +341,7 @@ class CollectionOutput:
         self.role = role
         self.label = name
         self._cw = ctl.open_writer(name, rendition)
+        self._txns: Txns | None = self._cw.txns if self._cw.transactional else None
         self.rendition = self._cw.rendition
         self.schemas: Schemas = self._cw.schemas
         self._shards = [
@@ -335,10 +371,24 @@ class CollectionOutput:
     def append(self, updates: pa.Table, lower: int, upper: int) -> None:
         if upper <= lower:
             return
-        parts = self._split(updates, self.schemas.key_names, len(self._shards))
-        for s, part in zip(self._shards, parts, strict=True):
+        if self._txns is not None:  # every shard in one transaction
+            append_atomically(self._txns, list(self.shard_pieces(updates)), lower, upper)
+            self.committed(upper)
+            return
+        for s, part in self.shard_pieces(updates):
             s.append(part, lower, upper)
         self._cw.append([], upper, upper)  # advances the collection's metadata upper
+        self.committed(upper)
+
+    def shard_outputs(self) -> list[ShardOutput]:
+        return list(self._shards)
+
+    def shard_pieces(self, updates: pa.Table) -> list[tuple[ShardOutput, pa.Table]]:
+        parts = self._split(updates, self.schemas.key_names, len(self._shards))
+        return list(zip(self._shards, parts, strict=True))
+
+    def committed(self, upper: int) -> None:
+        self._cw.advance_metadata(Antichain([upper]))
         self.stats.written = sum(s.stats.written for s in self._shards)
         self.stats.verified = sum(s.stats.verified for s in self._shards)
 
@@ -390,6 +440,12 @@ class StorageOutputs:
         self.num_shards = num_shards
         self.rendition = rendition
 
+    @property
+    def txns(self) -> Txns:
+        """The controller's: a binding's outputs commit as one transaction of its log."""
+        txns: Txns = self.ctl.txns
+        return txns
+
     def open(self, role: str, key_schema: pa.Schema, val_schema: pa.Schema) -> Output:
         cname = collection_name(self.name, role)
         ensure_collection(
@@ -409,7 +465,9 @@ def ensure_collection(
     *, rendition: str | None = None,
 ) -> None:
     """Creates collection ``name`` unless it exists (then its schemas, or those of
-    ``rendition`` when given and it exists, must match)."""
+    ``rendition`` when given and it exists, must match), as a transactional collection:
+    the outputs of a binding commit as one transaction. An existing non-transactional
+    one (an older version made it) is made transactional."""
     want = Schemas.create(key_schema, val_schema)
     for _ in range(3):
         if name in ctl.list_collections():
@@ -424,9 +482,11 @@ def ensure_collection(
                     f"{want.describe()}; use another ingestion name or a new collection for the new "
                     "schema"
                 )
+            if not ctl.is_transactional(name):
+                ctl.make_transactional(name)
             return
         try:
-            ctl.create_collection(name, key_schema, val_schema, num_shards)
+            ctl.create_collection(name, key_schema, val_schema, num_shards, transactional=True)
             return
         except InvalidUsage:
             continue  # created concurrently by another instance: re-check

@@ -35,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from persist_lib.ingest.addresses import Address, decode_address
+from persist_lib.ingest.atomic_append import append_atomically
 from persist_lib.ingest.decode import (
     DELETE_COL,
     ERRORS_KEY,
@@ -51,7 +52,8 @@ from persist_lib.ingest.decode import (
 )
 from persist_lib.ingest.envelope import make_envelope
 from persist_lib.ingest.errors import IngestConfigError, IngestInvariantError
-from persist_lib.ingest.outputs import Output, OutputFactory, ShardOutputs, shard_id_for
+from persist_lib.ingest.outputs import Output, OutputFactory, ShardOutputs, shard_id_for, txns_of
+from persist_lib.txn.txns import Txns
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.handles.client import PersistClient
@@ -164,7 +166,12 @@ def rebuild_from_raw(
     empties = {r: _empty_user(*schemas[r]) for r in roles}
     remap_r = client.open_leased_reader(shard_id_for(name, "remap"), REMAP_KEY, REMAP_VAL, purpose=f"rebuild:{name}")
     stats = {"records": 0, "errors": 0, "times": 0}
+    own = txns_of(outputs)
+    txns = own or Txns(client)
+    shards = [p.shard_id for o in outs.values() for p in o.shard_outputs()]
     try:
+        txns.register(shards)
+        txns.ensure_applied(shards)
         t = min(o.upper() for o in outs.values())
         resumed_at = t
         raw_upper = raw_out.upper()
@@ -187,9 +194,14 @@ def rebuild_from_raw(
                 stats["records"] += per_time[tt].num_rows
                 stats["errors"] += len(errs)
                 stats["times"] += 1
+            pieces = []
             for r, o in outs.items():
                 ts = [x for x in acc[r] if x.num_rows]
-                o.append(pa.concat_tables([x.cast(empties[r].schema) for x in ts]) if ts else empties[r], lower, upper)
+                table = pa.concat_tables([x.cast(empties[r].schema) for x in ts]) if ts else empties[r]
+                pieces += o.shard_pieces(table)
+            append_atomically(txns, list(pieces), lower, upper)  # every output in one transaction
+            for _, o in sorted(outs.items(), key=lambda kv: kv[0] == "data"):  # data last
+                o.committed(upper)
             if progress is not None:
                 progress({"upper": upper, **stats})
 
@@ -224,6 +236,8 @@ def rebuild_from_raw(
             "duration_s": round(time.monotonic() - t_start, 3),
         }
     finally:
+        if own is None:
+            txns.close()
         remap_r.expire()
         raw_out.close()
         for o in outs.values():

@@ -36,7 +36,8 @@ from persist_lib.spark.read import (
 )
 from persist_lib.spark.session import local_session
 from persist_lib.spark.types import UnsupportedSparkType, spark_schema
-from persist_lib.spark.write import SparkWriteResult, write_batch, write_collection
+from persist_lib.spark.write import SparkWriteResult, write_batch
+from persist_lib.spark.write_txn import write_collection
 
 __all__ = [
     "RangeSplit",

@@ -23,10 +23,11 @@ when the job ends (lease expiry does it if the driver dies). The commit itself g
 through the caller's registered ``WriteHandle`` (its writer id, lease and idempotency
 token); its parts are deleted only when the compare-and-set certainly did not apply.
 
-``write_collection`` does the same for a rendition of a STORAGE collection: rows are
-routed to shards by ``storage.routing.route`` on the *normalized* key columns — the
-exact hash ``CollectionWriter`` uses — with one builder per shard per partition; the
-driver then commits one batch per shard, shard by shard.
+``write_collection_shards`` does the same for a rendition of a non-transactional
+STORAGE collection: rows are routed to shards by ``storage.routing.route`` on the
+*normalized* key columns — the exact hash ``CollectionWriter`` uses — with one builder
+per shard per partition; the driver then commits one batch per shard, shard by shard.
+A transactional collection's job commits as one transaction (``write_txn.py``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ class _WriteSpec:
     inline_threshold: int
     max_inflight_uploads: int
     chunk_bytes: int
+    # One writer id per shard (a transaction's part writers), else ``part_writer`` for all.
+    part_writers: tuple[str, ...] | None = None
+
+    def writer_for(self, i: int) -> str:
+        return self.part_writers[i] if self.part_writers is not None else self.part_writer
 
     def __repr__(self) -> str:  # the blob URI may carry an S3 secret key
         from persist_lib.location.redaction import redacted_dataclass_repr
@@ -149,7 +155,7 @@ def _partition_writer(
                     blob,
                     schemas,
                     shard=spec.shard_ids[i],
-                    writer=spec.part_writer,
+                    writer=spec.writer_for(i),
                     lower=spec.lower,
                     target_part_bytes=spec.target_part_bytes,
                     max_inflight_uploads=spec.max_inflight_uploads,
@@ -279,9 +285,9 @@ def _delete_job_parts(spec: _WriteSpec) -> int:
     """Best effort: deletes every blob under ``{shard}/{part_writer}/`` of a failed job."""
     blob = open_executor_blob(spec.blob_uri)
     n = 0
-    for shard in spec.shard_ids:
+    for i, shard in enumerate(spec.shard_ids):
         try:
-            for m in blob.list_keys_and_metadata(f"{shard}/{spec.part_writer}/"):
+            for m in blob.list_keys_and_metadata(f"{shard}/{spec.writer_for(i)}/"):
                 blob.delete(m.key)
                 n += 1
         except Exception as e:  # the sweeper catches whatever is left
@@ -306,6 +312,7 @@ def _spec(
     upper: Antichain,
     target_part_bytes: int | None,
     chunk_bytes: int,
+    part_writers: tuple[str, ...] | None = None,
 ) -> _WriteSpec:
     cfg = client.config
     assert lower.time is not None
@@ -317,9 +324,11 @@ def _spec(
         lower=lower.time,
         upper=upper.time,
         target_part_bytes=int(target_part_bytes or cfg.blob_target_size),
-        inline_threshold=cfg.inline_threshold,
+        # A transaction's batches travel through the txn log: no inline parts there.
+        inline_threshold=cfg.inline_threshold if part_writers is None else 0,
         max_inflight_uploads=cfg.max_inflight_uploads,
         chunk_bytes=chunk_bytes,
+        part_writers=part_writers,
     )
 
 
@@ -377,7 +386,7 @@ def write_batch(
     )
 
 
-def write_collection(
+def write_collection_shards(
     df: Any,
     writer: CollectionWriter,
     expected_upper: FrontierLike,
@@ -395,8 +404,9 @@ def write_collection(
     ``new_upper`` (a retry of a write that committed on some shards: those are
     skipped, which is correct for a *definite* collection whose retry writes identical
     data); anything else is an ``UpperMismatch`` and nothing runs. The batches are
-    then committed shard by shard (a rendition has no cross-shard transaction), and
-    the metadata shard's upper advances as ``CollectionWriter.append`` does.
+    then committed shard by shard, and the metadata shard's upper advances as
+    ``CollectionWriter.append`` does. For a non-transactional collection only;
+    ``spark.write_txn.write_collection`` picks this or one transaction.
     """
     t0 = _now()
     what = f"collection {writer.name}/{writer.rendition}"

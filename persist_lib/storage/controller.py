@@ -45,6 +45,7 @@ from persist_lib.ids import ShardId
 from persist_lib.shard.codec import Schemas
 from persist_lib.storage import shard_ops
 from persist_lib.storage.catalog import Catalog, CatalogStore, Spec, default_catalog_shard
+from persist_lib.storage.make_transactional import make_transactional
 from persist_lib.storage.metadata import (
     METADATA_KEY,
     METADATA_VAL,
@@ -116,7 +117,7 @@ class StorageController:
         self._meta_readers: dict[str, ReadHandle] = {}
         self._active_cache: dict[str, tuple[Antichain, str]] = {}
         self._txns_obj: Txns | None = None
-        self._transactional: dict[str, bool] = {}  # a collection's flag never changes
+        self._transactional: dict[str, bool] = {}  # True once seen: the flag never goes back
         if recover and not read_only:
             self.recover()
 
@@ -157,17 +158,20 @@ class StorageController:
         num_shards: int = 1,
         *,
         rendition: str = "r0",
-        transactional: bool = False,
+        transactional: bool | None = None,
     ) -> dict[str, Any]:
         """Creates a collection with a first rendition of ``num_shards`` shards, active from 0.
 
         ``transactional``: its shards are registered in the location's txn log and written
         only through transactions (atomic ``compare_and_append`` over all shards, ``insert``,
-        ``transaction()``; docs/architecture.md, "Transactions")."""
+        ``transaction()``; docs/architecture.md, "Transactions"). Default: transactional
+        iff it has more than one shard (one shard is atomic with one compare-and-set)."""
         self._check_writable("create_collection")
         _check_name("collection", name)
         _check_name("rendition", rendition)
         self._check_num_shards(num_shards)
+        if transactional is None:
+            transactional = num_shards > 1
         schemas = Schemas.create(key_schema, val_schema)
         meta = str(ShardId.new())
         shards = [str(ShardId.new()) for _ in range(num_shards)]
@@ -234,10 +238,14 @@ class StorageController:
         ``key_schema``/``val_schema``: the rendition's own schemas (default: the
         collection's), for a change that can't be made in place (``evolve_schema``
         refuses it): rebuild the rendition under them, then a handover to it makes them
-        the collection's (``storage/schema_evolution.py``)."""
+        the collection's (``storage/schema_evolution.py``). A multi-shard rendition of a
+        non-transactional collection makes the collection transactional first
+        (``make_transactional``), so its writes are atomic."""
         self._check_writable("create_rendition")
         _check_name("rendition", rendition)
         self._check_num_shards(num_shards)
+        if num_shards > 1 and not self.is_transactional(name):
+            self.make_transactional(name)
         shards = [str(ShardId.new()) for _ in range(num_shards)]
         own = None
         if key_schema is not None or val_schema is not None:
@@ -289,6 +297,7 @@ class StorageController:
         schemas = rendition_schemas(spec, r)
         meta_purpose = f"storage:{name}"
         if spec.get("transactional"):
+            self.txns.register(info["shards"])  # (a no-op but for a rendition made mid-conversion)
             mw = self.client.open_writer(spec["metadata_shard"], METADATA_KEY, METADATA_VAL, purpose=meta_purpose)
             return CollectionWriter(
                 self, name, r, [], schemas, mw, txns=self.txns, shard_ids=list(info["shards"])
@@ -461,6 +470,8 @@ class StorageController:
         active = timeline[-1].new if timeline else None
         renditions = {}
         for r, info in sorted(spec["renditions"].items()):
+            if spec.get("transactional") and info["status"] == "ready":
+                self.txns.ensure_applied(info["shards"])  # show what committed
             states = [self.client.machine(s).fetch_latest() for s in info["shards"]]
             live = [s for s in states if s.exists and not s.tombstone]
             renditions[r] = {
@@ -596,10 +607,24 @@ class StorageController:
         return tx.commit()
 
     def is_transactional(self, name: str) -> bool:
-        flag = self._transactional.get(name)
-        if flag is None:
-            flag = self._transactional[name] = bool(self._spec(name).get("transactional"))
+        """Whether ``name`` is written through transactions. Only ``True`` is cached: a
+        collection becomes transactional (``make_transactional``) and never stops being."""
+        if self._transactional.get(name):
+            return True
+        flag = bool(self._spec(name).get("transactional"))
+        if flag:
+            self._transactional[name] = True
         return flag
+
+    def _txns_if_transactional(self, name: str) -> Txns | None:
+        return self.txns if self.is_transactional(name) else None
+
+    def make_transactional(self, name: str) -> dict[str, Any]:
+        """Makes an existing collection transactional: registers its shards in the txn
+        log, fences its direct writers, flips its catalog flag (crash-safe, idempotent;
+        ``storage/make_transactional.py``). Returns a report."""
+        self._check_writable("make_transactional")
+        return make_transactional(self, name)
 
     def _txn_prepare_read(self, name: str, shard_ids: list[str]) -> None:
         """Before a read of a transactional collection's shards: every committed

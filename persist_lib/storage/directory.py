@@ -12,6 +12,7 @@ from typing import Protocol
 
 from persist_lib.frontier import Antichain
 from persist_lib.handles.read import ReadHandle
+from persist_lib.txn.txns import Txns
 
 
 class RenditionDirectory(Protocol):
@@ -30,3 +31,7 @@ class ActiveRendition(Protocol):
     def _active_rendition_at_upper(self, name: str) -> str: ...
 
     def _note_active(self, name: str, upper: Antichain, rendition: str) -> None: ...
+
+    def _txns_if_transactional(self, name: str) -> Txns | None:
+        """The location's ``Txns`` if collection ``name`` is transactional (now), else None."""
+        ...

@@ -2,8 +2,8 @@
 ``transaction`` (the seed's table-like write path, issue 27).
 
 ``ctl.insert(name, rows)`` and ``with ctl.transaction() as tx: tx.insert(a, rows);
-tx.insert(b, rows)`` write transactional collections (``create_collection(...,
-transactional=True)``) as ONE transaction of the location's txn log (``persist_lib.txn``):
+tx.insert(b, rows)`` write transactional collections (every multi-shard collection by
+default, ``create_collection(..., transactional=True)``, ``make_transactional``) as ONE transaction of the location's txn log (``persist_lib.txn``):
 every row of every collection becomes visible at one time ``T``, all or nothing.
 
 ``T`` is the largest logical upper of the shards touched (so no collection's time goes
@@ -79,8 +79,9 @@ class Transaction:
             raise InvalidUsage("this transaction was committed or abandoned; start a new one")
         if not self._ctl.is_transactional(name):
             raise InvalidUsage(
-                f"collection {name!r} is not transactional: only collections created with "
-                "create_collection(..., transactional=True) take inserts and transactions"
+                f"collection {name!r} is not transactional: only transactional collections "
+                "(every multi-shard one by default) take inserts and transactions; convert it "
+                f"with ctl.make_transactional({name!r}) or `persist make-transactional {name}`"
             )
         target = self._targets.get(name)
         if target is None:

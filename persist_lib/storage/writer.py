@@ -2,17 +2,17 @@
 
 Each shard of the rendition gets the rows whose key hashes to it (``routing.route``);
 every shard advances to the same upper, so the rendition's upper (the minimum over its
-shards) moves with each write. ``append`` is the definite, replicated-writer append of
-persist, shard by shard; ``compare_and_append`` is atomic only for a one-shard
-rendition (a multi-shard rendition has no cross-shard transaction: a writer that lost
-midway simply retries with identical data, which definite appends make harmless).
+shards) moves with each write.
 
-A *transactional* collection (``create_collection(..., transactional=True)``) has its
-shards registered in the location's txn log (``persist_lib.txn``): its writer is opened
-with a ``Txns`` and then writes every shard of the rendition as ONE transaction, so
-``compare_and_append`` is atomic for any number of shards and ``append`` is definite
-across crashes between shards. Its shards are written only that way (no direct shard
-writers).
+A *transactional* collection (every multi-shard one by default; ``make_transactional``
+converts others) has its shards registered in the location's txn log
+(``persist_lib.txn``): its writer writes every shard of the rendition as ONE
+transaction, so ``compare_and_append`` is atomic for any number of shards and ``append``
+is definite across crashes between shards (each shard from its own upper, so a write an
+old direct writer left cut between shards is healed). Its shards are written only that
+way (no direct shard writers). A one-shard collection that is not transactional writes
+its shard directly: one compare-and-set is atomic already. A direct writer fenced by a
+conversion (``LeaseExpired``) carries on through transactions.
 
 After writing, the writer of the *active* rendition advances the metadata shard's
 upper, declaring that no handover happens before it. A writer of a rendition that is
@@ -25,7 +25,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from persist_lib.errors import InvalidUsage, PersistError, UpperMismatch
+from persist_lib.errors import InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.handles.write import WriteHandle
 from persist_lib.shard.codec import (
@@ -37,10 +37,6 @@ from persist_lib.shard.codec import (
 from persist_lib.storage.directory import ActiveRendition
 from persist_lib.storage.routing import split_by_shard
 from persist_lib.txn.txns import ShardWrite, Txns
-
-
-class ShardsDisagree(PersistError):
-    """A transactional collection's shards are at different uppers (never by transactions)."""
 
 
 class CollectionWriter:
@@ -69,6 +65,13 @@ class CollectionWriter:
     def transactional(self) -> bool:
         """Whether this rendition's shards are written through transactions."""
         return self._txns is not None
+
+    @property
+    def txns(self) -> Txns:
+        """The transactions this writer commits through (a transactional collection's)."""
+        if self._txns is None:
+            raise InvalidUsage(f"collection {self.name}: it is not transactional")
+        return self._txns
 
     @property
     def num_shards(self) -> int:
@@ -112,12 +115,15 @@ class CollectionWriter:
         """Definite append of ``updates`` (times in ``[lower, upper)``) to every shard."""
         self._check_open()
         lo, hi = as_frontier(lower, "lower"), as_frontier(upper, "upper")
-        if self._txns is not None:
-            self._txn_append(updates, lo, hi)
-            return
-        for w, part in zip(self._writers, self._split(updates), strict=True):
-            w.append(part, lo, hi)
-        self.advance_metadata(hi)
+        if self._txns is None:
+            try:
+                for w, part in zip(self._writers, self._split(updates), strict=True):
+                    w.append(part, lo, hi)
+                self.advance_metadata(hi)
+                return
+            except LeaseExpired as e:
+                self._switch_if_converted(e)  # (re-raises unless the collection converted)
+        self._txn_append(updates, lo, hi)
 
     def compare_and_append(
         self, updates: Any, expected_upper: FrontierLike, new_upper: FrontierLike
@@ -126,17 +132,35 @@ class CollectionWriter:
         self._check_open()
         expected = as_frontier(expected_upper, "expected_upper")
         new = as_frontier(new_upper, "new_upper")
-        if self._txns is not None:
-            self._txn_commit(self._split(updates), expected, new)
-            self.advance_metadata(new)
-            return
-        parts = self._split(updates)
-        uppers = [w.fetch_recent_upper() for w in self._writers]
-        if any(u != expected for u in uppers):
-            raise UpperMismatch(f"{self.name}/{self.rendition}", expected, min(uppers))
-        for w, part in zip(self._writers, parts, strict=True):
-            w.compare_and_append(part, expected, new)
+        if self._txns is None:
+            parts = self._split(updates)
+            try:
+                uppers = [w.fetch_recent_upper() for w in self._writers]
+                if any(u != expected for u in uppers):
+                    raise UpperMismatch(f"{self.name}/{self.rendition}", expected, min(uppers))
+                for w, part in zip(self._writers, parts, strict=True):
+                    w.compare_and_append(part, expected, new)
+                self.advance_metadata(new)
+                return
+            except LeaseExpired as e:
+                self._switch_if_converted(e)
+        self._txn_commit(self._split(updates), expected, new)
         self.advance_metadata(new)
+
+    def _switch_if_converted(self, fenced: LeaseExpired) -> None:
+        """A direct shard writer was fenced: if the collection became transactional
+        (``make_transactional``), this writer continues through transactions; otherwise
+        the ``LeaseExpired`` stands (re-raised)."""
+        txns = self._ctl._txns_if_transactional(self.name)
+        if txns is None:
+            raise fenced
+        self._txns = txns
+        for w in self._writers:
+            try:
+                w.expire()
+            except PersistError:
+                pass
+        self._writers = []
 
     def _txn_commit(self, parts: list[CheckedUpdates], expected: Antichain, new: Antichain) -> None:
         """One transaction writing every shard (an empty batch where no row routes)."""
@@ -155,31 +179,33 @@ class CollectionWriter:
         are skipped (another instance wrote them), the rest committed in one transaction."""
         checked = normalize_checked(updates, self.schemas, shard=f"{self.name}/{self.rendition}")
         assert self._txns is not None
+        key_cols = [KEY_PREFIX + n for n in self.schemas.key_names]
+        pieces = split_by_shard(checked, key_cols, len(self._shard_ids))
         while True:
             view = self._txns.log.read()
-            uppers = {self._txns.logical_upper(s, view) for s in self._shard_ids}
-            if len(uppers) != 1:
-                raise ShardsDisagree(
-                    f"collection {self.name}/{self.rendition}: its shards' uppers differ "
-                    f"({sorted(str(u) for u in uppers)}): a transactional collection's shards "
-                    "advance together, so something wrote them outside transactions"
-                )
-            (cur,) = uppers
-            if cur >= hi:
-                return
-            if cur < lo:
-                raise UpperMismatch(f"{self.name}/{self.rendition}", lo, cur)
-            part = checked
-            if cur > lo:
-                assert cur.time is not None
-                part = checked.filter(pc.greater_equal(checked.table["t"], cur.time))
-            key_cols = [KEY_PREFIX + n for n in self.schemas.key_names]
+            uppers = [self._txns.logical_upper(s, view) for s in self._shard_ids]
+            if all(u >= hi for u in uppers):
+                break
+            low = min(uppers)
+            if low < lo:
+                raise UpperMismatch(f"{self.name}/{self.rendition}", lo, low)
+            # Each shard from its own upper: shards of a collection converted from direct
+            # writes may disagree (a writer fenced between shards); one transaction then
+            # brings them all to ``hi``.
+            writes = []
+            for s, piece, cur in zip(self._shard_ids, pieces, uppers, strict=True):
+                if cur >= hi:
+                    continue
+                if cur > lo:
+                    assert cur.time is not None
+                    piece = piece.filter(pc.greater_equal(piece.table["t"], cur.time))
+                writes.append(ShardWrite(s, self.schemas, piece, cur, hi))
             try:
-                self._txn_commit(split_by_shard(part, key_cols, len(self._shard_ids)), cur, hi)
+                self._txns.commit(writes)
             except UpperMismatch:
                 continue
-            self.advance_metadata(hi)
-            return
+            break
+        self.advance_metadata(hi)
 
     def advance_metadata(self, upper: Antichain) -> None:
         """Moves the metadata upper to ``upper`` if this rendition is the active one (after

@@ -78,7 +78,15 @@ Crash cases
   links the batch and unregisters its part writer, or finds the shard past it) and tidies
   what is applied.
 
-Costs: per touched shard one part-writer registration, the parts, one apply CAS; plus
-one log CAS per transaction and one per tidy. All commits serialize on the log's
-upper, so heavily contended commits retry.
+Costs: per touched shard one part-writer registration, the parts, one apply CAS (the
+per-shard steps run in parallel); plus one log CAS per transaction and one for its tidy.
+The committer's tidy retracts the entries of its own shards (those its cached shard
+states show applied) right after the commit, without reading the log again, and the
+log view it produced is remembered (``TxnLog.append(then=...)``), so the next commit
+of the process reads no snapshot while nobody else wrote the log. All commits
+serialize on the log's upper, so heavily contended commits retry.
+
+Prebuilt batches (a Spark job's executors write the parts): ``Txns.prepare`` registers
+the part writers, the caller writes each shard's parts under ``Prepared.part_writer``,
+``Txns.commit_batches`` commits (``abandon`` on failure).
 """

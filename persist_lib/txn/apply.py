@@ -10,7 +10,7 @@ bug (entries of a shard are applied in the order of their ``lower``), refused.
 
 from __future__ import annotations
 
-from persist_lib.errors import PersistError
+from persist_lib.errors import LeaseExpired, PersistError
 from persist_lib.shard import transitions as tr
 from persist_lib.shard.machine import Machine
 from persist_lib.shard.state import ShardState
@@ -51,6 +51,19 @@ def apply_transition(state: ShardState, now_ms: int, *, entry: Pending) -> tr.Re
 
 
 def apply_entry(machine: Machine, entry: Pending) -> bool:
-    """Applies one entry with one CAS on its shard; True iff this call linked it."""
-    res, _ = machine.apply("txn_apply", lambda s, now: apply_transition(s, now, entry=entry))
+    """Applies one entry with one CAS on its shard; True iff this call linked it.
+
+    The transition first runs against this process's cached state, which may be older
+    than the shard: another process may have applied the entry (its part writer gone,
+    ``LeaseExpired``) or earlier ones (``TxnApplyOutOfOrder``) since. Such a refusal is
+    judged again once against the shard's latest state."""
+
+    def fn(s: ShardState, now: int) -> tr.Result:
+        return apply_transition(s, now, entry=entry)
+
+    try:
+        res, _ = machine.apply("txn_apply", fn)
+    except (TxnApplyOutOfOrder, LeaseExpired):
+        machine.fetch_latest()
+        res, _ = machine.apply("txn_apply", fn)
     return bool(res)

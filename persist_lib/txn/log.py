@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
@@ -155,11 +155,19 @@ class TxnLog:
         finally:
             r.expire()
 
-    def append(self, rows: list[LogRow], at: int) -> None:
+    def append(self, rows: list[LogRow], at: int, *, then: LogView | None = None) -> None:
         """One CAS at ``[at, at + 1)`` (rows' times are set to ``at``). Raises
-        ``UpperMismatch`` when the log moved: nothing was written."""
+        ``UpperMismatch`` when the log moved: nothing was written. ``then``: the log these
+        rows make (upper ``at + 1``), remembered so the next ``read`` needs no snapshot
+        while the log's state still has that upper."""
         w, _ = self._open()
         w.compare_and_append([(kv, at, d) for kv, _t, d in rows], at, at + 1)
+        if then is not None:
+            state = self.client.machine(self.shard).cached()
+            if state.upper.time == at + 1 and then.upper == at + 1:
+                # Same upper, same contents (only appends change them): any seqno at this
+                # upper is this log; ``read`` compares seqnos, so take the cached one.
+                self._last = replace(then, seqno=state.seqno, log_writers=frozenset(state.writers))
 
     def allow_compaction(self, upto: int) -> None:
         """Lets compaction fold the log below ``upto`` (tidied entries then vanish); moves

@@ -6,9 +6,13 @@ The protocol and its crash cases are in the package docstring (``persist_lib.txn
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import pyarrow.compute as pc
 
@@ -26,6 +30,9 @@ from persist_lib.shard.part_writers import PartWriter
 from persist_lib.shard.state import ShardState
 from persist_lib.txn import apply as ap
 from persist_lib.txn.log import LogRow, LogView, Pending, TxnLog, registration_row
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,22 @@ class ShardWrite:
     updates: CheckedUpdates
     lower: Antichain
     upper: Antichain
+    # Parts of at least this many Arrow bytes written unsorted (None: the client's
+    # ``PersistConfig.unsorted_min_bytes``), as ``WriteHandle`` builders do.
+    unsorted_min_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A transaction that registered its part writers and has not committed yet."""
+
+    txn: str
+    shards: tuple[str, ...]
+    part_writers: tuple[PartWriter, ...]
+
+    def part_writer(self, shard: str) -> str:
+        """The writer id the parts of ``shard``'s batch must be written under."""
+        return Pending.txn_part_writer(self.txn, shard)
 
 
 @dataclass(frozen=True)
@@ -97,6 +120,11 @@ class Txns:
             return pending
         return self.client.machine(shard).fetch_latest().upper
 
+    def logical_uppers(self, shards: list[str], view: LogView | None = None) -> list[Antichain]:
+        """``logical_upper`` of each shard (the physical ones read in parallel)."""
+        view = view or self.log.read()
+        return _each(lambda s: self.logical_upper(s, view), shards)
+
     # ----- commit ---------------------------------------------------------------------
 
     def commit(self, writes: list[ShardWrite]) -> Committed:
@@ -111,33 +139,65 @@ class Txns:
         for w in writes:
             _check_write(w)
         view = self.log.read()
-        self._check_uppers(writes, view)  # fail before writing parts when we can
-        txn = str(uuid.uuid4())
-        log_writer = self.log.writer_id
-        part_writers: list[PartWriter] = []
-        batches: list[HollowBatch] = []
+        self._check_uppers([(w.shard, w.lower) for w in writes], view)  # fail before writing parts
+        prepared = self.prepare([w.shard for w in writes])
         try:
-            for w in writes:
-                part_writers.append(PartWriter.register(
-                    self.client.machine(w.shard), purpose=_PURPOSE.format(txn=txn, log_writer=log_writer),
-                    writer_id=Pending.txn_part_writer(txn, w.shard), lease_ms=TXN_PART_WRITER_LEASE_MS,
-                ))
-                batches.append(self._build(w, part_writers[-1].writer_id))
+            batches = _each(lambda w: self._build(w, prepared.part_writer(w.shard)), writes)
         except Exception:
-            self._abandon(part_writers, batches)
+            self.abandon(prepared)
             raise
-        entries = [Pending(w.shard, txn, b) for w, b in zip(writes, batches, strict=True)]
+        return self.commit_batches(prepared, batches, view=view)
+
+    def prepare(self, shards: list[str]) -> Prepared:
+        """Starts a transaction over ``shards``: registers its part writer on each (in
+        parallel; the parts of its batches must be written under those writer ids)."""
+        if len(set(shards)) != len(shards):
+            raise InvalidUsage("a transaction writes each shard at most once")
+        txn = str(uuid.uuid4())
+        purpose = _PURPOSE.format(txn=txn, log_writer=self.log.writer_id)
+        done: list[PartWriter] = []
+
+        def register(shard: str) -> PartWriter:
+            pw = PartWriter.register(
+                self.client.machine(shard), purpose=purpose,
+                writer_id=Pending.txn_part_writer(txn, shard), lease_ms=TXN_PART_WRITER_LEASE_MS,
+            )
+            done.append(pw)
+            return pw
+
         try:
-            position, view = self._publish(entries, writes, view)
+            pws = _each(register, shards)
+        except Exception:
+            for pw in done:
+                pw.release()
+            raise
+        return Prepared(txn, tuple(shards), tuple(pws))
+
+    def commit_batches(
+        self, prepared: Prepared, batches: list[HollowBatch], *, view: LogView | None = None
+    ) -> Committed:
+        """Commits one prepared transaction whose batches (one per shard of ``prepared``,
+        in its order, written under its part writers) are built already: the commit CAS
+        iff every shard's logical upper is its batch's ``lower``, then apply and tidy.
+        On ``UpperMismatch`` / ``NotRegistered`` nothing committed and the parts and part
+        writers are gone."""
+        if len(batches) != len(prepared.shards):
+            raise InvalidUsage(
+                f"transaction {prepared.txn}: {len(batches)} batches for {len(prepared.shards)} shards"
+            )
+        txn = prepared.txn
+        entries = [Pending(s, txn, b) for s, b in zip(prepared.shards, batches, strict=True)]
+        try:
+            position, view = self._publish(entries, [(e.shard, e.batch.lower) for e in entries], view)
         except (UpperMismatch, NotRegistered):
-            self._abandon(part_writers, batches)  # definite: the log never held it
+            self.abandon(prepared, batches)  # definite: the log never held it
             raise
         # The log as of our commit: the view we committed against plus our entries
         # (everything committed before ours is in it; later commits apply their own).
         after = replace(view, upper=position + 1, seqno=-1, pending=view.pending + tuple(entries))
         try:
-            self.ensure_applied([w.shard for w in writes], after)
-            self.tidy()
+            self.ensure_applied(prepared.shards, after)
+            self._tidy_after(after, prepared.shards)
             return Committed(txn, position, True)
         except ExternalError as e:
             log.warning("transaction %s committed at log position %d; applying it failed (the "
@@ -145,29 +205,38 @@ class Txns:
             return Committed(txn, position, False)
 
     def _publish(
-        self, entries: list[Pending], writes: list[ShardWrite], view: LogView
+        self, entries: list[Pending], wants: list[tuple[str, Antichain]], view: LogView | None
     ) -> tuple[int, LogView]:
         """The commit CAS: the entries appended to the log iff every shard's logical upper
-        is its write's ``lower`` (re-checked whenever the log moved). Returns the log
-        position it committed at and the view it committed against."""
+        is its batch's ``lower`` (re-checked whenever the log moved). Returns the log
+        position it committed at and the view it committed against. ``view``: a view
+        ``commit`` checked already (the check is not repeated against it); ``wants``:
+        each entry's shard and the logical upper it needs."""
+        checked = view is not None
+        if view is None:
+            view = self.log.read()
         while True:
-            self._check_uppers(writes, view)
+            if not checked:
+                self._check_uppers(wants, view)
             try:
                 self.log.append([e.row(1) for e in entries], view.upper)
                 return view.upper, view
             except UpperMismatch:
                 view = self.log.read()  # the log moved: check again, same batches
+                checked = False
 
-    def _check_uppers(self, writes: list[ShardWrite], view: LogView) -> None:
-        for w in writes:
-            if w.shard not in view.registered:
+    def _check_uppers(self, wants: list[tuple[str, Antichain]], view: LogView) -> None:
+        for shard, _ in wants:
+            if shard not in view.registered:
                 raise NotRegistered(
-                    f"shard {w.shard} is not registered in txn log {self.log.shard}: register it "
+                    f"shard {shard} is not registered in txn log {self.log.shard}: register it "
                     "(Txns.register) before writing it through transactions"
                 )
-            cur = self.logical_upper(w.shard, view)
-            if cur != w.lower:
-                raise UpperMismatch(w.shard, w.lower, cur)
+        # Shards with nothing pending: their physical upper, read now (in parallel).
+        curs = self.logical_uppers([s for s, _ in wants], view)
+        for (shard, lower), cur in zip(wants, curs, strict=True):
+            if cur != lower:
+                raise UpperMismatch(shard, lower, cur)
 
     def _build(self, w: ShardWrite, writer: str) -> HollowBatch:
         cfg = self.client.config
@@ -175,27 +244,30 @@ class Txns:
             self.client.blob, w.schemas, w.updates, shard=w.shard, writer=writer,
             lower=w.lower, upper=w.upper, target_part_bytes=cfg.blob_target_size,
             max_inflight_uploads=cfg.max_inflight_uploads, inline_threshold=0,
-            executor=self.client.upload_executor(), unsorted_min_bytes=cfg.unsorted_min_bytes,
+            executor=self.client.upload_executor(),
+            unsorted_min_bytes=cfg.unsorted_min_bytes if w.unsorted_min_bytes is None else w.unsorted_min_bytes,
         )
 
-    def _abandon(self, part_writers: list[PartWriter], batches: list[HollowBatch]) -> None:
+    def abandon(self, prepared: Prepared, batches: Iterable[HollowBatch] = ()) -> None:
         """The transaction certainly did not commit: delete its parts, release its writers."""
         for b in batches:
             delete_batch_blobs(self.client.blob, b)
-        for pw in part_writers:
-            pw.release()
+        _each(lambda pw: pw.release(), list(prepared.part_writers))
 
     # ----- apply and tidy -------------------------------------------------------------
 
     def ensure_applied(self, shards: Iterable[str], view: LogView | None = None) -> int:
         """Applies every committed transaction's batch for ``shards``, in order (what a
-        reader calls before reading them). Returns how many this call linked."""
+        reader calls before reading them; shards in parallel). Returns how many this
+        call linked."""
         view = view or self.log.read()
-        n = 0
-        for s in shards:
-            for entry in view.pending_for(s):
-                n += ap.apply_entry(self.client.machine(s), entry)
-        return n
+        todo = [s for s in shards if view.pending_for(s)]
+
+        def apply_shard(s: str) -> int:
+            machine = self.client.machine(s)
+            return sum(ap.apply_entry(machine, e) for e in view.pending_for(s))
+
+        return sum(_each(apply_shard, todo))
 
     def apply_all(self) -> int:
         """Applies every pending entry of the log (maintenance)."""
@@ -215,6 +287,31 @@ class Txns:
                 continue
             self.log.allow_compaction(view.upper)
             return len(done)
+
+    def _tidy_after(self, after: LogView, shards: Iterable[str]) -> None:
+        """The committer's tidy: retracts the entries of ``shards`` that this process's
+        cached shard states show applied (``ensure_applied`` just ran over ``after``; a
+        cached state is a real, maybe older, state of the shard, so what it shows applied
+        is applied) with one CAS right after the commit, reading neither the log nor the
+        shards again. If the log moved meanwhile, a full ``tidy`` does it instead."""
+        mine = set(shards)
+        done = [
+            p for p in after.pending
+            if p.shard in mine and self.client.machine(p.shard).cached().upper >= p.batch.upper
+        ]
+        if not done:
+            return
+        gone = {(p.shard, p.txn) for p in done}
+        rest = tuple(p for p in after.pending if (p.shard, p.txn) not in gone)
+        try:
+            self.log.append(
+                [p.row(-1) for p in done], after.upper,
+                then=replace(after, upper=after.upper + 1, pending=rest),
+            )
+        except UpperMismatch:
+            self.tidy()
+            return
+        self.log.allow_compaction(after.upper)
 
     def _is_applied(self, p: Pending) -> bool:
         return self.client.machine(p.shard).fetch_latest().upper >= p.batch.upper
@@ -240,6 +337,35 @@ class Txns:
 
     def close(self) -> None:
         self.log.close()
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_PARALLEL_SHARDS = 8  # consensus round trips of one transaction in flight at once
+
+
+def _forget_pool_in_child() -> None:
+    """After ``fork`` the pool's threads are gone (only the forking thread survives):
+    the child starts its own pool on first use."""
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
+def _each(fn: Callable[[T], R], items: list[T] | tuple[T, ...]) -> list[R]:
+    """``fn`` over ``items`` in order, in parallel when there are several: a transaction's
+    per-shard steps (registrations, builds, applies, upper reads) are independent
+    round trips to consensus and blob, one shard each."""
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=_PARALLEL_SHARDS, thread_name_prefix="persist-txn")
+        pool = _POOL
+    return list(pool.map(fn, items))
 
 
 def _release(machine: Machine, writer_id: str) -> None:
@@ -274,4 +400,4 @@ def _check_write(w: ShardWrite) -> None:
         )
 
 
-__all__ = ["Committed", "LogRow", "NotRegistered", "ShardWrite", "Txns"]
+__all__ = ["Committed", "LogRow", "NotRegistered", "Prepared", "ShardWrite", "Txns"]

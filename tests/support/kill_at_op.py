@@ -26,16 +26,20 @@ STOP_AT_DURABLE_OP = textwrap.dedent(
     blob, cons, stop_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
     counting, ops = [False], [0]
 
+    import threading
+    count_lock = threading.Lock()  # a transaction runs per-shard operations in parallel
+
     def durable(cls, name):
         real = getattr(cls, name)
         def op(self, *a, **kw):
             out = real(self, *a, **kw)
             if counting[0]:
-                ops[0] += 1
-                print("op", ops[0], name, flush=True)
-                if ops[0] == stop_at:
-                    print("stopped", flush=True)
-                    sys.stdin.readline()  # blocks until the parent's kill -9
+                with count_lock:  # held while stopped: the other threads stop too
+                    ops[0] += 1
+                    print("op", ops[0], name, flush=True)
+                    if ops[0] == stop_at:
+                        print("stopped", flush=True)
+                        sys.stdin.readline()  # blocks until the parent's kill -9
             return out
         setattr(cls, name, op)
 
@@ -43,8 +47,8 @@ STOP_AT_DURABLE_OP = textwrap.dedent(
                       (SqliteConsensus, "compare_and_set"), (SqliteConsensus, "truncate")):
         durable(cls, name)
     real_append = TxnLog.append
-    def marked(self, rows, at):
-        real_append(self, rows, at)
+    def marked(self, rows, at, **kw):
+        real_append(self, rows, at, **kw)
         print("logcas", "commit" if rows and rows[0][2] == 1 else "tidy", ops[0], flush=True)
     TxnLog.append = marked
     """
