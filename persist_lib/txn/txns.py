@@ -140,6 +140,10 @@ class Txns:
             _check_write(w)
         view = self.log.read()
         self._check_uppers([(w.shard, w.lower) for w in writes], view)  # fail before writing parts
+        for w in writes:  # a writer of an earlier schema version: StaleSchema, nothing written
+            # (the state as last read; an evolution racing this commit is benign: the
+            # batch is of a registered version and is migrated when read)
+            tr.check_schemas(self.client.machine(w.shard).cached(), w.schemas)
         prepared = self.prepare([w.shard for w in writes])
         try:
             batches = _each(lambda w: self._build(w, prepared.part_writer(w.shard)), writes)
