@@ -37,6 +37,7 @@ from bench.common import (
     persist_file_client,
     row,
     update_batch,
+    warm_imports,
 )
 
 NAME = "scaling"
@@ -139,6 +140,7 @@ def _delta(ctx: Ctx, chunks: list[Any], label: str) -> dict[str, Any]:
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
+    warm_imports()
     det: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     for n in _sizes():

@@ -101,3 +101,39 @@ def test_read_snapshot_consolidates_across_splits_with_and_without_overlap(spark
         assert upd == _want(r.updates_between(1, 4))
     assert r._held_seqnos() == {}
     client.close()
+
+
+def test_split_fetch_of_a_sorted_run_is_consolidated_in_key_order(tmp_path: Path) -> None:
+    """A split of a compacted shard holds parts of one sorted run in any order (splits
+    are balanced by size); fetched, it is consolidated like the snapshot's rows it
+    holds, whatever order its parts were planned in."""
+    from collections import Counter
+
+    from persist_lib.handles.splits import SnapshotSplit, _in_key_order
+
+    client = open_client(file_location(tmp_path), inline_threshold=0, blob_target_size=2048)
+    shard = "s00000000-0000-4000-8000-0000000000c2"
+    w, r = client.open(shard, KEY, VAL)
+    for t in range(4):
+        ids = list(range(t * 50, t * 50 + 400))
+        w.compare_and_append(
+            pa.table({"id": ids, "name": [f"n{j % 3}" for j in ids], "ts": [t] * len(ids),
+                      "diff": [(-1 if (t % 2 and j % 2) else 1) for j in ids]}),
+            t, t + 1,
+        )
+    client.compact(shard)
+    run = [p for _, b in client.machine(shard).fetch_latest().trace_batches() for p in b.parts]
+    assert len(run) >= 3 and all(p.sorted for p in run)
+    assert _in_key_order(tuple(reversed(run))) == tuple(run)
+    whole = SnapshotSplit(client.blob_uri, shard, r.schemas.to_json(), 3, tuple(reversed(run))).fetch(client.blob)
+    assert _want(whole) == _want(r.snapshot(3))
+    total: Counter[tuple[Any, ...]] = Counter()
+    for s in r.snapshot_splits(3, 2):
+        got = s.fetch(client.blob)
+        keys = list(zip(got.column("id").to_pylist(), got.column("name").to_pylist(), strict=True))
+        assert len(set(keys)) == len(keys) and 0 not in got.column("diff").to_pylist()
+        for k, d in zip(keys, got.column("diff").to_pylist(), strict=True):
+            total[k] += d
+    r.release_splits()
+    assert sorted((k[0], k[1], 3, d) for k, d in total.items() if d) == _want(r.snapshot(3))
+    client.close()
