@@ -61,6 +61,27 @@ def _want(table: pa.Table) -> list[tuple[Any, ...]]:
     return sorted((tuple(d[c][i] for c in cols) for i in range(table.num_rows)), key=_key)
 
 
+def _four_commits(tmp_path: Path, shard: str, *, extra: bool) -> tuple[Any, str, Any]:
+    """A shard of 4 commits of 400 overlapping ids in parts of ~2 KiB, every other
+    commit retracting the odd ids the one before added; ``extra``: also (7, "x") and
+    (7, "y") at every time (one of them retracted) and a null key."""
+    client = open_client(file_location(tmp_path), inline_threshold=0, blob_target_size=2048)
+    w, r = client.open(shard, KEY, VAL)
+    more = ([7, 7, None], ["x", "y", "z"], [1, -1, 1]) if extra else ([], [], [])
+    for t in range(4):
+        ids = list(range(t * 50, t * 50 + 400))
+        w.compare_and_append(
+            pa.table({
+                "id": pa.array(ids + more[0], pa.int64()),
+                "name": [f"n{j % 3}" for j in ids] + more[1],
+                "ts": [t] * (len(ids) + len(more[0])),
+                "diff": [(-1 if (t % 2 and j % 2) else 1) for j in ids] + more[2],
+            }),
+            t, t + 1,
+        )
+    return client, shard, r
+
+
 @pytest.mark.spark
 def test_read_snapshot_consolidates_across_splits_with_and_without_overlap(spark: Any, tmp_path: Path) -> None:
     """Records split across splits (same (k, v) in parts of different splits, diffs
@@ -69,21 +90,7 @@ def test_read_snapshot_consolidates_across_splits_with_and_without_overlap(spark
     with ``snapshot``."""
     from persist_lib.spark import read_snapshot, read_updates
 
-    client = open_client(file_location(tmp_path), inline_threshold=0, blob_target_size=2048)
-    shard = "s00000000-0000-4000-8000-0000000000c1"
-    w, r = client.open(shard, KEY, VAL)
-    for t in range(4):
-        ids = list(range(t * 50, t * 50 + 400))
-        w.compare_and_append(
-            pa.table({
-                "id": ids + [7, 7, None],
-                "name": [f"n{j % 3}" for j in ids] + ["x", "y", "z"],
-                "ts": [t] * (len(ids) + 3),
-                # every other batch retracts what the one before added for odd ids
-                "diff": [(-1 if (t % 2 and j % 2) else 1) for j in ids] + [1, -1, 1],
-            }),
-            t, t + 1,
-        )
+    client, shard, r = _four_commits(tmp_path, "s00000000-0000-4000-8000-0000000000c1", extra=True)
     for compacted in (False, True):
         if compacted:
             client.compact(shard)
@@ -111,16 +118,7 @@ def test_split_fetch_of_a_sorted_run_is_consolidated_in_key_order(tmp_path: Path
 
     from persist_lib.handles.splits import SnapshotSplit, _in_key_order
 
-    client = open_client(file_location(tmp_path), inline_threshold=0, blob_target_size=2048)
-    shard = "s00000000-0000-4000-8000-0000000000c2"
-    w, r = client.open(shard, KEY, VAL)
-    for t in range(4):
-        ids = list(range(t * 50, t * 50 + 400))
-        w.compare_and_append(
-            pa.table({"id": ids, "name": [f"n{j % 3}" for j in ids], "ts": [t] * len(ids),
-                      "diff": [(-1 if (t % 2 and j % 2) else 1) for j in ids]}),
-            t, t + 1,
-        )
+    client, shard, r = _four_commits(tmp_path, "s00000000-0000-4000-8000-0000000000c2", extra=False)
     client.compact(shard)
     run = [p for _, b in client.machine(shard).fetch_latest().trace_batches() for p in b.parts]
     assert len(run) >= 3 and all(p.sorted for p in run)
