@@ -133,7 +133,7 @@ def _read(
     the materialized rows only (nothing from the blob store)."""
     with_parts = [s for s in splits if s.parts]
     overlaps = split_overlap.plan([s.parts for s in splits], schemas) if consolidate else None
-    if overlaps is None or len(with_parts) <= 1 or OVERLAP in schemas.key.names + schemas.val.names:
+    if overlaps is None or len(with_parts) <= 1 or OVERLAP in (n.lower() for n in schemas.key.names + schemas.val.names):
         return _materialize(splits_dataframe(spark, splits, schemas, consolidate=consolidate, columns=columns))
     check_session(spark, "splits_dataframe")
     from persist_lib.spark.executors import prepare_executors
