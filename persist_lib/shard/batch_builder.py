@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -49,6 +50,32 @@ DEFAULT_TARGET_PART_BYTES = 128 << 20
 DEFAULT_INLINE_THRESHOLD = 4096
 # Chunks of at least twice this are split across the upload threads (see ``add``).
 MIN_PARALLEL_PART_BYTES = 8 << 20
+# Parts of at least this many rows compute their statistics on another thread while they
+# encode (both are Arrow kernels that release the GIL): ~10-15% of a 1M-row bulk part's
+# write, almost all of it the min/max of its string columns (docs/benchmarks.md).
+MIN_PARALLEL_STATS_ROWS = 1 << 16
+
+_STATS_POOL: ThreadPoolExecutor | None = None
+_STATS_POOL_LOCK = threading.Lock()
+
+
+def _stats_pool() -> ThreadPoolExecutor:
+    """One process-wide pool for part statistics (never the builder's own executor, whose
+    threads may all be waiting on this work)."""
+    global _STATS_POOL
+    with _STATS_POOL_LOCK:
+        if _STATS_POOL is None:
+            _STATS_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="persist-part-stats")
+        return _STATS_POOL
+
+
+def _reset_stats_pool_in_child() -> None:
+    """A forked child has none of the pool's threads: it makes a new pool when needed."""
+    global _STATS_POOL
+    _STATS_POOL = None
+
+
+os.register_at_fork(after_in_child=_reset_stats_pool_in_child)
 
 
 class BatchBuilder:
@@ -308,8 +335,19 @@ class BatchBuilder:
             part = table.combine_chunks() if self.consolidated else consolidate(table)
         if part.num_rows == 0:
             return None
-        data = encode_part(part, self.schemas)
-        stats = part_stats(part, self.schemas) if self.record_stats else None
+        pending: Future[Any] | None = None
+        if self.record_stats and part.num_rows >= MIN_PARALLEL_STATS_ROWS:
+            pending = _stats_pool().submit(part_stats, part, self.schemas)
+        try:
+            data = encode_part(part, self.schemas)
+        except BaseException:
+            if pending is not None:
+                pending.cancel()
+            raise
+        if pending is not None:
+            stats = pending.result()
+        else:
+            stats = part_stats(part, self.schemas) if self.record_stats else None
         if len(data) <= self.inline_threshold:
             return part_meta_for(data, part, None, inline=True, sorted=not unsorted, stats=stats)
         self.blob.set(key, data)
