@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -43,6 +42,7 @@ from persist_lib.shard.codec import T_COL, Schemas, check_updates
 from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.parts import encode_part, part_blob_key, part_meta_for
 from persist_lib.shard.stats import part_stats
+from persist_lib.shard.thread_pools import SharedPool
 
 log = logging.getLogger(__name__)
 
@@ -55,27 +55,8 @@ MIN_PARALLEL_PART_BYTES = 8 << 20
 # write, almost all of it the min/max of its string columns (docs/benchmarks.md).
 MIN_PARALLEL_STATS_ROWS = 1 << 16
 
-_STATS_POOL: ThreadPoolExecutor | None = None
-_STATS_POOL_LOCK = threading.Lock()
-
-
-def _stats_pool() -> ThreadPoolExecutor:
-    """One process-wide pool for part statistics (never the builder's own executor, whose
-    threads may all be waiting on this work)."""
-    global _STATS_POOL
-    with _STATS_POOL_LOCK:
-        if _STATS_POOL is None:
-            _STATS_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="persist-part-stats")
-        return _STATS_POOL
-
-
-def _reset_stats_pool_in_child() -> None:
-    """A forked child has none of the pool's threads: it makes a new pool when needed."""
-    global _STATS_POOL
-    _STATS_POOL = None
-
-
-os.register_at_fork(after_in_child=_reset_stats_pool_in_child)
+# (never the builder's own executor, whose threads may all be waiting on this work)
+_STATS = SharedPool(2, "persist-part-stats")
 
 
 class BatchBuilder:
@@ -337,7 +318,7 @@ class BatchBuilder:
             return None
         pending: Future[Any] | None = None
         if self.record_stats and part.num_rows >= MIN_PARALLEL_STATS_ROWS:
-            pending = _stats_pool().submit(part_stats, part, self.schemas)
+            pending = _STATS.get().submit(part_stats, part, self.schemas)
         try:
             data = encode_part(part, self.schemas)
         except BaseException:
