@@ -42,7 +42,7 @@ BENCHMARKS: list[tuple[str, str]] = [
 ]
 
 # Run only when named with ``--only`` (not part of ``make bench``).
-OPTIONAL: list[tuple[str, str]] = [("scaling", "bench.scaling")]
+OPTIONAL: list[tuple[str, str]] = [("scaling", "bench.scaling"), ("stats_cost", "bench.stats_cost")]
 
 
 def _select(only: list[str] | None) -> list[tuple[str, str]]:

@@ -21,6 +21,7 @@ from bench.common import (
     persist_file_client,
     row,
     update_batch,
+    warm_imports,
 )
 
 NAME = "compaction"
@@ -86,6 +87,7 @@ def _delta(ctx: Ctx, small: list, big: Any) -> dict[str, Any]:
 def run(ctx: Ctx) -> dict[str, Any]:
     if not compaction_available():
         return {"rows": [], "detail": {"skipped": "the library has no client.compact yet"}}
+    warm_imports()
     n_small, rows_small = 200, 1000
     n_big = ctx.pick(1_000_000, 5_000_000)
     small = [update_batch(rows_small, i, 1000 + i) for i in range(n_small)]

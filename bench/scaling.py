@@ -8,11 +8,18 @@ commits of n/4 rows at times 0..3 (delta: versions 0..3), then, per side:
   ``DeltaTable(path).to_pyarrow_table()`` (median of 3);
 - compaction: rows/s of ``client.compact`` against ``optimize.compact()``;
 - snapshot after compaction, as above;
+- a 1%-selective filtered snapshot after compaction (``1% of the key range``):
+  ``snapshot(3, filter=[("key", ">=", lo), ("key", "<", hi)])`` against
+  ``to_pyarrow_table(filters=...)`` of the compacted delta table (median of 3);
 - cold time travel: a new client and reader reading as of time 1 (half the rows)
-  against ``DeltaTable(path, version=1).to_pyarrow_table()`` (median of 3).
-Run alone: ``python -m bench --only scaling`` (not part of ``make bench``). The issue
-28 goal: the persist/delta-rs ratio falls by at most 20% from the smallest size to the
-largest on every row.
+  against ``DeltaTable(path, version=1).to_pyarrow_table()`` (median of 3);
+- Spark and ``persist sql`` over the compacted shard against Spark and DuckDB reading its
+  part files as plain Parquet (``bench.scaling_engines``; ``PERSIST_BENCH_ENGINES=0``
+  leaves them out).
+Run alone: ``python -m bench --only scaling --runs 1 --max-runs 1`` (not part of ``make
+bench``); ``PERSIST_BENCH_SIZES=1,4`` picks the sizes in millions. The issue 28 goal:
+the persist/delta-rs ratio falls by at most 20% from the smallest size to the largest on
+every row.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from bench.common import (
     persist_file_client,
     row,
     update_batch,
+    warm_imports,
 )
 
 NAME = "scaling"
@@ -37,11 +45,22 @@ COMMITS = 4
 REPS = 3
 
 
+LO, HI = 5_000_000, 5_100_000  # 1% of the key range [0, 1e7)
+FILTER: list[tuple[str, str, int]] = [("key", ">=", LO), ("key", "<", HI)]
+
+
 def _sizes() -> list[int]:
+    env = os.environ.get("PERSIST_BENCH_SIZES")
+    if env:
+        return [int(float(x) * 1_000_000) for x in env.split(",") if x.strip()]
     sizes = [1_000_000, 4_000_000]
     if os.environ.get("PERSIST_BENCH_16M") == "1":
         sizes.append(16_000_000)
     return sizes
+
+
+def _engines() -> bool:
+    return os.environ.get("PERSIST_BENCH_ENGINES", "1") != "0"
 
 
 def _persist(ctx: Ctx, chunks: list[Any], label: str) -> dict[str, Any]:
@@ -68,6 +87,10 @@ def _persist(ctx: Ctx, chunks: list[Any], label: str) -> dict[str, Any]:
     out["snap_c_s"], snap = median_time(lambda: r.snapshot(COMMITS - 1), REPS)
     out["snap_c_mb"] = snap.nbytes / 1e6
     del snap
+    out["filt_s"], sel = median_time(lambda: r.snapshot(COMMITS - 1, filter=FILTER), REPS)
+    out["filt_rows"] = sel.num_rows
+    del sel
+    out["dir"], out["shard"] = d, shard
     w.expire()
     r.expire()
     client.close()
@@ -107,6 +130,9 @@ def _delta(ctx: Ctx, chunks: list[Any], label: str) -> dict[str, Any]:
     out["snap_c_s"], snap = median_time(lambda: DeltaTable(p).to_pyarrow_table(), REPS)
     out["snap_c_mb"] = snap.nbytes / 1e6
     del snap
+    out["filt_s"], sel = median_time(lambda: DeltaTable(p).to_pyarrow_table(filters=FILTER), REPS)
+    out["filt_rows"] = sel.num_rows
+    del sel
     out["tt_s"], out["tt_rows"] = median_time(
         lambda: DeltaTable(p, version=1).to_pyarrow_table().num_rows, REPS
     )
@@ -114,10 +140,11 @@ def _delta(ctx: Ctx, chunks: list[Any], label: str) -> dict[str, Any]:
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
+    warm_imports()
     det: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     for n in _sizes():
-        label = f"{n // 1_000_000}M"
+        label = f"{n / 1e6:g}M"
         per = n // COMMITS
         chunks = [update_batch(per, i, 1000 + i) for i in range(COMMITS)]
         arrow_mb = sum(c.nbytes for c in chunks) / 1e6
@@ -126,7 +153,17 @@ def run(ctx: Ctx) -> dict[str, Any]:
         dl = _delta(ctx, chunks, label)
         del chunks
         gc.collect()
-        det[label] = {"arrow_MB": round(arrow_mb, 1), "persist": p, "delta": dl}
+        eng: dict[str, Any] = {}
+        if _engines():
+            from bench import scaling_engines as se
+
+            files = se.part_files_of(p["dir"], p["shard"])
+            eng["spark"] = se.spark_figures(p["dir"], p["shard"], files)
+            gc.collect()
+            eng["sql"] = se.sql_figures(p["dir"], p["shard"], files)
+            gc.collect()
+        p["dir"], p["shard"] = str(p["dir"]), str(p["shard"])
+        det[label] = {"arrow_MB": round(arrow_mb, 1), "persist": p, "delta": dl, **eng}
         rows += [
             row(NAME, f"{label}: bulk append, MB/s of Arrow", arrow_mb / p["append_s"], "MB/s",
                 "delta-rs write_deltalake", arrow_mb / dl["append_s"]),
@@ -139,5 +176,28 @@ def run(ctx: Ctx) -> dict[str, Any]:
             row(NAME, f"{label}: cold time travel (as of time 1 of 4), ms", p["tt_s"] * 1e3, "ms",
                 f"delta-rs version=1 ({dl['tt_rows']:,} rows)", dl["tt_s"] * 1e3,
                 note=f"persist {p['tt_rows']:,} rows"),
+            row(NAME, f"{label}: 1%-selective filtered snapshot after compaction, ms", p["filt_s"] * 1e3,
+                "ms", f"delta-rs to_pyarrow_table(filters) ({dl['filt_rows']:,} rows)", dl["filt_s"] * 1e3,
+                note=f"persist {p['filt_rows']:,} rows"),
         ]
+        for key, what, anchor in (
+            ("spark", "Spark read_snapshot + aggregate (local[2])", "spark.read.parquet of the part files"),
+            ("sql", "persist sql aggregate over the snapshot", "DuckDB read_parquet of the part files"),
+        ):
+            if key in eng:
+                e = eng[key]
+                rows.append(
+                    row(NAME, f"{label}: {what}, ms", e["persist_s"] * 1e3, "ms", anchor, e["raw_s"] * 1e3,
+                        goal_ratio=("<=", 1.25),
+                        note=f"{e['rows']:,} rows vs {e['raw_rows']:,} updates; "
+                        f"speed {e['raw_s'] / e['persist_s']:.2f}x (goal >= 0.8x)")
+                )
+    _engines_done()
     return {"rows": rows, "detail": det}
+
+
+def _engines_done() -> None:
+    if _engines():
+        from bench import scaling_engines as se
+
+        se.stop_spark()

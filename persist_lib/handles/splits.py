@@ -16,8 +16,9 @@ from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read_plan import concat_updates
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
-from persist_lib.shard.codec import Schemas, to_user_table
-from persist_lib.shard.consolidate import consolidate
+from persist_lib.shard.codec import KEY_PREFIX, Schemas, to_user_table
+from persist_lib.shard.consolidate import consolidate, consolidate_sorted
+from persist_lib.shard.kway_merge import merges_linearly
 from persist_lib.shard.ranged_fetch import fetch_part_groups
 from persist_lib.shard.time_filters import snapshot_at, time_range
 
@@ -55,14 +56,22 @@ class SnapshotSplit:
         pd = ReadPushdown.plan(schemas, None, self.filter, shard=self.shard_id)
         if not pd.snapshot_time_ok(self.as_of):
             return to_user_table(concat_updates([], schemas), schemas)
+        parts = _in_key_order(self.parts)
         tables = [
             pd.filter_data(snapshot_at(
-                fetch_part_groups(b, p, schemas, self.shard_id, pd.snapshot_groups(p, self.as_of)), self.as_of
+                fetch_part_groups(b, p, schemas, self.shard_id, pd.snapshot_groups(p, self.as_of)),
+                self.as_of, all_at_or_before=p.tmax <= self.as_of,
             ))
-            for p in self.parts
+            for p in parts
         ]
-        internal = consolidate(concat_updates(tables, schemas))
-        return to_user_table(internal, schemas)
+        whole = concat_updates(tables, schemas)
+        # Parts of one sorted run (a compacted shard's), in key order: consolidated in
+        # one linear pass (``consolidate_sorted`` checks the order and says None when
+        # the rows are not sorted: then one sort).
+        internal = (
+            consolidate_sorted(whole) if all(p.sorted for p in parts) and merges_linearly(schemas) else None
+        )
+        return to_user_table(internal if internal is not None else consolidate(whole), schemas)
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,24 @@ class RangeSplit:
             for p in self.parts
         ]
         return to_user_table(consolidate(concat_updates(tables, schemas)), schemas)
+
+
+def _in_key_order(parts: tuple[PartMeta, ...]) -> tuple[PartMeta, ...]:
+    """``parts`` by the recorded minimum of their first key field (the order of a sorted
+    run's parts), or as given when a part has no such bound."""
+    if len(parts) < 2:
+        return parts
+    mins: list[Any] = []
+    for p in parts:
+        lo = next((s[1] for s in p.stats or () if s[0].startswith(KEY_PREFIX)), None)
+        if lo is None:
+            return parts
+        mins.append(lo)
+    try:
+        order = sorted(range(len(parts)), key=mins.__getitem__)
+    except TypeError:  # bounds of different kinds: no order to rely on
+        return parts
+    return tuple(parts[i] for i in order)
 
 
 def balance(parts: list[PartMeta], n: int) -> list[list[PartMeta]]:

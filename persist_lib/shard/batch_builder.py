@@ -42,6 +42,7 @@ from persist_lib.shard.codec import T_COL, Schemas, check_updates
 from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.parts import encode_part, part_blob_key, part_meta_for
 from persist_lib.shard.stats import part_stats
+from persist_lib.shard.thread_pools import SharedPool
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,13 @@ DEFAULT_TARGET_PART_BYTES = 128 << 20
 DEFAULT_INLINE_THRESHOLD = 4096
 # Chunks of at least twice this are split across the upload threads (see ``add``).
 MIN_PARALLEL_PART_BYTES = 8 << 20
+# Parts of at least this many rows compute their statistics on another thread while they
+# encode (both are Arrow kernels that release the GIL): ~10-15% of a 1M-row bulk part's
+# write, almost all of it the min/max of its string columns (docs/benchmarks.md).
+MIN_PARALLEL_STATS_ROWS = 1 << 16
+
+# (never the builder's own executor, whose threads may all be waiting on this work)
+_STATS = SharedPool(2, "persist-part-stats")
 
 
 class BatchBuilder:
@@ -310,8 +318,19 @@ class BatchBuilder:
             return None
         # Sorted parts get the row-group index for ranged reads (with the statistics: a
         # builder told to record none writes parts as the writers before both did).
-        data = encode_part(part, self.schemas, indexed=self.record_stats and not unsorted)
-        stats = part_stats(part, self.schemas) if self.record_stats else None
+        pending: Future[Any] | None = None
+        if self.record_stats and part.num_rows >= MIN_PARALLEL_STATS_ROWS:
+            pending = _STATS.get().submit(part_stats, part, self.schemas)
+        try:
+            data = encode_part(part, self.schemas, indexed=self.record_stats and not unsorted)
+        except BaseException:
+            if pending is not None:
+                pending.cancel()
+            raise
+        if pending is not None:
+            stats = pending.result()
+        else:
+            stats = part_stats(part, self.schemas) if self.record_stats else None
         if len(data) <= self.inline_threshold:
             return part_meta_for(data, part, None, inline=True, sorted=not unsorted, stats=stats)
         self.blob.set(key, data)

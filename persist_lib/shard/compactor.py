@@ -18,8 +18,6 @@ unknown, the output is kept (a leak, for the sweeper, beats a dangling reference
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -51,31 +49,18 @@ from persist_lib.shard.part_writers import PartWriter
 from persist_lib.shard.parts import part_blob_key
 from persist_lib.shard.runs import RunOrderViolation, RunSource, batch_runs, new_compactor_writer_id
 from persist_lib.shard.spine import CompactionRequest
+from persist_lib.shard.thread_pools import SharedPool
 
 log = logging.getLogger(__name__)
 
 
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
+# One process-wide pool for output part uploads (a pool per merge costs more than a
+# small merge itself). Builders bound their own in-flight uploads.
+_UPLOADS = SharedPool(4, "persist-compactor-upload")
 
 
 def _upload_pool() -> ThreadPoolExecutor:
-    """One process-wide pool for output part uploads (a pool per merge costs more than
-    a small merge itself). Builders bound their own in-flight uploads."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="persist-compactor-upload")
-        return _POOL
-
-
-def _reset_pool_in_child() -> None:
-    """A forked child has none of the pool's threads: it makes a new pool when needed."""
-    global _POOL
-    _POOL = None
-
-
-os.register_at_fork(after_in_child=_reset_pool_in_child)
+    return _UPLOADS.get()
 
 
 def forward_time(since: Antichain, upper: Antichain) -> int | None:

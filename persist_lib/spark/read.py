@@ -28,6 +28,7 @@ from persist_lib.frontier import check_time
 from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.splits import RangeSplit, SnapshotSplit
 from persist_lib.shard.codec import DIFF, Schemas
+from persist_lib.spark import split_overlap
 from persist_lib.spark._common import (
     blob_uri_of,
     check_session,
@@ -36,6 +37,7 @@ from persist_lib.spark._common import (
     sql_functions,
     table_batches,
 )
+from persist_lib.spark.split_overlap import SplitOverlap
 from persist_lib.spark.types import spark_arrow_schema, spark_schema, to_spark_arrow
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,9 +53,11 @@ def _default_splits(spark: Any) -> int:
 
 
 def _fetcher(
-    splits: list[Split], target: pa.Schema
+    splits: list[Split], target: pa.Schema, overlaps: list[SplitOverlap] | None = None
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The executor function: fetches the splits whose indexes it is given."""
+    """The executor function: fetches the splits whose indexes it is given. With
+    ``overlaps`` (one per split), each row also gets ``OVERLAP``: whether another split
+    may hold its record."""
 
     def run(ids: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         blobs: dict[str, Any] = {}
@@ -65,9 +69,16 @@ def _fetcher(
                     blob = blobs[s.blob_uri] = open_executor_blob(s.blob_uri)
                 table = s.fetch(blob)
                 if table.num_rows:
-                    yield from table_batches(to_spark_arrow(table, target))
+                    out = to_spark_arrow(table, target)
+                    if overlaps is not None:
+                        out = out.append_column(OVERLAP, overlaps[i].mask(table))
+                    yield from table_batches(out)
 
     return run
+
+
+# The executors' mark on a row another split may also hold (``split_overlap``).
+OVERLAP = "__persist_overlap"
 
 
 def splits_dataframe(
@@ -109,6 +120,50 @@ def _materialize(df: Any) -> Any:
     return df.localCheckpoint(eager=True)
 
 
+def _read(
+    spark: Any, splits: list[Split], schemas: Schemas, *, consolidate: bool,
+    columns: Sequence[str] | None,
+) -> Any:
+    """The splits' rows, consolidated across splits (with ``consolidate``), materialized.
+
+    When the parts' statistics bound which rows more than one split may hold
+    (``split_overlap``), the fetched rows are materialized once with that mark and only
+    the marked rows are grouped (the rest are already consolidated by their split): a
+    compacted shard's read needs no shuffle of its rows. The DataFrame returned reads
+    the materialized rows only (nothing from the blob store)."""
+    with_parts = [s for s in splits if s.parts]
+    overlaps = split_overlap.plan([s.parts for s in splits], schemas) if consolidate else None
+    if overlaps is None or len(with_parts) <= 1 or OVERLAP in (n.lower() for n in schemas.key.names + schemas.val.names):
+        return _materialize(splits_dataframe(spark, splits, schemas, consolidate=consolidate, columns=columns))
+    check_session(spark, "splits_dataframe")
+    from persist_lib.spark.executors import prepare_executors
+
+    prepare_executors(spark, blob_uri=with_parts[0].blob_uri)
+    F = sql_functions(spark)
+    sschema = spark_schema(schemas)
+    from pyspark.sql import types as T
+
+    marked_schema = T.StructType([*sschema.fields, T.StructField(OVERLAP, T.BooleanType(), False)])
+    target = spark_arrow_schema(sschema)
+    ids = spark.range(0, len(splits), 1, len(splits))
+    rows = _materialize(ids.mapInArrow(_fetcher(splits, target, overlaps), marked_schema))
+    names = sschema.fieldNames()
+    group = [c for c in names if c != DIFF]
+    alone = rows.where(~F.col(OVERLAP)).select(*names)
+    shared = (
+        rows.where(F.col(OVERLAP))
+        .groupBy(*group)
+        .agg(F.sum(DIFF).cast("long").alias(DIFF))
+        .where(F.col(DIFF) != 0)
+        .select(*names)
+    )
+    df = alone.unionByName(shared)
+    if columns is not None:
+        pd = ReadPushdown.plan(schemas, columns, None, shard="(splits)")
+        df = df.select(*(pd.columns or ()))
+    return df
+
+
 def read_snapshot(
     spark: Any,
     reader: ReadHandle,
@@ -141,9 +196,7 @@ def read_snapshot(
     n = num_splits or _default_splits(spark)
     splits: list[Split] = list(reader.snapshot_splits(as_of, n, timeout_s, filter=filter))
     try:
-        return _materialize(
-            splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
-        )
+        return _read(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
     finally:
         reader.release_splits()
 
@@ -193,9 +246,7 @@ def read_updates(
     n = num_splits or _default_splits(spark)
     splits: list[Split] = list(range_splits(reader, lo, hi, n, timeout_s, filter=filter))
     try:
-        return _materialize(
-            splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
-        )
+        return _read(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
     finally:
         reader.release_splits()
 
@@ -222,7 +273,7 @@ def read_collection_snapshot(
             blob_uri_of(h.client, f"shard {h.shard_id}")
             splits.extend(h.snapshot_splits(as_of, splits_per_shard, timeout_s))
             taken.append(h)
-        return _materialize(splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate))
+        return _read(spark, splits, reader.schemas, consolidate=consolidate, columns=None)
     finally:
         for h in taken:
             h.release_splits()

@@ -1,0 +1,135 @@
+"""The engine rows of the scaling table: Spark and ``persist sql`` over a shard, against the
+same engine reading the shard's part files as plain Parquet (issue 28).
+
+Both run over the shard ``bench.scaling`` compacted (key-sorted parts, times 0..3 kept:
+the reader holds the since at 0), with one aggregate over every column weighted by the
+diff, so that the persist side and the raw side must agree on three of its four figures
+(``count(*)`` differs: persist returns one row per distinct ``(key, value)``, the raw
+files one per update):
+
+    count(*), sum(key * diff), sum(length(value) * diff), sum(diff)
+
+- **Spark** (``local[2]``): ``persist_lib.spark.read_snapshot(spark, reader, 3)`` (fetched,
+  verified and consolidated on the executors, materialized) and the aggregate, against
+  ``spark.read.parquet(<the part files>)`` and the same aggregate (Spark's vectorized
+  Parquet reader: no checksum, no consolidation, no materialization). Goal >= 0.8x of
+  the raw read's speed.
+- **SQL**: ``SqlSession(client).sql("SELECT <the aggregate> FROM <shard>")`` (the query
+  ``persist sql`` runs: DuckDB over the streamed snapshot) against DuckDB's
+  ``read_parquet([<the part files>])``. Goal >= 0.8x.
+
+Median of 3 each, warm page cache, one Spark session for every size.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from bench.common import KEY_SCHEMA, VAL_SCHEMA, median_time, persist_file_client
+
+REPS = 3
+AS_OF = 3
+
+_AGG_SQL = "count(*), sum({k} * {d}), sum(length({v}) * {d}), sum({d})"
+
+
+def part_files_of(d: Path, shard: Any) -> list[str]:
+    """The paths of the shard's part files in the file blob of ``persist_file_client(d)``
+    (one file per blob key)."""
+    client = persist_file_client(d)
+    try:
+        state = client.machine(shard).fetch_latest()
+        return [
+            os.path.join(d / "blob", *p.key.split("/"))
+            for _, b in state.trace_batches()
+            for p in b.parts
+            if p.key is not None
+        ]
+    finally:
+        client.close()
+
+
+def _check(what: str, ours: tuple[Any, ...], raw: tuple[Any, ...]) -> None:
+    if tuple(int(x) for x in ours[1:]) != tuple(int(x) for x in raw[1:]):
+        raise AssertionError(f"{what}: persist {ours} != raw Parquet {raw}")
+
+
+_SPARK: list[Any] = []
+
+
+def spark_session() -> Any:
+    """One ``local[2]`` session for every size (started on first use)."""
+    if not _SPARK:
+        from persist_lib.spark import local_session
+
+        s = local_session("local[2]", "bench-scaling", {"spark.driver.memory": "6g"})
+        s.sparkContext.setLogLevel("ERROR")
+        _SPARK.append(s)
+    return _SPARK[0]
+
+
+def stop_spark() -> None:
+    while _SPARK:
+        _SPARK.pop().stop()
+
+
+def spark_figures(d: Path, shard: Any, files: list[str]) -> dict[str, Any]:
+    from pyspark.sql import functions as F
+
+    from persist_lib.spark import read_snapshot
+
+    spark = spark_session()
+    client = persist_file_client(d)
+    r = client.open_leased_reader(shard, KEY_SCHEMA, VAL_SCHEMA)
+
+    def persist() -> tuple[Any, ...]:
+        df = read_snapshot(spark, r, AS_OF)
+        row = df.agg(
+            F.count("*"), F.sum(F.col("key") * F.col("diff")),
+            F.sum(F.length("value") * F.col("diff")), F.sum("diff"),
+        ).collect()[0]
+        return tuple(row)
+
+    def raw() -> tuple[Any, ...]:
+        df = spark.read.parquet(*files)
+        row = df.agg(
+            F.count("*"), F.sum(F.col("k.key") * F.col("d")),
+            F.sum(F.length("v.value") * F.col("d")), F.sum("d"),
+        ).collect()[0]
+        return tuple(row)
+
+    try:
+        raw()  # warm the JVM's Parquet path and the page cache once, as persist's first run
+        p_s, p_out = median_time(persist, REPS)
+        a_s, a_out = median_time(raw, REPS)
+    finally:
+        r.expire()
+        client.close()
+    _check("spark", p_out, a_out)
+    return {"persist_s": p_s, "raw_s": a_s, "rows": int(p_out[0]), "raw_rows": int(a_out[0])}
+
+
+def sql_figures(d: Path, shard: Any, files: list[str]) -> dict[str, Any]:
+    import duckdb
+
+    from persist_lib.sql.engine import SqlSession
+
+    client = persist_file_client(d)
+    q = "SELECT " + _AGG_SQL.format(k="key", v="value", d="diff") + f" FROM {shard}"  # noqa: S608 - our own shard id
+    flist = ", ".join(f"'{f}'" for f in files)
+    q_raw = (
+        "SELECT " + _AGG_SQL.format(k='k.key', v='v.value', d="d") # noqa: S608 - our own file paths
+        + f" FROM read_parquet([{flist}])"
+    )
+    con = duckdb.connect()
+    try:
+        with SqlSession(client, as_of=AS_OF) as s:
+            p_s, p_out = median_time(lambda: s.sql(q).fetchall()[0], REPS)
+        a_s, a_out = median_time(lambda: con.sql(q_raw).fetchall()[0], REPS)
+    finally:
+        con.close()
+        client.close()
+    _check("sql", p_out, a_out)
+    return {"persist_s": p_s, "raw_s": a_s, "rows": int(p_out[0]), "raw_rows": int(a_out[0])}

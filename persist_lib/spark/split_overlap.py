@@ -1,0 +1,115 @@
+"""Which rows of a Spark read's split may share a record with another split.
+
+A snapshot (or time range) read on executors consolidates each split on its own; the
+same ``(key, value)`` can still sit in two splits, so the splits' rows must be
+consolidated across splits too. Grouping *every* row for that is a shuffle of the whole
+read, yet with statistics most rows provably appear in one split only: a record's
+first key field has one value ``x``, and if ``x`` lies outside every part of the
+other splits (their recorded min/max of that field, ``shard.stats``), no other split
+holds it. So each split carries the bounds of the other splits' parts
+(``SplitOverlap``), its executor marks the rows whose first key field falls inside
+them (or is null while another split has nulls), and only the marked rows are grouped.
+For a compacted shard (one sorted run, parts key-disjoint but for shared endpoints)
+that is a handful of rows; for overlapping runs it is most of them, which is as
+before.
+
+Planned only when every part records bounds of the first key field and that field is
+an integer (ordered exactly as Spark and persist order it); otherwise ``plan`` returns
+None and the read groups every row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist_lib.shard.batch_meta import PartMeta
+from persist_lib.shard.codec import KEY_PREFIX, Schemas
+
+
+@dataclass(frozen=True)
+class SplitOverlap:
+    """The first key field's values that other splits may hold: the closed intervals
+    ``[los[i], his[i]]`` (sorted, disjoint) and, with ``nulls``, null."""
+
+    column: str  # the user-layout name of the first key field
+    los: tuple[int, ...]
+    his: tuple[int, ...]
+    nulls: bool
+
+    def mask(self, table: pa.Table) -> pa.Array:
+        """True for the rows of ``table`` (user layout) another split may also hold."""
+        col = table.column(self.column)
+        n = table.num_rows
+        if not self.los or n == 0:
+            out = np.zeros(n, dtype=bool)
+        else:
+            x = pc.fill_null(col, 0).to_numpy() if col.null_count else col.to_numpy()
+            los = np.asarray(self.los, dtype=x.dtype if x.dtype.kind in "iu" else np.int64)
+            his = np.asarray(self.his, dtype=los.dtype)
+            i = np.searchsorted(los, x, side="right") - 1
+            out = (i >= 0) & (x <= his[np.clip(i, 0, None)])
+        if col.null_count:
+            isnull = pc.is_null(col).to_numpy(zero_copy_only=False)
+            out = np.where(isnull, self.nulls, out)
+        return pa.array(out, pa.bool_())
+
+
+def _bounds(p: PartMeta, column: str) -> tuple[int, int, int] | None:
+    """``(min, max, null count)`` of ``column`` in part ``p`` (min > max when every value
+    is null), or None when not recorded."""
+    if p.count == 0:
+        return (1, 0, 0)
+    for name, lo, hi, nulls in p.stats or ():
+        if name == column:
+            if lo is None or hi is None:
+                return (1, 0, int(nulls)) if nulls == p.count else None
+            if isinstance(lo, bool) or isinstance(hi, bool) or not isinstance(lo, int) or not isinstance(hi, int):
+                return None
+            return (lo, hi, int(nulls))
+    return None
+
+
+def _merged(intervals: list[tuple[int, int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    los: list[int] = []
+    his: list[int] = []
+    for lo, hi in sorted(intervals):
+        if los and lo <= his[-1]:
+            his[-1] = max(his[-1], hi)
+        else:
+            los.append(lo)
+            his.append(hi)
+    return tuple(los), tuple(his)
+
+
+def plan(parts_of_splits: Sequence[Sequence[PartMeta]], schemas: Schemas) -> list[SplitOverlap] | None:
+    """One ``SplitOverlap`` per split (in order), or None when the parts' statistics
+    can't bound the overlap (then every row must be grouped)."""
+    if not len(schemas.key) or not pa.types.is_integer(schemas.key.field(0).type):
+        return None
+    name = schemas.key.field(0).name
+    column = KEY_PREFIX + name
+    per_split: list[tuple[list[tuple[int, int]], bool]] = []
+    for parts in parts_of_splits:
+        intervals: list[tuple[int, int]] = []
+        has_nulls = False
+        for p in parts:
+            b = _bounds(p, column)
+            if b is None:
+                return None
+            lo, hi, nulls = b
+            if lo <= hi:
+                intervals.append((lo, hi))
+            has_nulls = has_nulls or nulls > 0
+        per_split.append((intervals, has_nulls))
+    out: list[SplitOverlap] = []
+    for i in range(len(per_split)):
+        others = [iv for j, (ivs, _) in enumerate(per_split) if j != i for iv in ivs]
+        nulls = any(n for j, (_, n) in enumerate(per_split) if j != i)
+        los, his = _merged(others)
+        out.append(SplitOverlap(name, los, his, nulls))
+    return out
