@@ -155,6 +155,7 @@ class CollectionReader:
         Read from consensus now (not cached)."""
 
         def go() -> Antichain:
+            self._ctl._txn_prepare_read(self.name, [])  # a dead committer's metadata move
             hi = self._meta._machine.fetch_latest().upper
             while hi.time is not None and hi.time > 0:
                 t = hi.time - 1
@@ -281,6 +282,8 @@ class CollectionReader:
             raise
 
     def _active_at(self, as_of: int, timeout_s: float | None) -> str:
+        # txn hook: a dead committer's metadata move is applied before waiting on it.
+        self._ctl._txn_prepare_read(self.name, [])
         snap = self._meta.snapshot(as_of, timeout_s)
         return active_in(snap.to_pylist(), as_of, self._meta.shard_id)
 

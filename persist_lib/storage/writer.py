@@ -146,7 +146,7 @@ class CollectionWriter:
             for s, p in zip(self._shard_ids, parts, strict=True)
         ]
         try:
-            self._txns.commit(writes)
+            self._txns.commit(writes, self.metadata_advances(new))
         except UpperMismatch as e:
             raise UpperMismatch(f"{self.name}/{self.rendition}", expected, e.current) from e
 
@@ -180,6 +180,15 @@ class CollectionWriter:
                 continue
             self.advance_metadata(hi)
             return
+
+    def metadata_advances(self, upper: Antichain) -> list[tuple[str, Antichain]]:
+        """The follow-up a transaction writing this rendition up to ``upper`` commits with
+        (``Txns.commit(..., advances=)``): the metadata shard moved to ``upper`` by whoever
+        applies it, so a committer killed after its commit CAS does not leave the
+        collection's readers waiting. None for a rendition that is not active."""
+        if upper.is_empty() or self._ctl._active_rendition_at_upper(self.name) != self.rendition:
+            return []
+        return [(self._meta.shard_id, upper)]
 
     def advance_metadata(self, upper: Antichain) -> None:
         """Moves the metadata upper to ``upper`` if this rendition is the active one (after

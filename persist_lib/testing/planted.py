@@ -338,10 +338,10 @@ def _txn_apply_without_commit() -> contextlib.AbstractContextManager[Any]:
 
     real = Txns._publish
 
-    def apply_first(self: Any, entries: Any, writes: Any, view: Any) -> Any:
+    def apply_first(self: Any, entries: Any, writes: Any, view: Any, *follow: Any) -> Any:
         for e in entries:  # linked before the log says the transaction committed
             ap.apply_entry(self.client.machine(e.shard), e)
-        return real(self, entries, writes, view)
+        return real(self, entries, writes, view, *follow)
 
     return _patched(Txns, "_publish", apply_first)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import pyarrow.compute as pc
@@ -25,7 +25,7 @@ from persist_lib.shard.machine import Machine
 from persist_lib.shard.part_writers import PartWriter
 from persist_lib.shard.state import ShardState
 from persist_lib.txn import apply as ap
-from persist_lib.txn.log import LogRow, LogView, Pending, TxnLog, registration_row
+from persist_lib.txn.log import Advance, LogRow, LogView, Pending, TxnLog, registration_row
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,15 @@ class Txns:
 
     # ----- commit ---------------------------------------------------------------------
 
-    def commit(self, writes: list[ShardWrite]) -> Committed:
+    def commit(
+        self, writes: list[ShardWrite], advances: Sequence[tuple[str, Antichain]] = ()
+    ) -> Committed:
         """Commits ``writes`` atomically, iff each shard's logical upper is its ``lower``.
+
+        ``advances``: ``(shard, upper)`` follow-ups committed with it (``log.Advance``):
+        whoever applies the transaction also moves each such shard's upper to ``upper``
+        (a collection's metadata shard), so a committer that dies after the commit CAS
+        leaves nothing behind that only it could have done.
 
         Raises ``UpperMismatch`` (nothing committed, the parts deleted) if one is not,
         ``NotRegistered`` for a shard outside the log. After the commit CAS the batches
@@ -127,16 +134,20 @@ class Txns:
             self._abandon(part_writers, batches)
             raise
         entries = [Pending(w.shard, txn, b) for w, b in zip(writes, batches, strict=True)]
+        follow = [Advance(str(ShardId.parse(sh)), txn, up) for sh, up in advances]
         try:
-            position, view = self._publish(entries, writes, view)
+            position, view = self._publish(entries, writes, view, follow)
         except (UpperMismatch, NotRegistered):
             self._abandon(part_writers, batches)  # definite: the log never held it
             raise
         # The log as of our commit: the view we committed against plus our entries
         # (everything committed before ours is in it; later commits apply their own).
-        after = replace(view, upper=position + 1, seqno=-1, pending=view.pending + tuple(entries))
+        after = replace(
+            view, upper=position + 1, seqno=-1, pending=view.pending + tuple(entries),
+            advances=view.advances + tuple(follow),
+        )
         try:
-            self.ensure_applied([w.shard for w in writes], after)
+            self.ensure_applied([w.shard for w in writes] + [a.shard for a in follow], after)
             self.tidy()
             return Committed(txn, position, True)
         except ExternalError as e:
@@ -145,7 +156,8 @@ class Txns:
             return Committed(txn, position, False)
 
     def _publish(
-        self, entries: list[Pending], writes: list[ShardWrite], view: LogView
+        self, entries: list[Pending], writes: list[ShardWrite], view: LogView,
+        follow: Sequence[Advance] = (),
     ) -> tuple[int, LogView]:
         """The commit CAS: the entries appended to the log iff every shard's logical upper
         is its write's ``lower`` (re-checked whenever the log moved). Returns the log
@@ -153,7 +165,8 @@ class Txns:
         while True:
             self._check_uppers(writes, view)
             try:
-                self.log.append([e.row(1) for e in entries], view.upper)
+                rows = [e.row(1) for e in entries] + [a.row(1) for a in follow]
+                self.log.append(rows, view.upper)
                 return view.upper, view
             except UpperMismatch:
                 view = self.log.read()  # the log moved: check again, same batches
@@ -189,24 +202,30 @@ class Txns:
 
     def ensure_applied(self, shards: Iterable[str], view: LogView | None = None) -> int:
         """Applies every committed transaction's batch for ``shards``, in order (what a
-        reader calls before reading them). Returns how many this call linked."""
+        reader calls before reading them), and their committed follow-ups (``Advance``).
+        Returns how many this call linked or advanced."""
         view = view or self.log.read()
         n = 0
         for s in shards:
             for entry in view.pending_for(s):
                 n += ap.apply_entry(self.client.machine(s), entry)
+            for adv in view.advances_for(s):
+                n += ap.apply_advance(self.client.machine(s), adv)
         return n
 
     def apply_all(self) -> int:
         """Applies every pending entry of the log (maintenance)."""
         view = self.log.read()
-        return self.ensure_applied(sorted({p.shard for p in view.pending}), view)
+        shards = {p.shard for p in view.pending} | {a.shard for a in view.advances}
+        return self.ensure_applied(sorted(shards), view)
 
     def tidy(self) -> int:
-        """Retracts the log entries that are applied; returns how many it retracted."""
+        """Retracts the log entries (and follow-ups) that are applied; returns how many it
+        retracted."""
         while True:
             view = self.log.read()
-            done = [p for p in view.pending if self._is_applied(p)]
+            entries: list[Pending | Advance] = [*view.pending, *view.advances]
+            done = [p for p in entries if self._is_applied(p)]
             if not done:
                 return 0
             try:
@@ -216,8 +235,26 @@ class Txns:
             self.log.allow_compaction(view.upper)
             return len(done)
 
-    def _is_applied(self, p: Pending) -> bool:
-        return self.client.machine(p.shard).fetch_latest().upper >= p.batch.upper
+    def _is_applied(self, p: Pending | Advance) -> bool:
+        return self.client.machine(p.shard).fetch_latest().upper >= p.upper
+
+    def forget(self, shards: Iterable[str]) -> int:
+        """Retracts the registrations of ``shards`` (deleted or finalized: nothing can
+        write them again), in one log CAS; idempotent. Returns how many it retracted.
+        Their untidied entries are applied trivially (a finalized shard's upper is the
+        empty frontier) and go with the next tidy."""
+        want = {str(ShardId.parse(s)) for s in shards}
+        while True:
+            view = self.log.read()
+            gone = sorted(want & view.registered)
+            if not gone:
+                return 0
+            try:
+                self.log.append([registration_row(s, -1) for s in gone], view.upper)
+            except UpperMismatch:
+                continue
+            self.log.allow_compaction(view.upper)
+            return len(gone)
 
     # ----- recovery ---------------------------------------------------------------------
 
