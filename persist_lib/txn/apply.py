@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from persist_lib.errors import PersistError
+from persist_lib.errors import LeaseExpired, PersistError
 from persist_lib.shard import transitions as tr
 from persist_lib.shard.batch_meta import HollowBatch
 from persist_lib.shard.machine import Machine
@@ -58,8 +58,23 @@ def apply_transition(state: ShardState, now_ms: int, *, entry: Pending) -> tr.Re
 
 
 def apply_entry(machine: Machine, entry: Pending) -> bool:
-    """Applies one entry with one CAS on its shard; True iff this call linked it."""
-    res, _ = machine.apply("txn_apply", lambda s, now: apply_transition(s, now, entry=entry))
+    """Applies one entry with one CAS on its shard; True iff this call linked it.
+
+    The transition first runs on this process's cached state, which may be older than
+    what other processes did: older than the part writer's registration (the writer looks
+    unknown: ``LeaseExpired``), or older than the apply of the shard's previous entry,
+    already tidied from the log (the shard looks behind: ``TxnApplyOutOfOrder``). So on
+    those errors the shard is read again and the apply retried once; a current state
+    that still says so is a real error."""
+
+    def fn(s: ShardState, now: int) -> tr.Result:
+        return apply_transition(s, now, entry=entry)
+
+    try:
+        res, _ = machine.apply("txn_apply", fn)
+    except (LeaseExpired, TxnApplyOutOfOrder):
+        machine.fetch_latest()
+        res, _ = machine.apply("txn_apply", fn)
     return bool(res)
 
 

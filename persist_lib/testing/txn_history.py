@@ -1,0 +1,245 @@
+"""The transactions history runner: collections and transactions, real OS processes,
+faults, kill -9 at every step of the protocol, a checker.
+
+``run_txn_history(cfg)``:
+
+1. creates the transactional collections ``txn_config.COLLECTIONS`` (fault-free);
+2. starts the actors (``txn_actors``: writers, readers, a handover actor, maintenance)
+   as processes through the shard histories' ``forkserver`` context; an actor that
+   killed itself at a protocol step (``KillSwitch``) or that the nemesis killed
+   (``kill -9`` every ``crash_mean_interval_s``) is restarted as a new incarnation;
+3. stops at ``target_ops`` completed operations (or ``time_limit_s``);
+4. a fault-free final phase: a new controller recovers (rolls back a half-made
+   rendition of a killed handover: its registrations are forgotten), applies and tidies
+   the log, then reads every collection whole (a snapshot at 0 and a listen to its
+   upper) and writes that, with the log's and the catalog's state, to ``truth.json``;
+5. checks the history against it (``txn_checker``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+from persist_lib.testing.actor_location import build_location
+from persist_lib.testing.history import EventLog
+from persist_lib.testing.history_config import prepare_dirs
+from persist_lib.testing.runner import _context, _Counter, _kill
+from persist_lib.testing.txn_actors import txn_actor_main
+from persist_lib.testing.txn_checker import TxnReport, check_txn_history
+from persist_lib.testing.txn_config import COLLECTIONS, KEY, VAL, TxnHistoryConfig, committed_upper
+
+
+def txn_config(seed: int, root: str, consensus_uri: str, **overrides: Any) -> TxnHistoryConfig:
+    """A transactions history's configuration; knobs vary with the seed."""
+    from persist_lib.txn.log import default_txn_log_shard
+
+    rng = random.Random(f"txn-config/{seed}")
+    cfg = TxnHistoryConfig(
+        seed=seed, root=root, consensus_uri=consensus_uri, shard_id=str(default_txn_log_shard()),
+        target_ops=300, writers=3, readers=2,
+        unreliability=rng.choice([0.0, 0.01, 0.02]),
+        outage_mean_interval_s=0.0,  # total outages would stall every committer at once
+        crash_mean_interval_s=2.0, max_crashes=4,
+        inline_threshold=rng.choice([0, 4096]),
+        rollup_interval=rng.choice([8, 16, 32]),
+        background_compaction=rng.random() < 0.3,
+        txn_kill_rate=rng.choice([0.05, 0.1, 0.15]),
+        time_limit_s=150.0,
+    )
+    for k, v in overrides.items():
+        if not hasattr(cfg, k):
+            raise TypeError(f"TxnHistoryConfig has no field {k!r}")
+        setattr(cfg, k, v)
+    return cfg
+
+
+@dataclass
+class TxnHistoryResult:
+    cfg: TxnHistoryConfig
+    report: TxnReport
+    crashes: int = 0  # by the nemesis
+    self_kills: int = 0  # at a protocol step (KillSwitch)
+    restarts_unexpected: int = 0
+    hung: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok
+
+    def describe(self) -> str:
+        s = self.report.stats
+        return (
+            f"txn seed {self.cfg.seed} ({self.cfg.consensus_uri.split(':')[0]}, planted {self.cfg.planted}): "
+            f"{s.get('ops')} ops ({s.get('ops_ok')} ok / {s.get('ops_fail')} fail / {s.get('ops_info')} info), "
+            f"{s.get('txns_committed')} transactions in the collections, {s.get('handovers')} handovers, "
+            f"{self.self_kills} kills at protocol steps {s.get('kill_points')}, {self.crashes} nemesis kills, "
+            f"{self.duration_s:.1f}s; {self.report.summary(8)}"
+        )
+
+
+def _actors(cfg: TxnHistoryConfig) -> list[str]:
+    names = [f"tw{i}" for i in range(cfg.writers)] + [f"tr{i}" for i in range(cfg.readers)]
+    return names + (["th"] if cfg.txn_handovers else []) + (["tm"] if cfg.txn_maintenance else [])
+
+
+def _open_ctl(cfg: TxnHistoryConfig, *, recover: bool) -> Any:
+    from persist_lib.storage.controller import StorageController
+
+    loc = build_location(cfg, None, "final.jsonl", faults=False, seed=cfg.seed)
+    return StorageController(loc.client, recover=recover)
+
+
+def _create(cfg: TxnHistoryConfig) -> None:
+    ctl = _open_ctl(cfg, recover=True)
+    try:
+        for name, shards in sorted(COLLECTIONS.items()):
+            ctl.create_collection(name, KEY, VAL, num_shards=shards, transactional=True)
+    finally:
+        ctl.close()
+        ctl.client.close()
+
+
+def read_truth(cfg: TxnHistoryConfig) -> dict[str, Any]:
+    """Fault-free: recover, apply and tidy, read every collection whole (see the module
+    docstring); also what the log and the catalog hold then."""
+    out: dict[str, Any] = {"collections": {}, "errors": []}
+    ctl = _open_ctl(cfg, recover=True)
+    try:
+        out["recovered"] = ctl.recover()
+        out["applied"] = ctl.txns.apply_all()
+        out["tidied"] = ctl.txns.tidy()
+        for name in sorted(COLLECTIONS):
+            try:
+                r = ctl.acquire_read_handle(name)
+                upper = r.upper.time or 0
+                ups: list[list[Any]] = []
+                if upper > 0:
+                    ups = [[x["k"], x["v"], 0, x["diff"]] for x in r.snapshot(0, timeout_s=10).to_pylist()]
+                    with r.listen(0) as listen:
+                        t = listen.read_until(upper, timeout_s=30)
+                    ups += [[x["k"], x["v"], x["ts"], x["diff"]] for x in t.to_pylist()]
+                d = ctl.describe(name)
+                out["collections"][name] = {
+                    "upper": upper, "updates": ups, "metadata_upper": d["metadata_upper"],
+                    "committed_upper": committed_upper(ctl, name), "active": d["active_rendition"],
+                    "timeline": d["timeline"],
+                }
+                r.expire()
+            except Exception as e:  # noqa: BLE001 - the checker reports it
+                out["errors"].append(f"reading {name}: {type(e).__name__}: {e}"[:1500])
+        view = ctl.txns.log.read()
+        cat, _ = ctl.catalog.load()
+        out["log"] = {"pending": len(view.pending), "advances": len(view.advances),
+                      "registered": sorted(view.registered)}
+        out["catalog_shards"] = sorted(
+            s for spec in cat.values() for info in spec["renditions"].values()
+            if info["status"] not in ("dropped",) for s in info["shards"]
+        )
+    except Exception:  # noqa: BLE001
+        out["errors"].append(traceback.format_exc()[-1500:])
+    finally:
+        ctl.close()
+        ctl.client.close()
+    return out
+
+
+def run_txn_history(cfg: TxnHistoryConfig) -> TxnHistoryResult:
+    """Runs one transactions history to completion and checks it."""
+    t0 = time.monotonic()
+    prepare_dirs(cfg)
+    res = TxnHistoryResult(cfg, TxnReport())
+    nlog = EventLog(os.path.join(cfg.log_dir, "nemesis.0.jsonl"), "nemesis", 0)
+    runner_errors: list[str] = []
+    procs: dict[str, BaseProcess] = {}
+    incs: dict[str, int] = {}
+    ctx = _context()
+    cfg_json = cfg.to_json()
+
+    def start(name: str) -> None:
+        incs[name] = incs.get(name, -1) + 1
+        p = ctx.Process(target=txn_actor_main, args=(cfg_json, name, incs[name]), name=f"txn-{name}")
+        p.start()
+        procs[name] = p
+
+    try:
+        _create(cfg)
+        for name in _actors(cfg):
+            start(name)
+        _drive(cfg, res, procs, incs, start, nlog, t0)
+    except Exception:  # noqa: BLE001 - the history is still checked
+        runner_errors.append(traceback.format_exc())
+    finally:
+        Path(cfg.stop_path).touch()
+        deadline = time.monotonic() + 20.0
+        for name, p in procs.items():
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                res.hung.append(f"{name}.{incs[name]}")
+                _kill(p)
+                p.join(5)
+        nlog.close()
+    truth = read_truth(cfg)
+    Path(cfg.truth_path).write_text(json.dumps(truth))
+    try:
+        res.report = check_txn_history(cfg, truth)
+    except Exception:  # noqa: BLE001
+        runner_errors.append(traceback.format_exc())
+    for tb in runner_errors:
+        res.report.add("runner_error", tb[-1500:])
+    if res.restarts_unexpected:
+        res.report.add("actor_crashed", f"{res.restarts_unexpected} actor process(es) died on their own")
+    if res.hung:
+        res.report.add("actor_hung", f"did not stop within 20 s: {res.hung}")
+    res.report.stats.update(crashes=res.crashes, self_kills=res.self_kills)
+    res.duration_s = time.monotonic() - t0
+    return res
+
+
+def _drive(
+    cfg: TxnHistoryConfig, res: TxnHistoryResult, procs: dict[str, BaseProcess], incs: dict[str, int],
+    start: Any, nlog: EventLog, t0: float,
+) -> None:
+    """Poll progress, restart actors that died (a SIGKILL of their own is a planned
+    kill), kill -9 random victims."""
+    rng = random.Random(f"txn-nemesis/{cfg.seed}")
+    counter = _Counter(cfg.log_dir)
+    next_crash = time.monotonic() + rng.expovariate(1.0 / cfg.crash_mean_interval_s)
+    while counter.poll() < cfg.target_ops and time.monotonic() < t0 + cfg.time_limit_s:
+        time.sleep(0.1)
+        for name, p in list(procs.items()):
+            if not p.is_alive():
+                if p.exitcode == -9:
+                    res.self_kills += 1
+                else:
+                    res.restarts_unexpected += 1
+                nlog.note("actor_died", victim=name, inc=incs[name], exitcode=p.exitcode)
+                start(name)
+        if res.restarts_unexpected > 5:
+            break
+        now = time.monotonic()
+        if res.crashes < cfg.max_crashes and now >= next_crash:
+            victim = rng.choice(sorted(procs))
+            p = procs[victim]
+            if p.is_alive():
+                _kill(p)
+                p.join(5)
+                res.crashes += 1
+                nlog.note("crash", victim=victim, inc=incs[victim])
+                start(victim)
+            next_crash = now + rng.expovariate(1.0 / cfg.crash_mean_interval_s)
+
+
+def keep_or_remove(res: TxnHistoryResult) -> None:
+    """Removes a clean history's directory (a violating one is kept for replay)."""
+    if res.ok:
+        shutil.rmtree(res.cfg.root, ignore_errors=True)
