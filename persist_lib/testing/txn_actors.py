@@ -102,9 +102,9 @@ class KillSwitch:
             if tidy:
                 self.hit("after_tidy_cas")
 
-        Txns._publish = publish  # type: ignore[method-assign]
+        Txns._publish = publish  # type: ignore[method-assign,assignment]
         ap.apply_entry = apply  # type: ignore[assignment]
-        TxnLog.append = append  # type: ignore[method-assign]
+        TxnLog.append = append  # type: ignore[assignment]
 
 
 class TxnActor(Actor):
@@ -129,21 +129,53 @@ class TxnActor(Actor):
         self.ctl.close()
 
 
+class HandoverLock:
+    """Writers of collection ``a`` share it, the handover takes it alone. A *gate* taken
+    briefly before the shared lock keeps a waiting handover from starving (flock grants
+    new shared locks past a waiting exclusive one). Both are flocks: the kernel releases
+    them when their holder is killed."""
+
+    def __init__(self, cfg: TxnHistoryConfig) -> None:
+        self._gate = os.open(cfg.lock_path + ".gate", os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock = os.open(cfg.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+
+    @contextlib.contextmanager
+    def shared(self) -> Any:
+        fcntl.flock(self._gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Any:
+        fcntl.flock(self._gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock, fcntl.LOCK_UN)
+        finally:
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
+
+
 class TxnWriter(TxnActor):
     def __init__(self, cfg: TxnHistoryConfig, actor: str, incarnation: int) -> None:
         super().__init__(cfg, actor, incarnation)
-        self._lock_fd = os.open(cfg.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock = HandoverLock(cfg)
 
     @contextlib.contextmanager
     def _shared(self, colls: list[str]) -> Any:
         if HANDOVER_COLLECTION not in colls:
             yield
             return
-        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
-        try:
+        with self._lock.shared():
             yield
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def step(self) -> None:
         self.sleep(*self.cfg.txn_writer_pause_s)
@@ -209,10 +241,14 @@ class TxnReader(TxnActor):
 
     def step(self) -> None:
         self.sleep(0.02, 0.15)
-        if self.listen is not None or self.rng.random() < 0.3:
-            self._listen_step()
-        else:
-            self._snapshot()
+        self.maybe_arm(["between_applies"])  # a reader finishing a dead committer's applies
+        try:
+            if self.listen is not None or self.rng.random() < 0.3:
+                self._listen_step()
+            else:
+                self._snapshot()
+        finally:
+            self.kills.disarm()
 
     def _committed(self, coll: str) -> int | None:
         try:
@@ -292,26 +328,17 @@ class TxnHandover(TxnActor):
 
     def __init__(self, cfg: TxnHistoryConfig, actor: str, incarnation: int) -> None:
         super().__init__(cfg, actor, incarnation)
-        self._lock_fd = os.open(cfg.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock = HandoverLock(cfg)
         self.made = 0
 
     def step(self) -> None:
-        self.sleep(0.8, 2.0)
-        deadline = time.monotonic() + 3.0
-        while True:
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline or self.stopped():
-                    return
-                time.sleep(0.02)
-        try:
+        self.sleep(1.0, 3.0)
+        if self.stopped():
+            return
+        with self._lock.exclusive():
             self.made += 1
             to = f"h{self.inc}x{self.made}"
             self.run_op("handover", {"coll": HANDOVER_COLLECTION, "to": to}, lambda: self._handover(to))
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def _handover(self, to: str) -> dict[str, Any]:
         coll = HANDOVER_COLLECTION

@@ -52,7 +52,7 @@ def txn_config(seed: int, root: str, consensus_uri: str, **overrides: Any) -> Tx
         inline_threshold=rng.choice([0, 4096]),
         rollup_interval=rng.choice([8, 16, 32]),
         background_compaction=rng.random() < 0.3,
-        txn_kill_rate=rng.choice([0.05, 0.1, 0.15]),
+        txn_kill_rate=rng.choice([0.1, 0.15, 0.2]),
         time_limit_s=150.0,
     )
     for k, v in overrides.items():
