@@ -262,17 +262,27 @@ class Txns:
         """Releases the part writers of transactions that can never commit (their
         committer's log writer is gone from the log's state and the log holds no entry
         of theirs); the leaked-blob sweeper then collects their parts. Returns the count."""
+        registered = self.log.read().registered
+        seen: list[tuple[str, str, str]] = []  # (shard, part writer, its committer's log writer)
+        for s in sorted(registered if shards is None else set(shards)):
+            for wid, ws in self.client.machine(s).fetch_latest().writers.items():
+                owner = _log_writer_of(ws.purpose)
+                if owner is not None:
+                    seen.append((s, wid, owner))
+        if not seen:
+            return 0
+        # The log is read AFTER the part writers were seen: their committer registered its
+        # log writer before them, so it is either still in this state of the log (alive:
+        # keep) or gone for good; and a commit of theirs that landed is in it (keep). Read
+        # before, a commit landing meanwhile would lose its part writer: never applicable.
         view = self.log.read()
         named = {(p.shard, p.part_writer) for p in view.pending}
         released = 0
-        for s in sorted(view.registered if shards is None else set(shards)):
-            machine = self.client.machine(s)
-            for wid, ws in machine.fetch_latest().writers.items():
-                owner = _log_writer_of(ws.purpose)
-                if owner is None or owner in view.log_writers or (s, wid) in named:
-                    continue
-                _release(machine, wid)
-                released += 1
+        for s, wid, owner in seen:
+            if owner in view.log_writers or (s, wid) in named:
+                continue
+            _release(self.client.machine(s), wid)
+            released += 1
         return released
 
     def close(self) -> None:
