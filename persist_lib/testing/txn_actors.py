@@ -240,7 +240,7 @@ class TxnReader(TxnActor):
                 r.expire()
 
     def step(self) -> None:
-        self.sleep(0.02, 0.15)
+        self.sleep(0.05, 0.3)
         self.maybe_arm(["between_applies"])  # a reader finishing a dead committer's applies
         try:
             if self.listen is not None or self.rng.random() < 0.3:
@@ -364,7 +364,7 @@ class TxnHandover(TxnActor):
 
 class TxnMaintenance(TxnActor):
     def step(self) -> None:
-        self.sleep(0.2, 0.8)
+        self.sleep(0.3, 1.2)
         x = self.rng.random()
         txns = self.ctl.txns
         if x < 0.4:

@@ -243,3 +243,44 @@ def keep_or_remove(res: TxnHistoryResult) -> None:
     """Removes a clean history's directory (a violating one is kept for replay)."""
     if res.ok:
         shutil.rmtree(res.cfg.root, ignore_errors=True)
+
+
+# What a transactions history with each planted txn bug must show (any one kind), and the
+# configuration that exposes it: reader_skips_apply needs a committed, unapplied time that
+# nobody else applies before a reader reads it (no maintenance, one slow writer killed
+# right after its commit CAS, a short read timeout).
+TXN_HISTORY_EXPECT: dict[str, tuple[set[str], dict[str, Any]]] = {
+    "txn_apply_without_commit": (
+        {"txn_failed_committed", "txn_partial", "txn_writers_mixed", "txn_final_read_failed",
+         "unexpected_exception", "txn_read_stuck"},
+        {},
+    ),
+    "txn_tidy_before_apply": (
+        {"txn_partial", "txn_acked_lost", "txn_writers_mixed", "txn_read_stuck", "txn_metadata_behind"},
+        {"txn_kill_rate": 0.3},
+    ),
+    "txn_reader_skips_apply": (
+        {"txn_read_stuck"},
+        {"txn_maintenance": False, "writers": 1, "txn_kill_points": ["after_commit_cas"],
+         "txn_kill_rate": 0.5, "txn_writer_pause_s": (0.8, 1.5), "txn_read_timeout_s": 1.5},
+    ),
+}
+
+
+def txn_history_catches(
+    name: str, seed: int, root: str, uri_for: Any, *, target_ops: int = 150, attempts: int = 3
+) -> tuple[bool, str]:
+    """Runs up to ``attempts`` short transactions histories with planted bug ``name``
+    (``uri_for(dir)`` gives each one's consensus URI); returns whether one showed an
+    expected violation, and what it showed."""
+    kinds, overrides = TXN_HISTORY_EXPECT[name]
+    detail = ""
+    for attempt in range(attempts):
+        d = f"{root}/{attempt}"
+        cfg = txn_config(seed + 10 * attempt, d, uri_for(d), target_ops=target_ops, planted=[name], **overrides)
+        res = run_txn_history(cfg)
+        hit = res.report.by_kind().keys() & kinds
+        if hit:
+            return True, f"attempt {attempt + 1}: {sorted(hit)}"
+        detail = res.describe()
+    return False, detail
