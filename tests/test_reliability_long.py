@@ -37,10 +37,12 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from persist_lib.testing.controls import (
     STATEFUL_BUGS,
+    TXN_STATEFUL_BUGS,
     background_compaction_catches,
     corruption_catches,
     first_open_catches,
     stateful_catches,
+    txn_stateful_catches,
 )
 from persist_lib.testing.corruption import CorruptionFixture, flip_bit, truncate_to
 from persist_lib.testing.figures import Figures
@@ -248,6 +250,12 @@ def _planted_txn(tmp_path_factory: pytest.TempPathFactory, missed: list[str]) ->
         FIGURES.add_planted(name, "txn history", caught, detail, time.monotonic() - t0)
         if not caught:
             missed.append(f"txn history missed {name}: {detail}")
+    for name in TXN_STATEFUL_BUGS:
+        t0 = time.monotonic()
+        e = txn_stateful_catches(name)
+        FIGURES.add_planted(name, "txn stateful", e is not None, str(e)[:200], time.monotonic() - t0)
+        if e is None:
+            missed.append(f"txn state machine missed {name}")
     for name in sorted(TXN_CONTROL_SCENARIOS):
         t0 = time.monotonic()
         found = txn_catches(name)
