@@ -140,3 +140,73 @@ def test_a_delete_killed_before_it_forgot_is_finished_by_recovery(monkeypatch: p
     report = StorageController(client, recover=False).recover()
     assert report["deleted"] == ["gone"]
     assert _registered(client) == frozenset()
+
+
+def test_a_listen_reads_the_txn_log_only_when_it_cannot_move_without_it() -> None:
+    client = mem_client()
+    ctl = StorageController(client)
+    ctl.create_collection("c", K, V, num_shards=2, transactional=True)
+    listener = StorageController(client)
+    listen = listener.acquire_read_handle("c").listen(0)
+    reads = [0]
+    real = listener.txns.log.read
+
+    def counted() -> object:
+        reads[0] += 1
+        return real()
+
+    listener.txns.log.read = counted  # type: ignore[method-assign]
+    ctl.insert("c", table(range(3), "x"))  # at 0: before the listen's as_of
+    seen: Counter = Counter()
+    for i in range(1, 9):
+        assert ctl.insert("c", table(range(10 * i, 10 * i + 3), str(i))) == i
+        before = reads[0]
+        for ev in listen.next(timeout_s=1.0):
+            if hasattr(ev, "table"):
+                for r in ev.table.to_pylist():
+                    seen[(r["k"], r["v"], r["ts"])] += r["diff"]
+        assert listen.frontier == Antichain([i + 1])
+        assert reads[0] == before, "the listen read the txn log though its data was applied"
+    assert seen == Counter({(k, str(i), i): 1 for i in range(1, 9) for k in range(10 * i, 10 * i + 3)})
+
+
+def test_a_listen_never_shows_a_time_until_every_shard_of_it_is_applied() -> None:
+    client = mem_client()
+    ctl = StorageController(client)
+    ctl.create_collection("c", K, V, num_shards=3, transactional=True)
+    ctl.insert("c", table(range(3), "x"))
+    listener = StorageController(client)
+    listen = listener.acquire_read_handle("c").listen(0)
+    calls = [0]
+    real_apply = ap.apply_entry
+
+    def one_then_die(machine: object, entry: object) -> bool:
+        calls[0] += 1
+        if calls[0] > 1:
+            raise Killed("killed between applies")
+        return real_apply(machine, entry)  # type: ignore[arg-type]
+
+    rows = table(range(100, 130), "t1")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ap, "apply_entry", one_then_die)
+        with pytest.raises(Killed):
+            ctl.insert("c", rows)  # committed at 1; one of its three shards applied
+        # Its metadata move is applied (so only the shards' uppers hold the listen back).
+        listener.txns.ensure_applied([ctl.describe("c")["metadata_shard"]])
+        assert ctl.describe("c")["metadata_upper"] == [2]
+        real_ensure = listener.txns.ensure_applied
+        m.setattr(listener.txns, "ensure_applied", lambda *a, **k: 0)  # nobody finishes it
+        for _ in range(3):
+            for ev in listen.next(timeout_s=0.2):
+                assert not hasattr(ev, "table"), f"a half-applied time was handed out: {ev}"
+        assert listen.frontier == Antichain([1])
+        m.setattr(listener.txns, "ensure_applied", real_ensure)
+    got: Counter = Counter()
+    for _ in range(20):
+        if listen.frontier > Antichain([1]):
+            break
+        for ev in listen.next(timeout_s=0.5):
+            if hasattr(ev, "table"):
+                for r in ev.table.to_pylist():
+                    got[(r["k"], r["v"])] += r["diff"]
+    assert listen.frontier == Antichain([2]) and got == acc(rows.append_column("diff", pa.array([1] * 30, pa.int64())))

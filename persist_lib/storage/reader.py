@@ -292,7 +292,9 @@ class CollectionReader:
         in routing order: for readers that plan their own splits (Spark)."""
         return list(self._guard(lambda: self._readers_for(rendition)))
 
-    def _readers_for(self, rendition: str) -> list[ReadHandle]:
+    def _readers_for(self, rendition: str, *, apply: bool = True) -> list[ReadHandle]:
+        """The rendition's shard readers; ``apply``: committed transactions on them are
+        applied first (off only for reads below uppers already read: applied there)."""
         rs = self._renditions.get(rendition)
         if rs is None:
             rs = self._ctl._open_rendition_readers(self.name, rendition)
@@ -301,8 +303,8 @@ class CollectionReader:
                 if r.since < since:
                     r.downgrade_since(since)
             self._renditions[rendition] = rs
-        # txn hook (issue 27): committed transactions on these shards are applied first.
-        self._ctl._txn_prepare_read(self.name, [r.shard_id for r in rs])
+        if apply:  # txn hook (issue 27): committed transactions are applied first
+            self._ctl._txn_prepare_read(self.name, [r.shard_id for r in rs])
         return rs
 
     def _rendition_snapshot(self, rendition: str, as_of: int, timeout_s: float | None) -> pa.Table:
@@ -321,5 +323,7 @@ class CollectionReader:
             at, self.schemas, memory_budget=budget, timeout_s=timeout_s, stats=stats,
         )
 
-    def _rendition_upper(self, rendition: str) -> Antichain:
-        return min(r._machine.fetch_latest().upper for r in self._readers_for(rendition))
+    def _rendition_upper(self, rendition: str, *, apply: bool = True) -> Antichain:
+        """The rendition's upper (``apply=False``: as applied now, without reading the
+        txn log; a shard's upper only ever counts applied transactions)."""
+        return min(r._machine.fetch_latest().upper for r in self._readers_for(rendition, apply=apply))
