@@ -210,3 +210,26 @@ def test_a_listen_never_shows_a_time_until_every_shard_of_it_is_applied() -> Non
                 for r in ev.table.to_pylist():
                     got[(r["k"], r["v"])] += r["diff"]
     assert listen.frontier == Antichain([2]) and got == acc(rows.append_column("diff", pa.array([1] * 30, pa.int64())))
+
+
+def test_nothing_after_the_commit_cas_reports_a_failed_write() -> None:
+    """A committed transaction is never reported as a definite failure: not when moving
+    the metadata upper hits a location error (found by the transactions soak:
+    ``txn_failed_committed``), not when the apply after the commit raises a usage error."""
+    from persist_lib.errors import Determinate, LeaseExpired
+    from persist_lib.storage.writer import CollectionWriter
+
+    client = mem_client()
+    ctl = StorageController(client)
+    ctl.create_collection("c", K, V, num_shards=2, transactional=True)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(CollectionWriter, "advance_metadata", lambda self, u: (_ for _ in ()).throw(Determinate("down")))
+        assert ctl.insert("c", table(range(3), "a")) == 0
+        w = ctl.open_writer("c")
+        w.compare_and_append([(((9,), ("b",)), 1, 1)], 1, 2)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ap, "apply_entry", lambda *a, **k: (_ for _ in ()).throw(LeaseExpired("gone")))
+        assert ctl.insert("c", table(range(20, 22), "c")) == 2
+    r = StorageController(client).acquire_read_handle("c")
+    want = Counter({(k, "a"): 1 for k in range(3)}) + Counter({(9, "b"): 1, (20, "c"): 1, (21, "c"): 1})
+    assert acc(r.snapshot(2, timeout_s=2.0)) == want

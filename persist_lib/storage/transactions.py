@@ -111,7 +111,7 @@ class Transaction:
                 except UpperMismatch:
                     continue  # another writer was first: a new time, the rows rewritten
                 for t in self._targets.values():
-                    t.writer.advance_metadata(Antichain([at + 1]))
+                    t.writer.advance_metadata_after_commit(Antichain([at + 1]))
                 self.committed_at = at
                 return at
             raise TransactionContended(

@@ -21,6 +21,7 @@ not (yet) active leaves the metadata alone, so a backfill can't block a handover
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pyarrow.compute as pc
@@ -37,6 +38,8 @@ from persist_lib.shard.codec import (
 from persist_lib.storage.directory import ActiveRendition
 from persist_lib.storage.routing import split_by_shard
 from persist_lib.txn.txns import ShardWrite, Txns
+
+log = logging.getLogger(__name__)
 
 
 class ShardsDisagree(PersistError):
@@ -128,7 +131,7 @@ class CollectionWriter:
         new = as_frontier(new_upper, "new_upper")
         if self._txns is not None:
             self._txn_commit(self._split(updates), expected, new)
-            self.advance_metadata(new)
+            self.advance_metadata_after_commit(new)
             return
         parts = self._split(updates)
         uppers = [w.fetch_recent_upper() for w in self._writers]
@@ -178,8 +181,18 @@ class CollectionWriter:
                 self._txn_commit(split_by_shard(part, key_cols, len(self._shard_ids)), cur, hi)
             except UpperMismatch:
                 continue
-            self.advance_metadata(hi)
+            self.advance_metadata_after_commit(hi)
             return
+
+    def advance_metadata_after_commit(self, upper: Antichain) -> None:
+        """``advance_metadata`` after a transaction committed: a failure is logged, not
+        raised (the write is committed; the move is a committed follow-up that whoever
+        applies the transaction performs, ``metadata_advances``)."""
+        try:
+            self.advance_metadata(upper)
+        except PersistError as e:
+            log.warning("collection %s: committed up to %s; moving its metadata upper failed (the "
+                        "next reader does it): %s", self.name, upper, e)
 
     def metadata_advances(self, upper: Antichain) -> list[tuple[str, Antichain]]:
         """The follow-up a transaction writing this rendition up to ``upper`` commits with

@@ -33,8 +33,6 @@ import contextlib
 import fcntl
 import os
 import signal
-import time
-import traceback
 from typing import Any
 
 from persist_lib.errors import PersistError
@@ -126,7 +124,8 @@ class TxnActor(Actor):
             self.kills.arm(self.rng.choice(pts), self.rng.randint(1, 4))
 
     def shutdown(self) -> None:
-        self.ctl.close()
+        with contextlib.suppress(PersistError):
+            self.ctl.close()
 
 
 class HandoverLock:
@@ -386,28 +385,10 @@ def txn_actor_main(cfg_json: str, actor: str, incarnation: int) -> None:
     """Process entry point: run ``actor`` until the stop file appears."""
     cfg = TxnHistoryConfig.from_json(cfg_json)
     from persist_lib.testing import planted
+    from persist_lib.testing.actors import run_actor
 
     stack = contextlib.ExitStack()
     stack.enter_context(planted.activate([p for p in cfg.planted if p not in planted.CONSENSUS_BUGS]))
     a = ROLES[actor[:2]](cfg, actor, incarnation)
     a.kills.install()
-    a.log.note("start", role=actor[:2], seed=a.seed)
-    a.start_outages()
-    try:
-        while not a.stopped():
-            try:
-                a.step()
-            except PersistError as e:  # outside a logged op
-                a.log.note("step_error", error=str(e)[:500], error_type=type(e).__name__)
-                time.sleep(0.05)
-        if a.loc.handle is not None:
-            a.loc.handle.disable()  # released without faults: a clean stop leaves no lease
-        with contextlib.suppress(PersistError):
-            a.shutdown()
-        a.log.note("stop", faults=a.faults())
-    except Exception as e:  # noqa: BLE001 - logged for the checker, then the process exits
-        a.log.note("crash_unexpected", error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        raise
-    finally:
-        a.close()
-        stack.close()
+    run_actor(a, actor[:2], stack)

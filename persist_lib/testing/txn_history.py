@@ -24,7 +24,7 @@ import random
 import shutil
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,14 @@ from typing import Any
 from persist_lib.testing.actor_location import build_location
 from persist_lib.testing.history import EventLog
 from persist_lib.testing.history_config import prepare_dirs
-from persist_lib.testing.runner import _context, _Counter, _kill
+from persist_lib.testing.runner import (
+    HistoryResult,
+    _context,
+    _Counter,
+    _drive,
+    starter,
+    stop_actors,
+)
 from persist_lib.testing.txn_actors import txn_actor_main
 from persist_lib.testing.txn_checker import TxnReport, check_txn_history
 from persist_lib.testing.txn_config import COLLECTIONS, KEY, VAL, TxnHistoryConfig, committed_upper
@@ -63,18 +70,9 @@ def txn_config(seed: int, root: str, consensus_uri: str, **overrides: Any) -> Tx
 
 
 @dataclass
-class TxnHistoryResult:
-    cfg: TxnHistoryConfig
-    report: TxnReport
-    crashes: int = 0  # by the nemesis
-    self_kills: int = 0  # at a protocol step (KillSwitch)
-    restarts_unexpected: int = 0
-    hung: list[str] = field(default_factory=list)
-    duration_s: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.report.ok
+class TxnHistoryResult(HistoryResult):
+    """A finished, checked transactions history (``planned_kills``: kills at protocol
+    steps by the actors themselves; ``crashes``: the nemesis's)."""
 
     def describe(self) -> str:
         s = self.report.stats
@@ -82,7 +80,7 @@ class TxnHistoryResult:
             f"txn seed {self.cfg.seed} ({self.cfg.consensus_uri.split(':')[0]}, planted {self.cfg.planted}): "
             f"{s.get('ops')} ops ({s.get('ops_ok')} ok / {s.get('ops_fail')} fail / {s.get('ops_info')} info), "
             f"{s.get('txns_committed')} transactions in the collections, {s.get('handovers')} handovers, "
-            f"{self.self_kills} kills at protocol steps {s.get('kill_points')}, {self.crashes} nemesis kills, "
+            f"kills at protocol steps {s.get('kill_points')}, {self.crashes} nemesis kills, "
             f"{self.duration_s:.1f}s; {self.report.summary(8)}"
         )
 
@@ -159,84 +157,35 @@ def run_txn_history(cfg: TxnHistoryConfig) -> TxnHistoryResult:
     prepare_dirs(cfg)
     res = TxnHistoryResult(cfg, TxnReport())
     nlog = EventLog(os.path.join(cfg.log_dir, "nemesis.0.jsonl"), "nemesis", 0)
-    runner_errors: list[str] = []
     procs: dict[str, BaseProcess] = {}
     incs: dict[str, int] = {}
-    ctx = _context()
-    cfg_json = cfg.to_json()
-
-    def start(name: str) -> None:
-        incs[name] = incs.get(name, -1) + 1
-        p = ctx.Process(target=txn_actor_main, args=(cfg_json, name, incs[name]), name=f"txn-{name}")
-        p.start()
-        procs[name] = p
-
+    start = starter(_context(), txn_actor_main, cfg.to_json(), procs, incs, nlog)
     try:
         _create(cfg)
         for name in _actors(cfg):
             start(name)
-        _drive(cfg, res, procs, incs, start, nlog, t0)
+        rng = random.Random(f"txn-nemesis/{cfg.seed}")
+        # An actor killed by its own SIGKILL (exit -9) was killed at a protocol step on purpose.
+        _drive(cfg, res, procs, incs, start, _Counter(cfg.log_dir), rng, nlog, t0, lambda p: p.exitcode == -9)
     except Exception:  # noqa: BLE001 - the history is still checked
-        runner_errors.append(traceback.format_exc())
+        res.runner_errors.append(traceback.format_exc())
     finally:
-        Path(cfg.stop_path).touch()
-        deadline = time.monotonic() + 20.0
-        for name, p in procs.items():
-            p.join(max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
-                res.hung.append(f"{name}.{incs[name]}")
-                _kill(p)
-                p.join(5)
-        nlog.close()
+        stop_actors(cfg, res, procs, incs, nlog)
     truth = read_truth(cfg)
     Path(cfg.truth_path).write_text(json.dumps(truth))
     try:
         res.report = check_txn_history(cfg, truth)
     except Exception:  # noqa: BLE001
-        runner_errors.append(traceback.format_exc())
-    for tb in runner_errors:
+        res.runner_errors.append(traceback.format_exc())
+    for tb in res.runner_errors:
         res.report.add("runner_error", tb[-1500:])
     if res.restarts_unexpected:
         res.report.add("actor_crashed", f"{res.restarts_unexpected} actor process(es) died on their own")
     if res.hung:
         res.report.add("actor_hung", f"did not stop within 20 s: {res.hung}")
-    res.report.stats.update(crashes=res.crashes, self_kills=res.self_kills)
+    res.report.stats.update(crashes=res.crashes, planned_kills=res.planned_kills)
     res.duration_s = time.monotonic() - t0
     return res
-
-
-def _drive(
-    cfg: TxnHistoryConfig, res: TxnHistoryResult, procs: dict[str, BaseProcess], incs: dict[str, int],
-    start: Any, nlog: EventLog, t0: float,
-) -> None:
-    """Poll progress, restart actors that died (a SIGKILL of their own is a planned
-    kill), kill -9 random victims."""
-    rng = random.Random(f"txn-nemesis/{cfg.seed}")
-    counter = _Counter(cfg.log_dir)
-    next_crash = time.monotonic() + rng.expovariate(1.0 / cfg.crash_mean_interval_s)
-    while counter.poll() < cfg.target_ops and time.monotonic() < t0 + cfg.time_limit_s:
-        time.sleep(0.1)
-        for name, p in list(procs.items()):
-            if not p.is_alive():
-                if p.exitcode == -9:
-                    res.self_kills += 1
-                else:
-                    res.restarts_unexpected += 1
-                nlog.note("actor_died", victim=name, inc=incs[name], exitcode=p.exitcode)
-                start(name)
-        if res.restarts_unexpected > 5:
-            break
-        now = time.monotonic()
-        if res.crashes < cfg.max_crashes and now >= next_crash:
-            victim = rng.choice(sorted(procs))
-            p = procs[victim]
-            if p.is_alive():
-                _kill(p)
-                p.join(5)
-                res.crashes += 1
-                nlog.note("crash", victim=victim, inc=incs[victim])
-                start(victim)
-            next_crash = now + rng.expovariate(1.0 / cfg.crash_mean_interval_s)
 
 
 def keep_or_remove(res: TxnHistoryResult) -> None:

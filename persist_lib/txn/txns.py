@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import pyarrow.compute as pc
 
-from persist_lib.errors import ExternalError, InvalidUsage, UpperMismatch
+from persist_lib.errors import InvalidUsage, PersistError, UpperMismatch
 from persist_lib.frontier import Antichain
 from persist_lib.handles.client import PersistClient
 from persist_lib.ids import ShardId
@@ -150,7 +150,7 @@ class Txns:
             self.ensure_applied([w.shard for w in writes] + [a.shard for a in follow], after)
             self.tidy()
             return Committed(txn, position, True)
-        except ExternalError as e:
+        except PersistError as e:  # committed: nothing after the CAS may report a failure
             log.warning("transaction %s committed at log position %d; applying it failed (the "
                         "next reader, writer or maintenance applies it): %s", txn, position, e)
             return Committed(txn, position, False)
