@@ -20,7 +20,7 @@ Roles (``txn_actor_main(cfg_json, actor, incarnation)``; names ``tw<i>``, ``tr<i
 
 **Kill -9 at every step** (``KillSwitch``): a writer op (and a maintenance tidy) arms,
 with probability ``txn_kill_rate``, a kill at one of ``txn_config.KILL_POINTS``: right
-after the commit CAS landed, before the k-th apply to a data shard, before or after
+after the commit CAS landed, before the 2nd-4th apply to a data shard, before or after
 tidy's log CAS. The process then sends itself SIGKILL (its op stays ``info``); the runner
 restarts it, and the others must finish what it left. The runner's nemesis kills random
 actors on top of that. Faults: the location is wrapped as in the shard histories
@@ -121,7 +121,7 @@ class TxnActor(Actor):
     def maybe_arm(self, points: list[str]) -> None:
         pts = [p for p in self.cfg.txn_kill_points if p in points]
         if pts and self.rng.random() < self.cfg.txn_kill_rate:
-            self.kills.arm(self.rng.choice(pts), self.rng.randint(1, 4))
+            self.kills.arm(self.rng.choice(pts), self.rng.randint(2, 4))  # after >= 1 apply
 
     def shutdown(self) -> None:
         with contextlib.suppress(PersistError):
