@@ -6,7 +6,12 @@
 - R12: every planted bug, in a history on its backend and in the stateful/corruption
   check that targets it;
 - R3: the stateful model test at ``STATEFUL_LONG_EXAMPLES`` (default 1000) examples;
-- R8: ``CORRUPTION_LONG_EXAMPLES`` (default 10000) random corruptions.
+- R8: ``CORRUPTION_LONG_EXAMPLES`` (default 10000) random corruptions;
+- transactions (issue 27): ``TXN_SEEDS`` (default ``max(2, SEEDS // 3)``) transactions
+  histories (``persist_lib.testing.txn_history``: transactional collections, concurrent
+  inserts, multi-collection transactions and compare-and-appends, readers, handovers,
+  kill -9 at every protocol step) on SQLite and half as many on Postgres; the planted
+  ``txn_*`` bugs each caught by a transactions history and by the txn control.
 
 The last test prints the figures table and writes it as JSON to
 ``bench/out/reliability.json`` (``RELIABILITY_JSON`` overrides the path). Histories
@@ -32,21 +37,34 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from persist_lib.testing.controls import (
     STATEFUL_BUGS,
+    TXN_STATEFUL_BUGS,
     background_compaction_catches,
     corruption_catches,
     first_open_catches,
     stateful_catches,
+    txn_stateful_catches,
 )
 from persist_lib.testing.corruption import CorruptionFixture, flip_bit, truncate_to
 from persist_lib.testing.figures import Figures
 from persist_lib.testing.runner import HistoryResult, default_config, run_history
 from persist_lib.testing.stateful import ShardStateMachine
+from persist_lib.testing.txn_control import SCENARIOS as TXN_CONTROL_SCENARIOS
+from persist_lib.testing.txn_control import txn_catches
+from persist_lib.testing.txn_history import (
+    TXN_HISTORY_EXPECT,
+    TxnHistoryResult,
+    run_txn_history,
+    txn_config,
+    txn_history_catches,
+)
 
 SEEDS = int(os.environ.get("SEEDS", "200"))
 OPS = int(os.environ.get("RELIABILITY_OPS", "300"))
 STATEFUL_EXAMPLES = int(os.environ.get("STATEFUL_LONG_EXAMPLES", "1000"))
 STATEFUL_STEPS = int(os.environ.get("STATEFUL_LONG_STEPS", "50"))
 CORRUPTION_EXAMPLES = int(os.environ.get("CORRUPTION_LONG_EXAMPLES", "10000"))
+TXN_SEEDS = int(os.environ.get("TXN_SEEDS", str(max(2, SEEDS // 3))))
+TXN_OPS = int(os.environ.get("TXN_OPS", "250"))
 OUT = os.environ.get("RELIABILITY_JSON", str(Path(__file__).resolve().parents[1] / "bench" / "out" / "reliability.json"))
 
 FIGURES = Figures()
@@ -103,6 +121,37 @@ def test_soak_postgres(tmp_path_factory: pytest.TempPathFactory, pg_server: obje
         url = pg_server.create_database()  # type: ignore[attr-defined]
         res = _history(seed, root, url)
         FIGURES.add_history("file+postgres", res)
+        if not res.ok:
+            bad.append(res.describe())
+    assert not bad, "\n".join(bad[:5])
+
+
+def _txn_history(seed: int, root: Path, uri: str) -> TxnHistoryResult:
+    res = run_txn_history(txn_config(seed, str(root), uri, target_ops=TXN_OPS))
+    if res.ok:
+        shutil.rmtree(root, ignore_errors=True)
+    _progress(res.describe())
+    return res
+
+
+def test_txn_soak_sqlite(tmp_path_factory: pytest.TempPathFactory) -> None:
+    bad = []
+    for seed in range(4000, 4000 + TXN_SEEDS):
+        root = tmp_path_factory.mktemp(f"txn-sqlite-{seed}")
+        res = _txn_history(seed, root, "sqlite:///" + quote(str(root / "consensus.db")))
+        FIGURES.add_txn_history("file+sqlite", res)
+        if not res.ok:
+            bad.append(res.describe())
+    assert not bad, "\n".join(bad[:5])
+
+
+@pytest.mark.postgres
+def test_txn_soak_postgres(tmp_path_factory: pytest.TempPathFactory, pg_server: object) -> None:
+    bad = []
+    for seed in range(5000, 5000 + max(1, TXN_SEEDS // 2)):
+        root = tmp_path_factory.mktemp(f"txn-pg-{seed}")
+        res = _txn_history(seed, root, pg_server.create_database())  # type: ignore[attr-defined]
+        FIGURES.add_txn_history("file+postgres", res)
         if not res.ok:
             bad.append(res.describe())
     assert not bad, "\n".join(bad[:5])
@@ -185,7 +234,34 @@ def test_planted_bugs_all_caught(tmp_path_factory: pytest.TempPathFactory, pg_se
     FIGURES.add_planted("sqlite_first_open_no_retry", "first open", fe is not None, fe or "", time.monotonic() - t0)
     if fe is None:
         missed.append("first-open control missed sqlite_first_open_no_retry")
+    _planted_txn(tmp_path_factory, missed)
     assert not missed, "\n".join(missed)
+
+
+def _planted_txn(tmp_path_factory: pytest.TempPathFactory, missed: list[str]) -> None:
+    """Each planted ``txn_*`` bug: by a transactions history (up to 3 short ones) and by
+    the txn control (a committer killed at one step, then one other party)."""
+    for i, name in enumerate(sorted(TXN_HISTORY_EXPECT)):
+        root = tmp_path_factory.mktemp(f"planted-{name}")
+        t0 = time.monotonic()
+        caught, detail = txn_history_catches(
+            name, 6000 + 100 * i, str(root), lambda d: "sqlite:///" + quote(d + "/consensus.db")
+        )
+        FIGURES.add_planted(name, "txn history", caught, detail, time.monotonic() - t0)
+        if not caught:
+            missed.append(f"txn history missed {name}: {detail}")
+    for name in TXN_STATEFUL_BUGS:
+        t0 = time.monotonic()
+        e = txn_stateful_catches(name)
+        FIGURES.add_planted(name, "txn stateful", e is not None, str(e)[:200], time.monotonic() - t0)
+        if e is None:
+            missed.append(f"txn state machine missed {name}")
+    for name in sorted(TXN_CONTROL_SCENARIOS):
+        t0 = time.monotonic()
+        found = txn_catches(name)
+        FIGURES.add_planted(name, "txn control", found is not None, found or "", time.monotonic() - t0)
+        if found is None:
+            missed.append(f"txn control missed {name}")
 
 
 # ----- properties at soak size -----------------------------------------------------------------

@@ -118,6 +118,7 @@ class StorageController:
         self._active_cache: dict[str, tuple[Antichain, str]] = {}
         self._txns_obj: Txns | None = None
         self._transactional: dict[str, bool] = {}  # True once seen: the flag never goes back
+        self._meta_shards: dict[str, str] = {}  # a collection's metadata shard never changes
         if recover and not read_only:
             self.recover()
 
@@ -628,13 +629,18 @@ class StorageController:
 
     def _txn_prepare_read(self, name: str, shard_ids: list[str]) -> None:
         """Before a read of a transactional collection's shards: every committed
-        transaction touching them is applied (whoever committed it)."""
+        transaction touching them is applied (whoever committed it), and so are the
+        committed moves of its metadata upper (a committer killed after its commit CAS
+        left them to whoever comes next)."""
         try:
             transactional = self.is_transactional(name)
+            meta = self._meta_shards.get(name) or self._meta_shards.setdefault(
+                name, self._spec(name)["metadata_shard"]
+            )
         except UnknownCollection:
             return  # deleted meanwhile: the read itself reports it
         if transactional:
-            self.txns.ensure_applied(shard_ids)
+            self.txns.ensure_applied([*shard_ids, meta])
 
     def __enter__(self) -> StorageController:
         return self
@@ -761,13 +767,16 @@ class StorageController:
                 self._record_handover(name, h)
 
     def _rollback_create(self, name: str, spec: Spec) -> None:
-        for s in [spec["metadata_shard"], *[x for r in spec["renditions"].values() for x in r["shards"]]]:
+        shards = [spec["metadata_shard"], *[x for r in spec["renditions"].values() for x in r["shards"]]]
+        for s in shards:
             shard_ops.release_and_finalize(self.client, s)
+        self._txn_forget(spec, shards)
         self.catalog.update(lambda cat: {name: None} if name in cat else {})
 
     def _rollback_rendition(self, name: str, rendition: str, info: dict[str, Any]) -> None:
         for s in info["shards"]:
             shard_ops.release_and_finalize(self.client, s)
+        self._txn_forget(self._spec_any(name), info["shards"])
 
         def fn(cat: Catalog) -> dict[str, Spec | None]:
             spec = cat.get(name)
@@ -788,6 +797,7 @@ class StorageController:
         cat = self.catalog.update(mark)
         spec = cat[name]
         results = [shard_ops.release_and_finalize(self.client, s) for s in spec["renditions"][rendition]["shards"]]
+        self._txn_forget(spec, spec["renditions"][rendition]["shards"])
 
         def drop(cat: Catalog) -> dict[str, Spec | None]:
             spec = cat[name]
@@ -804,6 +814,7 @@ class StorageController:
     def _finish_delete(self, name: str, spec: Spec) -> dict[str, Any]:
         shards = [spec["metadata_shard"], *[x for r in spec["renditions"].values() for x in r["shards"]]]
         results = [shard_ops.release_and_finalize(self.client, s) for s in shards]
+        self._txn_forget(spec, shards)
         self._meta_readers.pop(spec["metadata_shard"], None)
         self._active_cache.pop(name, None)
         self.catalog.update(lambda cat: {name: None} if name in cat else {})
@@ -812,6 +823,20 @@ class StorageController:
             "shards_finalized": len(results),
             "blobs_deleted": sum(r.get("blobs_deleted", 0) for r in results),
         }
+
+
+    def _spec_any(self, name: str) -> Spec:
+        """The catalog entry whatever its status (empty if it is gone)."""
+        cat, _ = self.catalog.load()
+        return cat.get(name) or {}
+
+    def _txn_forget(self, spec: Spec, shards: list[str]) -> None:
+        """After ``shards`` were finalized: their txn-log registrations are retracted
+        (idempotent; the catalog still records the drop, so a crash before this step is
+        finished by ``recover``)."""
+        if spec.get("transactional"):
+            self.txns.forget(shards)
+            self.txns.tidy()  # their untidied entries are applied trivially now
 
 
 def _now() -> int:

@@ -47,9 +47,9 @@ class ListenedCollection(Protocol):
 
     def _active_at(self, as_of: int, timeout_s: float | None) -> str: ...
 
-    def _readers_for(self, rendition: str) -> list[ReadHandle]: ...
+    def _readers_for(self, rendition: str, *, apply: bool = True) -> list[ReadHandle]: ...
 
-    def _rendition_upper(self, rendition: str) -> Antichain: ...
+    def _rendition_upper(self, rendition: str, *, apply: bool = True) -> Antichain: ...
 
     def _handover_diff(
         self, old: str, new: str, at: int, budget: int, timeout_s: float | None,
@@ -153,7 +153,7 @@ class CollectionListen:
             target = self._meta_upper
             if handover is not None:
                 target = min(target, Antichain([handover.at]))
-            target = min(target, r._rendition_upper(self._current))
+            target = min(target, self._current_upper(read_log=not events))
             if target > self._frontier and target.time is not None:
                 self._pending = HeldIterator(self._range_events(f, target), lambda: None)
                 continue
@@ -166,6 +166,19 @@ class CollectionListen:
             self._poll_metadata(min(remaining, 0.05))
             if self._meta_upper <= self._frontier or (handover is None and target == self._frontier):
                 time.sleep(min(remaining, 0.02))
+
+    def _current_upper(self, read_log: bool) -> Antichain:
+        """The current rendition's upper. A transactional collection's txn log is read
+        (what dead committers left is applied, their metadata moves included) only when
+        the listen can't move without it (the shards' and metadata's uppers are not past
+        its frontier) and this call has nothing to hand out yet (``read_log``). A shard's
+        upper only ever counts applied transactions, so a read below it never shows a
+        time that is not wholly applied."""
+        f = self._frontier
+        upper = self._r._rendition_upper(self._current, apply=False)
+        if (upper > f and self._meta_upper > f) or not read_log:
+            return upper
+        return self._r._rendition_upper(self._current)
 
     def _drain(self, events: list[ListenEvent], held: int) -> int:
         """Moves events of the pending range into ``events`` until they hold about 1/8
@@ -196,7 +209,7 @@ class CollectionListen:
         assert hi is not None
 
         def batches() -> Iterator[pa.RecordBatch]:
-            for reader in self._r._readers_for(self._current):
+            for reader in self._r._readers_for(self._current, apply=False):  # below the upper
                 with reader.updates_between_batches(f, hi, memory_budget=self._budget) as stream:
                     yield from stream
 

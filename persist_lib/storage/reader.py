@@ -155,6 +155,7 @@ class CollectionReader:
         Read from consensus now (not cached)."""
 
         def go() -> Antichain:
+            self._ctl._txn_prepare_read(self.name, [])  # a dead committer's metadata move
             hi = self._meta._machine.fetch_latest().upper
             while hi.time is not None and hi.time > 0:
                 t = hi.time - 1
@@ -281,6 +282,8 @@ class CollectionReader:
             raise
 
     def _active_at(self, as_of: int, timeout_s: float | None) -> str:
+        # txn hook: a dead committer's metadata move is applied before waiting on it.
+        self._ctl._txn_prepare_read(self.name, [])
         snap = self._meta.snapshot(as_of, timeout_s)
         return active_in(snap.to_pylist(), as_of, self._meta.shard_id)
 
@@ -293,7 +296,9 @@ class CollectionReader:
         to it); by default such a rendition raises ``StaleSchema``."""
         return list(self._guard(lambda: self._readers_for(rendition, own_schemas=own_schemas)))
 
-    def _readers_for(self, rendition: str, *, own_schemas: bool = False) -> list[ReadHandle]:
+    def _readers_for(self, rendition: str, *, apply: bool = True, own_schemas: bool = False) -> list[ReadHandle]:
+        """The rendition's shard readers; ``apply``: committed transactions on them are
+        applied first (off only for reads below uppers already read: applied there)."""
         slot = "own:" + rendition if own_schemas else rendition  # ':' is not in a rendition name
         rs = self._renditions.get(slot)
         if rs is None:
@@ -314,8 +319,8 @@ class CollectionReader:
                 if r.since < since:
                     r.downgrade_since(since)
             self._renditions[slot] = rs
-        # txn hook (issue 27): committed transactions on these shards are applied first.
-        self._ctl._txn_prepare_read(self.name, [r.shard_id for r in rs])
+        if apply:  # txn hook (issue 27): committed transactions are applied first
+            self._ctl._txn_prepare_read(self.name, [r.shard_id for r in rs])
         return rs
 
     def _rendition_snapshot(self, rendition: str, as_of: int, timeout_s: float | None) -> pa.Table:
@@ -334,5 +339,7 @@ class CollectionReader:
             at, self.schemas, memory_budget=budget, timeout_s=timeout_s, stats=stats,
         )
 
-    def _rendition_upper(self, rendition: str) -> Antichain:
-        return min(r._machine.fetch_latest().upper for r in self._readers_for(rendition))
+    def _rendition_upper(self, rendition: str, *, apply: bool = True) -> Antichain:
+        """The rendition's upper (``apply=False``: as applied now, without reading the
+        txn log; a shard's upper only ever counts applied transactions)."""
+        return min(r._machine.fetch_latest().upper for r in self._readers_for(rendition, apply=apply))

@@ -106,12 +106,13 @@ class Transaction:
                     raise InvalidUsage("a collection of this transaction is closed for writes")
                 at = max(lo.time or 0 for lo in lowers.values())
                 writes = [w for t in self._targets.values() for w in _shard_writes(t, at, lowers)]
+                follow = [a for t in self._targets.values() for a in t.writer.metadata_advances(Antichain([at + 1]))]
                 try:
-                    txns.commit(writes)
+                    txns.commit(writes, follow)
                 except UpperMismatch:
                     continue  # another writer was first: a new time, the rows rewritten
                 for t in self._targets.values():
-                    t.writer.advance_metadata(Antichain([at + 1]))
+                    t.writer.advance_metadata_after_commit(Antichain([at + 1]))
                 self.committed_at = at
                 return at
             raise TransactionContended(

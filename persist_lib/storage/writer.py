@@ -21,6 +21,7 @@ not (yet) active leaves the metadata alone, so a backfill can't block a handover
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pyarrow.compute as pc
@@ -37,6 +38,8 @@ from persist_lib.shard.codec import (
 from persist_lib.storage.directory import ActiveRendition
 from persist_lib.storage.routing import split_by_shard
 from persist_lib.txn.txns import ShardWrite, Txns
+
+log = logging.getLogger(__name__)
 
 
 class CollectionWriter:
@@ -145,7 +148,7 @@ class CollectionWriter:
             except LeaseExpired as e:
                 self._switch_if_converted(e)
         self._txn_commit(self._split(updates), expected, new)
-        self.advance_metadata(new)
+        self.advance_metadata_after_commit(new)
 
     def _switch_if_converted(self, fenced: LeaseExpired) -> None:
         """A direct shard writer was fenced: if the collection became transactional
@@ -170,7 +173,7 @@ class CollectionWriter:
             for s, p in zip(self._shard_ids, parts, strict=True)
         ]
         try:
-            self._txns.commit(writes)
+            self._txns.commit(writes, self.metadata_advances(new))
         except UpperMismatch as e:
             raise UpperMismatch(f"{self.name}/{self.rendition}", expected, e.current) from e
 
@@ -201,11 +204,30 @@ class CollectionWriter:
                     piece = piece.filter(pc.greater_equal(piece.table["t"], cur.time))
                 writes.append(ShardWrite(s, self.schemas, piece, cur, hi))
             try:
-                self._txns.commit(writes)
+                self._txns.commit(writes, self.metadata_advances(hi))
             except UpperMismatch:
                 continue
             break
-        self.advance_metadata(hi)
+        self.advance_metadata_after_commit(hi)
+
+    def advance_metadata_after_commit(self, upper: Antichain) -> None:
+        """``advance_metadata`` after a transaction committed: a failure is logged, not
+        raised (the write is committed; the move is a committed follow-up that whoever
+        applies the transaction performs, ``metadata_advances``)."""
+        try:
+            self.advance_metadata(upper)
+        except PersistError as e:
+            log.warning("collection %s: committed up to %s; moving its metadata upper failed (the "
+                        "next reader does it): %s", self.name, upper, e)
+
+    def metadata_advances(self, upper: Antichain) -> list[tuple[str, Antichain]]:
+        """The follow-up a transaction writing this rendition up to ``upper`` commits with
+        (``Txns.commit(..., advances=)``): the metadata shard moved to ``upper`` by whoever
+        applies it, so a committer killed after its commit CAS does not leave the
+        collection's readers waiting. None for a rendition that is not active."""
+        if upper.is_empty() or self._ctl._active_rendition_at_upper(self.name) != self.rendition:
+            return []
+        return [(self._meta.shard_id, upper)]
 
     def advance_metadata(self, upper: Antichain) -> None:
         """Moves the metadata upper to ``upper`` if this rendition is the active one (after

@@ -9,4 +9,8 @@
 - ``checker``: turns a finished history into a list of violations by kind.
 - ``planted``: deliberately broken variants that the checks must catch (test-only).
 - ``figures``: the reliability figures table (text + JSON).
+- ``txn_config`` / ``txn_actors`` / ``txn_history`` / ``txn_checker``: transactions
+  histories (transactional collections, kill -9 at every protocol step) and their checker;
+  ``txn_stateful``: the state machine of transactional collections; ``txn_control``: a
+  committer killed at one step, then one other party.
 """

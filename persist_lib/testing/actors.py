@@ -132,8 +132,13 @@ def actor_main(cfg_json: str, actor: str, incarnation: int) -> None:
 
     stack = contextlib.ExitStack()
     stack.enter_context(planted.activate([p for p in cfg.planted if p not in planted.CONSENSUS_BUGS]))
-    a = ROLES[role_of(actor)](cfg, actor, incarnation)
-    a.log.note("start", role=role_of(actor), seed=a.seed)
+    run_actor(ROLES[role_of(actor)](cfg, actor, incarnation), role_of(actor), stack)
+
+
+def run_actor(a: Actor, role: str, stack: contextlib.ExitStack) -> None:
+    """Runs ``a``'s steps until the stop file appears, then releases its handles; closes
+    ``stack`` (its planted bugs) at the end."""
+    a.log.note("start", role=role, seed=a.seed)
     a.start_outages()
     try:
         while not a.stopped():

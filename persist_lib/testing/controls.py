@@ -167,3 +167,20 @@ def first_open_catches(name: str | None = "sqlite_first_open_no_retry", hold_s: 
     finally:
         release.join()
     return None
+
+
+TXN_STATEFUL_BUGS = ("txn_apply_without_commit", "txn_tidy_before_apply", "txn_reader_skips_apply")
+TXN_CONTROL = settings(CONTROL, max_examples=200, stateful_step_count=15)
+
+
+def txn_stateful_catches(name: str) -> BaseException | None:
+    """The transactional-collections state machine with ``name`` planted; returns the
+    failure (None: missed)."""
+    from persist_lib.testing.txn_stateful import TxnStateMachine
+
+    with planted.activate([name]):
+        try:
+            run_state_machine_as_test(TxnStateMachine, settings=TXN_CONTROL)
+        except Exception as e:  # noqa: BLE001 - any failure of the check counts
+            return e
+    return None

@@ -19,6 +19,8 @@ from typing import Any
 
 from persist_lib.testing.checker import VIOLATION_KINDS
 from persist_lib.testing.runner import HistoryResult
+from persist_lib.testing.txn_checker import TXN_VIOLATION_KINDS
+from persist_lib.testing.txn_history import TxnHistoryResult
 
 
 @dataclass
@@ -103,7 +105,25 @@ class Figures:
     planted: dict[str, dict[str, Any]] = field(default_factory=dict)
     stateful: dict[str, Any] = field(default_factory=dict)
     corruption: dict[str, Any] = field(default_factory=dict)
+    txn: dict[str, Counter[str]] = field(default_factory=dict)  # backend -> transactions-history counts
     started: float = field(default_factory=time.time)
+
+    def add_txn_history(self, backend: str, r: TxnHistoryResult) -> None:
+        """A transactions history (``txn_history``): its counts and violations."""
+        c = self.txn.setdefault(backend, Counter())
+        s = r.report.stats
+        c["histories"] += 1
+        c["histories_failed"] += 0 if r.ok else 1
+        for k in ("ops", "ops_ok", "ops_fail", "ops_info", "txns_committed",
+                  "txns_committed_multi_collection", "handovers"):
+            c[k] += int(s.get(k) or 0)
+        for k in ("snapshot", "listen_next"):
+            c[f"reads_{k}"] += int((s.get("ops_by_kind") or {}).get(k, 0))
+        for point, n in (s.get("kill_points") or {}).items():
+            c[f"kill_{point}"] += n
+        c["nemesis_kills"] += r.crashes
+        for k, n in r.report.by_kind().items():
+            c[f"violation_{k}"] += n
 
     def add_history(self, backend: str, r: HistoryResult) -> None:
         self.backends.setdefault(backend, BackendFigures()).add(r)
@@ -123,6 +143,7 @@ class Figures:
             "planted_total": len(self.planted),
             "stateful": self.stateful,
             "corruption": self.corruption,
+            "transactions": {k: dict(v) for k, v in self.txn.items()},
         }
 
     def write_json(self, path: str | os.PathLike[str]) -> None:
@@ -176,6 +197,7 @@ class Figures:
         for k in VIOLATION_KINDS:
             row(f"   {k}", [c.violations.get(k, 0) for c in cols])
         row("   TOTAL", [sum(c.violations.values()) for c in cols])
+        self._txn_table(lines)
         if self.stateful:
             lines.append(
                 f"R3 stateful: {self.stateful.get('examples')} examples x <= {self.stateful.get('steps')} steps, "
@@ -198,3 +220,19 @@ class Figures:
             for f in c.failed_seeds[:10]:
                 lines.append(f"FAILED {n} seed {f['seed']}: {f['violations']} (kept in {f['dir']})")
         return "\n".join(lines)
+
+    def _txn_table(self, lines: list[str]) -> None:
+        if not self.txn:
+            return
+        names = sorted(self.txn)
+        lines.append("transactions histories (txn_history)" + "".join(f"{n:>22}" for n in names))
+        labels = [
+            ("histories", "histories"), ("histories_failed", "   with violations"), ("ops", "   operations"),
+            ("txns_committed", "   transactions in the collections"),
+            ("txns_committed_multi_collection", "      ... over several collections"),
+            ("handovers", "   handovers"), ("reads_snapshot", "   snapshots checked"),
+            ("reads_listen_next", "   listen steps checked"), ("nemesis_kills", "   nemesis kill -9"),
+        ] + [(f"kill_{p}", f"   kill -9 {p}") for p in ("after_commit_cas", "between_applies", "before_tidy_cas", "after_tidy_cas")]
+        labels += [(f"violation_{k}", f"   {k}") for k in TXN_VIOLATION_KINDS]
+        for key, label in labels:
+            lines.append(f"{label:<38}" + "".join(f"{self.txn[n].get(key, 0):>22}" for n in names))

@@ -131,3 +131,23 @@ class ShardModel:
             self.writers[wid].expired = True
         self.recompute_since()
         return dead_r, dead_w
+
+
+@dataclass
+class CollectionsModel:
+    """Transactional collections: each one's committed updates and upper. A transaction
+    is a set of rows per collection committed at times of its choosing, all or nothing."""
+
+    uppers: dict[str, int]
+    rows: dict[str, list[Row]] = field(default_factory=dict)
+
+    def commit(self, writes: dict[str, list[Row]], uppers: dict[str, int]) -> None:
+        for coll, rows in writes.items():
+            self.rows.setdefault(coll, []).extend(rows)
+            self.uppers[coll] = uppers[coll]
+
+    def snapshot(self, coll: str, as_of: int) -> Counter[tuple[str, int, int]]:
+        return snapshot(self.rows.get(coll, []), as_of)
+
+    def listen_slice(self, coll: str, lo_exclusive: int, hi: int) -> Counter[tuple[str, int, int]]:
+        return time_slice(self.rows.get(coll, []), lo_exclusive + 1, hi)

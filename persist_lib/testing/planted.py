@@ -47,13 +47,18 @@ verified_append_skips       a verified append skips ranges whose start the     h
                             (the pre-issue-26 behaviour): accepts unchecked    the since return normally)
 txn_apply_without_commit    a transaction's batches are applied to their data  txn control (a committer killed
                             shards before the commit CAS on the txn log (no    between applies: a mix of
-                            check that the log holds the commit)               writers, shards disagreeing)
+                            check that the log holds the commit)               writers, shards disagreeing);
+                                                                               txn history (failed txns
+                                                                               committed, parts deleted)
 txn_tidy_before_apply       tidy retracts log entries without checking they    txn control (committer killed
                             are applied                                        after the commit CAS, then a
-                                                                               tidy: the commit is lost)
+                                                                               tidy: the commit is lost);
+                                                                               txn history (half a txn)
 txn_reader_skips_apply      a collection reader reads a transactional          txn control (committer killed
                             collection's shards without applying the           after the commit CAS: the
-                            committed transactions first                       reader never sees it)
+                            committed transactions first                       reader never sees it);
+                                                                               txn history (a read at a
+                                                                               committed time stuck)
 ==========================  =================================================  ===============================
 """
 
@@ -110,9 +115,9 @@ CAUGHT_BY: dict[str, str] = {
     "immediate_retry": "background-compaction control",
     "sqlite_first_open_no_retry": "first-open control",
     "verified_append_skips": "history (divergent verified appends)",
-    "txn_apply_without_commit": "txn control (killed between applies)",
-    "txn_tidy_before_apply": "txn control (killed after the commit, then tidy)",
-    "txn_reader_skips_apply": "txn control (killed after the commit, then read)",
+    "txn_apply_without_commit": "txn control (killed between applies), txn history",
+    "txn_tidy_before_apply": "txn control (killed after the commit, then tidy), txn history",
+    "txn_reader_skips_apply": "txn control (killed after the commit, then read), txn history (read stuck)",
 }
 
 # Bugs that live in the consensus backend (the runner opens consensus through
@@ -340,10 +345,10 @@ def _txn_apply_without_commit() -> contextlib.AbstractContextManager[Any]:
 
     real = Txns._publish
 
-    def apply_first(self: Any, entries: Any, writes: Any, view: Any) -> Any:
+    def apply_first(self: Any, entries: Any, writes: Any, view: Any, *follow: Any) -> Any:
         for e in entries:  # linked before the log says the transaction committed
             ap.apply_entry(self.client.machine(e.shard), e)
-        return real(self, entries, writes, view)
+        return real(self, entries, writes, view, *follow)
 
     return _patched(Txns, "_publish", apply_first)
 

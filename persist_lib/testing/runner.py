@@ -51,7 +51,9 @@ def _context() -> Any:
     with _CTX_LOCK:
         if _CTX is None:
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["persist_lib.testing.actors", "persist_lib.testing.planted"])
+            ctx.set_forkserver_preload(
+                ["persist_lib.testing.actors", "persist_lib.testing.txn_actors", "persist_lib.testing.planted"]
+            )
             _CTX = ctx
         return _CTX
 
@@ -112,6 +114,7 @@ class HistoryResult:
     final_errors: list[str] = field(default_factory=list)
     runner_errors: list[str] = field(default_factory=list)
     stop_s: float = 0.0
+    planned_kills: int = 0  # actors that SIGKILLed themselves on purpose (txn histories)
 
     @property
     def ok(self) -> bool:
@@ -211,24 +214,9 @@ def run_history(cfg: HistoryConfig, *, keep_dir: bool = True) -> HistoryResult:
     res = HistoryResult(cfg, CheckReport())
     if not cfg.fresh_start:
         _create_shard(cfg)  # else: every actor races to open a fresh location and shard
-    cfg_json = cfg.to_json()
     procs: dict[str, BaseProcess] = {}
     incs: dict[str, int] = {}
-
-    def start(name: str) -> None:
-        incs[name] = incs.get(name, -1) + 1
-        for attempt in range(3):
-            p = ctx.Process(target=actor_main, args=(cfg_json, name, incs[name]), name=f"actor-{name}")
-            try:
-                p.start()
-                break
-            except (OSError, EOFError) as e:  # the forkserver restarts on the next try
-                nlog.note("start_failed", victim=name, error=f"{type(e).__name__}: {e}")
-                if attempt == 2:
-                    raise
-                time.sleep(0.2)
-        procs[name] = p
-
+    start = starter(ctx, actor_main, cfg.to_json(), procs, incs, nlog)
     for name in _actors(cfg):
         start(name)
     counter = _Counter(cfg.log_dir)
@@ -237,18 +225,7 @@ def run_history(cfg: HistoryConfig, *, keep_dir: bool = True) -> HistoryResult:
     except Exception:  # noqa: BLE001 - recorded as a runner error; the history is still checked
         res.runner_errors.append(traceback.format_exc())
     finally:
-        t_stop = time.monotonic()
-        Path(cfg.stop_path).touch()
-        stop_deadline = time.monotonic() + 20.0
-        for name, p in procs.items():
-            p.join(max(0.1, stop_deadline - time.monotonic()))
-            if p.is_alive():
-                res.hung.append(f"{name}.{incs[name]}")
-                nlog.note("hung", victim=name, inc=incs[name])
-                _kill(p)
-                p.join(5)
-        nlog.close()
-        res.stop_s = time.monotonic() - t_stop
+        stop_actors(cfg, res, procs, incs, nlog)
     t_run = time.monotonic()
     try:
         _final_phase(cfg, res)
@@ -293,6 +270,47 @@ def run_history(cfg: HistoryConfig, *, keep_dir: bool = True) -> HistoryResult:
     return res
 
 
+def starter(
+    ctx: Any, target: Any, cfg_json: str, procs: dict[str, BaseProcess], incs: dict[str, int], nlog: EventLog
+) -> Any:
+    """``start(name)``: starts (or restarts, as a new incarnation) actor ``name`` as a
+    process running ``target(cfg_json, name, incarnation)``."""
+
+    def start(name: str) -> None:
+        incs[name] = incs.get(name, -1) + 1
+        for attempt in range(3):
+            p = ctx.Process(target=target, args=(cfg_json, name, incs[name]), name=f"actor-{name}")
+            try:
+                p.start()
+                break
+            except (OSError, EOFError) as e:  # the forkserver restarts on the next try
+                nlog.note("start_failed", victim=name, error=f"{type(e).__name__}: {e}")
+                if attempt == 2:
+                    raise
+                time.sleep(0.2)
+        procs[name] = p
+
+    return start
+
+
+def stop_actors(
+    cfg: HistoryConfig, res: HistoryResult, procs: dict[str, BaseProcess], incs: dict[str, int], nlog: EventLog
+) -> None:
+    """Creates the stop file, waits up to 20 s for the actors, kills stragglers (hung)."""
+    t_stop = time.monotonic()
+    Path(cfg.stop_path).touch()
+    stop_deadline = time.monotonic() + 20.0
+    for name, p in procs.items():
+        p.join(max(0.1, stop_deadline - time.monotonic()))
+        if p.is_alive():
+            res.hung.append(f"{name}.{incs[name]}")
+            nlog.note("hung", victim=name, inc=incs[name])
+            _kill(p)
+            p.join(5)
+    nlog.close()
+    res.stop_s = time.monotonic() - t_stop
+
+
 def _kill(p: BaseProcess) -> None:
     if p.pid is not None:
         try:
@@ -311,8 +329,10 @@ def _drive(
     rng: random.Random,
     nlog: EventLog,
     t0: float,
+    planned: Any = None,
 ) -> None:
-    """The running phase: poll progress, restart dead actors, kill -9 victims."""
+    """The running phase: poll progress, restart dead actors, kill -9 victims.
+    ``planned(process)``: whether an actor's death was its own planned kill."""
     next_crash = time.monotonic() + rng.expovariate(1.0 / cfg.crash_mean_interval_s)
     deadline = t0 + cfg.time_limit_s
     while counter.poll() < cfg.target_ops and time.monotonic() < deadline:
@@ -320,7 +340,10 @@ def _drive(
         now = time.monotonic()
         for name, p in list(procs.items()):
             if not p.is_alive():
-                res.restarts_unexpected += 1
+                if planned is not None and planned(p):
+                    res.planned_kills += 1
+                else:
+                    res.restarts_unexpected += 1
                 nlog.note("actor_died", victim=name, inc=incs[name], exitcode=p.exitcode)
                 start(name)
         if res.restarts_unexpected > 5:

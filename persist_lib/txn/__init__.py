@@ -56,6 +56,19 @@ tidy retracts it from the log (``-1`` at a later log position), so the log holds
 registrations and not-yet-applied transactions. Tidy never retracts an entry that is not
 applied (that would lose a committed transaction).
 
+**Follow-ups.** A commit may carry ``advances``: ``(shard, upper)`` rows in the same log
+CAS (``log.Advance``), applied by whoever applies the transaction (an empty append that
+moves the shard's upper to at least ``upper``; idempotent, in any order) and tidied once
+the shard's upper is there. Storage commits the move of the collection's *metadata*
+upper this way (only for the active rendition), so a committer killed after its commit
+CAS leaves its time readable by the next reader, not waiting for its metadata forever.
+
+**Forget.** Deleting a collection (or rolling back or dropping a rendition) finalizes its
+shards and then retracts their registrations (``Txns.forget``, one log CAS, idempotent);
+their untidied entries are applied trivially (a finalized shard's upper is empty) and
+go with the next tidy. The catalog records the delete until this is done, so a
+controller killed in between is finished by ``recover``.
+
 **Read.** A reader of a registered shard first applies the shard's pending entries
 (``ensure_applied``), then reads the shard as usual. Readers of different shards stay
 independent. A committed transaction becomes readable at its times as soon as any

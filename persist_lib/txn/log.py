@@ -5,7 +5,13 @@ Rows are ``((shard, txn), (batch,))`` with diff +1:
 * ``(data shard, "")`` with batch ``""``: the data shard is registered (written only
   through transactions from then on);
 * ``(data shard, txn id)`` with a serialized ``HollowBatch``: a committed transaction's
-  batch for that shard that may not be applied yet; tidy retracts it (-1) once applied.
+  batch for that shard that may not be applied yet; tidy retracts it (-1) once applied;
+* ``(shard, txn id)`` with ``{"advance_to": upper}``: a committed transaction's
+  *follow-up* (``Advance``): move that shard's upper to at least ``upper`` with an empty
+  append (a collection's metadata shard, so its readers see the transaction's time
+  whoever finishes it); done once the shard's upper is there, then tidied the same way.
+
+A registration is retracted (-1) when its shard is deleted (``Txns.forget``).
 
 The log's own times are log positions (one per commit or tidy), not data times. The
 current log is its snapshot at ``upper - 1`` (``LogView``); a change is one
@@ -66,8 +72,29 @@ class Pending:
         """The part writer of ``txn`` on ``shard`` (derived, so an entry names it)."""
         return "w" + str(uuid.uuid5(uuid.UUID(txn), shard))
 
+    @property
+    def upper(self) -> Antichain:
+        """The shard's upper once this entry is applied."""
+        return self.batch.upper
+
     def row(self, diff: int) -> LogRow:
         return (((self.shard, self.txn), (json.dumps(self.batch.to_json()),)), 0, diff)
+
+
+@dataclass(frozen=True)
+class Advance:
+    """A committed transaction's follow-up: ``shard``'s upper moves to at least ``upper``
+    (an empty append; applied in any order, by anyone, any number of times)."""
+
+    shard: str
+    txn: str
+    upper: Antichain
+
+    def row(self, diff: int) -> LogRow:
+        return (((self.shard, self.txn), (json.dumps({ADVANCE: self.upper.to_json()}),)), 0, diff)
+
+
+ADVANCE = "advance_to"  # the key of a follow-up row's JSON value
 
 
 @dataclass(frozen=True)
@@ -79,6 +106,10 @@ class LogView:
     registered: frozenset[str]
     pending: tuple[Pending, ...]
     log_writers: frozenset[str]  # writers registered in the log's state at ``seqno``
+    advances: tuple[Advance, ...] = ()  # committed follow-ups not tidied yet
+
+    def advances_for(self, shard: str) -> list[Advance]:
+        return [a for a in self.advances if a.shard == shard]
 
     def pending_for(self, shard: str) -> list[Pending]:
         """The shard's pending entries in apply order (their ``lower``s chain)."""
@@ -132,6 +163,7 @@ class TxnLog:
             return LogView(0, state.seqno, frozenset(), (), writers)
         registered: set[str] = set()
         pending: list[Pending] = []
+        advances: list[Advance] = []
         for row in self._snapshot(t - 1).to_pylist():
             if row["diff"] != 1:
                 raise TxnLogCorrupt(
@@ -141,9 +173,14 @@ class TxnLog:
             if row["txn"] == REGISTERED:
                 registered.add(row["shard"])
             else:
-                batch = HollowBatch.from_json(json.loads(row["batch"]))
-                pending.append(Pending(row["shard"], row["txn"], batch))
-        self._last = LogView(t, state.seqno, frozenset(registered), tuple(pending), writers)
+                doc = json.loads(row["batch"])
+                if ADVANCE in doc:
+                    advances.append(Advance(row["shard"], row["txn"], Antichain.from_json(doc[ADVANCE])))
+                    continue
+                pending.append(Pending(row["shard"], row["txn"], HollowBatch.from_json(doc)))
+        self._last = LogView(
+            t, state.seqno, frozenset(registered), tuple(pending), writers, tuple(advances)
+        )
         return self._last
 
     def _snapshot(self, as_of: int) -> pa.Table:
@@ -185,5 +222,6 @@ class TxnLog:
                 pass
 
 
-def registration_row(shard: str) -> LogRow:
-    return (((shard, REGISTERED), ("",)), 0, 1)
+def registration_row(shard: str, diff: int = 1) -> LogRow:
+    """Registers ``shard`` (``diff`` -1: forgets it)."""
+    return (((shard, REGISTERED), ("",)), 0, diff)

@@ -9,14 +9,14 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import pyarrow.compute as pc
 
-from persist_lib.errors import ExternalError, InvalidUsage, UpperMismatch
+from persist_lib.errors import InvalidUsage, PersistError, UpperMismatch
 from persist_lib.frontier import Antichain
 from persist_lib.handles.client import PersistClient
 from persist_lib.ids import ShardId
@@ -29,7 +29,7 @@ from persist_lib.shard.machine import Machine
 from persist_lib.shard.part_writers import PartWriter
 from persist_lib.shard.state import ShardState
 from persist_lib.txn import apply as ap
-from persist_lib.txn.log import LogRow, LogView, Pending, TxnLog, registration_row
+from persist_lib.txn.log import Advance, LogRow, LogView, Pending, TxnLog, registration_row
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -127,8 +127,15 @@ class Txns:
 
     # ----- commit ---------------------------------------------------------------------
 
-    def commit(self, writes: list[ShardWrite]) -> Committed:
+    def commit(
+        self, writes: list[ShardWrite], advances: Sequence[tuple[str, Antichain]] = ()
+    ) -> Committed:
         """Commits ``writes`` atomically, iff each shard's logical upper is its ``lower``.
+
+        ``advances``: ``(shard, upper)`` follow-ups committed with it (``log.Advance``):
+        whoever applies the transaction also moves each such shard's upper to ``upper``
+        (a collection's metadata shard), so a committer that dies after the commit CAS
+        leaves nothing behind that only it could have done.
 
         Raises ``UpperMismatch`` (nothing committed, the parts deleted) if one is not,
         ``NotRegistered`` for a shard outside the log. After the commit CAS the batches
@@ -150,7 +157,7 @@ class Txns:
         except Exception:
             self.abandon(prepared)
             raise
-        return self.commit_batches(prepared, batches, view=view)
+        return self.commit_batches(prepared, batches, view=view, advances=advances)
 
     def prepare(self, shards: list[str]) -> Prepared:
         """Starts a transaction over ``shards``: registers its part writer on each (in
@@ -178,38 +185,47 @@ class Txns:
         return Prepared(txn, tuple(shards), tuple(pws))
 
     def commit_batches(
-        self, prepared: Prepared, batches: list[HollowBatch], *, view: LogView | None = None
+        self, prepared: Prepared, batches: list[HollowBatch], *, view: LogView | None = None,
+        advances: Sequence[tuple[str, Antichain]] = (),
     ) -> Committed:
         """Commits one prepared transaction whose batches (one per shard of ``prepared``,
         in its order, written under its part writers) are built already: the commit CAS
         iff every shard's logical upper is its batch's ``lower``, then apply and tidy.
         On ``UpperMismatch`` / ``NotRegistered`` nothing committed and the parts and part
-        writers are gone."""
+        writers are gone. ``advances``: as for ``commit``."""
         if len(batches) != len(prepared.shards):
             raise InvalidUsage(
                 f"transaction {prepared.txn}: {len(batches)} batches for {len(prepared.shards)} shards"
             )
         txn = prepared.txn
         entries = [Pending(s, txn, b) for s, b in zip(prepared.shards, batches, strict=True)]
+        follow = [Advance(str(ShardId.parse(sh)), txn, up) for sh, up in advances]
         try:
-            position, view = self._publish(entries, [(e.shard, e.batch.lower) for e in entries], view)
+            position, view = self._publish(entries, [(e.shard, e.batch.lower) for e in entries], view, follow)
         except (UpperMismatch, NotRegistered):
             self.abandon(prepared, batches)  # definite: the log never held it
             raise
         # The log as of our commit: the view we committed against plus our entries
         # (everything committed before ours is in it; later commits apply their own).
-        after = replace(view, upper=position + 1, seqno=-1, pending=view.pending + tuple(entries))
+        after = replace(
+            view, upper=position + 1, seqno=-1, pending=view.pending + tuple(entries),
+            advances=view.advances + tuple(follow),
+        )
         try:
-            self.ensure_applied(prepared.shards, after)
-            self._tidy_after(after, prepared.shards)
+            self.ensure_applied([*prepared.shards, *(a.shard for a in follow)], after)
+            if follow:
+                self.tidy()  # the follow-ups too (a full tidy: reads the log and the shards)
+            else:
+                self._tidy_after(after, prepared.shards)
             return Committed(txn, position, True)
-        except ExternalError as e:
+        except PersistError as e:  # committed: nothing after the CAS may report a failure
             log.warning("transaction %s committed at log position %d; applying it failed (the "
                         "next reader, writer or maintenance applies it): %s", txn, position, e)
             return Committed(txn, position, False)
 
     def _publish(
-        self, entries: list[Pending], wants: list[tuple[str, Antichain]], view: LogView | None
+        self, entries: list[Pending], wants: list[tuple[str, Antichain]], view: LogView | None,
+        follow: Sequence[Advance] = (),
     ) -> tuple[int, LogView]:
         """The commit CAS: the entries appended to the log iff every shard's logical upper
         is its batch's ``lower`` (re-checked whenever the log moved). Returns the log
@@ -223,7 +239,8 @@ class Txns:
             if not checked:
                 self._check_uppers(wants, view)
             try:
-                self.log.append([e.row(1) for e in entries], view.upper)
+                rows = [e.row(1) for e in entries] + [a.row(1) for a in follow]
+                self.log.append(rows, view.upper)
                 return view.upper, view
             except UpperMismatch:
                 view = self.log.read()  # the log moved: check again, same batches
@@ -262,27 +279,38 @@ class Txns:
 
     def ensure_applied(self, shards: Iterable[str], view: LogView | None = None) -> int:
         """Applies every committed transaction's batch for ``shards``, in order (what a
-        reader calls before reading them; shards in parallel). Returns how many this
-        call linked."""
+        reader calls before reading them; shards in parallel), and their committed
+        follow-ups (``Advance``, after the entries). Returns how many this call linked or
+        advanced."""
         view = view or self.log.read()
-        todo = [s for s in shards if view.pending_for(s)]
+        shards = list(dict.fromkeys(shards))
 
         def apply_shard(s: str) -> int:
             machine = self.client.machine(s)
             return sum(ap.apply_entry(machine, e) for e in view.pending_for(s))
 
-        return sum(_each(apply_shard, todo))
+        def advance_shard(s: str) -> int:
+            machine = self.client.machine(s)
+            return sum(ap.apply_advance(machine, a) for a in view.advances_for(s))
+
+        # Every batch first, then the follow-ups: a metadata upper never passes data
+        # that is not linked yet.
+        n = sum(_each(apply_shard, [s for s in shards if view.pending_for(s)]))
+        return n + sum(_each(advance_shard, [s for s in shards if view.advances_for(s)]))
 
     def apply_all(self) -> int:
         """Applies every pending entry of the log (maintenance)."""
         view = self.log.read()
-        return self.ensure_applied(sorted({p.shard for p in view.pending}), view)
+        shards = {p.shard for p in view.pending} | {a.shard for a in view.advances}
+        return self.ensure_applied(sorted(shards), view)
 
     def tidy(self) -> int:
-        """Retracts the log entries that are applied; returns how many it retracted."""
+        """Retracts the log entries (and follow-ups) that are applied; returns how many it
+        retracted."""
         while True:
             view = self.log.read()
-            done = [p for p in view.pending if self._is_applied(p)]
+            entries: list[Pending | Advance] = [*view.pending, *view.advances]
+            done = [p for p in entries if self._is_applied(p)]
             if not done:
                 return 0
             try:
@@ -317,8 +345,26 @@ class Txns:
             return
         self.log.allow_compaction(after.upper)
 
-    def _is_applied(self, p: Pending) -> bool:
-        return self.client.machine(p.shard).fetch_latest().upper >= p.batch.upper
+    def _is_applied(self, p: Pending | Advance) -> bool:
+        return self.client.machine(p.shard).fetch_latest().upper >= p.upper
+
+    def forget(self, shards: Iterable[str]) -> int:
+        """Retracts the registrations of ``shards`` (deleted or finalized: nothing can
+        write them again), in one log CAS; idempotent. Returns how many it retracted.
+        Their untidied entries are applied trivially (a finalized shard's upper is the
+        empty frontier) and go with the next tidy."""
+        want = {str(ShardId.parse(s)) for s in shards}
+        while True:
+            view = self.log.read()
+            gone = sorted(want & view.registered)
+            if not gone:
+                return 0
+            try:
+                self.log.append([registration_row(s, -1) for s in gone], view.upper)
+            except UpperMismatch:
+                continue
+            self.log.allow_compaction(view.upper)
+            return len(gone)
 
     # ----- recovery ---------------------------------------------------------------------
 
@@ -326,17 +372,27 @@ class Txns:
         """Releases the part writers of transactions that can never commit (their
         committer's log writer is gone from the log's state and the log holds no entry
         of theirs); the leaked-blob sweeper then collects their parts. Returns the count."""
+        registered = self.log.read().registered
+        seen: list[tuple[str, str, str]] = []  # (shard, part writer, its committer's log writer)
+        for s in sorted(registered if shards is None else set(shards)):
+            for wid, ws in self.client.machine(s).fetch_latest().writers.items():
+                owner = _log_writer_of(ws.purpose)
+                if owner is not None:
+                    seen.append((s, wid, owner))
+        if not seen:
+            return 0
+        # The log is read AFTER the part writers were seen: their committer registered its
+        # log writer before them, so it is either still in this state of the log (alive:
+        # keep) or gone for good; and a commit of theirs that landed is in it (keep). Read
+        # before, a commit landing meanwhile would lose its part writer: never applicable.
         view = self.log.read()
         named = {(p.shard, p.part_writer) for p in view.pending}
         released = 0
-        for s in sorted(view.registered if shards is None else set(shards)):
-            machine = self.client.machine(s)
-            for wid, ws in machine.fetch_latest().writers.items():
-                owner = _log_writer_of(ws.purpose)
-                if owner is None or owner in view.log_writers or (s, wid) in named:
-                    continue
-                _release(machine, wid)
-                released += 1
+        for s, wid, owner in seen:
+            if owner in view.log_writers or (s, wid) in named:
+                continue
+            _release(self.client.machine(s), wid)
+            released += 1
         return released
 
     def close(self) -> None:
