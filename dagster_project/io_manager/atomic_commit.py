@@ -26,12 +26,11 @@ from persist_lib.txn.txns import ShardWrite
 
 
 def logical_upper(w: CollectionWriter) -> int:
-    """The collection's upper including committed transactions, with its metadata upper
-    moved there: a committer killed after its commit CAS never advanced the metadata, so
-    readers (``CollectionReader.upper``, snapshots) would not see its write yet."""
+    """The collection's upper including committed transactions (a committer killed after
+    its commit CAS left its metadata move in the log as a follow-up: whoever applies the
+    transaction performs it, ``commit_with_ledger``)."""
     upper = w.upper
     assert upper.time is not None, f"collection {w.name} is closed for writes"
-    w.advance_metadata(upper)
     return upper.time
 
 
@@ -52,7 +51,12 @@ def commit_with_ledger(
 ) -> None:
     """Commits ``updates`` and ``entry`` atomically, both collections moving to ``upper``.
     Raises ``UpperMismatch`` if either collection moved since its ``lower`` was read."""
-    ctl.txns.commit([*shard_writes(data, updates, data_lower, upper), *shard_writes(ledger, entry, ledger_lower, upper)])
     hi = Antichain([upper])
-    data.advance_metadata(hi)
-    ledger.advance_metadata(hi)
+    ctl.txns.commit(
+        [*shard_writes(data, updates, data_lower, upper), *shard_writes(ledger, entry, ledger_lower, upper)],
+        advances=[*data.metadata_advances(hi), *ledger.metadata_advances(hi)],
+    )
+    # Committed: the metadata moves are follow-ups of the transaction (applied with it,
+    # by whoever applies it); a failure to do them here is not a failed write.
+    data.advance_metadata_after_commit(hi)
+    ledger.advance_metadata_after_commit(hi)
