@@ -45,19 +45,17 @@ from persist_lib.ids import ShardId
 from persist_lib.shard.codec import Schemas
 from persist_lib.storage import shard_ops
 from persist_lib.storage.catalog import Catalog, CatalogStore, Spec, default_catalog_shard
+from persist_lib.storage.describe import describe_collection, meta_timeline
 from persist_lib.storage.make_transactional import make_transactional
 from persist_lib.storage.metadata import (
     METADATA_KEY,
     METADATA_VAL,
     Handover,
     active_in,
-    timeline_from_updates,
 )
-from persist_lib.storage.readable import readable_since
 from persist_lib.storage.reader import CollectionDeleted, CollectionReader
 from persist_lib.storage.schema_evolution import (
     EVOLVING,
-    collection_schemas,
     create_with_history,
     evolve_collection,
     finish_evolution,
@@ -66,7 +64,6 @@ from persist_lib.storage.schema_evolution import (
     schemas_after_handover,
     settle,
 )
-from persist_lib.storage.status import rendition_status
 from persist_lib.storage.transactions import Transaction
 from persist_lib.storage.writer import CollectionWriter
 from persist_lib.txn.txns import Txns
@@ -464,44 +461,7 @@ class StorageController:
         ``dropping``, ``dropped``); ``active`` is true for the one whose status is
         ``active``. ``readable_since``: the earliest time a collection reader can read
         (``persist_lib.storage.readable``), not the since of any one shard."""
-        spec = self._spec(name)
-        meta = spec["metadata_shard"]
-        ms = self.client.machine(meta).fetch_latest()
-        timeline = self._history(spec, *self._meta_timeline(spec))
-        active = timeline[-1].new if timeline else None
-        renditions = {}
-        for r, info in sorted(spec["renditions"].items()):
-            if spec.get("transactional") and info["status"] == "ready":
-                self.txns.ensure_applied(info["shards"])  # show what committed
-            states = [self.client.machine(s).fetch_latest() for s in info["shards"]]
-            live = [s for s in states if s.exists and not s.tombstone]
-            renditions[r] = {
-                "schemas": rendition_schemas(spec, r).describe(),
-                "status": rendition_status(info, active=r == active),
-                "active": r == active,
-                "num_shards": len(info["shards"]),
-                "shards": info["shards"],
-                "since": max(s.since for s in live).elements if live else None,
-                "upper": min(s.upper for s in live).elements if live else None,
-                "batches": sum(len(s.batches) for s in live),
-                "updates": sum(b.len for s in live for b in s.batches.values()),
-                "bytes": sum(b.size for s in live for b in s.batches.values()),
-                "retired_at": info.get("retired_at"),
-            }
-        return {
-            "name": name,
-            "schemas": self._schemas(spec).describe(),
-            "schema_version": collection_schemas(spec).version,
-            "metadata_shard": meta,
-            "metadata_since": ms.since.elements,
-            "metadata_upper": ms.upper.elements,
-            "active_rendition": active,
-            "timeline": [{"at": h.at, "from": h.old, "to": h.new} for h in timeline],
-            "renditions": renditions,
-            "readable_since": readable_since(
-                ms.since.elements, [{"at": h.at, "to": h.new} for h in timeline], renditions
-            ),
-        }
+        return describe_collection(self, name)
 
     # ----- recovery -------------------------------------------------------------------
 
@@ -657,54 +617,7 @@ class StorageController:
 
     def _timeline(self, name: str) -> list[Handover]:
         """The handovers the metadata shard still shows (see ``_meta_timeline``)."""
-        return self._meta_timeline(self._spec(name))[0]
-
-    def _meta_timeline(self, spec: Spec) -> tuple[list[Handover], int]:
-        """The handovers in the metadata shard's history and the time ``lo`` it starts at.
-
-        History before the metadata since is compacted: the first entry is then the
-        rendition active at ``lo`` with no ``old`` (``_history`` puts back what the
-        catalog remembers). Reads through the controller's own metadata reader if it
-        has one, else through a reader expired right after (nothing is left behind).
-        """
-        meta = spec["metadata_shard"]
-        own = self._meta_readers.get(meta)
-        r = own or self.client.open_leased_reader(
-            meta, METADATA_KEY, METADATA_VAL, purpose="storage-inspect"
-        )
-        try:
-            upper = r._machine.fetch_latest().upper
-            if upper.time is None or upper.time == 0:
-                return [], 0
-            lo = min(r.since.time or 0, upper.time - 1)
-            rows: list[dict] = []
-            if lo > 0:
-                rows = [dict(x, ts=lo) for x in r.snapshot(lo).to_pylist()]
-                rows = [x for x in rows if x["diff"]]
-            rows += r.updates_between(lo + (1 if lo > 0 else 0), upper.time).to_pylist()
-            return timeline_from_updates(rows), lo
-        finally:
-            if own is None:
-                r.expire()
-
-    @staticmethod
-    def _history(spec: Spec, timeline: list[Handover], lo: int) -> list[Handover]:
-        """Every handover of the collection: the metadata shard's ``timeline`` from
-        ``lo`` on, and before it (compacted away there) what the catalog records: each
-        rendition retired at ``t <= lo`` was active until ``t`` and handed over to the
-        next one retired, the last one to the rendition active at ``lo``."""
-        if lo == 0 or not timeline or timeline[0].old is not None or timeline[0].at != lo:
-            return timeline
-        active_at_lo = timeline[0].new
-        retired = sorted(
-            (info["retired_at"], r)
-            for r, info in spec["renditions"].items()
-            if info.get("retired_at") is not None and info["retired_at"] <= lo
-        )
-        chain = [r for _, r in retired] + [active_at_lo]
-        out = [Handover(0, None, chain[0])]
-        out += [Handover(at, chain[i], chain[i + 1]) for i, (at, _) in enumerate(retired)]
-        return out + timeline[1:]
+        return meta_timeline(self, self._spec(name))[0]
 
     def _active_rendition_at_upper(self, name: str) -> str:
         """The rendition active at the latest decided time (metadata upper - 1)."""
