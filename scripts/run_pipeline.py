@@ -178,7 +178,7 @@ class Pipeline:
         from dagster_project.sensor_state import store_sensor_cursors
 
         stored = store_sensor_cursors(self.instance, self.cursors, ROOT / "workspace.yaml")
-        print("   sensor cursors saved: " + ", ".join(f"{k}={v!r}" for k, v in sorted(stored.items())))
+        print("   sensor cursors saved: " + ", ".join(f"{k}={v}" for k, v in sorted(stored.items())))
 
     def last_ingested_file(self) -> str | None:
         runs = self.instance.get_runs(
