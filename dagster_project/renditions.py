@@ -100,6 +100,11 @@ class SparkCollectionOutput(CollectionOutput):
         self.spark_appends += 1
         self.stats.written += 1
 
+    def dataframe(self, updates: pa.Table) -> Any:
+        from persist_lib.spark import spark_schema
+
+        return self._spark().createDataFrame(updates.to_pandas(), schema=spark_schema(self.schemas))
+
 
 class SparkRenditionOutputs(StorageOutputs):
     """``StorageOutputs`` of a rendition whose data/errors/state appends go through Spark."""
@@ -110,6 +115,28 @@ class SparkRenditionOutputs(StorageOutputs):
         super().__init__(ctl, name, rendition=rendition)
         self.spark = spark
         self.opened: list[SparkCollectionOutput] = []
+
+    def append_all(
+        self, txns: Any, tables: list[tuple[Any, pa.Table]], lower: int, upper: int
+    ) -> bool:
+        """A rebuild's append of every output over ``[lower, upper)``: written by Spark
+        executors and committed as ONE transaction (``persist_lib.spark.write_collections``)
+        when it is big and every output is at ``lower``; False leaves it to the in-process
+        verified append (small, or resuming where another instance wrote)."""
+        from persist_lib.spark import write_collections
+
+        outs = [(o, t) for o, t in tables if isinstance(o, SparkCollectionOutput)]
+        if (
+            upper <= lower or len(outs) != len(tables)
+            or sum(t.num_rows for _, t in outs) < SPARK_MIN_ROWS
+            or any(o.upper() != lower for o, _ in outs)
+        ):
+            return False
+        write_collections([(o.dataframe(t), o._cw) for o, t in outs], lower, upper)
+        for o, _ in outs:
+            o.spark_appends += 1
+            o.stats.written += 1
+        return True
 
     def open(self, role: str, key_schema: pa.Schema, val_schema: pa.Schema) -> Any:
         assert self.rendition is not None

@@ -479,6 +479,7 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
     from persist_lib.testing.corruption import CorruptingBlob, CorruptingConsensus
     from persist_lib.testing.faults import ScriptedConsensus
     from persist_lib.testing.history_config import HistoryConfig
+    from persist_lib.testing.txn_config import TxnHistoryConfig
     from persist_lib.testing.hooks import InterruptingBlob, InterruptingConsensus, InterruptPlan
     from persist_lib.testing.planted import (
         HeadDeletingConsensus,
@@ -574,6 +575,9 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
         ],
         "persist_lib.testing.history_config.HistoryConfig": lambda x: [
             HistoryConfig(seed=1, root=str(x.tmp), consensus_uri=x.consensus_uri, shard_id=str(x.shard))
+        ],
+        "persist_lib.testing.txn_config.TxnHistoryConfig": lambda x: [
+            TxnHistoryConfig(seed=1, root=str(x.tmp), consensus_uri=x.consensus_uri, shard_id=str(x.shard))
         ],
         # Spark specs (what executors get)
         "persist_lib.spark.write._WriteSpec": lambda x: _spark_specs(x, "write"),

@@ -195,11 +195,16 @@ def rebuild_from_raw(
                 stats["errors"] += len(errs)
                 stats["times"] += 1
             pieces = []
+            tables = {}
             for r, o in outs.items():
                 ts = [x for x in acc[r] if x.num_rows]
-                table = pa.concat_tables([x.cast(empties[r].schema) for x in ts]) if ts else empties[r]
-                pieces += o.shard_pieces(table)
-            append_atomically(txns, list(pieces), lower, upper)  # every output in one transaction
+                tables[r] = pa.concat_tables([x.cast(empties[r].schema) for x in ts]) if ts else empties[r]
+                pieces += o.shard_pieces(tables[r])
+            # Outputs that write elsewhere (Spark executors) may take the whole append; it
+            # is one transaction either way.
+            bulk = getattr(outputs, "append_all", None)
+            if bulk is None or not bulk(txns, [(outs[r], tables[r]) for r in outs], lower, upper):
+                append_atomically(txns, list(pieces), lower, upper)  # every output in one transaction
             for _, o in sorted(outs.items(), key=lambda kv: kv[0] == "data"):  # data last
                 o.committed(upper)
             if progress is not None:

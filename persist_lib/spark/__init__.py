@@ -37,7 +37,7 @@ from persist_lib.spark.read import (
 from persist_lib.spark.session import local_session
 from persist_lib.spark.types import UnsupportedSparkType, spark_schema
 from persist_lib.spark.write import SparkWriteResult, write_batch
-from persist_lib.spark.write_txn import write_collection
+from persist_lib.spark.write_txn import write_collection, write_collections
 
 __all__ = [
     "RangeSplit",
@@ -61,4 +61,5 @@ __all__ = [
     "spark_schema",
     "write_batch",
     "write_collection",
+    "write_collections",
 ]

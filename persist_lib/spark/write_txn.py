@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from persist_lib.errors import UpperMismatch
+from persist_lib.errors import InvalidUsage, UpperMismatch
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.shard.batch_meta import HollowBatch
 from persist_lib.spark._common import DEFAULT_CHUNK_BYTES
@@ -76,55 +76,100 @@ def _write_txn(
     writer: CollectionWriter,
     lower: Antichain,
     upper: Antichain,
+    **kw: Any,
+) -> SparkWriteResult:
+    return _write_jobs_txn([(df, writer)], lower, upper, **kw)[0]
+
+
+def write_collections(
+    jobs: list[tuple[Any, CollectionWriter]],
+    expected_upper: FrontierLike,
+    new_upper: FrontierLike,
+    *,
+    time: int | None = None,
+    target_part_bytes: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    cleanup_on_failure: bool = True,
+    after_upload: AfterUpload | None = None,
+) -> list[SparkWriteResult]:
+    """Several ``(df, writer)`` jobs, each writing a transactional collection (of one
+    controller) from ``expected_upper`` to ``new_upper``, committed as ONE transaction
+    over every shard of every writer: e.g. a rendition's data, errors and state built
+    together, so no reader sees one without the others. One Spark job per DataFrame,
+    then one commit; all jobs a no-op when every shard is at ``new_upper`` already."""
+    for _, w in jobs:
+        if not w.transactional:
+            raise InvalidUsage(f"collection {w.name}: write_collections needs transactional collections")
+    return _write_jobs_txn(
+        jobs, as_frontier(expected_upper, "expected_upper"), as_frontier(new_upper, "new_upper"),
+        time=time, target_part_bytes=target_part_bytes, chunk_bytes=chunk_bytes,
+        cleanup_on_failure=cleanup_on_failure, after_upload=after_upload,
+    )
+
+
+def _write_jobs_txn(
+    jobs: list[tuple[Any, CollectionWriter]],
+    lower: Antichain,
+    upper: Antichain,
     *,
     time: int | None,
     target_part_bytes: int | None,
     chunk_bytes: int,
     cleanup_on_failure: bool,
     after_upload: AfterUpload | None,
-) -> SparkWriteResult:
+) -> list[SparkWriteResult]:
     t0 = _now()
-    what = f"collection {writer.name}/{writer.rendition}"
+    writers = [w for _, w in jobs]
+    what = ", ".join(f"collection {w.name}/{w.rendition}" for w in writers)
     _check_frontiers(what, lower, upper)
-    txns = writer.txns
+    txns = writers[0].txns
     client = txns.client
-    shard_ids = writer.shard_ids
-    schemas = writer.schemas
-    df = _prepare_df(df, schemas, what, time)
+    dfs = [_prepare_df(df, w.schemas, f"collection {w.name}/{w.rendition}", time) for df, w in jobs]
     view = txns.log.read()
-    uppers = [txns.logical_upper(s, view) for s in shard_ids]
+    uppers = txns.logical_uppers([s for w in writers for s in w.shard_ids], view)
     if all(u >= upper for u in uppers):  # a retry of a job that committed: nothing to do
-        writer.advance_metadata(upper)
-        return SparkWriteResult(
-            shard_ids=shard_ids, lower=lower, upper=upper, part_writer="", rows_in=0,
-            updates=0, parts=0, bytes=0, skipped_shards=list(shard_ids), seconds=_now() - t0,
-        )
+        out = []
+        for w in writers:
+            w.advance_metadata(upper)
+            out.append(SparkWriteResult(
+                shard_ids=w.shard_ids, lower=lower, upper=upper, part_writer="", rows_in=0,
+                updates=0, parts=0, bytes=0, skipped_shards=list(w.shard_ids), seconds=_now() - t0,
+            ))
+        return out
     bad = [u for u in uppers if u != lower]
     if bad:
         raise UpperMismatch(what, lower, min(bad))
-    probe = _spec(client, shard_ids, schemas, lower, upper, target_part_bytes, chunk_bytes)
-    prepare_executors(df.sparkSession, blob_uri=probe.blob_uri)  # before any state change
-    prepared = txns.prepare(shard_ids)
-    spec = _spec(
-        client, shard_ids, schemas, lower, upper, target_part_bytes, chunk_bytes,
-        part_writers=tuple(prepared.part_writer(s) for s in shard_ids),
-    )
+    probe = _spec(client, writers[0].shard_ids, writers[0].schemas, lower, upper, target_part_bytes, chunk_bytes)
+    prepare_executors(dfs[0].sparkSession, blob_uri=probe.blob_uri)  # before any state change
+    prepared = txns.prepare([s for w in writers for s in w.shard_ids])
+    per_job: list[tuple[list[HollowBatch], int]] = []
     try:
-        per_shard, rows_in = _run_job(df, spec, after_upload, cleanup_on_failure)
+        for df, w in zip(dfs, writers, strict=True):
+            spec = _spec(
+                client, w.shard_ids, w.schemas, lower, upper, target_part_bytes, chunk_bytes,
+                part_writers=tuple(prepared.part_writer(s) for s in w.shard_ids),
+            )
+            per_shard, rows_in = _run_job(df, spec, after_upload, cleanup_on_failure)
+            per_job.append((
+                [HollowBatch(lower=lower, upper=upper, since=lower, parts=tuple(p)) for p in per_shard],
+                rows_in,
+            ))
     except BaseException:
         txns.abandon(prepared)
         raise
-    batches = [
-        HollowBatch(lower=lower, upper=upper, since=lower, parts=tuple(parts)) for parts in per_shard
-    ]
+    batches = [b for bs, _ in per_job for b in bs]
+    advances = [a for w in writers for a in w.metadata_advances(upper)]
     try:
-        committed = txns.commit_batches(prepared, batches)
+        committed = txns.commit_batches(prepared, batches, advances=advances)
     except UpperMismatch as e:  # nothing committed; the parts are deleted
         raise UpperMismatch(what, lower, e.current) from e
-    writer.advance_metadata(upper)
-    return SparkWriteResult(
-        shard_ids=shard_ids, lower=lower, upper=upper, part_writer=committed.txn,
-        rows_in=rows_in, updates=sum(b.len for b in batches),
-        parts=sum(len(b.parts) for b in batches), bytes=sum(b.size for b in batches),
-        batches=batches, seconds=_now() - t0,
-    )
+    out = []
+    for w, (bs, rows_in) in zip(writers, per_job, strict=True):
+        w.advance_metadata_after_commit(upper)
+        out.append(SparkWriteResult(
+            shard_ids=w.shard_ids, lower=lower, upper=upper, part_writer=committed.txn,
+            rows_in=rows_in, updates=sum(b.len for b in bs),
+            parts=sum(len(b.parts) for b in bs), bytes=sum(b.size for b in bs),
+            batches=bs, seconds=_now() - t0,
+        ))
+    return out

@@ -28,7 +28,7 @@ HANDOVER_COLLECTION = "a"  # the collection the handover actor moves between ren
 KILL_POINTS = ("after_commit_cas", "between_applies", "before_tidy_cas", "after_tidy_cas")
 
 
-@dataclass
+@dataclass(repr=False)  # HistoryConfig's redacting __repr__ (the URI may hold a password)
 class TxnHistoryConfig(HistoryConfig):
     """``HistoryConfig`` plus the knobs of a transactions history (``shard_id`` names the
     txn log: the one shard every transaction goes through)."""

@@ -95,8 +95,7 @@ class TxnStateMachine(RuleBasedStateMachine):
 
     @initialize()
     def setup(self) -> None:
-        name = uuid.uuid4().hex
-        self.uri = f"mem://{name}"
+        self.mem_name = uuid.uuid4().hex  # an in-memory location of this machine's own
         self.ctl = self._controller()
         for coll, n in SHARDS.items():
             self.ctl.create_collection(coll, KEY, VAL, num_shards=n, transactional=True)
@@ -105,7 +104,8 @@ class TxnStateMachine(RuleBasedStateMachine):
         self.renditions = 0
 
     def _controller(self) -> StorageController:
-        client = PersistClient.open(self.uri, self.uri, PersistConfig.for_tests())
+        where = f"mem://{self.mem_name}"
+        client = PersistClient.open(where, where, PersistConfig.for_tests())
         return StorageController(client, recover=False)
 
     def _rows(self, coll: str, count: int) -> list[tuple[str, int]]:
