@@ -479,13 +479,13 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
     from persist_lib.testing.corruption import CorruptingBlob, CorruptingConsensus
     from persist_lib.testing.faults import ScriptedConsensus
     from persist_lib.testing.history_config import HistoryConfig
-    from persist_lib.testing.txn_config import TxnHistoryConfig
     from persist_lib.testing.hooks import InterruptingBlob, InterruptingConsensus, InterruptPlan
     from persist_lib.testing.planted import (
         HeadDeletingConsensus,
         NoPkSqliteConsensus,
         NotExistsPostgresConsensus,
     )
+    from persist_lib.testing.txn_config import TxnHistoryConfig
 
     def same(b: bytes) -> bytes:
         return b
