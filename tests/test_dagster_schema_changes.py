@@ -11,49 +11,23 @@ incompatible change fails the run and changes nothing.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
 import pyarrow as pa
 import pytest
-from dagster_aws.s3 import S3Resource
 
 from dagster_project.assets import build_source_assets
-from dagster_project.definitions import build_resources, defs
-from dagster_project.resources import LandingZoneResource, PersistResource, SparkResource
+from dagster_project.definitions import defs
+from dagster_project.resources import PersistResource
 from dagster_project.sample import order_rows, write_orders_file
 from dagster_project.schema_changes import SourceSchemaChanged, SourceSchemaNeedsRendition
 from dagster_project.sources import ORDERS
 
 pytestmark = pytest.mark.dagster
+pytest_plugins = ["tests.dagster_fixtures"]
 
 V2 = pa.schema([*ORDERS.val_schema, pa.field("channel", pa.string())])
-
-
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    for var in ("PERSIST_BLOB_URI", "PERSIST_CONSENSUS_URI", "PERSIST_LANDING_URI", "SPARK_MASTER_URL"):
-        monkeypatch.delenv(var, raising=False)
-    h = tmp_path / "persist"
-    monkeypatch.setenv("PERSIST_HOME", str(h))
-    return h
-
-
-@pytest.fixture
-def resources(home: Path) -> dict[str, object]:
-    return build_resources(
-        persist=PersistResource(home=str(home)),
-        landing=LandingZoneResource(uri=str(home / "landing"), s3=S3Resource()),
-        spark=SparkResource(),
-    )
-
-
-@pytest.fixture
-def instance(tmp_path: Path) -> Iterator[dg.DagsterInstance]:
-    (tmp_path / "dagster").mkdir()
-    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster")) as inst:
-        yield inst
 
 
 def _ingest(spec: object, resources: dict[str, object], instance: dg.DagsterInstance) -> dg.ExecuteInProcessResult:

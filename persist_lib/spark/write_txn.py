@@ -67,18 +67,7 @@ def write_collection(
     )
     if not writer.transactional:
         return write_collection_shards(df, writer, expected_upper, new_upper, **kw)
-    return _write_txn(df, writer, as_frontier(expected_upper, "expected_upper"),
-                      as_frontier(new_upper, "new_upper"), **kw)
-
-
-def _write_txn(
-    df: Any,
-    writer: CollectionWriter,
-    lower: Antichain,
-    upper: Antichain,
-    **kw: Any,
-) -> SparkWriteResult:
-    return _write_jobs_txn([(df, writer)], lower, upper, **kw)[0]
+    return write_collections([(df, writer)], expected_upper, new_upper, **kw)[0]
 
 
 def write_collections(
