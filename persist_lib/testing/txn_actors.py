@@ -46,6 +46,10 @@ from persist_lib.testing.txn_config import (
     rows_table,
 )
 
+# A stale compare-and-append on an empty collection expects this far ahead of the
+# upper: no history of a few hundred operations reaches it (each moves it by 1 or 2).
+STALE_AHEAD = 1_000_000
+
 
 class KillSwitch:
     """Kills this process (SIGKILL) at an armed point of the transaction protocol."""
@@ -212,7 +216,11 @@ class TxnWriter(TxnActor):
             assert upper is not None
             lower = upper - 1 if kind == "caa_stale" and upper > 0 else upper
             if kind == "caa_stale" and lower == upper:
-                lower = upper + 1  # nothing below it yet: a lower ahead is stale too
+                # Nothing below it yet: a lower far ahead is stale too. Not just ahead by
+                # one: an insert racing this op lands at [0, 1) (inserts write at the
+                # upper), and then a lower of 1 is the upper and rightly succeeds (the
+                # SEEDS=30 soak's seed 4003 hit that).
+                lower = upper + STALE_AHEAD
             w.compare_and_append(caa_updates(oid, coll, n, lower), lower, lower + 2)
             return lower
         finally:
