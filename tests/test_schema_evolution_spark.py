@@ -20,7 +20,7 @@ from tests.test_schema_evolution import whole_trace
 from tests.test_spark_support import file_location, open_client
 
 pytest_plugins = ["tests.spark_fixtures"]
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.slow]  # ~20 s of Spark jobs: the slow tier
 
 K = pa.schema([pa.field("k", pa.int64(), nullable=False)])
 V1 = pa.schema([("a", pa.int32())])

@@ -83,6 +83,7 @@ def _four_commits(tmp_path: Path, shard: str, *, extra: bool) -> tuple[Any, str,
 
 
 @pytest.mark.spark
+@pytest.mark.slow  # ~20 s of Spark jobs; read_snapshot's default-tier tests run the same path
 def test_read_snapshot_consolidates_across_splits_with_and_without_overlap(spark: Any, tmp_path: Path) -> None:
     """Records split across splits (same (k, v) in parts of different splits, diffs
     summing to zero or not) come back once, consolidated; rows of one split only pass
