@@ -9,17 +9,14 @@ jobs they launch run in-process against a temp PERSIST_HOME.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
 import pyarrow as pa
 import pytest
-from dagster_aws.s3 import S3Resource
 
 from dagster_project.assets import SOURCE_ASSETS, persist_shard
-from dagster_project.definitions import build_resources
-from dagster_project.resources import LandingZoneResource, PersistResource, SparkResource
+from dagster_project.resources import PersistResource
 from dagster_project.sample import write_orders_file
 from jobs.maintenance import (
     compaction_job,
@@ -35,32 +32,7 @@ from sensors.compaction import build_compaction_debt_sensor
 from sensors.downstream import DOWNSTREAM_SENSORS
 
 pytestmark = pytest.mark.dagster
-
-
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    for var in ("PERSIST_BLOB_URI", "PERSIST_CONSENSUS_URI", "PERSIST_LANDING_URI"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.delenv("SPARK_MASTER_URL", raising=False)
-    h = tmp_path / "persist"
-    monkeypatch.setenv("PERSIST_HOME", str(h))
-    return h
-
-
-@pytest.fixture
-def resources(home: Path) -> dict[str, object]:
-    return build_resources(
-        persist=PersistResource(home=str(home)),
-        landing=LandingZoneResource(uri=str(home / "landing"), s3=S3Resource()),
-        spark=SparkResource(),
-    )
-
-
-@pytest.fixture
-def instance(tmp_path: Path) -> Iterator[dg.DagsterInstance]:
-    (tmp_path / "dagster").mkdir()
-    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster")) as inst:
-        yield inst
+pytest_plugins = ["tests.dagster_fixtures"]
 
 
 def evaluate(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +27,10 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from dagster_aws.s3 import S3Resource
 
 from dagster_project.assets import SOURCE_ASSETS, build_source_assets, persist_shard
-from dagster_project.definitions import build_defs, build_resources
-from dagster_project.resources import LandingZoneResource, PersistResource, SparkResource
+from dagster_project.definitions import build_defs
+from dagster_project.resources import PersistResource
 from dagster_project.sample import write_orders_file
 from dagster_project.sources import ORDERS
 from persist_lib.timefmt import iso_utc
@@ -40,35 +38,10 @@ from sensors.compaction import build_compaction_debt_sensor
 from sensors.downstream import DOWNSTREAM_SENSORS
 
 pytestmark = pytest.mark.dagster
+pytest_plugins = ["tests.dagster_fixtures"]
 
 ORDERS_ASSETS = SOURCE_ASSETS["orders"]
 RENDITION = dg.AssetKey("orders_rendition")
-
-
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    for var in ("PERSIST_BLOB_URI", "PERSIST_CONSENSUS_URI", "PERSIST_LANDING_URI"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.delenv("SPARK_MASTER_URL", raising=False)
-    h = tmp_path / "persist"
-    monkeypatch.setenv("PERSIST_HOME", str(h))
-    return h
-
-
-@pytest.fixture
-def resources(home: Path) -> dict[str, object]:
-    return build_resources(
-        persist=PersistResource(home=str(home)),
-        landing=LandingZoneResource(uri=str(home / "landing"), s3=S3Resource()),
-        spark=SparkResource(),
-    )
-
-
-@pytest.fixture
-def instance(tmp_path: Path) -> Iterator[dg.DagsterInstance]:
-    (tmp_path / "dagster").mkdir()
-    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster")) as inst:
-        yield inst
 
 
 def ingest(resources: dict[str, object], instance: dg.DagsterInstance) -> None:
