@@ -47,6 +47,7 @@ from persist_lib.shard.memory_plan import MemoryPlan, MergeStats
 from persist_lib.shard.part_fetch import DECODED_CACHE
 from persist_lib.shard.part_writers import PartWriter
 from persist_lib.shard.parts import part_blob_key
+from persist_lib.shard.range_merge import may_merge_by_ranges, plan_by_ranges
 from persist_lib.shard.runs import RunOrderViolation, RunSource, batch_runs, new_compactor_writer_id
 from persist_lib.shard.spine import CompactionRequest
 from persist_lib.shard.thread_pools import SharedPool
@@ -154,16 +155,18 @@ def _merge(
             inline_threshold=inline, executor=_upload_pool(), consolidated=True,
         )
 
+    ranged = None
+    if in_memory is not False and may_merge_by_ranges(runs_parts, sources, schemas, budget, plan):
+        # The decoded parts fit: key ranges consolidated on two threads (range_merge).
+        ranged = plan_by_ranges(blob, schemas, shard, runs_parts, since_t, stats, plan, budget)
     planned = None
-    if in_memory is not False and may_merge_in_memory(runs_parts, sources, schemas, budget, plan):
+    if ranged is None and in_memory is not False and may_merge_in_memory(runs_parts, sources, schemas, budget, plan):
         # Everything may fit: decode every part (in parallel) while the decoded bytes
         # stay within the budget, sort all rows once, and gather the output slice by
         # slice while earlier slices encode. If the parts decode larger than the budget
         # allows, the decoded data is dropped and the streaming merge runs instead.
         planned = plan_in_memory(blob, schemas, shard, runs_parts, since_t, stats, plan, budget)
-    if planned is not None:
-        source, rows, diffs = planned
-        del planned
+    if planned is not None or ranged is not None:
         stats.passes = 1
         # Parts of at most IN_MEMORY_PART_BYTES: two encode while the next is gathered,
         # the last one alone is short, and readers decode such parts in parallel.
@@ -175,11 +178,19 @@ def _merge(
         )
         merged: pa.Table | None = None
         try:
-            stats.output_rows = len(rows)
-            for lo, hi in row_slices(len(rows), source.table, part_bytes):
-                merged = gather_updates(source, rows[lo:hi], diffs[lo:hi])
-                out.add(merged)
-            del source
+            if ranged is not None:
+                for merged in ranged.tables():
+                    out.add(merged)
+                del ranged
+            else:
+                assert planned is not None
+                source, rows, diffs = planned
+                del planned
+                stats.output_rows = len(rows)
+                for lo, hi in row_slices(len(rows), source.table, part_bytes):
+                    merged = gather_updates(source, rows[lo:hi], diffs[lo:hi])
+                    out.add(merged)
+                del source
             batch = out.finish(upper, since)
         except BaseException:
             out.abort()
