@@ -41,15 +41,19 @@ from persist_lib.shard.sorted_checks import sorted_ties
 _STEP = 1 << 20
 
 
-def _int_order(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _int_order(vals: np.ndarray, ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The permutation sorting an integer array, and ``same`` (``same[i]``: sorted
     values ``i`` and ``i + 1`` are equal). When ``(max - min) * n`` fits 62 bits the
     values and indices are packed into one int64 and sorted by value (numpy's SIMD
-    sort): the sorted values come out of the packed array, without a gather."""
+    sort): the sorted values come out of the packed array, without a gather.
+
+    ``ids``: what to return in place of the positions (e.g. the row ids ``vals`` were
+    gathered at; non-negative, ascending), so the caller needs no gather ``ids[perm]``."""
     n = len(vals)
     if n > 1 << 10:
         mn = int(vals.min())
-        shift = max(1, int(n - 1).bit_length())
+        top = n if ids is None else int(ids[-1]) + 1
+        shift = max(1, int(top - 1).bit_length())
         if int(vals.max()) - mn < (1 << (62 - shift)):
             if vals.dtype == np.uint64:
                 packed = (vals - np.uint64(mn)).astype(np.int64)
@@ -58,7 +62,9 @@ def _int_order(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
                 packed -= np.int64(mn)
             packed <<= shift
             for lo in range(0, n, _STEP):  # temporaries of _STEP rows, not of n
-                packed[lo : lo + _STEP] |= np.arange(lo, min(n, lo + _STEP), dtype=np.int64)
+                packed[lo : lo + _STEP] |= (
+                    np.arange(lo, min(n, lo + _STEP), dtype=np.int64) if ids is None else ids[lo : lo + _STEP]
+                )
             packed = sort_int64(packed)
             same = np.empty(n - 1, dtype=bool)
             for lo in range(0, n - 1, _STEP):
@@ -68,7 +74,7 @@ def _int_order(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             return packed, same
     perm = np.argsort(vals)
     sv = vals[perm]
-    return perm, sv[1:] == sv[:-1]
+    return (perm if ids is None else ids[perm]), sv[1:] == sv[:-1]
 
 
 def _flat_int_values(col: pa.ChunkedArray) -> np.ndarray | None:
@@ -267,8 +273,7 @@ def _plan_range(
     cols: list[pa.ChunkedArray], ranges: KeyRanges, rows: np.ndarray, take: TakeFn | None, d: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """``consolidation_plan``'s result for the rows of one key range."""
-    local, same = ranges.order(rows)
-    order, dup = _break_ties(cols, rows[local], same, take)
+    order, dup = _break_ties(cols, *ranges.order(rows), take)
     return _summed(order, dup, d)
 
 
@@ -280,7 +285,8 @@ class KeyRanges:
     """The rows of a table in ranges of its leading column, in key order: every row of a
     range sorts before every row of the next one (all rows of one leading value fall in
     one range, all nulls in the first). ``rows[i]``: range ``i``'s row ids, ascending;
-    ``order(rows)``: ``_int_order``'s result for those rows by the leading column alone."""
+    ``order(rows)``: ``rows`` sorted by the leading column alone, and which neighbours
+    tie on it (``_int_order``'s ``same``)."""
 
     rows: list[np.ndarray]
     order: LocalOrder
@@ -308,7 +314,7 @@ def split_key_ranges(col: pa.Array | pa.ChunkedArray, k: int) -> KeyRanges | Non
         ints = vals
 
         def order(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            return _int_order(ints[rows])
+            return _int_order(ints[rows], rows)
 
     else:
         c = comparable(col)  # Arrow's comparisons of it are persist's order
@@ -325,7 +331,8 @@ def split_key_ranges(col: pa.Array | pa.ChunkedArray, k: int) -> KeyRanges | Non
             ids = above if ids is None else ids + above
 
         def order(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            return _first_column_order(as_chunked(col.take(pa.array(rows))), len(rows))
+            local, same = _first_column_order(as_chunked(col.take(pa.array(rows))), len(rows))
+            return rows[local], same
 
     if ids is None:
         return KeyRanges([np.arange(n, dtype=np.int64)], order)
@@ -402,7 +409,14 @@ def _summed(order: np.ndarray, dup: np.ndarray, d: np.ndarray) -> tuple[np.ndarr
 def gather_updates(table: pa.Table | RowSource, rows: np.ndarray, diffs: np.ndarray) -> pa.Table:
     """``table``'s ``rows`` with ``diffs`` as their diffs (one chunk per column); a
     ``RowSource`` when gathering several slices of one table."""
-    out = table.take(rows) if isinstance(table, RowSource) else take_rows(table, rows)
+    if isinstance(table, RowSource):  # (the old diffs are not gathered)
+        schema = table.table.schema
+        di = schema.get_field_index(D_COL)
+        cols = [
+            pa.array(diffs, pa.int64()) if i == di else table.take_column(i, rows) for i in range(len(schema))
+        ]
+        return pa.Table.from_arrays(cols, schema=schema)
+    out = take_rows(table, rows)
     schema = out.schema
     di = schema.get_field_index(D_COL)
     return out.set_column(di, schema.field(di), pa.array(diffs, pa.int64()))
