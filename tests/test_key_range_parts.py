@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from persist_lib import PersistClient, PersistConfig, ShardId
 from persist_lib.errors import CorruptionError
+from persist_lib.frontier import Antichain
 from persist_lib.shard.batch_meta import HollowBatch
 from persist_lib.shard.codec import Schemas
 from persist_lib.shard.consolidate import RangeConsolidation, consolidate, split_key_ranges
@@ -42,12 +43,12 @@ KEY_TYPES: dict[str, pa.Schema] = {
 }
 
 
-def client(*, key_ranges: bool, budget: int = 256 << 20) -> PersistClient:
+def client(*, key_ranges: bool, budget: int = 256 << 20, target: int = 16 << 10) -> PersistClient:
     name = uuid.uuid4().hex
     cfg = PersistConfig.for_tests(
         inline_threshold=0,
         inline_append_threshold=0,
-        blob_target_size=16 << 10,  # many small key ranges
+        blob_target_size=target,  # many small key ranges
         # The old way: every bulk part unsorted; the new: every chunk cut by key ranges.
         unsorted_min_bytes=None if key_ranges else 0,
         key_range_min_bytes=0 if key_ranges else None,
@@ -109,36 +110,40 @@ def write_batches(c: PersistClient, kind: str, tables: list[pa.Table]) -> tuple[
     return w, r, [b for _, b in state.trace_batches()]
 
 
-row_st = st.tuples(
-    st.one_of(st.none(), st.integers(0, 120)),  # keys: duplicates and nulls
-    st.integers(0, 9),
-    st.integers(0, 1),  # time within the batch's two
-    st.sampled_from([1, 1, 2, -1, -2]),  # retractions
-)
-
-
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     kind=st.sampled_from(list(KEY_TYPES)),
-    batches=st.lists(st.lists(row_st, min_size=0, max_size=400), min_size=1, max_size=3),
-    data=st.data(),
+    sizes=st.lists(st.integers(0, 600), min_size=1, max_size=3),
+    distinct=st.sampled_from([1, 3, 40, 120]),  # few keys: many duplicates
+    null_rate=st.sampled_from([0.0, 0.0, 0.05, 0.5]),
+    cancel=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
 )
 def test_key_range_writes_read_back_as_the_old_path_at_every_as_of(
-    kind: str, batches: list[list[tuple[int | None, int, int, int]]], data: st.DataObject
+    kind: str, sizes: list[int], distinct: int, null_rate: float, cancel: bool, seed: int
 ) -> None:
-    # Some batches repeat their rows negated: updates that cancel.
+    rng = np.random.default_rng(seed)
     tables = []
-    for i, rows in enumerate(batches):
-        rows = [(x, v, 2 * i + t, d) for x, v, t, d in rows]
-        if data.draw(st.booleans()):
-            rows = rows + [(x, v, t, -d) for x, v, t, d in rows[: len(rows) // 2]]
+    for i, n in enumerate(sizes):
+        keys = rng.integers(0, distinct, n)
+        rows: list[tuple[int | None, int, int, int]] = [
+            (None if rng.random() < null_rate else int(x), int(rng.integers(0, 10)), 2 * i + int(rng.integers(0, 2)),
+             int(rng.choice([1, 1, 2, -1, -2])))
+            for x in keys
+        ]
+        if cancel:  # retractions of half the rows: updates that cancel out
+            rows += [(x, v, t, -d) for x, v, t, d in rows[: n // 2]]
         tables.append(table_of(kind, rows))
-    new, old = client(key_ranges=True), client(key_ranges=False)
+    new, old = client(key_ranges=True, target=2 << 10), client(key_ranges=False, target=2 << 10)
     _, r_new, b_new = write_batches(new, kind, tables)
     _, r_old, _ = write_batches(old, kind, tables)
     schemas = Schemas(KEY_TYPES[kind], VAL)
     for b in b_new:
         assert all(p.sorted for p in b.parts)
+        t = next(t for i, t in enumerate(tables) if b.lower == Antichain([2 * i]))
+        leading = t.column("k")
+        if len(set(leading.to_pylist())) >= 20 and sum(p.count for p in b.parts) >= 100:
+            assert len(b.parts) >= 2  # (the chunk was cut into key ranges)
         if len(b.parts) > 1 and kind != "float":
             # One batch's key ranges chain into one run (string bounds are short here).
             assert len(chain_disjoint_runs(batch_runs(b), schemas)) == 1
