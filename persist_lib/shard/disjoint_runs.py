@@ -26,8 +26,11 @@ from typing import Any
 
 import pyarrow as pa
 
+from persist_lib.errors import BlobNotFound
+from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import KEY_PREFIX, Schemas
+from persist_lib.shard.part_index import group_stats, open_footer
 from persist_lib.shard.stats import ColumnStats
 
 # A bound as compared here: ``(0,)`` is a null (below every value), ``(1, value)`` a value.
@@ -122,3 +125,45 @@ def chain_disjoint_runs(runs: list[list[PartMeta]], schemas: Schemas) -> list[li
         else:
             chains.append((hi, list(run)))
     return [parts for _, parts in chains] + rest
+
+
+def _footer_bounds(blob: Blob, p: PartMeta, schemas: Schemas, shard: str) -> tuple[Bound, Bound] | None:
+    """A part's smallest and largest leading key from the row-group statistics of its
+    verified footer (indexed parts: ``part_index``); None when it has no footer or they
+    don't say."""
+    if p.footer is None or p.key is None or p.inline is not None or not 0 < p.footer[0] <= p.size:
+        return None
+    footer = blob.get_range(p.key, p.size - p.footer[0], p.size)
+    if footer is None:
+        raise BlobNotFound(f"shard {shard}: part {p.key} is missing from blob")
+    opened = open_footer(footer, p.size, p.footer, shard=shard, key=p.key)
+    column = KEY_PREFIX + schemas.key.field(0).name
+    lo: Bound | None = None
+    hi: Bound | None = None
+    for i in range(opened.num_groups):
+        s = group_stats(opened, i, [column])[1].get(column)
+        if s is None:
+            return None
+        if s.lo is None or s.hi is None:
+            glo, ghi = _NULL, _NULL
+        else:
+            glo, ghi = (_NULL if s.nulls else (1, s.lo)), (1, s.hi)
+        lo = glo if lo is None else min(lo, glo)
+        hi = ghi if hi is None else max(hi, ghi)
+    return None if lo is None or hi is None else (lo, hi)
+
+
+def footers_confirm_chain(blob: Blob, parts: list[PartMeta], schemas: Schemas, shard: str) -> bool | None:
+    """Whether the verified footers of a chain's parts (``chain_disjoint_runs``) agree
+    that each part's leading keys lie below the next part's: True, False (a recorded
+    range lied), or None when some part has no footer statistics to tell. A streamed
+    read asks before handing out any row, since after that a lie can only stop it."""
+    prev: Bound | None = None
+    for p in parts:
+        b = _footer_bounds(blob, p, schemas, shard)
+        if b is None:
+            return None
+        if prev is not None and not prev < b[0]:
+            return False
+        prev = b[1]
+    return True
