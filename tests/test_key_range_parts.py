@@ -101,6 +101,19 @@ def as_counter(t: pa.Table) -> Counter[tuple[Any, ...]]:
     return c
 
 
+def bulk(keys: Any, *, v: Any = None, diff: Any = None, seed: int = 0) -> pa.Table:
+    """A user-layout table at time 0 of these keys: value ``v`` (default "v"), a random
+    ``n`` in 0..2 and diffs ``diff`` (default 1)."""
+    n = len(keys)
+    return pa.table({
+        "k": pa.array(keys),
+        "v": pa.array(["v"] * n if v is None else v),
+        "n": pa.array(np.random.default_rng(seed).integers(0, 3, n)),
+        "ts": pa.array(np.zeros(n, dtype=np.int64)),
+        "diff": pa.array(np.ones(n, dtype=np.int64) if diff is None else diff),
+    })
+
+
 def write_batches(c: PersistClient, kind: str, tables: list[pa.Table]) -> tuple[Any, Any, list[HollowBatch]]:
     shard = ShardId.new()
     w, r = c.open(shard, KEY_TYPES[kind], VAL)
@@ -161,13 +174,7 @@ def test_a_bulk_chunk_becomes_disjoint_sorted_parts_read_as_one_run() -> None:
     c = client(key_ranges=True)
     rng = np.random.default_rng(4)
     n = 20_000
-    t = pa.table({
-        "k": pa.array(rng.integers(0, 5_000, n)),
-        "v": pa.array([f"v{i % 13}" for i in range(n)]),
-        "n": pa.array(rng.integers(0, 3, n)),
-        "ts": pa.array(np.zeros(n, dtype=np.int64)),
-        "diff": pa.array(np.ones(n, dtype=np.int64)),
-    })
+    t = bulk(rng.integers(0, 5_000, n), v=[f"v{i % 13}" for i in range(n)])
     w, r, (b,) = write_batches(c, "int", [t])
     assert len(b.parts) >= 8 and all(p.sorted for p in b.parts)
     bounds = sorted((s[1], s[2]) for p in b.parts for s in p.stats or () if s[0] == "k.k")
@@ -185,13 +192,7 @@ def test_a_streamed_read_takes_the_key_ranges_one_after_another() -> None:
     c = client(key_ranges=True, budget=1 << 20)
     rng = np.random.default_rng(5)
     n = 120_000
-    t = pa.table({
-        "k": pa.array([f"user{x:07d}" for x in rng.integers(0, 10**6, n)]),
-        "v": pa.array(["x"] * n),
-        "n": pa.array(rng.integers(0, 2, n)),
-        "ts": pa.array(np.zeros(n, dtype=np.int64)),
-        "diff": pa.array(np.ones(n, dtype=np.int64)),
-    })
+    t = bulk([f"user{x:07d}" for x in rng.integers(0, 10**6, n)], v=["x"] * n)
     w, r, (b,) = write_batches(c, "str", [t])
     assert len(b.parts) > 10
     with r.snapshot_batches(0) as s:
@@ -217,13 +218,7 @@ def test_lying_key_ranges_fall_back_to_the_merge() -> None:
     c = client(key_ranges=True)
     rng = np.random.default_rng(6)
     n = 5_000
-    t = pa.table({
-        "k": pa.array(rng.integers(0, 1_000, n)),
-        "v": pa.array(["a"] * n),
-        "n": pa.array(rng.integers(0, 3, n)),
-        "ts": pa.array(np.zeros(n, dtype=np.int64)),
-        "diff": pa.array(rng.choice([1, -1, 2], n)),
-    })
+    t = bulk(rng.integers(0, 1_000, n), v=["a"] * n, diff=rng.choice([1, -1, 2], n))
     w, r = c.open(ShardId.new(), KEY_TYPES["int"], VAL)
     b = w.builder(0)
     b.add(w.normalize(t))
@@ -277,13 +272,7 @@ def test_lying_key_ranges_in_a_streamed_read_never_return_wrong_rows(indexed: bo
     c = client(key_ranges=True, budget=1 << 20, target=64 << 10)
     rng = np.random.default_rng(9)
     n = 60_000
-    t = pa.table({
-        "k": pa.array(rng.integers(0, 10**6, n)),
-        "v": pa.array(["v"] * n),
-        "n": pa.array(rng.integers(0, 3, n)),
-        "ts": pa.array(np.zeros(n, dtype=np.int64)),
-        "diff": pa.array(np.ones(n, dtype=np.int64)),
-    })
+    t = bulk(rng.integers(0, 10**6, n))
     w, r = c.open(ShardId.new(), KEY_TYPES["int"], VAL)
     b = w.builder(0)
     b.add(w.normalize(t))
@@ -311,13 +300,7 @@ def test_corrupt_key_range_part_is_detected(budget: int) -> None:
     c = client(key_ranges=True, budget=budget)
     n = 60_000
     rng = np.random.default_rng(8)
-    t = pa.table({
-        "k": pa.array(rng.integers(0, 10**6, n)),
-        "v": pa.array(["v"] * n),
-        "n": pa.array(rng.integers(0, 3, n)),
-        "ts": pa.array(np.zeros(n, dtype=np.int64)),
-        "diff": pa.array(np.ones(n, dtype=np.int64)),
-    })
+    t = bulk(rng.integers(0, 10**6, n))
     w, r, (b,) = write_batches(c, "int", [t])
     victim = b.parts[len(b.parts) // 2]
     assert victim.key is not None

@@ -31,7 +31,7 @@ from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import KEY_PREFIX, Schemas
 from persist_lib.shard.part_index import group_stats, open_footer
-from persist_lib.shard.stats import ColumnStats
+from persist_lib.shard.stats import ColumnStats, stats_type_ok
 
 # A bound as compared here: ``(0,)`` is a null (below every value), ``(1, value)`` a value.
 Bound = tuple[Any, ...]
@@ -39,17 +39,9 @@ _NULL: Bound = (0,)
 
 
 def chainable_type(t: pa.DataType) -> bool:
-    """Whether a leading key column of type ``t`` can chain by its recorded bounds."""
-    return (
-        pa.types.is_integer(t)
-        or pa.types.is_string(t)
-        or pa.types.is_large_string(t)
-        or pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_date(t)
-        or pa.types.is_timestamp(t)
-        or pa.types.is_time(t)
-    )
+    """Whether a leading key column of type ``t`` can chain by its recorded bounds: the
+    types with statistics (``stats.stats_type_ok``) but floats and booleans."""
+    return stats_type_ok(t) and not (pa.types.is_floating(t) or pa.types.is_boolean(t))
 
 
 def _python_type(t: pa.DataType) -> type:
