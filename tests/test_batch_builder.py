@@ -313,6 +313,9 @@ def test_bad_arguments() -> None:
         BatchBuilder(fresh_blob(), S, shard="s1", writer="w1", lower=0, target_part_bytes=0)
     with pytest.raises(InvalidUsage, match="max_inflight_uploads"):
         BatchBuilder(fresh_blob(), S, shard="s1", writer="w1", lower=0, max_inflight_uploads=0)
+    for bad in (-1, 1.5, "4MiB", True):
+        with pytest.raises(InvalidUsage, match="key_range_min_bytes"):
+            BatchBuilder(fresh_blob(), S, shard="s1", writer="w1", lower=0, key_range_min_bytes=bad)  # type: ignore[arg-type]
 
 
 # ----- key-range parts (issue 28) ----------------------------------------------------------

@@ -116,6 +116,13 @@ class BatchBuilder:
             raise InvalidUsage(
                 f"shard {shard}: max_inflight_uploads must be >= 1, got {max_inflight_uploads}"
             )
+        if key_range_min_bytes is not None and (
+            isinstance(key_range_min_bytes, bool) or not isinstance(key_range_min_bytes, int) or key_range_min_bytes < 0
+        ):
+            raise InvalidUsage(
+                f"shard {shard}: key_range_min_bytes must be None or an int >= 0 (Arrow bytes), "
+                f"got {key_range_min_bytes!r}"
+            )
         self.blob = blob
         self.schemas = schemas
         self.shard = shard
