@@ -1,7 +1,8 @@
 """2. Bulk append: one table of 5M updates (quick: 1M), MB/s of Arrow data.
 
 persist: one ``compare_and_append`` with the default 128 MiB target parts (the batch
-builder sorts and consolidates each part, encodes Parquet/zstd, SHA-256s and fsyncs it),
+builder cuts the chunk at sampled key quantiles into ranges, sorts and consolidates each
+range on its own upload thread, encodes Parquet/zstd, SHA-256s and fsyncs it),
 and the same through ``WriteHandle.builder`` fed in 1M-row chunks.
 Anchors: delta-rs ``write_deltalake`` of the same table into a new table, and raw
 ``pyarrow.parquet.write_table(table, path, compression="zstd")`` (the limit: Parquet

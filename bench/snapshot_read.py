@@ -1,10 +1,11 @@
 """8. Snapshot read: MB/s of Arrow a full read of a table returns (median of 3).
 
 The same 1M updates (full: 5M), written once by each side:
-- persist: one ``compare_and_append`` (bulk parts as the writer stored them: unsorted
-  parts since issue 14), read with ``ReadHandle.snapshot(as_of)`` — every part fetched,
-  its SHA-256 verified, decoded, and the whole consolidated (summed diffs per
-  ``(k, v, t)``); then the same after ``client.compact`` (one sorted, consolidated run);
+- persist: one ``compare_and_append`` (bulk parts as the writer stored them: sorted parts
+  of disjoint key ranges since issue 28's session 14, unsorted parts before), read with
+  ``ReadHandle.snapshot(as_of)`` — every part fetched, its SHA-256 verified, decoded, and
+  consolidated (key-range parts chain into one run: a linear neighbour check; unsorted
+  parts: one sort); then the same after ``client.compact`` (one sorted, consolidated run);
 - delta-rs: ``write_deltalake`` then ``DeltaTable(path).to_pyarrow_table()``;
 - raw: ``pq.write_table`` (zstd) then ``pq.read_table`` of that one file (the limit:
   decoding alone, no checksum, no consolidation).

@@ -38,6 +38,12 @@ class PersistConfig:
     # Parts of at least this many Arrow bytes are written unsorted (the compactor sorts
     # them); None: every part is sorted on write (batch_builder.py).
     unsorted_min_bytes: int | None = 8 * MiB
+    # A write handle's chunk (one ``compare_and_append`` table, one builder ``add``) of at
+    # least this many Arrow bytes is cut at sampled leading-key quantiles into sorted
+    # parts of disjoint key ranges, each sorted on its own upload thread, so that a
+    # snapshot reads them as one sorted run (batch_builder.py); None: such a chunk is cut
+    # in row order (and its parts left unsorted past ``unsorted_min_bytes``).
+    key_range_min_bytes: int | None = 4 * MiB
     # State.
     rollup_interval: int = 128  # write a rollup every ~this many seqnos
     rollup_in_background: bool = True  # off the committing writer's path (tests: inline)

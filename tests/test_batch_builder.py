@@ -313,3 +313,66 @@ def test_bad_arguments() -> None:
         BatchBuilder(fresh_blob(), S, shard="s1", writer="w1", lower=0, target_part_bytes=0)
     with pytest.raises(InvalidUsage, match="max_inflight_uploads"):
         BatchBuilder(fresh_blob(), S, shard="s1", writer="w1", lower=0, max_inflight_uploads=0)
+    for bad in (-1, 1.5, "4MiB", True):
+        with pytest.raises(InvalidUsage, match="key_range_min_bytes"):
+            BatchBuilder(fresh_blob(), S, shard="s1", writer="w1", lower=0, key_range_min_bytes=bad)  # type: ignore[arg-type]
+
+
+# ----- key-range parts (issue 28) ----------------------------------------------------------
+
+
+def test_key_range_parts_equal_the_consolidated_input_and_are_disjoint() -> None:
+    """A chunk past ``key_range_min_bytes`` becomes sorted parts of disjoint ``id``
+    ranges, at most two uploads in flight, whose rows are ``consolidate`` of the input;
+    a small chunk buffered before it is flushed as a part of its own first."""
+    blob = SlowBlob(delay=0.01)
+    small, big = updates(300, seed=1), updates(40_000, seed=2)
+    b = BatchBuilder(blob, S, shard="s1", writer="w1", lower=0, target_part_bytes=TARGET,
+                     key_range_min_bytes=TARGET)
+    b.add(small)
+    assert small.nbytes < TARGET <= big.nbytes
+    b.add(big)
+    batch = b.finish(10)
+    assert blob.max_active <= 2
+    first, *ranges = batch.parts
+    assert first.count == consolidate(small).num_rows
+    assert len(ranges) >= 10 and all(p.sorted for p in ranges)
+    bounds = [next((lo, hi) for c, lo, hi, _ in p.stats or () if c == "k.id") for p in ranges]
+    assert all(a[1] < b_[0] for a, b_ in zip(bounds, bounds[1:], strict=False))  # in key order
+    got = pa.concat_tables([fetch_part(blob, p, S, "s1") for p in ranges])
+    assert got.equals(consolidate(big))
+    assert sorted(keys(blob)) == sorted(batch.blob_keys())
+
+
+def test_a_failed_key_range_upload_deletes_every_part() -> None:
+    blob = SlowBlob(delay=0.002, fail_on=4)
+    b = BatchBuilder(blob, S, shard="s1", writer="w1", lower=0, target_part_bytes=TARGET,
+                     key_range_min_bytes=0)
+    with pytest.raises(Determinate, match="injected failure of set #4"):
+        b.add(updates(40_000))
+        b.finish(10)
+    assert keys(blob) == []
+
+
+def test_a_leading_key_without_a_flat_order_is_cut_in_row_order() -> None:
+    """Struct keys can't be cut into key ranges: the chunk is cut in row order as before
+    (here unsorted parts past ``unsorted_min_bytes``), and nothing is lost."""
+    schemas = Schemas.create(pa.schema([("k", pa.struct([("a", pa.int64())]))]), pa.schema([("v", pa.int64())]))
+    n = 30_000
+    rng = np.random.default_rng(3)
+    t = normalize_updates(
+        pa.table({
+            "k": pa.array([{"a": int(x)} for x in rng.integers(0, 1000, n)]),
+            "v": pa.array(rng.integers(0, 5, n)),
+            "ts": pa.array(np.zeros(n, dtype=np.int64)),
+            "diff": pa.array(np.ones(n, dtype=np.int64)),
+        }),
+        schemas,
+        shard="s1",
+    )
+    blob = fresh_blob()
+    batch = build_batch(blob, schemas, t, shard="s1", writer="w1", lower=0, upper=1,
+                        target_part_bytes=TARGET, key_range_min_bytes=0, unsorted_min_bytes=1)
+    assert len(batch.parts) > 1 and not any(p.sorted for p in batch.parts)
+    got = consolidate(pa.concat_tables([fetch_part(blob, p, schemas, "s1") for p in batch.parts]))
+    assert got.equals(consolidate(t))

@@ -90,7 +90,18 @@ def test_chain_disjoint_runs_rules() -> None:
     assert chain_disjoint_runs([[a], [b], [c], [d]], schemas) == [[a, b], [c, d]]
     # Equal bounds at the seam are not disjoint (rows with that key may interleave).
     assert chain_disjoint_runs([[_part(0, 10)], [_part(10, 20)]], schemas) == [[_part(0, 10)], [_part(10, 20)]]
-    # Unsorted parts, nulls and parts without statistics are left alone.
-    u, n = _part(100, 110, sorted=False), _part(200, 210, nulls=1)
+    # Unsorted parts and parts without statistics are left alone.
+    u = _part(100, 110, sorted=False)
     no_stats = dataclasses.replace(_part(300, 310), stats=None)
-    assert chain_disjoint_runs([[a], [u], [n], [no_stats], [d]], schemas) == [[a, d], [u], [n], [no_stats]]
+    assert chain_disjoint_runs([[a], [u], [no_stats], [d]], schemas) == [[a, d], [u], [no_stats]]
+    # Null keys sort first: a run holding some starts a chain (its smallest key is below
+    # every value), here before the run of keys 300..310, not after 0..9 (overlap).
+    n = _part(200, 210, nulls=1)
+    assert chain_disjoint_runs([[a], [n], [_part(300, 310)]], schemas) == [[n, _part(300, 310)], [a]]
+    # Two runs with nulls never chain; a run of nulls only chains before any run without.
+    only_nulls = dataclasses.replace(_part(0, 0), stats=(("k.id", None, None, 5),))
+    assert chain_disjoint_runs([[n], [only_nulls]], schemas) == [[only_nulls], [n]]
+    assert chain_disjoint_runs([[d], [only_nulls]], schemas) == [[only_nulls, d]]
+    # A damaged record (a bound of the wrong type) is no bound: left alone, no error.
+    bad = dataclasses.replace(_part(0, 0), stats=(("k.id", "x", 5, 0),))
+    assert chain_disjoint_runs([[bad], [d]], schemas) == [[d], [bad]]

@@ -19,6 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from persist_lib.errors import BlobNotFound
 from persist_lib.frontier import check_time
 from persist_lib.handles.batch_stream import BatchStream
 from persist_lib.handles.leased_reader import LeasedReader
@@ -37,7 +38,7 @@ from persist_lib.shard import state as st
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import to_user_table
 from persist_lib.shard.consolidate import consolidate, consolidate_sorted
-from persist_lib.shard.disjoint_runs import chain_disjoint_runs
+from persist_lib.shard.disjoint_runs import chain_disjoint_runs, footers_confirm_chain
 from persist_lib.shard.kway_merge import FEW_RUNS, merges_linearly
 from persist_lib.shard.memory_plan import MergeStats
 from persist_lib.shard.ranged_fetch import fetch_part_groups
@@ -142,7 +143,9 @@ class SnapshotReader(LeasedReader):
             for run in batch_runs(b)
         ]
         # Runs whose statistics prove disjoint key ranges read as one (``disjoint_runs``).
-        runs = chain_disjoint_runs([run for run in runs if run], self.schemas)
+        listed = [run for run in runs if run]
+        runs = chain_disjoint_runs(listed, self.schemas)
+        chained = len(runs) < len(listed)  # (some runs' order rests on recorded ranges)
         parts = [p for run in runs for p in run]
         linear = merges_linearly(self.schemas)
 
@@ -171,17 +174,22 @@ class SnapshotReader(LeasedReader):
         elif one_sorted_run and sorted_run_stream_bytes(
             [decoded_bytes(p, self.schemas) for p in parts], [p.count for p in parts]
         ) <= budget:
-            # Larger than the budget whole: streamed part by part, still linear.
-            try:
-                for t in self._guard_missing(stream_sorted_run(parts, as_of, fetch, shard)):
-                    t = pd.filter_data(t)
-                    stats.output_rows += t.num_rows
-                    if t.num_rows:
-                        yield t
-                stats.runs += 1
-                return
-            except RunOrderViolation:  # (raised before any row was yielded)
+            # Larger than the budget whole: streamed part by part, still linear. A chain's
+            # order is first checked against its parts' verified footers where they have
+            # them: once rows are handed out, a lying range could only stop the read.
+            if chained and not self._footers_allow(parts):
                 runs = [[p] for p in parts]
+            else:
+                try:
+                    for t in self._guard_missing(stream_sorted_run(parts, as_of, fetch, shard)):
+                        t = pd.filter_data(t)
+                        stats.output_rows += t.num_rows
+                        if t.num_rows:
+                            yield t
+                    stats.runs += 1
+                    return
+                except RunOrderViolation:  # (raised before any row was yielded)
+                    runs = [[p] for p in parts]
         if whole_read_bytes(parts, self.schemas, beyond_result=result_held) <= budget:
             stats.runs += len(runs)
             if all(p.sorted for p in parts) and 1 <= len(runs) <= MERGE_DECODED_MAX_RUNS and linear:
@@ -211,6 +219,15 @@ class SnapshotReader(LeasedReader):
             )
         )
         yield from (f for f in (pd.filter_data(t) for t in streamed) if f.num_rows)
+
+    def _footers_allow(self, parts: list[PartMeta]) -> bool:
+        """Whether a chain may be streamed: False when its parts' verified footers
+        contradict the recorded key ranges it was chained by (``disjoint_runs``)."""
+        try:
+            return footers_confirm_chain(self._client.blob, parts, self.schemas, self.shard_id) is not False
+        except BlobNotFound:
+            self._blob_missing()
+            raise
 
     def _range_tables(
         self, state: st.ShardState, lower: int, upper: int | None, budget: int, *, sort_by_time: bool,

@@ -154,6 +154,7 @@ class WriteHandle:
             inline_threshold=self._inline_threshold(),
             executor=self._client.upload_executor(),
             unsorted_min_bytes=cfg.unsorted_min_bytes,
+            key_range_min_bytes=cfg.key_range_min_bytes,
         )
 
     def normalize(self, updates: Any) -> CheckedUpdates:
@@ -285,6 +286,7 @@ class WriteHandle:
             inline_threshold=self._inline_threshold(),
             executor=self._client.upload_executor(),
             unsorted_min_bytes=cfg.unsorted_min_bytes,
+            key_range_min_bytes=cfg.key_range_min_bytes,
         )
 
     def _commit_or_delete(

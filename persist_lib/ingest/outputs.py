@@ -221,6 +221,7 @@ class ShardOutput:
             return
         b = self._w.builder(lo)
         b.unsorted_min_bytes = self.unsorted_min_bytes  # (the builder reads it per part)
+        b.key_range_min_bytes = None  # unsorted as asked, not sorted by key ranges
         try:
             b.add(self._w.normalize(part))
             batch = b.finish(upper)

@@ -17,6 +17,15 @@ the writer's path to the compactor, which sorts such a part when it loads it. Re
 consolidate across parts either way. Small parts stay sorted (their sort is cheap and
 keeps them cheap to merge).
 
+**Key-range parts.** With ``key_range_min_bytes`` set (``PersistConfig``), a chunk of at
+least that many Arrow bytes is instead cut at sampled quantiles of its leading key
+into ranges of about ``KEY_RANGE_PART_BYTES`` (at least one per upload thread;
+``consolidate.RangeConsolidation``), and each range is sorted, consolidated, encoded and
+uploaded by its own task. The parts are sorted and hold disjoint leading-key ranges,
+which their recorded statistics show, so a read takes them as one sorted run laid end
+to end (``disjoint_runs``): no merge and no sort (issue 28). The sort costs the writer
+about what the smaller, sorted encoding saves on the two upload threads.
+
 Every blob key the builder might have written is remembered until the batch is
 handed over, so any failure (an upload error, out-of-range times, a lost
 compare-and-append via ``abort``) deletes what was written: no partial state is left
@@ -39,7 +48,7 @@ from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import T_COL, Schemas, check_updates
-from persist_lib.shard.consolidate import consolidate
+from persist_lib.shard.consolidate import RangeConsolidation, consolidate
 from persist_lib.shard.parts import encode_part, part_blob_key, part_meta_for
 from persist_lib.shard.stats import part_stats
 from persist_lib.shard.thread_pools import SharedPool
@@ -54,6 +63,13 @@ MIN_PARALLEL_PART_BYTES = 8 << 20
 # encode (both are Arrow kernels that release the GIL): ~10-15% of a 1M-row bulk part's
 # write, almost all of it the min/max of its string columns (docs/benchmarks.md).
 MIN_PARALLEL_STATS_ROWS = 1 << 16
+# Key-range parts (``key_range_min_bytes``) hold about this many Arrow bytes at most
+# (or ``target_part_bytes`` if less): small enough that a streaming read holds one per
+# run within a read budget.
+KEY_RANGE_PART_BYTES = 32 << 20
+# Above this, ranges are gathered with Arrow's take instead of through a ``RowSource``,
+# which would hold a converted copy of the chunk's string columns.
+KEY_RANGE_SHARED_SOURCE_MAX_BYTES = 256 << 20
 
 # (never the builder's own executor, whose threads may all be waiting on this work)
 _STATS = SharedPool(2, "persist-part-stats")
@@ -77,6 +93,7 @@ class BatchBuilder:
         consolidated: bool = False,
         unsorted_min_bytes: int | None = None,
         record_stats: bool = True,
+        key_range_min_bytes: int | None = None,
     ) -> None:
         """``consolidated``: the caller promises that everything it adds, across all
         ``add`` calls, comes sorted by ``(k, v, t)`` with no duplicate ``(k, v, t)`` and
@@ -86,7 +103,11 @@ class BatchBuilder:
         ``record_stats``: record each part's column statistics in its ``PartMeta``
         (``shard.stats``: min, max and null count per column, the time column
         included), so reads with a filter can skip it unfetched. False writes parts as
-        writers did before statistics existed (tests of old parts)."""
+        writers did before statistics existed (tests of old parts).
+
+        ``key_range_min_bytes``: a chunk of at least that many Arrow bytes is written as
+        sorted parts of disjoint leading-key ranges (module docstring), not cut in row
+        order (and left unsorted past ``unsorted_min_bytes``); None: never."""
         if target_part_bytes <= 0:
             raise InvalidUsage(
                 f"shard {shard}: target_part_bytes must be > 0, got {target_part_bytes}"
@@ -94,6 +115,13 @@ class BatchBuilder:
         if max_inflight_uploads < 1:
             raise InvalidUsage(
                 f"shard {shard}: max_inflight_uploads must be >= 1, got {max_inflight_uploads}"
+            )
+        if key_range_min_bytes is not None and (
+            isinstance(key_range_min_bytes, bool) or not isinstance(key_range_min_bytes, int) or key_range_min_bytes < 0
+        ):
+            raise InvalidUsage(
+                f"shard {shard}: key_range_min_bytes must be None or an int >= 0 (Arrow bytes), "
+                f"got {key_range_min_bytes!r}"
             )
         self.blob = blob
         self.schemas = schemas
@@ -106,6 +134,7 @@ class BatchBuilder:
         self.consolidated = consolidated
         self.unsorted_min_bytes = unsorted_min_bytes
         self.record_stats = record_stats
+        self.key_range_min_bytes = key_range_min_bytes
         self._own_executor = executor is None
         self._executor: Executor = executor or ThreadPoolExecutor(
             max_workers=max_inflight_uploads, thread_name_prefix=f"persist-part-{shard}"
@@ -146,6 +175,15 @@ class BatchBuilder:
         self._tmin = lo if self._tmin is None else min(self._tmin, lo)
         self._tmax = hi if self._tmax is None else max(self._tmax, hi)
         self._rows_added += n
+        if (
+            self.key_range_min_bytes is not None
+            and not self.consolidated
+            and table.nbytes >= self.key_range_min_bytes
+        ):
+            if self._buffer:
+                self._flush()  # earlier small chunks: a part of their own
+            if self._add_key_ranges(table):
+                return
         bytes_per_row = max(table.nbytes / n, 1.0)
         # A large chunk is cut into at least ``max_inflight_uploads`` parts, so that its
         # parts are sorted and encoded on as many threads at once (one 128 MiB part would
@@ -303,6 +341,29 @@ class BatchBuilder:
             if not isinstance(e, Exception):
                 raise  # an interrupt: finish aborts the builder on its way out
 
+    def _add_key_ranges(self, table: pa.Table) -> bool:
+        """Writes ``table`` as sorted parts of disjoint leading-key ranges, each range on
+        its own task (module docstring); False (nothing done) when its leading column
+        can't be cut into ranges."""
+        cap = min(self.target_part_bytes, KEY_RANGE_PART_BYTES)
+        k = max(self.max_inflight_uploads, math.ceil(table.nbytes / cap))
+        split = RangeConsolidation.split(
+            table, k, shared_source=table.nbytes <= KEY_RANGE_SHARED_SOURCE_MAX_BYTES
+        )
+        if split is None:
+            return False
+        for i in range(len(split)):
+            self._wait_for_capacity()
+            key = part_blob_key(self.shard, self.writer)
+            with self._keys_lock:
+                self._keys.append(key)
+            self._futures.append(self._executor.submit(self._write_range, split, i, key))
+        return True
+
+    def _write_range(self, split: RangeConsolidation, i: int, key: str) -> PartMeta | None:
+        """Runs in the pool: sorts and consolidates key range ``i``, then stores it."""
+        return self._store_part(split.table(i), key, unsorted=False)
+
     def _write_part(self, table: pa.Table, key: str) -> PartMeta | None:
         """Runs in the pool: consolidate (unless unsorted), encode, then upload or keep inline."""
         unsorted = (
@@ -314,6 +375,10 @@ class BatchBuilder:
             part = table
         else:
             part = table.combine_chunks() if self.consolidated else consolidate(table)
+        return self._store_part(part, key, unsorted=unsorted)
+
+    def _store_part(self, part: pa.Table, key: str, *, unsorted: bool) -> PartMeta | None:
+        """Encodes a part (with its statistics), then uploads it or keeps it inline."""
         if part.num_rows == 0:
             return None
         # Sorted parts get the row-group index for ranged reads (with the statistics: a

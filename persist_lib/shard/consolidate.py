@@ -19,6 +19,7 @@ in ``sorted_checks``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -29,7 +30,6 @@ from persist_lib.shard.codec import D_COL, T_COL
 from persist_lib.shard.kernels import (
     MIN_POLARS_ROWS,
     RowSource,
-    is_var_binary,
     kernel_pool,
     sort_int64,
     take_rows,
@@ -41,15 +41,19 @@ from persist_lib.shard.sorted_checks import sorted_ties
 _STEP = 1 << 20
 
 
-def _int_order(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _int_order(vals: np.ndarray, ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The permutation sorting an integer array, and ``same`` (``same[i]``: sorted
     values ``i`` and ``i + 1`` are equal). When ``(max - min) * n`` fits 62 bits the
     values and indices are packed into one int64 and sorted by value (numpy's SIMD
-    sort): the sorted values come out of the packed array, without a gather."""
+    sort): the sorted values come out of the packed array, without a gather.
+
+    ``ids``: what to return in place of the positions (e.g. the row ids ``vals`` were
+    gathered at; non-negative, ascending), so the caller needs no gather ``ids[perm]``."""
     n = len(vals)
     if n > 1 << 10:
         mn = int(vals.min())
-        shift = max(1, int(n - 1).bit_length())
+        top = n if ids is None else int(ids[-1]) + 1
+        shift = max(1, int(top - 1).bit_length())
         if int(vals.max()) - mn < (1 << (62 - shift)):
             if vals.dtype == np.uint64:
                 packed = (vals - np.uint64(mn)).astype(np.int64)
@@ -58,7 +62,9 @@ def _int_order(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
                 packed -= np.int64(mn)
             packed <<= shift
             for lo in range(0, n, _STEP):  # temporaries of _STEP rows, not of n
-                packed[lo : lo + _STEP] |= np.arange(lo, min(n, lo + _STEP), dtype=np.int64)
+                packed[lo : lo + _STEP] |= (
+                    np.arange(lo, min(n, lo + _STEP), dtype=np.int64) if ids is None else ids[lo : lo + _STEP]
+                )
             packed = sort_int64(packed)
             same = np.empty(n - 1, dtype=bool)
             for lo in range(0, n - 1, _STEP):
@@ -68,7 +74,7 @@ def _int_order(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             return packed, same
     perm = np.argsort(vals)
     sv = vals[perm]
-    return perm, sv[1:] == sv[:-1]
+    return (perm if ids is None else ids[perm]), sv[1:] == sv[:-1]
 
 
 def _flat_int_values(col: pa.ChunkedArray) -> np.ndarray | None:
@@ -209,24 +215,19 @@ def _key_columns(table: pa.Table) -> list[str]:
     return [n for n in table.column_names if n not in (T_COL, D_COL)]
 
 
-# Consolidations of at least this many rows with an integer leading key sort two key
-# ranges on two threads (``consolidation_plan``).
+# Consolidations of at least this many rows sort two key ranges on two threads
+# (``consolidation_plan``).
 PARALLEL_PLAN_ROWS = 200_000
+# Sampled leading keys per key range wanted (``split_key_ranges``; at least 4096 in all).
+_SAMPLE_PER_RANGE = 1024
 
 
-def consolidation_plan(table: pa.Table, source: RowSource | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """What ``consolidate`` returns, as row indices into ``table`` (in ``(k, v, t)``
-    order, one per distinct ``(k, v, t)`` with a nonzero sum) and their summed diffs:
-    callers that write the result in slices gather one slice at a time (from
-    ``source``, a ``RowSource`` of ``table``, which the sort then uses too).
-
-    A large table whose leading key is an integer, string or binary column is split at a
-    sampled median key into two key ranges, sorted and summed on two threads (numpy,
-    polars and Arrow release the GIL): every row of the lower range sorts before every
-    row of the upper one, so the two results concatenate."""
-    n = table.num_rows
-    if n == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+def _sort_inputs(
+    table: pa.Table, source: RowSource | None
+) -> tuple[list[pa.ChunkedArray], TakeFn | None, np.ndarray]:
+    """The columns a consolidation sorts by (``k``, ``v``, ``t``), how to gather rows of
+    them (from ``source`` when given, prepared here so that threads can share it) and
+    the diffs as numpy."""
     names = _key_columns(table) + [T_COL]
     cols = [table.column(c) for c in names]
     take: TakeFn | None = None
@@ -238,62 +239,153 @@ def consolidation_plan(table: pa.Table, source: RowSource | None = None) -> tupl
         def take(i: int, rows: np.ndarray) -> pa.Array:
             return source.take_column(index[i], rows)
 
-    d = to_numpy(table.column(D_COL))
+    return cols, take, to_numpy(table.column(D_COL))
+
+
+def consolidation_plan(table: pa.Table, source: RowSource | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """What ``consolidate`` returns, as row indices into ``table`` (in ``(k, v, t)``
+    order, one per distinct ``(k, v, t)`` with a nonzero sum) and their summed diffs:
+    callers that write the result in slices gather one slice at a time (from
+    ``source``, a ``RowSource`` of ``table``, which the sort then uses too).
+
+    A large table is split at a sampled median of its leading column into two key
+    ranges (``split_key_ranges``), sorted and summed on two threads (numpy, polars and
+    Arrow release the GIL): every row of the lower range sorts before every row of the
+    upper one, so the two results concatenate."""
+    n = table.num_rows
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    cols, take, d = _sort_inputs(table, source)
     if n >= PARALLEL_PLAN_ROWS:
-        split = _split_at_median(as_chunked(cols[0]))
-        if split is not None:
-            halves, local_order = split
+        ranges = split_key_ranges(as_chunked(cols[0]), 2)
+        if ranges is not None and len(ranges.rows) == 2:
 
-            def plan_half(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-                local, same = local_order(rows)
-                order, dup = _break_ties(cols, rows[local], same, take)
-                return _summed(order, dup, d)
+            def plan_range(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                return _plan_range(cols, ranges, rows, take, d)
 
-            (ra, sa), (rb, sb) = kernel_pool().map(plan_half, halves)
+            (ra, sa), (rb, sb) = kernel_pool().map(plan_range, ranges.rows)
             return np.concatenate([ra, rb]), np.concatenate([sa, sb])
     order, dup = sort_order(cols, n, take)
+    return _summed(order, dup, d)
+
+
+def _plan_range(
+    cols: list[pa.ChunkedArray], ranges: KeyRanges, rows: np.ndarray, take: TakeFn | None, d: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``consolidation_plan``'s result for the rows of one key range."""
+    order, dup = _break_ties(cols, *ranges.order(rows), take)
     return _summed(order, dup, d)
 
 
 LocalOrder = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
-def _split_at_median(
-    col: pa.ChunkedArray,
-) -> tuple[list[np.ndarray], LocalOrder] | None:
-    """The rows of a leading key column in two key ranges (at or below a sampled median
-    key, and above it; nulls, which sort first, below) and how to order one range by that
-    column alone (``_int_order``'s result for those rows) — or None when the column is not
-    an integer, string or binary one, or one range would be empty."""
+@dataclass(frozen=True)
+class KeyRanges:
+    """The rows of a table in ranges of its leading column, in key order: every row of a
+    range sorts before every row of the next one (all rows of one leading value fall in
+    one range, all nulls in the first). ``rows[i]``: range ``i``'s row ids, ascending;
+    ``order(rows)``: ``rows`` sorted by the leading column alone, and which neighbours
+    tie on it (``_int_order``'s ``same``)."""
+
+    rows: list[np.ndarray]
+    order: LocalOrder
+
+
+def split_key_ranges(col: pa.Array | pa.ChunkedArray, k: int) -> KeyRanges | None:
+    """The rows of a leading key column in up to ``k`` key ranges, cut at sampled
+    quantiles of its values (a fixed sample: deterministic). Empty ranges are dropped
+    (few distinct values give fewer ranges). None when the column's type has no flat
+    order (``ranks.is_flat_comparable``: structs, lists) or it holds no row."""
+    col = as_chunked(col)
     n = len(col)
+    if n == 0 or k < 1 or not is_flat_comparable(col.type):
+        return None
+    picks = np.random.default_rng(0).integers(0, n, max(4096, _SAMPLE_PER_RANGE * k))
     vals = _flat_int_values(col)
+    ids: np.ndarray | None = None  # each row's range (None: all in range 0)
     if vals is not None:
-        sample = vals[np.random.default_rng(0).integers(0, n, 4096)]
-        lower = vals <= int(np.median(sample))
+        sample = np.sort(vals[picks])
+        pivots = np.unique(sample[[len(sample) * i // k for i in range(1, k)]])
+        if len(pivots) == 1:
+            ids = vals > pivots[0]
+        elif len(pivots):
+            ids = np.searchsorted(pivots, vals, side="left")
         ints = vals
 
-        def int_order(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            return _int_order(ints[rows])
+        def order(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return _int_order(ints[rows], rows)
 
-        order: LocalOrder = int_order
-    elif is_var_binary(col.type):
-        picks = col.take(pa.array(np.random.default_rng(0).integers(0, n, 4096)))
-        seen = sorted(x for x in picks.to_pylist() if x is not None)
-        if not seen:
-            return None
-        pivot = pa.scalar(seen[len(seen) // 2], type=col.type)
-        lower = to_numpy(pc.fill_null(pc.less_equal(col, pivot), True)).astype(bool, copy=False)
-
-        def var_order(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            return _first_column_order(as_chunked(col.take(pa.array(rows))), len(rows))
-
-        order = var_order
     else:
-        return None
-    halves = [np.flatnonzero(lower), np.flatnonzero(~lower)]
-    if not all(len(h) for h in halves):
-        return None
-    return halves, order
+        c = comparable(col)  # Arrow's comparisons of it are persist's order
+        seen = pc.drop_null(c.take(pa.array(picks)))
+        seen = seen.take(pc.sort_indices(seen))
+        m = len(seen)
+        pivots_py: list[pa.Scalar] = []
+        for i in range(1, k if m else 1):
+            s = seen[m * i // k]
+            if not pivots_py or s.as_py() != pivots_py[-1].as_py():
+                pivots_py.append(s)
+        for s in pivots_py:
+            above = to_numpy(pc.fill_null(pc.greater(c, s), False)).astype(np.uint16)  # nulls: first
+            ids = above if ids is None else ids + above
+
+        def order(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            local, same = _first_column_order(as_chunked(col.take(pa.array(rows))), len(rows))
+            return rows[local], same
+
+    if ids is None:
+        return KeyRanges([np.arange(n, dtype=np.int64)], order)
+    if ids.dtype == bool:
+        out = [np.flatnonzero(~ids), np.flatnonzero(ids)]
+    else:
+        small = ids.astype(np.uint16, copy=False)  # at most k <= 65536 ranges
+        grouped = np.argsort(small, kind="stable")  # a radix sort: linear
+        bounds = np.cumsum(np.bincount(small))[:-1]
+        out = np.split(grouped.astype(np.int64, copy=False), bounds)
+    return KeyRanges([r for r in out if len(r)], order)
+
+
+class RangeConsolidation:
+    """``consolidate`` of a table done range by range of its leading key
+    (``split_key_ranges``), e.g. each range on its own thread: ``table(i)`` is range
+    ``i`` sorted and consolidated, and the ranges' results, in order, concatenate into
+    ``consolidate(table)``; each holds leading keys no other range holds."""
+
+    def __init__(self, table: pa.Table, ranges: KeyRanges, source: RowSource | None) -> None:
+        self._table = table
+        self._ranges = ranges
+        self._source = source
+        self._cols, self._take, self._d = _sort_inputs(table, source)
+        if source is not None:
+            for i in range(table.num_columns):
+                source.prepare(i)  # gathers from several threads
+
+    @classmethod
+    def split(cls, table: pa.Table, k: int, *, shared_source: bool = True) -> RangeConsolidation | None:
+        """``table`` cut into up to ``k`` key ranges; None when its leading column can't
+        be (``split_key_ranges``). ``shared_source``: gather through a ``RowSource``
+        (faster; it holds a converted copy of the string columns while it lives)."""
+        _key_columns(table)
+        if table.num_rows == 0:
+            return None
+        ranges = split_key_ranges(table.column(0), k)
+        if ranges is None:
+            return None
+        source = RowSource(table) if shared_source and table.num_rows >= MIN_POLARS_ROWS else None
+        return cls(table, ranges, source)
+
+    def __len__(self) -> int:
+        return len(self._ranges.rows)
+
+    def rows(self, i: int) -> int:
+        """How many input rows range ``i`` holds."""
+        return len(self._ranges.rows[i])
+
+    def table(self, i: int) -> pa.Table:
+        """Range ``i``'s rows sorted by ``(k, v, t)``, equal rows summed, zeros dropped."""
+        rows, diffs = _plan_range(self._cols, self._ranges, self._ranges.rows[i], self._take, self._d)
+        return gather_updates(self._source if self._source is not None else self._table, rows, diffs)
 
 
 def _summed(order: np.ndarray, dup: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -317,7 +409,14 @@ def _summed(order: np.ndarray, dup: np.ndarray, d: np.ndarray) -> tuple[np.ndarr
 def gather_updates(table: pa.Table | RowSource, rows: np.ndarray, diffs: np.ndarray) -> pa.Table:
     """``table``'s ``rows`` with ``diffs`` as their diffs (one chunk per column); a
     ``RowSource`` when gathering several slices of one table."""
-    out = table.take(rows) if isinstance(table, RowSource) else take_rows(table, rows)
+    if isinstance(table, RowSource):  # (the old diffs are not gathered)
+        schema = table.table.schema
+        di = schema.get_field_index(D_COL)
+        cols = [
+            pa.array(diffs, pa.int64()) if i == di else table.take_column(i, rows) for i in range(len(schema))
+        ]
+        return pa.Table.from_arrays(cols, schema=schema)
+    out = take_rows(table, rows)
     schema = out.schema
     di = schema.get_field_index(D_COL)
     return out.set_column(di, schema.field(di), pa.array(diffs, pa.int64()))

@@ -107,9 +107,9 @@ def _violation(shard: str, yielded: bool) -> NoReturn:
     if not yielded:
         raise RunOrderViolation()
     raise CorruptionError(
-        f"shard {shard}: a batch written by the compactor is not one sorted run (its parts "
-        "overlap); the read stopped after returning part of its rows. Read again with a "
-        "snapshot() (it re-merges with a run per part) and investigate the compactor that "
-        "wrote it"
+        f"shard {shard}: parts read as one sorted run (a batch written by the compactor, or "
+        "parts whose recorded key ranges claim to be disjoint) are not in order; the read "
+        "stopped after returning part of its rows. Read again with a snapshot() (it "
+        "re-merges with a run per part) and investigate the writer of those parts"
     )
 

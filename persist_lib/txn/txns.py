@@ -267,6 +267,8 @@ class Txns:
             max_inflight_uploads=cfg.max_inflight_uploads, inline_threshold=0,
             executor=self.client.upload_executor(),
             unsorted_min_bytes=cfg.unsorted_min_bytes if w.unsorted_min_bytes is None else w.unsorted_min_bytes,
+            # (a write that asks for unsorted parts gets them, not key-range parts)
+            key_range_min_bytes=cfg.key_range_min_bytes if w.unsorted_min_bytes is None else None,
         )
 
     def abandon(self, prepared: Prepared, batches: Iterable[HollowBatch] = ()) -> None:
