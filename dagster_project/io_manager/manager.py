@@ -19,7 +19,7 @@ import dagster as dg
 import numpy as np
 import pyarrow as pa
 
-from dagster_project.io_manager import lazy_read, lineage, spark_read, write_modes
+from dagster_project.io_manager import lazy_read, lineage, spark_read, spark_write, write_modes
 from dagster_project.io_manager.atomic_commit import commit_with_ledger, logical_upper
 from dagster_project.io_manager.collection_setup import ensure_collection
 from dagster_project.io_manager.errors import (
@@ -112,16 +112,33 @@ class PersistIOManagerImpl(dg.IOManager):
         settings = OutputSettings.parse(
             context.definition_metadata or {}, where, default_mode=self.default_mode, default_shards=self.num_shards
         )
-        table, handler = to_arrow(obj, where)
+        # A PySpark output stays on the executors (``spark_write``): its schema as Arrow
+        # stands in for the table in the checks.
+        df = obj if spark_write.is_spark_output(obj) else None
+        if df is not None:
+            table, handler = spark_write.arrow_schema(df).empty_table(), "pyspark"
+        else:
+            table, handler = to_arrow(obj, where)
         sel = _selection(context, settings.partition_columns, where)
         new, key_schema, val_schema = self._split(table, settings, where)
         if sel is not None:
-            sel.check_owns(new, where)
+            if df is not None:  # checked and written from one materialization
+                df = df.localCheckpoint(eager=True)
+                spark_write.check_owns(df, sel, where)
+            else:
+                sel.check_owns(new, where)
         name = collection_name(key, self.prefix)
         parts = sel.describe() if sel is not None else None
         write_id = "/".join([context.run_id, context.step_key, key.to_user_string(), parts or ""])
         ctl = self.persist.controller()
         self._ensure_collection(ctl, name, key_schema, val_schema, settings.num_shards, where)
+        if df is not None and not self._atomic(ctl, name):
+            context.log.info(
+                f"{where}: collection {name!r} or the ledger {self.ledger_name!r} is not transactional: "
+                "the PySpark output is collected to the driver (Arrow) and written from there"
+            )
+            new = self._split(to_arrow(df, where)[0], settings, where)[0]
+            df = None
         conformed = conform_output(ctl, name, new, settings.key, settings.delete_column, settings.schema_change, where)
         new = conformed.table
         if conformed.evolved is not None:
@@ -131,7 +148,13 @@ class PersistIOManagerImpl(dg.IOManager):
             )
         if conformed.filled:
             context.log.info(f"{where}: columns {conformed.filled} are not in the output: written as nulls")
-        landed, counts, replayed = self.store(ctl, name, new, settings, sel, where, write_id)
+        if df is not None:
+            landed, counts, replayed = spark_write.store(
+                ctl, WriteLedger(ctl, self.ledger_name), name, spark_write.conform(df, conformed), settings, sel,
+                where, write_id, lambda w: self._check_schemas(w, new, settings, name, where), self.before_commit,
+            )
+        else:
+            landed, counts, replayed = self.store(ctl, name, new, settings, sel, where, write_id)
         if replayed:
             context.log.info(f"{where}: write {write_id} already landed at {landed.time}; not written again")
         reads = self._reads.pop(context.step_key, {})
@@ -151,6 +174,12 @@ class PersistIOManagerImpl(dg.IOManager):
         ordered = table.select([*s.key, *vals, *([s.delete_column] if s.delete_column else [])])
         schema = ordered.schema
         return ordered, pa.schema([schema.field(c) for c in s.key]), pa.schema([schema.field(c) for c in vals])
+
+    def _atomic(self, ctl: StorageController, name: str) -> bool:
+        """Whether a write of ``name`` and its ledger entry can be one transaction."""
+        ledger = WriteLedger(ctl, self.ledger_name)
+        ledger.ensure()
+        return ctl.is_transactional(name) and ctl.is_transactional(ledger.name)
 
     def _ensure_collection(self, ctl: StorageController, name: str, key: pa.Schema, val: pa.Schema, shards: int, where: str) -> None:
         """Creates the collection unless it exists (its schemas are checked by ``store``,
@@ -181,8 +210,7 @@ class PersistIOManagerImpl(dg.IOManager):
         old collections' two-commit path, see ``ledger``). The handles are opened once for
         the schema check, the ledger lookup and the write."""
         ledger = WriteLedger(ctl, self.ledger_name)
-        ledger.ensure()
-        atomic = ctl.is_transactional(name) and ctl.is_transactional(ledger.name)
+        atomic = self._atomic(ctl, name)
         with ExitStack() as stack:
             w = stack.enter_context(ctl.open_writer(name))
             self._check_schemas(w, new, s, name, where)

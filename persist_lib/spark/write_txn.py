@@ -83,6 +83,7 @@ def write_collections(
     new_upper: FrontierLike,
     *,
     lowers: Sequence[FrontierLike] | None = None,
+    skip_committed: bool = True,
     time: int | None = None,
     target_part_bytes: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -99,7 +100,11 @@ def write_collections(
     in the user layout (built on the driver under the same transaction's part writers:
     e.g. a bookkeeping row that must land with the data, or not at all). ``lowers``: each
     job's own expected upper (default ``expected_upper`` for all), for collections whose
-    uppers differ but must all move to ``new_upper`` in the one commit."""
+    uppers differ but must all move to ``new_upper`` in the one commit.
+    ``skip_committed=False``: shards at ``new_upper`` or beyond are an ``UpperMismatch``
+    like any other upper, not a committed retry (for writers that recognize their
+    retries otherwise, e.g. by a ledger row, and whose ``new_upper`` another writer may
+    well have passed)."""
     for _, w in jobs:
         if not w.transactional:
             raise InvalidUsage(f"collection {w.name}: write_collections needs transactional collections")
@@ -109,7 +114,7 @@ def write_collections(
             raise InvalidUsage(f"write_collections: {len(lowers)} lowers for {len(jobs)} jobs")
         lows = [as_frontier(lo, "lowers[]") for lo in lowers]
     return _write_jobs_txn(
-        list(jobs), lows, as_frontier(new_upper, "new_upper"),
+        list(jobs), lows, as_frontier(new_upper, "new_upper"), skip_committed=skip_committed,
         time=time, target_part_bytes=target_part_bytes, chunk_bytes=chunk_bytes,
         cleanup_on_failure=cleanup_on_failure, after_upload=after_upload,
     )
@@ -138,6 +143,7 @@ def _write_jobs_txn(
     lows: list[Antichain],
     upper: Antichain,
     *,
+    skip_committed: bool = True,
     time: int | None,
     target_part_bytes: int | None,
     chunk_bytes: int,
@@ -158,7 +164,7 @@ def _write_jobs_txn(
     ]
     view = txns.log.read()
     uppers = [txns.logical_uppers(w.shard_ids, view) for w in writers]
-    if all(u >= upper for us in uppers for u in us):  # a retry of a job that committed: nothing to do
+    if skip_committed and all(u >= upper for us in uppers for u in us):  # a retry of a job that committed: nothing to do
         out = []
         for w, lower in zip(writers, lows, strict=True):
             w.advance_metadata(upper)
