@@ -50,7 +50,7 @@ def _contents(persist: PersistResource, name: str, as_of: int) -> list[tuple[Any
     with persist.controller().acquire_read_handle(name) as r:
         snap = r.snapshot(as_of)
     cols = [c for c in snap.column_names if c not in ("ts", "diff")]
-    return sorted((tuple(repr(row[c]) for c in cols) for row in snap.to_pylist() for _ in range(row["diff"])))
+    return sorted(tuple(repr(row[c]) for c in cols) for row in snap.to_pylist() for _ in range(row["diff"]))
 
 
 def _times(res: Any) -> dict[str, dict[str, Any]]:

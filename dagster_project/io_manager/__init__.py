@@ -10,6 +10,7 @@ reads, ``as_of`` a run) and ``manager`` (the I/O manager itself).
 """
 
 from dagster_project.io_manager.errors import (
+    AsOfNotReadable,
     IOManagerConfigError,
     NoRecordedMaterialization,
     OutputSchemaMismatch,
@@ -20,6 +21,7 @@ from dagster_project.io_manager.errors import (
 from dagster_project.io_manager.manager import PersistIOManager, collection_name
 
 __all__ = [
+    "AsOfNotReadable",
     "IOManagerConfigError",
     "NoRecordedMaterialization",
     "OutputSchemaMismatch",

@@ -23,6 +23,7 @@ from dagster_project.io_manager import lazy_read, lineage, spark_read, spark_wri
 from dagster_project.io_manager.atomic_commit import commit_with_ledger, logical_upper
 from dagster_project.io_manager.collection_setup import ensure_collection
 from dagster_project.io_manager.errors import (
+    AsOfNotReadable,
     IOManagerConfigError,
     NoRecordedMaterialization,
     OutputSchemaMismatch,
@@ -300,7 +301,7 @@ class PersistIOManagerImpl(dg.IOManager):
         ctl = self.persist.controller()
         typ = context.dagster_type.typing_type
         with ctl.acquire_read_handle(name) as r:
-            as_of = self._as_of(context, settings, sel, r.upper.time or 0, where)
+            as_of = self._as_of(context, settings, sel, r.upper.time, name, where)
             types = _column_types(r.schemas)
             filt = sel.pushdown(types, where) if sel is not None else None
             cols = None
@@ -335,15 +336,22 @@ class PersistIOManagerImpl(dg.IOManager):
         return value
 
     def _as_of(
-        self, context: dg.InputContext, s: InputSettings, sel: PartitionSelection | None, upper: int, where: str
+        self, context: dg.InputContext, s: InputSettings, sel: PartitionSelection | None, upper: int | None,
+        name: str, where: str,
     ) -> int:
+        """The time an input reads. ``upper``: its collection's (None: closed, every time readable)."""
         if isinstance(s.as_of, int):
+            if upper is not None and s.as_of >= upper:
+                raise AsOfNotReadable(
+                    f"{where}: persist/as_of {s.as_of} is not readable yet: collection {name!r}'s upper is {upper} "
+                    f"(times below it are complete); ask for a time below {upper}, or 'latest' / 'recorded'"
+                )
             return s.as_of
         partitions = [k for k in context.asset_partition_keys] if sel is not None else None
         if s.run_id is not None:
             return lineage.time_as_of_run(context.instance, s.run_id, context.asset_key, partitions, where)
         if s.as_of == "latest":
-            if upper == 0:
+            if not upper:
                 raise NoRecordedMaterialization(f"{where}: the collection has no data yet; materialize the upstream first")
             return upper - 1
         instance = context.instance
