@@ -202,3 +202,45 @@ def test_a_write_that_lost_the_race_recomputes(
     assert md["persist/attempts"] == 2
     want = sorted(tuple(repr(r[c]) for c in ("id", "s", "f")) for r in src["v"].to_pylist())
     assert _contents(persist, "sw.raced", md["persist/time"]) == want
+
+
+@pytest.mark.slow  # three materializations (~25 s on a loaded machine)
+def test_schema_following_is_done_with_spark_columns(
+    persist: PersistResource, instance: dg.DagsterInstance, spark: Any, no_driver_arrow: list[int]
+) -> None:
+    """A PySpark output follows its collection's schema like an Arrow one: a narrower
+    column is cast up, a missing nullable one written as nulls, a new one added (the
+    collection evolves); a changed key column is refused and nothing is written."""
+    from pyspark.sql import functions as F
+
+    from dagster_project.io_manager import OutputSchemaMismatch
+    from tests.io_manager_fixtures import root_error
+
+    first = pa.table({"id": pa.array([0, 1], pa.int64()), "n": pa.array([10, 11], pa.int64()), "s": ["a", "b"]})
+    out: dict[str, Any] = {"v": first}
+    md = {"persist/key": ["id"], "persist/mode": "append"}
+
+    @dg.asset(key_prefix=["sw"], metadata=md)
+    def follows() -> Any:
+        return out["v"]
+
+    io = {"io_manager": PersistIOManager(persist=persist)}
+    assert dg.materialize([follows], resources=io, instance=instance).success
+    out["v"] = spark.range(2, 4).select(
+        F.col("id"), F.col("id").cast("int").alias("n"), F.concat(F.lit("x"), F.col("id").cast("string")).alias("x")
+    )
+    res = dg.materialize([follows], resources=io, instance=instance)
+    assert res.success and no_driver_arrow == []
+    md_out = _times(res)["sw/follows"]
+    assert md_out["persist/type"] == "pyspark" and md_out["persist/schema_version"] >= 1
+    with persist.controller().acquire_read_handle("sw.follows") as r:
+        assert [f.type for f in r.schemas.val] == [pa.int64(), pa.string(), pa.string()]
+        got = sorted((x["id"], x["n"], x["s"], x["x"]) for x in r.snapshot(md_out["persist/time"]).to_pylist())
+    assert got == [(0, 10, "a", None), (1, 11, "b", None), (2, 2, None, "x2"), (3, 3, None, "x3")]
+    out["v"] = spark.range(4, 5).select(F.col("id").cast("string").alias("id"), F.col("id").alias("n"))
+    with pytest.raises(Exception) as ei:
+        dg.materialize([follows], resources=io, instance=instance)
+    err = root_error(ei.value)
+    assert isinstance(err, OutputSchemaMismatch) and "key columns" in str(err) and "\n" not in str(err)
+    with persist.controller().acquire_read_handle("sw.follows") as r:
+        assert r.upper.time == md_out["persist/time"] + 1  # nothing written

@@ -140,6 +140,8 @@ class PersistIOManagerImpl(dg.IOManager):
             )
             new = self._split(to_arrow(df, where)[0], settings, where)[0]
             df = None
+        elif df is not None:
+            new = spark_write.relax_nullability(ctl, name, new)
         conformed = conform_output(ctl, name, new, settings.key, settings.delete_column, settings.schema_change, where)
         new = conformed.table
         if conformed.evolved is not None:

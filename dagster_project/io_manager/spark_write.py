@@ -51,6 +51,7 @@ from persist_lib.spark import write_collections
 from persist_lib.spark.types import spark_type
 from persist_lib.storage import StorageController
 from persist_lib.storage.reader import CollectionReader
+from persist_lib.storage.schema_evolution import collection_schemas
 from persist_lib.storage.writer import CollectionWriter
 
 MAX_ATTEMPTS = 64
@@ -68,6 +69,17 @@ def arrow_schema(df: Any) -> pa.Schema:
 
     large = str(df.sparkSession.conf.get("spark.sql.execution.arrow.useLargeVarTypes", "false")).lower() == "true"
     return to_arrow_schema(df.schema, error_on_duplicated_field_names_in_struct=True, prefers_large_types=large)
+
+
+def relax_nullability(ctl: StorageController, name: str, table: pa.Table) -> pa.Table:
+    """``table`` (the output's empty Arrow stand-in) with a column Spark declares not null
+    marked nullable where collection ``name`` holds it nullable: Spark infers nullability
+    (``spark.range``'s ``id`` is not null, most expressions are nullable), and not-null
+    values fit a nullable column, so that difference alone is no schema change."""
+    cur = collection_schemas(ctl._spec(name))
+    held = {f.name: f.nullable for f in [*cur.key, *cur.val]}
+    fields = [f.with_nullable(True) if not f.nullable and held.get(f.name) else f for f in table.schema]
+    return pa.schema(fields, table.schema.metadata).empty_table()
 
 
 def check_owns(df: Any, sel: PartitionSelection, where: str) -> None:
