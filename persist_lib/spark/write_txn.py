@@ -15,6 +15,11 @@ multi-shard collection by default) like this:
 4. the driver assembles one batch per shard and commits them with ``Txns.commit_batches``:
    one compare-and-set on the txn log makes every shard's batch visible, or none.
 
+``write_collections`` commits several collections' jobs as one transaction; a job may
+also be a small Arrow table (built on the driver under the transaction's part writers,
+``Txns.build_batches``: e.g. a ledger row that must land with the data), and each job may
+expect its own lower (``lowers``), all moving to one new upper.
+
 A failed job (an executor error, an invalid row, a killed worker) commits nothing: the
 driver deletes the parts it can find under the job's writer prefixes and releases the
 part writers; a driver that dies leaves them to ``Txns.recover_orphans`` and the
