@@ -15,6 +15,7 @@ import pytest
 
 from dagster_project.io_manager import PersistIOManager
 from dagster_project.resources import PersistResource
+from tests.io_manager_fixtures import interleaving
 
 pytestmark = [pytest.mark.dagster, pytest.mark.spark]
 pytest_plugins = ["tests.spark_fixtures", "tests.io_manager_fixtures"]
@@ -183,20 +184,10 @@ def test_a_write_that_lost_the_race_recomputes(
     assert dg.materialize([raced], resources={"io_manager": plain}, instance=instance).success
     src["v"] = _table(range(2, 7), "y")
 
-    class Interleaving(PersistIOManager):
-        def create_io_manager(self, context: dg.InitResourceContext) -> Any:
-            impl = super().create_io_manager(context)
-            fired: list[bool] = []
+    def concurrent_write() -> None:
+        assert dg.materialize([raced_arrow], resources={"io_manager": plain}, instance=instance).success
 
-            def concurrent_write() -> None:
-                if not fired:
-                    fired.append(True)
-                    assert dg.materialize([raced_arrow], resources={"io_manager": plain}, instance=instance).success
-
-            impl.before_commit = concurrent_write
-            return impl
-
-    res = dg.materialize([raced], resources={"io_manager": Interleaving(persist=persist)}, instance=instance)
+    res = dg.materialize([raced], resources={"io_manager": interleaving(persist, concurrent_write)}, instance=instance)
     assert res.success and no_driver_arrow == []
     md = _times(res)["sw/raced"]
     assert md["persist/attempts"] == 2
