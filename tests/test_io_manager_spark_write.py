@@ -170,7 +170,7 @@ def test_a_write_that_lost_the_race_recomputes(
     """Between computing its difference and committing it, an overwrite sees another
     run overwrite the collection: its commit loses, it recomputes against the new
     contents and lands exactly its own output."""
-    src = {"v": _table(range(6), "x")}
+    src = {"v": _table(range(2, 7), "y"), "other": _table(range(6), "x")}
 
     @dg.asset(key_prefix=["sw"], metadata={"persist/key": ["id"]})
     def raced() -> Any:
@@ -178,13 +178,13 @@ def test_a_write_that_lost_the_race_recomputes(
 
     @dg.asset(key_prefix=["sw"], name="raced", metadata={"persist/key": ["id"]})
     def raced_arrow() -> pa.Table:
-        return _table(range(3, 9), "other")
+        return src["other"]
 
     plain = PersistIOManager(persist=persist)
-    assert dg.materialize([raced], resources={"io_manager": plain}, instance=instance).success
-    src["v"] = _table(range(2, 7), "y")
+    assert dg.materialize([raced_arrow], resources={"io_manager": plain}, instance=instance).success  # the old contents
 
     def concurrent_write() -> None:
+        src["other"] = _table(range(3, 9), "other")
         assert dg.materialize([raced_arrow], resources={"io_manager": plain}, instance=instance).success
 
     res = dg.materialize([raced], resources={"io_manager": interleaving(persist, concurrent_write)}, instance=instance)
