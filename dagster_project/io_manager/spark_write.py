@@ -136,15 +136,14 @@ def _signed(df: Any, names: list[str], diff: Any, n: int, bad: Any) -> Any:
     return df.select(*names, diff.cast("long").alias(DIFF), F.lit(n).cast("long").alias(_N), bad.cast("long").alias(_BAD))
 
 
-def _grouped(old: Any | None, live: Any, names: list[str]) -> Any:
+def _grouped(old: Any, live: Any, names: list[str]) -> Any:
     """Old rows (``diff`` = ``-multiplicity``) and ``live`` output rows (``+1``, counted
     in ``_N``) grouped by every column, the three columns summed. Materialized on the
     executors."""
     from pyspark.sql import functions as F
 
     both = _signed(live, names, F.lit(1), 1, F.lit(0))
-    if old is not None:
-        both = both.unionByName(_signed(old, names, -F.col(DIFF), 0, F.when(F.col(DIFF) < 0, 1).otherwise(0)))
+    both = both.unionByName(_signed(old, names, -F.col(DIFF), 0, F.when(F.col(DIFF) < 0, 1).otherwise(0)))
     return both.groupBy(*names).agg(*(F.sum(c).alias(c) for c in (DIFF, _N, _BAD))).localCheckpoint(eager=True)
 
 
@@ -153,8 +152,10 @@ def updates(
     sel: PartitionSelection | None, filt: Any, upper: int, where: str,
 ) -> tuple[Any, dict[str, int] | None]:
     """The updates (with ``diff``; without ``ts``) that turn the contents as of
-    ``upper - 1`` into the output, and their counts: a lazy DataFrame (counts from the
-    write) for ``append``, else the difference held by the executors."""
+    ``upper - 1`` into the output, and their counts: the output's rows as they are
+    (lazy; counts from the write: None, or only ``rows``) for ``append`` and for a first
+    write (nothing to retract; the part builders consolidate duplicates, as the Arrow
+    path leaves them to), else the difference held by the executors."""
     from pyspark.sql import functions as F
 
     names = [*w.schemas.key_names, *w.schemas.val_names]
@@ -170,15 +171,14 @@ def updates(
             )
         if s.delete_column is not None:
             live = new.where(~F.coalesce(F.col(s.delete_column), F.lit(False)))
-    with ExitStack() as stack:
-        old = None
-        if upper > 0:
-            part = sel if s.mode == "overwrite" else None
-            old = stack.enter_context(snapshot_splits(
-                spark, r, upper - 1, columns=None, filter=filt if part else None, sel=part, where=where,
-            ))
-            if s.mode == "upsert":  # only the old rows whose key the output holds
-                old = old.join(new.select(*s.key), on=s.key, how="left_semi")
+    if upper == 0:
+        return live.select(*names), ({"rows": int(rows or 0)} if rows is not None else None)
+    part = sel if s.mode == "overwrite" else None
+    with snapshot_splits(
+        spark, r, upper - 1, columns=None, filter=filt if part else None, sel=part, where=where,
+    ) as old:
+        if s.mode == "upsert":  # only the old rows whose key the output holds
+            old = old.join(new.select(*s.key), on=s.key, how="left_semi")
         grouped = _grouped(old, live, names)  # run while the splits' parts are held
     n, pos, neg, bad = grouped.agg(
         F.sum(_N), F.sum(F.when(F.col(DIFF) > 0, F.col(DIFF)).otherwise(0)),
@@ -201,7 +201,8 @@ def store(
     """``PersistIOManagerImpl.store`` for a conformed DataFrame (both collections
     transactional): its updates and ledger entry in one transaction, unless the ledger
     holds ``write_id`` already. Returns where it landed, its counts and whether it had
-    landed before. ``df`` is materialized on the executors already (``localCheckpoint``)."""
+    landed before. ``df`` is the user's plan (or, for a partitioned output, its
+    ``localCheckpoint``): it runs in the difference's or the write's Spark job."""
     spark = df.sparkSession
     new = df
     with ExitStack() as stack:
@@ -233,7 +234,7 @@ def store(
                 )
             except UpperMismatch:
                 continue  # the data or the ledger moved: nothing was written
-            if counts is None:  # append: every row written is an insert
-                counts = {"rows": res[0].rows_in, "inserted": res[0].rows_in, "retracted": 0}
+            if counts is None or "inserted" not in counts:  # every row written is an insert
+                counts = {"rows": (counts or {}).get("rows", res[0].rows_in), "inserted": res[0].rows_in, "retracted": 0}
             return landed, {**counts, "attempts": attempt}, False
         raise UpperMismatch(name, Antichain([upper]), Antichain([logical_upper(w)]))
