@@ -235,3 +235,27 @@ def test_schema_following_is_done_with_spark_columns(
     assert isinstance(err, OutputSchemaMismatch) and "key columns" in str(err) and "\n" not in str(err)
     with persist.controller().acquire_read_handle("sw.follows") as r:
         assert r.upper.time == md_out["persist/time"] + 1  # nothing written
+
+
+def test_a_non_transactional_collection_takes_the_arrow_path(
+    persist: PersistResource, instance: dg.DagsterInstance, spark: Any
+) -> None:
+    """A collection created non-transactional (before the I/O manager made them
+    transactional) can't take the data and the ledger entry in one Spark transaction:
+    the PySpark output goes through the driver (Arrow) instead, and lands."""
+    v1 = _table(range(4), "l")
+    persist.controller().create_collection("sw.legacy", v1.schema.remove(2).remove(1), v1.schema.remove(0))
+
+    @dg.asset(key_prefix=["sw"], metadata={"persist/key": ["id"]})
+    def legacy() -> Any:
+        return spark.createDataFrame(v1.to_pandas())
+
+    res = dg.materialize([legacy], resources={"io_manager": PersistIOManager(persist=persist)}, instance=instance)
+    assert res.success
+    md = _times(res)["sw/legacy"]
+    assert md["persist/type"] == "pyspark" and not persist.controller().is_transactional("sw.legacy")
+    assert _contents(persist, "sw.legacy", md["persist/time"]) == sorted(
+        tuple(repr(r[c]) for c in ("id", "s", "f")) for r in v1.to_pylist()
+    )
+    logs = [e for e in instance.all_logs(res.run_id) if "is not transactional" in (e.user_message or "")]
+    assert logs, "the fallback's reason was not logged"
