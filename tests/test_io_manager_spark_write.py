@@ -13,9 +13,9 @@ import dagster as dg
 import pyarrow as pa
 import pytest
 
-from dagster_project.io_manager import PersistIOManager
+from dagster_project.io_manager import PartitionMismatch, PersistIOManager
 from dagster_project.resources import PersistResource
-from tests.io_manager_fixtures import interleaving
+from tests.io_manager_fixtures import interleaving, root_error
 
 pytestmark = [pytest.mark.dagster, pytest.mark.spark]
 pytest_plugins = ["tests.spark_fixtures", "tests.io_manager_fixtures"]
@@ -139,6 +139,21 @@ def test_a_partition_overwrite_replaces_exactly_that_partition(
         snap = r.snapshot(md["persist/time"])
     assert all(d == 1 for d in snap.column("diff").to_pylist())
     assert sorted(map(repr, snap.select(want.column_names).to_pylist())) == sorted(map(repr, want.to_pylist()))
+    # rows outside the partition are refused on the executors' check; nothing written
+    tag["v"] = "c"
+    wrong = {"day": DAYS[1]}
+
+    @dg.asset(key_prefix=["sw"], name="spk_daily", partitions_def=daily,
+              metadata={"persist/key": ["day", "id"], "persist/partition_column": "day"})
+    def spk_wrong() -> Any:
+        return spark.createDataFrame(_day(wrong["day"], "c").to_pandas())
+
+    with pytest.raises(Exception) as ei:
+        dg.materialize([spk_wrong], partition_key=DAYS[0], resources=io, instance=instance)
+    err = root_error(ei.value)
+    assert isinstance(err, PartitionMismatch) and "6 output row(s) lie outside partition 2026-04-01" in str(err)
+    with persist.controller().acquire_read_handle("sw.spk_daily") as r:
+        assert r.upper.time == md["persist/time"] + 1
 
 
 def test_a_retried_step_writes_nothing_twice(
@@ -205,7 +220,6 @@ def test_schema_following_is_done_with_spark_columns(
     from pyspark.sql import functions as F
 
     from dagster_project.io_manager import OutputSchemaMismatch
-    from tests.io_manager_fixtures import root_error
 
     first = pa.table({"id": pa.array([0, 1], pa.int64()), "n": pa.array([10, 11], pa.int64()), "s": ["a", "b"]})
     out: dict[str, Any] = {"v": first}
