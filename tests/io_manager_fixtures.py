@@ -4,7 +4,8 @@ test module. Use with ``pytest_plugins = ["tests.io_manager_fixtures"]``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -37,3 +38,24 @@ def root_error(e: BaseException) -> BaseException:
         if nxt is None:
             return e
         e = nxt
+
+
+def interleaving(persist: PersistResource, concurrent: Callable[[], None]) -> Any:
+    """A ``PersistIOManager`` whose first write runs ``concurrent`` once, between computing
+    its updates and committing them (the ``before_commit`` hook): a deterministic race."""
+    from dagster_project.io_manager import PersistIOManager
+
+    class Interleaving(PersistIOManager):
+        def create_io_manager(self, context: dg.InitResourceContext) -> Any:
+            impl = super().create_io_manager(context)
+            fired: list[bool] = []
+
+            def hook() -> None:
+                if not fired:
+                    fired.append(True)
+                    concurrent()
+
+            impl.before_commit = hook
+            return impl
+
+    return Interleaving(persist=persist)

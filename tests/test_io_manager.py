@@ -18,7 +18,7 @@ import dagster as dg
 import pyarrow as pa
 import pytest
 
-from dagster_project.io_manager import OutputSchemaMismatch, PersistIOManager
+from dagster_project.io_manager import AsOfNotReadable, OutputSchemaMismatch, PersistIOManager
 from dagster_project.resources import PersistResource
 from persist_lib.errors import InvalidUsage
 from tests.io_manager_fixtures import root_error
@@ -278,6 +278,31 @@ def test_latest_and_explicit_as_of_inputs(persist: PersistResource, instance: dg
     assert res.success
     assert _rows(res.output_for_node("old")) == _rows(V1.select(["x"]))
     assert _rows(res.output_for_node("new")) == _rows(V2.select(["x"]))
+
+
+@pytest.mark.parametrize("beyond", [0, 1000])
+def test_an_as_of_at_or_beyond_the_upper_fails_at_once(
+    persist: PersistResource, instance: dg.DagsterInstance, beyond: int
+) -> None:
+    """An integer ``persist/as_of`` the collection has not reached is refused before any
+    read with one typed line naming the time, the upper and the fix (not a read that
+    waits for the snapshot timeout)."""
+    (t,) = _versions(persist, instance, _asset("ahead"), [V1])
+    asked = t + 1 + beyond  # the upper is t + 1
+
+    @dg.asset(name="ahead_reader", ins={"h": dg.AssetIn(key=["modes", "ahead"], metadata={"persist/as_of": asked})},
+              io_manager_key="mem")
+    def r(h: pa.Table) -> None:
+        raise AssertionError("never called")
+
+    with pytest.raises(Exception) as ei:
+        dg.materialize([r, _asset("ahead")], selection=["ahead_reader"],
+                       resources={"io_manager": _io(persist), "mem": dg.InMemoryIOManager()}, instance=instance)
+    err = root_error(ei.value)
+    assert isinstance(err, AsOfNotReadable), repr(err)
+    msg = str(err)
+    assert "\n" not in msg and f"persist/as_of {asked}" in msg and f"upper is {t + 1}" in msg
+    assert f"ask for a time below {t + 1}" in msg
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import pytest
 
 from dagster_project.io_manager import PartitionMismatch, PersistIOManager
 from dagster_project.resources import PersistResource
-from tests.io_manager_fixtures import root_error
+from tests.io_manager_fixtures import interleaving, root_error
 
 pytestmark = pytest.mark.dagster
 pytest_plugins = ["tests.io_manager_fixtures"]
@@ -187,21 +187,11 @@ def test_a_write_that_lost_the_race_recomputes_its_partition(persist: PersistRes
     other = PersistIOManager(persist=persist)
     assert dg.materialize([interleaved], partition_key="2026-01-03", resources={"io_manager": other}, instance=instance).success
 
-    class Interleaving(PersistIOManager):
-        def create_io_manager(self, context: dg.InitResourceContext) -> Any:
-            impl = super().create_io_manager(context)
-            fired: list[bool] = []
+    def concurrent_write() -> None:
+        res = dg.materialize([interleaved], partition_key="2026-01-01", resources={"io_manager": other}, instance=instance)
+        assert res.success
 
-            def concurrent_write() -> None:
-                if not fired:
-                    fired.append(True)
-                    res = dg.materialize([interleaved], partition_key="2026-01-01", resources={"io_manager": other}, instance=instance)
-                    assert res.success
-
-            impl.before_commit = concurrent_write
-            return impl
-
-    res = dg.materialize([interleaved], partition_key="2026-01-02", resources={"io_manager": Interleaving(persist=persist)}, instance=instance)
+    res = dg.materialize([interleaved], partition_key="2026-01-02", resources={"io_manager": interleaving(persist, concurrent_write)}, instance=instance)
     assert res.success
     (ev,) = [e for e in res.get_asset_materialization_events()]
     assert ev.materialization.metadata["persist/attempts"].value == 2

@@ -86,3 +86,36 @@ def test_a_failed_job_leaves_nothing_visible(spark: Any, tmp_path: Path) -> None
     assert sum(r["diff"] for r in reader.snapshot(5).to_pylist()) == 3000 + 1000
     reader.expire()
     client.close()
+
+
+def test_a_dataframe_and_an_arrow_table_at_their_own_lowers_commit_together(spark: Any, tmp_path: Path) -> None:
+    """``write_collections`` with a small Arrow job (built on the driver under the same
+    transaction) and per-job lowers: both collections move to the new upper in one
+    commit; a job whose rows are invalid commits neither."""
+    import pyarrow as pa
+
+    from persist_lib.spark import write_collections
+    from persist_lib.storage import StorageController
+
+    client = open_client(file_location(tmp_path))
+    ctl = StorageController(client)
+    ctl.create_collection("data", KEY, VAL, num_shards=2)
+    ctl.create_collection("book", pa.schema([("k", pa.string())]), pa.schema([("v", pa.int64())]), num_shards=1,
+                          transactional=True)
+    w, b = ctl.open_writer("data"), ctl.open_writer("book")
+    b.compare_and_append(pa.table({"k": ["old"], "v": [0], "ts": [4], "diff": [1]}), 0, 5)  # book at 5, data at 0
+    row = pa.table({"k": ["job1"], "v": pa.array([7], pa.int64())})
+    bad = pa.table({"k": ["bad"], "v": pa.array([1], pa.int64()), "ts": [99], "diff": [1]})  # ts outside [5, 6)
+    with pytest.raises(Exception, match="outside the batch interval"):
+        write_collections([(_input(spark, 500, parts=2, times=1, t0=5), w), (bad, b)], 0, 6, lowers=[0, 5])
+    assert w.upper == Antichain([0]) and b.upper == Antichain([5]) and ctl.txns.log.read().pending == ()
+    res = write_collections([(_input(spark, 500, parts=2, times=1).drop("ts"), w), (row, b)], 0, 6,
+                            lowers=[0, 5], time=5)
+    assert [r.rows_in for r in res] == [500, 1] and [r.lower for r in res] == [Antichain([0]), Antichain([5])]
+    assert w.upper == Antichain([6]) and b.upper == Antichain([6])
+    with ctl.acquire_read_handle("data") as r:
+        assert sum(x["diff"] for x in r.snapshot(5).to_pylist()) == 500
+    with ctl.acquire_read_handle("book") as r:
+        assert sorted((x["k"], x["v"]) for x in r.snapshot(5).to_pylist()) == [("job1", 7), ("old", 0)]
+        assert r.snapshot(4).num_rows == 1  # the entry landed at 5, with the data
+    client.close()

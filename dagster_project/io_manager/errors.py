@@ -25,6 +25,11 @@ class NoRecordedMaterialization(InvalidUsage):
     """An input is read as of its upstream's recorded materialization, but none exists."""
 
 
+class AsOfNotReadable(IOManagerConfigError):
+    """An input's integer ``persist/as_of`` is at or beyond its collection's upper: that
+    time is not complete yet, so reading it would wait for writes that may never come."""
+
+
 class UnknownAsOfRun(IOManagerConfigError):
     """An input's ``persist/as_of`` names a run the Dagster instance does not know."""
 

@@ -19,10 +19,11 @@ import dagster as dg
 import numpy as np
 import pyarrow as pa
 
-from dagster_project.io_manager import lazy_read, lineage, spark_read, write_modes
+from dagster_project.io_manager import lazy_read, lineage, spark_read, spark_write, write_modes
 from dagster_project.io_manager.atomic_commit import commit_with_ledger, logical_upper
 from dagster_project.io_manager.collection_setup import ensure_collection
 from dagster_project.io_manager.errors import (
+    AsOfNotReadable,
     IOManagerConfigError,
     NoRecordedMaterialization,
     OutputSchemaMismatch,
@@ -112,16 +113,35 @@ class PersistIOManagerImpl(dg.IOManager):
         settings = OutputSettings.parse(
             context.definition_metadata or {}, where, default_mode=self.default_mode, default_shards=self.num_shards
         )
-        table, handler = to_arrow(obj, where)
+        # A PySpark output stays on the executors (``spark_write``): its schema as Arrow
+        # stands in for the table in the checks.
+        df = obj if spark_write.is_spark_output(obj) else None
+        if df is not None:
+            table, handler = spark_write.arrow_schema(df).empty_table(), "pyspark"
+        else:
+            table, handler = to_arrow(obj, where)
         sel = _selection(context, settings.partition_columns, where)
         new, key_schema, val_schema = self._split(table, settings, where)
         if sel is not None:
-            sel.check_owns(new, where)
+            if df is not None:  # checked and written from one materialization
+                df = df.localCheckpoint(eager=True)
+                spark_write.check_owns(df, sel, where)
+            else:
+                sel.check_owns(new, where)
         name = collection_name(key, self.prefix)
         parts = sel.describe() if sel is not None else None
         write_id = "/".join([context.run_id, context.step_key, key.to_user_string(), parts or ""])
         ctl = self.persist.controller()
         self._ensure_collection(ctl, name, key_schema, val_schema, settings.num_shards, where)
+        if df is not None and not self._atomic(ctl, name):
+            context.log.info(
+                f"{where}: collection {name!r} or the ledger {self.ledger_name!r} is not transactional: "
+                "the PySpark output is collected to the driver (Arrow) and written from there"
+            )
+            new = self._split(to_arrow(df, where)[0], settings, where)[0]
+            df = None
+        elif df is not None:
+            new = spark_write.relax_nullability(ctl, name, new)
         conformed = conform_output(ctl, name, new, settings.key, settings.delete_column, settings.schema_change, where)
         new = conformed.table
         if conformed.evolved is not None:
@@ -131,7 +151,13 @@ class PersistIOManagerImpl(dg.IOManager):
             )
         if conformed.filled:
             context.log.info(f"{where}: columns {conformed.filled} are not in the output: written as nulls")
-        landed, counts, replayed = self.store(ctl, name, new, settings, sel, where, write_id)
+        if df is not None:
+            landed, counts, replayed = spark_write.store(
+                ctl, WriteLedger(ctl, self.ledger_name), name, spark_write.conform(df, conformed), settings, sel,
+                where, write_id, lambda w: self._check_schemas(w, new, settings, name, where), self.before_commit,
+            )
+        else:
+            landed, counts, replayed = self.store(ctl, name, new, settings, sel, where, write_id)
         if replayed:
             context.log.info(f"{where}: write {write_id} already landed at {landed.time}; not written again")
         reads = self._reads.pop(context.step_key, {})
@@ -151,6 +177,12 @@ class PersistIOManagerImpl(dg.IOManager):
         ordered = table.select([*s.key, *vals, *([s.delete_column] if s.delete_column else [])])
         schema = ordered.schema
         return ordered, pa.schema([schema.field(c) for c in s.key]), pa.schema([schema.field(c) for c in vals])
+
+    def _atomic(self, ctl: StorageController, name: str) -> bool:
+        """Whether a write of ``name`` and its ledger entry can be one transaction."""
+        ledger = WriteLedger(ctl, self.ledger_name)
+        ledger.ensure()
+        return ctl.is_transactional(name) and ctl.is_transactional(ledger.name)
 
     def _ensure_collection(self, ctl: StorageController, name: str, key: pa.Schema, val: pa.Schema, shards: int, where: str) -> None:
         """Creates the collection unless it exists (its schemas are checked by ``store``,
@@ -181,8 +213,7 @@ class PersistIOManagerImpl(dg.IOManager):
         old collections' two-commit path, see ``ledger``). The handles are opened once for
         the schema check, the ledger lookup and the write."""
         ledger = WriteLedger(ctl, self.ledger_name)
-        ledger.ensure()
-        atomic = ctl.is_transactional(name) and ctl.is_transactional(ledger.name)
+        atomic = self._atomic(ctl, name)
         with ExitStack() as stack:
             w = stack.enter_context(ctl.open_writer(name))
             self._check_schemas(w, new, s, name, where)
@@ -272,7 +303,7 @@ class PersistIOManagerImpl(dg.IOManager):
         ctl = self.persist.controller()
         typ = context.dagster_type.typing_type
         with ctl.acquire_read_handle(name) as r:
-            as_of = self._as_of(context, settings, sel, r.upper.time or 0, where)
+            as_of = self._as_of(context, settings, sel, r.upper.time, name, where)
             types = _column_types(r.schemas)
             filt = sel.pushdown(types, where) if sel is not None else None
             cols = None
@@ -307,15 +338,22 @@ class PersistIOManagerImpl(dg.IOManager):
         return value
 
     def _as_of(
-        self, context: dg.InputContext, s: InputSettings, sel: PartitionSelection | None, upper: int, where: str
+        self, context: dg.InputContext, s: InputSettings, sel: PartitionSelection | None, upper: int | None,
+        name: str, where: str,
     ) -> int:
+        """The time an input reads. ``upper``: its collection's (None: closed, every time readable)."""
         if isinstance(s.as_of, int):
+            if upper is not None and s.as_of >= upper:
+                raise AsOfNotReadable(
+                    f"{where}: persist/as_of {s.as_of} is not readable yet: collection {name!r}'s upper is {upper} "
+                    f"(times below it are complete); ask for a time below {upper}, or 'latest' / 'recorded'"
+                )
             return s.as_of
         partitions = [k for k in context.asset_partition_keys] if sel is not None else None
         if s.run_id is not None:
             return lineage.time_as_of_run(context.instance, s.run_id, context.asset_key, partitions, where)
         if s.as_of == "latest":
-            if upper == 0:
+            if not upper:
                 raise NoRecordedMaterialization(f"{where}: the collection has no data yet; materialize the upstream first")
             return upper - 1
         instance = context.instance

@@ -18,6 +18,7 @@ NaN together, where persist keeps them apart.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import pyarrow as pa
@@ -58,6 +59,29 @@ def load_dataframe(
 ) -> Any:
     """The collection at ``as_of`` as a Spark DataFrame of plain rows: ``columns`` (and
     ``filter``) pushed down, cut to ``sel``'s partitions, projected to ``keep``."""
+    df = snapshot_dataframe(spark, reader, as_of, columns=columns, filter=filter, sel=sel, where=where)
+    return _expand(df, keep, where)
+
+
+def snapshot_dataframe(
+    spark: Any, reader: CollectionReader, as_of: int, *, columns: Sequence[str] | None,
+    filter: Any, sel: PartitionSelection | None, where: str,
+) -> Any:
+    """The consolidated snapshot at ``as_of`` (the rows with ``ts`` and ``diff``, each
+    distinct row once), held by the executors: ``columns`` and ``filter`` pushed down,
+    cut to ``sel``'s partitions."""
+    with snapshot_splits(spark, reader, as_of, columns=columns, filter=filter, sel=sel, where=where) as df:
+        return df.localCheckpoint(eager=True)  # executors hold the rows; the parts may go
+
+
+@contextmanager
+def snapshot_splits(
+    spark: Any, reader: CollectionReader, as_of: int, *, columns: Sequence[str] | None,
+    filter: Any, sel: PartitionSelection | None, where: str,
+) -> Iterator[Any]:
+    """The consolidated snapshot at ``as_of`` as a DataFrame that reads the parts when
+    run: run (or materialize) whatever uses it inside the block, which holds the splits'
+    parts against garbage collection until it ends."""
     rendition = reader.active_rendition(as_of)
     handles = reader.rendition_readers(rendition)  # applies committed transactions first
     n = max(1, default_parallelism(spark) * SPLITS_PER_SHARD_FACTOR // max(1, len(handles)))
@@ -70,11 +94,10 @@ def load_dataframe(
         df = splits_dataframe(spark, splits, reader.schemas, columns=columns)
         if sel is not None and len(sel.columns) > 1 and len(sel.keys) > 1:
             df = _exact_partitions(df, sel, where)
-        df = df.localCheckpoint(eager=True)  # executors hold the rows; the parts may go
+        yield df
     finally:
         for h in taken:
             h.release_splits()
-    return _expand(df, keep, where)
 
 
 def _expand(df: Any, keep: Sequence[str] | None, where: str) -> Any:

@@ -271,6 +271,25 @@ class Txns:
             key_range_min_bytes=cfg.key_range_min_bytes if w.unsorted_min_bytes is None else None,
         )
 
+    def build_batches(self, prepared: Prepared, writes: list[ShardWrite]) -> list[HollowBatch]:
+        """Builds ``writes`` (each of a shard of ``prepared``) on this process under the
+        transaction's part writers, checked as ``commit`` checks them: for a transaction
+        whose other batches are built elsewhere (e.g. by Spark executors). On failure the
+        parts built so far are deleted; ``prepared`` stays for the caller to abandon."""
+        for w in writes:
+            _check_write(w)
+            if w.shard not in prepared.shards:
+                raise InvalidUsage(f"transaction {prepared.txn}: shard {w.shard} is not one it prepared")
+        built: list[HollowBatch] = []
+        try:
+            for w in writes:
+                built.append(self._build(w, prepared.part_writer(w.shard)))
+        except BaseException:
+            for b in built:
+                delete_batch_blobs(self.client.blob, b)
+            raise
+        return built
+
     def abandon(self, prepared: Prepared, batches: Iterable[HollowBatch] = ()) -> None:
         """The transaction certainly did not commit: delete its parts, release its writers."""
         for b in batches:
