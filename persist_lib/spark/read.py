@@ -25,10 +25,11 @@ import pyarrow as pa
 
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import check_time
+from persist_lib.handles import split_overlap
 from persist_lib.handles.pushdown import ReadPushdown
+from persist_lib.handles.split_overlap import SplitOverlap
 from persist_lib.handles.splits import RangeSplit, SnapshotSplit
 from persist_lib.shard.codec import DIFF, Schemas
-from persist_lib.spark import split_overlap
 from persist_lib.spark._common import (
     blob_uri_of,
     check_session,
@@ -37,7 +38,6 @@ from persist_lib.spark._common import (
     sql_functions,
     table_batches,
 )
-from persist_lib.spark.split_overlap import SplitOverlap
 from persist_lib.spark.types import spark_arrow_schema, spark_schema, to_spark_arrow
 
 if TYPE_CHECKING:  # pragma: no cover
