@@ -19,6 +19,12 @@ files one per update):
   ``read_parquet([<the part files>])``. Goal >= 0.8x.
 
 Median of 3 each, warm page cache, one Spark session for every size.
+
+Then the same rows once the reader's since reached the as-of and the shard was
+compacted again (``no_history_figures``: every key at one time, the parts need no
+consolidation): Spark's default ``read_snapshot`` (the parts verified, then read by
+Spark's Parquet reader and materialized), ``read_snapshot(materialize=False)`` (the
+same, lazy) and ``persist sql``, each against the same raw reads of the new part files.
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ def stop_spark() -> None:
         _SPARK.pop().stop()
 
 
-def spark_figures(d: Path, shard: Any, files: list[str]) -> dict[str, Any]:
+def spark_figures(d: Path, shard: Any, files: list[str], *, materialize: bool = True) -> dict[str, Any]:
     from pyspark.sql import functions as F
 
     from persist_lib.spark import read_snapshot
@@ -85,7 +91,8 @@ def spark_figures(d: Path, shard: Any, files: list[str]) -> dict[str, Any]:
     r = client.open_leased_reader(shard, KEY_SCHEMA, VAL_SCHEMA)
 
     def persist() -> tuple[Any, ...]:
-        df = read_snapshot(spark, r, AS_OF)
+        r.release_splits()  # the previous lazy read's hold (materialize=False)
+        df = read_snapshot(spark, r, AS_OF, materialize=materialize)
         row = df.agg(
             F.count("*"), F.sum(F.col("key") * F.col("diff")),
             F.sum(F.length("value") * F.col("diff")), F.sum("diff"),
@@ -133,3 +140,24 @@ def sql_figures(d: Path, shard: Any, files: list[str]) -> dict[str, Any]:
         client.close()
     _check("sql", p_out, a_out)
     return {"persist_s": p_s, "raw_s": a_s, "rows": int(p_out[0]), "raw_rows": int(a_out[0])}
+
+
+def no_history_figures(d: Path, shard: Any) -> dict[str, dict[str, Any]]:
+    """Advances the shard's since to the as-of, compacts it again (every key at one
+    time: parts that need no consolidation) and measures Spark (default and lazy) and
+    SQL over it, against the raw reads of its new part files. Run last: it changes the
+    shard."""
+    client = persist_file_client(d)
+    try:
+        r = client.open_leased_reader(shard, KEY_SCHEMA, VAL_SCHEMA)
+        r.downgrade_since(AS_OF)
+        client.compact(shard)
+        r.expire()
+    finally:
+        client.close()
+    files = part_files_of(d, shard)
+    return {
+        "spark_nh": spark_figures(d, shard, files),
+        "spark_nh_lazy": spark_figures(d, shard, files, materialize=False),
+        "sql_nh": sql_figures(d, shard, files),
+    }
