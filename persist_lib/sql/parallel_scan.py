@@ -31,7 +31,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -56,6 +56,20 @@ _IN_FLIGHT_FACTOR = 2
 def scan_workers() -> int:
     """Threads a scan decodes parts on: the machine's cores, 2 to 8."""
     return max(2, min(8, os.cpu_count() or 2))
+
+
+_POOL: list[ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The process's scan pool (``scan_workers`` threads, started once: a query does not
+    pay for starting threads). Scans share it; each keeps at most ``in_flight`` parts
+    queued on it."""
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(ThreadPoolExecutor(max_workers=scan_workers(), thread_name_prefix="persist-sql-scan"))
+        return _POOL[0]
 
 
 class ScanHolds:
@@ -106,7 +120,8 @@ def parallel_snapshot(
 ) -> BatchStream | None:
     """The snapshot at ``as_of`` as a stream of the same rows as ``snapshot_batches``
     (not in key order), read in parallel; None when the parts don't qualify (the
-    caller then streams as before). Errors of the time (``InvalidUsage`` before the
+    caller then streams as before). ``workers`` (default ``scan_workers()``): parts
+    are fetched up to twice that many ahead. Errors of the time (``InvalidUsage`` before the
     since, ``Timeout`` waiting for the upper) are raised here."""
     schemas = reader.schemas
     pd = ReadPushdown.plan(schemas, columns, filter, shard=reader.shard_id)
@@ -126,7 +141,7 @@ def parallel_snapshot(
         base = splits[0]
         per_part = [dataclasses.replace(base, parts=(p,)) for p in ordered]
         max_rows = max(1024, (max(budget, 1 << 20) // 32) // max(1, row_width(schemas)))
-        rows = _scan(per_part, overlaps, reader.client.blob, schemas, pd, min(w, in_flight), in_flight, max_rows)
+        rows = _scan(per_part, overlaps, reader.client.blob, schemas, pd, in_flight, max_rows)
         stream = BatchStream(rows, pd.user_schema(), holds.end)
         done = True
         return stream
@@ -141,7 +156,6 @@ def _scan(
     blob: Blob,
     schemas: Schemas,
     pd: ReadPushdown,
-    workers: int,
     in_flight: int,
     max_rows: int,
 ) -> Iterator[pa.RecordBatch]:
@@ -149,7 +163,7 @@ def _scan(
     parts ahead; the shared rows consolidated at the end. A generator: nothing is
     fetched before the first ``next``; closing it cancels what is queued and waits for
     what runs (the parts stay held until then)."""
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="persist-sql-scan")
+    pool = _pool()
     queue: deque[Future[tuple[pa.Table, pa.Table | None]]] = deque()
     submit: Callable[[int], Future[tuple[pa.Table, pa.Table | None]]] = lambda i: pool.submit(  # noqa: E731
         _fetch_one, splits[i], overlaps[i], blob
@@ -175,6 +189,6 @@ def _scan(
             if out.num_rows:
                 yield from pd.project(out).to_batches(max_chunksize=max_rows)
     finally:
-        for f in queue:
-            f.cancel()
-        pool.shutdown(wait=True, cancel_futures=True)
+        for f in queue:  # the parts stay held until no fetch of this scan runs
+            if not f.cancel():
+                wait([f])
