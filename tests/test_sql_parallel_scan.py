@@ -16,6 +16,7 @@ from persist_lib.errors import CorruptionError
 from persist_lib.shard.predicate import Predicate, Term
 from persist_lib.sql.engine import SqlSession
 from persist_lib.sql.parallel_scan import ScanHolds, parallel_snapshot
+from persist_lib.testing.corruption import flip_bit
 
 pytest.importorskip("duckdb")
 
@@ -155,12 +156,11 @@ def test_overlapping_parts_stream_as_before() -> None:
 def test_a_corrupt_part_fails_the_parallel_scan() -> None:
     client, sid = _shard(7, retractions=False)
     parts = [p for _, b in client.machine(sid).fetch_latest().trace_batches() for p in b.parts if p.key]
-    key = parts[len(parts) // 2].key
-    assert key is not None
-    data = bytearray(client.blob.get(key) or b"")
-    data[len(data) // 2] ^= 0x10
-    client.raw_blob.delete(key)
-    client.raw_blob.set(key, bytes(data))
+    victim = parts[len(parts) // 2]
+    assert victim.key is not None
+    flipped = flip_bit(4 * victim.size)(client.blob.get(victim.key) or b"")  # a bit mid-part
+    client.raw_blob.delete(victim.key)
+    client.raw_blob.set(victim.key, flipped)
     r = client.open_leased_reader(sid, KEY, VAL)
     stream = parallel_snapshot(r, ScanHolds(r), 3 * BATCHES - 1, memory_budget=None, timeout_s=None,
                                filter=None, columns=None)
