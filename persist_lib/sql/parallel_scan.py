@@ -33,8 +33,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from persist_lib.handles.batch_stream import BatchStream
 from persist_lib.handles.pushdown import ReadPushdown
@@ -101,10 +101,19 @@ def _fetch_one(
     t = split.fetch(blob)
     if not overlap.los or t.num_rows == 0:
         return t, None
-    mask = overlap.mask(t)
-    if not mask.true_count:
+    mask = overlap.mask(t).to_numpy(zero_copy_only=False)
+    marked = int(mask.sum())
+    if not marked:
         return t, None
-    return t.filter(pc.invert(mask)), t.filter(mask)
+    # A part in key order holds a shared endpoint's rows at its start or its end:
+    # slices, no copy of the rest.
+    n = len(mask)
+    head = n if mask.all() else int(np.argmin(mask))
+    tail = n - head if head == n else int(np.argmin(mask[::-1]))
+    if head + tail == marked:
+        shared = pa.concat_tables([t.slice(0, head), t.slice(n - tail, tail)])
+        return t.slice(head, n - head - tail), shared
+    return t.filter(pa.array(~mask)), t.filter(pa.array(mask))
 
 
 def parallel_snapshot(
