@@ -172,3 +172,29 @@ def test_a_corrupt_part_fails_the_parallel_scan() -> None:
         s.sql(f"SELECT sum(diff) FROM {sid}").fetchall()
     r.expire()
     client.close()
+
+
+def test_a_scan_ended_inside_the_readers_lock_releases_later_without_deadlock() -> None:
+    """A stream's finalizer may end a scan at any allocation, also in a thread that holds
+    the reader's lock (``release_splits`` takes it): the release is deferred."""
+    import threading
+
+    client, sid = _shard(8, retractions=False)
+    r = client.open_leased_reader(sid, KEY, VAL)
+    holds = ScanHolds(r)
+    stream = parallel_snapshot(r, holds, 5, memory_budget=None, timeout_s=None, filter=None, columns=None)
+    assert stream is not None and r._held_seqnos()
+
+    def finalizer_inside_the_lock() -> None:
+        with r._lock:
+            stream.close()  # ends the scan: holds.end() with the lock held
+
+    t = threading.Thread(target=finalizer_inside_the_lock, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "ending a scan inside the reader's lock deadlocked"
+    assert holds.deferred is not None
+    holds.deferred.join(30)
+    assert not r._held_seqnos()
+    r.expire()
+    client.close()

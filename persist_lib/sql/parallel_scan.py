@@ -79,17 +79,35 @@ class ScanHolds:
 
     def __init__(self, reader: ReadHandle) -> None:
         self._reader = reader
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by a finalizer in the same thread
         self._running = 0
+        self.deferred: threading.Thread | None = None  # the last deferred release
 
     def begin(self) -> None:
         with self._lock:
             self._running += 1
 
     def end(self) -> None:
+        # May run in a stream's finalizer, at any allocation of any thread, possibly one
+        # inside the reader's own lock (``release_splits`` takes it): release now only
+        # when that lock is free, else from another thread, which waits for it. Released
+        # under this object's lock, so that no scan begins (and takes a split hold) between
+        # the count reaching zero and the release.
         with self._lock:
             self._running -= 1
-            if self._running == 0:
+            if self._running:
+                return
+            lock = self._reader._lock
+            if lock.acquire(blocking=False):
+                lock.release()
+                self._reader.release_splits()
+                return
+        self.deferred = threading.Thread(target=self._release_if_idle, name="persist-sql-release", daemon=True)
+        self.deferred.start()
+
+    def _release_if_idle(self) -> None:
+        with self._lock:
+            if not self._running:  # else a scan began since: its end releases
                 self._reader.release_splits()
 
 
