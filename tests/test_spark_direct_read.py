@@ -72,9 +72,9 @@ def test_direct_read_equals_the_snapshot(spark: Any, tmp_path: Path) -> None:
     assert _rows(df) == _rows(want)
     assert r._held_seqnos()  # the lazy DataFrame's parts stay held ...
     r.release_splits()  # ... until released
-    got = read_snapshot(spark, r, 11, columns=["score"])  # materialized, projected
-    assert got.columns == ["score", "ts", "diff"]
-    assert _rows(got) == _rows(want.select(["score", "ts", "diff"]))
+    got = read_snapshot(spark, r, 11, columns=["score", "id"])  # materialized, projected
+    assert got.columns == ["id", "score", "ts", "diff"]  # the shard's order, as the general path
+    assert _rows(got) == _rows(want.select(["id", "score", "ts", "diff"]))
     assert r._held_seqnos() == {}
     r.expire()
     client.close()

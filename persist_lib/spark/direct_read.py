@@ -52,6 +52,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from persist_lib.errors import CorruptionError
+from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.split_overlap import disjoint_overlaps
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
@@ -201,8 +202,9 @@ def direct_dataframe(
     for f, want in zip(df.schema.fields, sschema.fields, strict=True):
         if f.dataType != want.dataType:
             raise _TypeDrift(f"{f.name}: {f.dataType} != {want.dataType}")
-    if columns is not None:
-        df = df.select(*list(columns), TS, DIFF)
+    if columns is not None:  # as the general path: the shard's order, then ts and diff
+        pd = ReadPushdown.plan(schemas, columns, None, shard="(direct read)")
+        df = df.select(*[F.col("`" + c.replace("`", "``") + "`") for c in pd.columns or ()])
     return df
 
 
