@@ -15,7 +15,8 @@ commits of n/4 rows at times 0..3 (delta: versions 0..3), then, per side:
   against ``DeltaTable(path, version=1).to_pyarrow_table()`` (median of 3);
 - Spark and ``persist sql`` over the compacted shard against Spark and DuckDB reading its
   part files as plain Parquet (``bench.scaling_engines``; ``PERSIST_BENCH_ENGINES=0``
-  leaves them out).
+  leaves them out), then again once the since reached the as-of and the shard was
+  compacted again ("no history" rows: parts that need no consolidation).
 Run alone: ``python -m bench --only scaling --runs 1 --max-runs 1`` (not part of ``make
 bench``); ``PERSIST_BENCH_SIZES=1,4`` picks the sizes in millions. The issue 28 goal:
 the persist/delta-rs ratio falls by at most 20% from the smallest size to the largest on
@@ -164,6 +165,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
             gc.collect()
             eng["sql"] = se.sql_figures(p["dir"], p["shard"], files)
             gc.collect()
+            eng |= se.no_history_figures(p["dir"], p["shard"])
+            gc.collect()
         p["dir"], p["shard"] = str(p["dir"]), str(p["shard"])
         det[label] = {"arrow_MB": round(arrow_mb, 1), "persist": p, "delta": dl, **eng}
         rows += [
@@ -185,6 +188,10 @@ def run(ctx: Ctx) -> dict[str, Any]:
         for key, what, anchor in (
             ("spark", "Spark read_snapshot + aggregate (local[2])", "spark.read.parquet of the part files"),
             ("sql", "persist sql aggregate over the snapshot", "DuckDB read_parquet of the part files"),
+            ("spark_nh", "no history: Spark read_snapshot + aggregate", "spark.read.parquet of the part files"),
+            ("spark_nh_lazy", "no history: Spark read_snapshot(materialize=False) + aggregate",
+             "spark.read.parquet of the part files"),
+            ("sql_nh", "no history: persist sql aggregate", "DuckDB read_parquet of the part files"),
         ):
             if key in eng:
                 e = eng[key]

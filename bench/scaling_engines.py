@@ -18,18 +18,30 @@ files one per update):
   ``persist sql`` runs: DuckDB over the streamed snapshot) against DuckDB's
   ``read_parquet([<the part files>])``. Goal >= 0.8x.
 
-Median of 3 each, warm page cache, one Spark session for every size.
+Median of 3 rounds for Spark, 7 for SQL (each round persist then the anchor, so that both
+see the same load), warm page cache, one Spark session for every size.
+
+Then the same rows once the reader's since reached the as-of and the shard was
+compacted again (``no_history_figures``: every key at one time, the parts need no
+consolidation): Spark's default ``read_snapshot`` (the parts verified, then read by
+Spark's Parquet reader and materialized), ``read_snapshot(materialize=False)`` (the
+same, lazy) and ``persist sql``, each against the same raw reads of the new part files.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import KEY_SCHEMA, VAL_SCHEMA, median_time, persist_file_client
+from bench.common import KEY_SCHEMA, VAL_SCHEMA, persist_file_client
 
 REPS = 3
+SQL_REPS = 7
 AS_OF = 3
 
 _AGG_SQL = "count(*), sum({k} * {d}), sum(length({v}) * {d}), sum({d})"
@@ -49,6 +61,28 @@ def part_files_of(d: Path, shard: Any) -> list[str]:
         ]
     finally:
         client.close()
+
+
+def interleaved(
+    ours: Callable[[], Any], anchor: Callable[[], Any], reps: int, *, warm: bool = False
+) -> tuple[float, float, Any, Any]:
+    """Median wall seconds of ``ours`` and ``anchor`` run in alternation (``reps`` rounds,
+    after one untimed call of each with ``warm``), and their last results: on a loaded
+    machine, both sides then see the same load."""
+    if warm:
+        ours()
+        anchor()
+    t_ours: list[float] = []
+    t_anchor: list[float] = []
+    out_ours = out_anchor = None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out_ours = ours()
+        t_ours.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        out_anchor = anchor()
+        t_anchor.append(time.perf_counter() - t0)
+    return statistics.median(t_ours), statistics.median(t_anchor), out_ours, out_anchor
 
 
 def _check(what: str, ours: tuple[Any, ...], raw: tuple[Any, ...]) -> None:
@@ -75,7 +109,7 @@ def stop_spark() -> None:
         _SPARK.pop().stop()
 
 
-def spark_figures(d: Path, shard: Any, files: list[str]) -> dict[str, Any]:
+def spark_figures(d: Path, shard: Any, files: list[str], *, materialize: bool = True) -> dict[str, Any]:
     from pyspark.sql import functions as F
 
     from persist_lib.spark import read_snapshot
@@ -84,8 +118,11 @@ def spark_figures(d: Path, shard: Any, files: list[str]) -> dict[str, Any]:
     client = persist_file_client(d)
     r = client.open_leased_reader(shard, KEY_SCHEMA, VAL_SCHEMA)
 
+    kw: dict[str, Any] = {} if materialize else {"materialize": False}
+
     def persist() -> tuple[Any, ...]:
-        df = read_snapshot(spark, r, AS_OF)
+        r.release_splits()  # the previous lazy read's hold (materialize=False)
+        df = read_snapshot(spark, r, AS_OF, **kw)
         row = df.agg(
             F.count("*"), F.sum(F.col("key") * F.col("diff")),
             F.sum(F.length("value") * F.col("diff")), F.sum("diff"),
@@ -102,8 +139,7 @@ def spark_figures(d: Path, shard: Any, files: list[str]) -> dict[str, Any]:
 
     try:
         raw()  # warm the JVM's Parquet path and the page cache once, as persist's first run
-        p_s, p_out = median_time(persist, REPS)
-        a_s, a_out = median_time(raw, REPS)
+        p_s, a_s, p_out, a_out = interleaved(persist, raw, REPS)
     finally:
         r.expire()
         client.close()
@@ -126,10 +162,34 @@ def sql_figures(d: Path, shard: Any, files: list[str]) -> dict[str, Any]:
     con = duckdb.connect()
     try:
         with SqlSession(client, as_of=AS_OF) as s:
-            p_s, p_out = median_time(lambda: s.sql(q).fetchall()[0], REPS)
-        a_s, a_out = median_time(lambda: con.sql(q_raw).fetchall()[0], REPS)
+            p_s, a_s, p_out, a_out = interleaved(
+                lambda: s.sql(q).fetchall()[0], lambda: con.sql(q_raw).fetchall()[0], SQL_REPS, warm=True
+            )
     finally:
         con.close()
         client.close()
     _check("sql", p_out, a_out)
     return {"persist_s": p_s, "raw_s": a_s, "rows": int(p_out[0]), "raw_rows": int(a_out[0])}
+
+
+def no_history_figures(d: Path, shard: Any) -> dict[str, dict[str, Any]]:
+    """Advances the shard's since to the as-of, compacts it again (every key at one
+    time: parts that need no consolidation) and measures Spark (default and lazy) and
+    SQL over it, against the raw reads of its new part files. Run last: it changes the
+    shard."""
+    client = persist_file_client(d)
+    try:
+        r = client.open_leased_reader(shard, KEY_SCHEMA, VAL_SCHEMA)
+        r.downgrade_since(AS_OF)
+        client.compact(shard)
+        r.expire()
+    finally:
+        client.close()
+    files = part_files_of(d, shard)
+    from persist_lib.spark import read_snapshot
+
+    out = {"spark_nh": spark_figures(d, shard, files)}
+    if "materialize" in inspect.signature(read_snapshot).parameters:  # not before issue 28's direct reads
+        out["spark_nh_lazy"] = spark_figures(d, shard, files, materialize=False)
+    out["sql_nh"] = sql_figures(d, shard, files)
+    return out

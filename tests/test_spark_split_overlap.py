@@ -1,4 +1,4 @@
-"""Spark reads group only the rows another split may hold (``spark.split_overlap``)."""
+"""Spark reads group only the rows another split may hold (``handles.split_overlap``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+from persist_lib.handles import split_overlap
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import Schemas
-from persist_lib.spark import split_overlap
 from tests.test_spark_support import file_location, open_client
 
 pytest_plugins = ["tests.spark_fixtures"]

@@ -25,10 +25,11 @@ import pyarrow as pa
 
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import check_time
+from persist_lib.handles import split_overlap
 from persist_lib.handles.pushdown import ReadPushdown
+from persist_lib.handles.split_overlap import SplitOverlap
 from persist_lib.handles.splits import RangeSplit, SnapshotSplit
 from persist_lib.shard.codec import DIFF, Schemas
-from persist_lib.spark import split_overlap
 from persist_lib.spark._common import (
     blob_uri_of,
     check_session,
@@ -37,7 +38,7 @@ from persist_lib.spark._common import (
     sql_functions,
     table_batches,
 )
-from persist_lib.spark.split_overlap import SplitOverlap
+from persist_lib.spark.direct_read import try_direct
 from persist_lib.spark.types import spark_arrow_schema, spark_schema, to_spark_arrow
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -174,6 +175,7 @@ def read_snapshot(
     timeout_s: float | None = None,
     columns: Sequence[str] | None = None,
     filter: Any = None,
+    materialize: bool = True,
 ) -> Any:
     """The shard's contents at ``as_of`` as a DataFrame (key, value, ``ts``, ``diff``).
 
@@ -187,6 +189,16 @@ def read_snapshot(
     ``consolidate`` (default) each ``(key, value)`` appears once with its summed diff.
     Fetched on executors in ``num_splits`` splits (default: twice the default
     parallelism); the result is materialized before the splits' hold is released.
+
+    When the parts at ``as_of`` need no consolidation and the blob is a local
+    directory (``spark.direct_read``: key-disjoint consolidated parts, every time at or
+    before ``as_of``, no filter), the executors only verify each part's checksum and
+    Spark's own Parquet reader reads the part files. With ``materialize=False`` that
+    DataFrame stays lazy (read when an action runs: the speed of
+    ``spark.read.parquet``) and this reader keeps its hold on the parts until
+    ``reader.release_splits()`` or ``expire()`` (call it once the DataFrame is no longer
+    used; the next read through this reader releases it too); the general path always
+    materializes.
     """
     as_of = check_time(as_of, "as_of")
     check_session(spark, f"read_snapshot of shard {reader.shard_id}")
@@ -195,10 +207,23 @@ def read_snapshot(
     ReadPushdown.plan(reader.schemas, columns, filter, shard=reader.shard_id)  # bad names fail here
     n = num_splits or _default_splits(spark)
     splits: list[Split] = list(reader.snapshot_splits(as_of, n, timeout_s, filter=filter))
+    keep_hold = False
     try:
+        if consolidate:
+            direct = try_direct(
+                spark, reader.client.blob_uri, reader.shard_id, reader.schemas,
+                [p for s in splits for p in s.parts], as_of, filter=filter, columns=columns,
+                driver_blob=reader.client.blob,
+            )
+            if direct is not None:
+                if materialize:
+                    return _materialize(direct)
+                keep_hold = True
+                return direct
         return _read(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
     finally:
-        reader.release_splits()
+        if not keep_hold:
+            reader.release_splits()
 
 
 def range_splits(

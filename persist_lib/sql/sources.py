@@ -21,6 +21,7 @@ from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read import ReadHandle
 from persist_lib.shard.codec import Schemas, internal_schema, user_schema
 from persist_lib.shard.predicate import Predicate
+from persist_lib.sql.parallel_scan import ScanHolds, parallel_snapshot
 from persist_lib.sql.times import format_time, range_text
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,6 +36,8 @@ class Table:
         self.schemas = schemas
         self.schema = user_schema(schemas)
         self._reader = reader
+        # Parallel scans of a shard (``parallel_scan``) share its reader's split holds.
+        self._holds = ScanHolds(reader) if isinstance(reader, ReadHandle) else None
 
     @property
     def since(self) -> Antichain:
@@ -67,6 +70,14 @@ class Table:
         self, as_of: int, *, memory_budget: int | None, timeout_s: float | None,
         filter: Predicate | None = None, columns: list[str] | None = None,
     ) -> BatchStream:
+        r = self._reader
+        if isinstance(r, ReadHandle) and self._holds is not None:
+            stream = parallel_snapshot(
+                r, self._holds, as_of, memory_budget=memory_budget, timeout_s=timeout_s, filter=filter,
+                columns=columns,
+            )
+            if stream is not None:
+                return stream
         return self._reader.snapshot_batches(
             as_of, memory_budget=memory_budget, timeout_s=timeout_s, filter=filter, columns=columns
         )

@@ -1,4 +1,4 @@
-"""Which rows of a Spark read's split may share a record with another split.
+"""Which rows of a split read (Spark executors, a parallel SQL scan) may share a record with another split.
 
 A snapshot (or time range) read on executors consolidates each split on its own; the
 same ``(key, value)`` can still sit in two splits, so the splits' rows must be
@@ -113,3 +113,37 @@ def plan(parts_of_splits: Sequence[Sequence[PartMeta]], schemas: Schemas) -> lis
         los, his = _merged(others)
         out.append(SplitOverlap(name, los, his, nulls))
     return out
+
+
+def disjoint_overlaps(
+    parts: Sequence[PartMeta], schemas: Schemas
+) -> tuple[list[PartMeta], list[SplitOverlap]] | None:
+    """For a read with one split per part: the parts in key order and one
+    ``SplitOverlap`` each, when the parts' recorded ranges of the first key field (an
+    integer without nulls) are disjoint but for shared endpoints (a compacted shard's
+    sorted run, or key-disjoint bulk parts); None otherwise (or when a bound is missing).
+
+    Only a row whose first key field is a shared endpoint can sit in another part, so
+    each overlap is that handful of values: ``plan`` finds the same, in linear time."""
+    if not len(schemas.key) or not pa.types.is_integer(schemas.key.field(0).type):
+        return None
+    name = schemas.key.field(0).name
+    column = KEY_PREFIX + name
+    ranged: list[tuple[int, int, PartMeta]] = []
+    for p in parts:
+        b = _bounds(p, column)
+        if b is None or b[2] or b[0] > b[1]:  # no bounds, nulls, or every value null
+            return None
+        ranged.append((b[0], b[1], p))
+    ranged.sort(key=lambda r: (r[0], r[1]))
+    shared: list[set[int]] = [set() for _ in ranged]
+    for i in range(1, len(ranged)):
+        prev_hi, lo = ranged[i - 1][1], ranged[i][0]
+        if lo < prev_hi:
+            return None  # overlapping ranges: most rows may be shared
+        if lo == prev_hi:
+            shared[i - 1].add(lo)
+            shared[i].add(lo)
+    # A value spanning several parts ([1, 5], [5, 5], [5, 9]) is shared by each of them.
+    out = [SplitOverlap(name, tuple(sorted(s)), tuple(sorted(s)), False) for s in shared]
+    return [p for _, _, p in ranged], out
