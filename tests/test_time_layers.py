@@ -71,13 +71,22 @@ def test_layer_bounds_are_geometric_from_the_newest_end() -> None:
     assert layer_bounds(parts, 0, max_layers=4, min_rows=16_000) == ()
 
 
+def test_a_layer_spans_two_times_at_least() -> None:
+    # Four equal commits: the first layer is the first two (a read as of time 1 reads
+    # one run), not one run per commit.
+    assert layer_bounds([_part(t, t, 1000) for t in range(4)], 0, max_layers=4, min_rows=1) == (2,)
+    # Two times only: nothing to split.
+    assert layer_bounds([_part(0, 0, 1000), _part(0, 0, 1000), _part(1, 1, 10)], 0, max_layers=3, min_rows=1) == ()
+
+
 def test_layer_bounds_collapse_history_below_the_since() -> None:
     parts = [_part(t, t, 1000) for t in range(16)]
     # Everything at or below the since is one time: one layer.
     assert layer_bounds(parts, 15, max_layers=4, min_rows=1) == ()
-    # The forwarded history (times 0..11 -> 11: 12,000 updates) is one point: the
-    # bounds can't split it, only the 4 newer times are layered after it.
-    assert layer_bounds(parts, 11, max_layers=4, min_rows=1) == (12,)
+    # The forwarded history (times 0..11 -> 11: 12,000 updates) is one time: the bounds
+    # can't split it, only the 4 newer times are layered after it (2 times a layer).
+    assert layer_bounds(parts, 11, max_layers=4, min_rows=1) == (13, 15)
+    assert layer_bounds(parts, 11, max_layers=4, min_rows=4096) == ()
 
 
 def test_layer_bounds_spread_a_one_run_part_evenly() -> None:

@@ -17,7 +17,9 @@ the newest end: with ``max_layers = L`` the bounds sit where about ``N / 2^(L-1)
 ..., ``N / 4``, ``N / 2`` of the ``N`` updates lie before them, so a read as of any time
 past the first bound fetches at most about twice the updates at or before it, a read as
 of the latest time merges at most ``L`` runs per batch, and layers of fewer than
-``min_rows`` updates are not split off. History that falls below the since is forwarded
+``min_rows`` updates are not split off. A layer spans two distinct times at least (one
+run per commit would make a read merge as many runs as the commits it spans: the first
+layer of four equal commits is the first two). History that falls below the since is forwarded
 to one time by the next merge and so collapses into one layer.
 
 ``LayeredOutput`` writes the layers: a ``BatchBuilder`` per layer (rows routed by time,
@@ -65,6 +67,20 @@ def layer_bounds(
         """Estimated updates at times < x."""
         return float((count * np.clip((x - lo) / width, 0.0, 1.0)).sum())
 
+    points = np.unique(lo[width == 1])
+    ranges = width > 1
+
+    def two_times_from(start: int, x: int) -> int | None:
+        """``x``, or the smallest bound past it, such that ``[start, x)`` holds at least
+        two distinct times (None: there is no such bound)."""
+        overlap = np.minimum(hi[ranges] + 1, x) - np.maximum(lo[ranges], start)
+        if len(overlap) and overlap.max() >= 2:
+            return x
+        i = int(np.searchsorted(points, start))
+        if i + 1 >= len(points):
+            return None
+        return max(x, int(points[i + 1]) + 1)
+
     first, last = int(lo.min()), int(hi.max())
     bounds: list[int] = []
     done = 0.0
@@ -79,6 +95,12 @@ def layer_bounds(
                 b = mid
             else:
                 a = mid + 1
+        # A layer spans two times at least: one run per commit would make a read merge
+        # as many runs as the commits it spans.
+        spread = two_times_from(bounds[-1] if bounds else first, a)
+        if spread is None:
+            continue
+        a = spread
         at = before(a)
         if (bounds and a <= bounds[-1]) or at - done < min_rows or n - at < min_rows:
             continue
