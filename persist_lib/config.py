@@ -74,7 +74,7 @@ class PersistConfig:
     # kept in up to this many time layers, one sorted run each, so that a read as of an
     # old time skips the later layers' parts (``shard.time_layers``); 1 = one run.
     # Layers of fewer than ``compaction_layer_min_rows`` updates are not split off.
-    compaction_time_layers: int = 4
+    compaction_time_layers: int = 6
     compaction_layer_min_rows: int = 4096
     # Background merge threads per client. One: merges then queue behind each other and
     # the spine plans N-way merges over what accumulated, instead of two threads

@@ -163,10 +163,10 @@ def _merge(
     intermediate: list[str] = []
     ctx = MergeCtx(blob, schemas, shard, since_t, budget, max_encoded, target_part_bytes, stats, check_order)
 
-    def builder(inline: int) -> BatchBuilder:
+    def builder(inline: int, part_bytes: int = plan.output_part_bytes) -> BatchBuilder:
         return BatchBuilder(
             blob, schemas, shard=shard, writer=writer, lower=lower,
-            target_part_bytes=plan.output_part_bytes, max_inflight_uploads=1,
+            target_part_bytes=part_bytes, max_inflight_uploads=1,
             inline_threshold=inline, executor=_upload_pool(), consolidated=True,
         )
 
@@ -244,8 +244,10 @@ def _merge(
         level = ctx.reduce_to_fit(level, plan, to_blob)
         stats.passes += 1
         if time_layers:
-            # Every layer's builder open at once, the merge's output routed by time.
-            layered = LayeredOutput(time_layers, lambda: builder(inline_threshold))
+            # Every layer's builder open at once, the merge's output routed by time: each
+            # buffers a part of the plan's output part size shared among the layers.
+            layer_part = max(1, plan.output_part_bytes // (len(time_layers) + 1))
+            layered = LayeredOutput(time_layers, lambda: builder(inline_threshold, layer_part))
             try:
                 for t in ctx.iter_pass(level):
                     layered.add_routed(t)

@@ -61,6 +61,7 @@ def build_location(
         rollup_interval=cfg.rollup_interval,
         unsorted_min_bytes=cfg.unsorted_min_bytes,
         compaction_in_memory=cfg.compaction_in_memory,
+        compaction_layer_min_rows=cfg.compaction_layer_min_rows,
         compaction_enabled=cfg.background_compaction,
         listen_poll_max_s=0.2,
         rng=random.Random(seed),

@@ -66,6 +66,9 @@ class HistoryConfig:
     unsorted_min_bytes: int | None = None
     # Merges that fit their budget run in memory (False: always the streaming merge).
     compaction_in_memory: bool = True
+    # Merges keep retained history in time layers of at least this many updates
+    # (``shard.time_layers``; 1: however small).
+    compaction_layer_min_rows: int = 4096
     # Writer steps that replay committed times with divergent updates through a
     # verified append (``actors`` module docstring).
     verified_append_rate: float = 0.0
