@@ -79,6 +79,16 @@ def test_a_layer_spans_two_times_at_least() -> None:
     assert layer_bounds([_part(0, 0, 1000), _part(0, 0, 1000), _part(1, 1, 10)], 0, max_layers=3, min_rows=1) == ()
 
 
+def test_no_layers_when_the_first_would_hold_too_much() -> None:
+    # Four equal commits: the first layer (two commits) would hold half the updates; a
+    # read at the latest time would merge two runs to let an old read skip only half.
+    four = [_part(t, t, 1000) for t in range(4)]
+    assert layer_bounds(four, 0, max_layers=4, min_rows=1, max_first_share=0.25) == ()
+    assert layer_bounds(four, 0, max_layers=4, min_rows=1, max_first_share=0.5) == (2,)
+    many = [_part(t, t, 1000) for t in range(16)]
+    assert layer_bounds(many, 0, max_layers=4, min_rows=1, max_first_share=0.25) == (2, 4, 8)
+
+
 def test_layer_bounds_collapse_history_below_the_since() -> None:
     parts = [_part(t, t, 1000) for t in range(16)]
     # Everything at or below the since is one time: one layer.
@@ -105,6 +115,7 @@ def _histories(draw: Any) -> dict[str, Any]:
         "layers": draw(st.integers(2, 5)),
         "min_rows": draw(st.integers(1, 40)),
         "in_memory": draw(st.booleans()),
+        "first_share": draw(st.sampled_from([0.25, 1.0])),
         "seed": draw(st.integers(0, 2**32 - 1)),
     }
 
@@ -120,7 +131,7 @@ def test_snapshot_at_every_as_of_equals_the_model(h: dict[str, Any]) -> None:
     rng = random.Random(h["seed"])
     client = _client(
         compaction_time_layers=h["layers"], compaction_layer_min_rows=h["min_rows"],
-        compaction_in_memory=h["in_memory"],
+        compaction_in_memory=h["in_memory"], compaction_layer_max_first_share=h["first_share"],
     )
     shard = ShardId.new()
     w, r = client.open(shard, KEY, VAL)

@@ -318,6 +318,7 @@ def request_time_layers(req: CompactionRequest, config: PersistConfig) -> tuple[
     return layer_bounds(
         [p for b in req.inputs for p in b.parts], forward_time(req.since, req.upper),
         max_layers=config.compaction_time_layers, min_rows=config.compaction_layer_min_rows,
+        max_first_share=config.compaction_layer_max_first_share,
     )
 
 

@@ -19,7 +19,11 @@ past the first bound fetches at most about twice the updates at or before it, a 
 of the latest time merges at most ``L`` runs per batch, and layers of fewer than
 ``min_rows`` updates are not split off. A layer spans two distinct times at least (one
 run per commit would make a read merge as many runs as the commits it spans: the first
-layer of four equal commits is the first two). History that falls below the since is forwarded
+layer of four equal commits is the first two). Layers cost every read at the latest
+time a merge of the runs instead of one linear pass (2-3x slower at 1-4M rows,
+docs/benchmarks.md), so a merge writes them only when the first layer holds at most
+``max_first_share`` (``compaction_layer_max_first_share``, 1/4) of its updates: an old
+read then skips most of the batch. History that falls below the since is forwarded
 to one time by the next merge and so collapses into one layer.
 
 ``LayeredOutput`` writes the layers: a ``BatchBuilder`` per layer (rows routed by time,
@@ -51,10 +55,14 @@ def _atoms(parts: Sequence[PartMeta], since_t: int | None) -> tuple[np.ndarray, 
 
 
 def layer_bounds(
-    parts: Sequence[PartMeta], since_t: int | None, *, max_layers: int, min_rows: int
+    parts: Sequence[PartMeta], since_t: int | None, *, max_layers: int, min_rows: int,
+    max_first_share: float = 1.0,
 ) -> tuple[int, ...]:
     """The times where the layers of a merge of ``parts`` (forwarded to ``since_t``)
-    start after the first, increasing; empty for one layer (see the module doc)."""
+    start after the first, increasing; empty for one layer (see the module doc).
+    ``max_first_share``: no layers at all when the first would hold more than this
+    share of the updates (an old read would skip too little to pay for the merge that
+    every read at the latest time then runs)."""
     if max_layers < 2:
         return ()
     lo, hi, count = _atoms(parts, since_t)
@@ -104,6 +112,8 @@ def layer_bounds(
         at = before(a)
         if (bounds and a <= bounds[-1]) or at - done < min_rows or n - at < min_rows:
             continue
+        if not bounds and at > max_first_share * n:
+            return ()
         bounds.append(a)
         done = at
     return tuple(bounds)

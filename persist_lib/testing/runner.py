@@ -93,7 +93,7 @@ def default_config(seed: int, root: str, consensus_uri: str, **overrides: Any) -
         verified_append_rate=rng.choice([0.0, 0.04]),
         # Issue 28: merges keep retained history in time layers however small, in half
         # the seeds (drawn last: the draws above are those of earlier sessions).
-        compaction_layer_min_rows=rng.choice([4096, 1]),
+        tiny_time_layers=rng.random() < 0.5,
     )
     for k, v in overrides.items():
         if not hasattr(cfg, k):

@@ -38,6 +38,7 @@ from persist_lib.shard.machine import clear_state_cache
 from persist_lib.testing import model
 from persist_lib.testing.audit import AuditConsensus
 from persist_lib.testing.faults import ScriptedConsensus
+from persist_lib.testing.history_config import TINY_TIME_LAYERS
 
 KEY = pa.schema([("k", pa.string())])
 VAL = pa.schema([("v", pa.int64())])
@@ -76,7 +77,7 @@ class ShardStateMachine(RuleBasedStateMachine):
         self.inline = 0
         self.unsorted_min_bytes: int | None = None
         self.in_memory_merges = True
-        self.layer_min_rows = PersistConfig.compaction_layer_min_rows
+        self.tiny_layers = False
         self.client: Any = None  # a PersistClient once initialized
 
     @initialize(
@@ -88,7 +89,7 @@ class ShardStateMachine(RuleBasedStateMachine):
         self.unsorted_min_bytes = 0 if unsorted else None
         self.in_memory_merges = in_memory  # else the streaming k-way merge, always
         # Merges keep retained history in time layers however small (``shard.time_layers``).
-        self.layer_min_rows = 1 if time_layers else PersistConfig.compaction_layer_min_rows
+        self.tiny_layers = time_layers
         self.client = self._new_client()
         self.open_writer()
         self.open_reader()
@@ -100,7 +101,7 @@ class ShardStateMachine(RuleBasedStateMachine):
             inline_threshold=self.inline,
             unsorted_min_bytes=self.unsorted_min_bytes,
             compaction_in_memory=self.in_memory_merges,
-            compaction_layer_min_rows=self.layer_min_rows,
+            **(TINY_TIME_LAYERS if self.tiny_layers else {}),
             reader_lease_ms=LEASE_MS,
             writer_lease_ms=LEASE_MS,
             retry_deadline_s=2.0,
