@@ -190,7 +190,7 @@ def test_an_old_as_of_never_fetches_the_later_layers(tmp_path: Path) -> None:
     """The parts of the layers after the as-of are deleted from the blob store, and the
     snapshot as of it still reads (nothing of them is fetched) and equals the model."""
     client = PersistClient.open(
-        f"file://{tmp_path}/blob", f"sqlite://{tmp_path}/c.db",
+        f"file://{tmp_path}/blob", f"sqlite:///{tmp_path}/c.db",
         PersistConfig.for_tests(compaction_layer_min_rows=1, inline_threshold=0, blob_target_size=4 << 10),
     )
     shard, w, r, log = _layered_shard(client)
@@ -230,9 +230,18 @@ def test_run_splits_round_trip_and_older_states_read() -> None:
 
 
 def test_an_empty_batch_merged_into_a_layered_one_keeps_its_runs() -> None:
+    from persist_lib.shard.compactor import _metadata_only_output
+    from persist_lib.shard.spine import CompactionRequest
+
     client = _client()
     shard, w, r, log = _layered_shard(client)
     (b,) = [b for _, b in client.machine(shard).fetch_latest().trace_batches()]
+    # The compactor's free merge of an empty neighbour (no data rewritten).
+    empty = HollowBatch(Antichain([16]), Antichain([20]), Antichain([0]))
+    req = CompactionRequest((1, 2), b.lower, empty.upper, Antichain([0]), (b, empty), kind="empty")
+    widened = _metadata_only_output(req)
+    assert widened.parts == b.parts and widened.run_splits == b.run_splits and widened.upper == Antichain([20])
+    # An empty append widens the batch in place.
     w.compare_and_append([], 16, 17)
     mn.compact(client, shard)
     (b2,) = [b for _, b in client.machine(shard).fetch_latest().trace_batches()]
