@@ -76,6 +76,15 @@ class PersistConfig:
     # False: every merge streams, even one that fits in memory (the reliability harness
     # runs both ways).
     compaction_in_memory: bool = True
+    # Retained history (times between the since and the upper) in a merge's output is
+    # kept in up to this many time layers, one sorted run each, so that a read as of an
+    # old time skips the later layers' parts (``shard.time_layers``); 1 = one run.
+    # Layers of fewer than ``compaction_layer_min_rows`` updates are not split off.
+    # No layers when the first would hold more than ``compaction_layer_max_first_share``
+    # of the merge's updates: every read at the latest time merges the layers' runs.
+    compaction_time_layers: int = 6
+    compaction_layer_min_rows: int = 4096
+    compaction_layer_max_first_share: float = 0.25
     # Background merge threads per client. One: merges then queue behind each other and
     # the spine plans N-way merges over what accumulated, instead of two threads
     # re-merging the tail concurrently; measured on 1,000-row appends (2 cores): ~35%

@@ -27,7 +27,7 @@ import pytest
 from persist_lib import PersistClient, PersistConfig, ShardId
 from persist_lib.handles import maintenance as mn
 from persist_lib.shard import gc as gcmod
-from persist_lib.shard.runs import COMPACTOR_WRITER_PREFIX
+from persist_lib.shard.runs import COMPACTOR_WRITER_PREFIX, LAYERED_WRITER_PREFIX
 from tests.support.durable_ops import with_durable_op_counter
 
 KEY = pa.schema([("k", pa.int64())])
@@ -170,7 +170,7 @@ def kill_trial(tmp: Path, template: Path, shard: ShardId, mode: str, kill_after:
         leaked = mn.unreferenced_blobs(client, shard, 0, delete=True)
         for b in leaked:
             writer = b["key"].split("/")[1]
-            assert writer.startswith(COMPACTOR_WRITER_PREFIX) or writer == "rollup", b
+            assert writer.startswith((COMPACTOR_WRITER_PREFIX, LAYERED_WRITER_PREFIX)) or writer == "rollup", b
         assert all(b["deleted"] for b in leaked)
         assert mn.unreferenced_blobs(client, shard, 0) == []
         verify(client, shard, expected)

@@ -256,7 +256,8 @@ def test_large_compacted_run_is_streamed_part_by_part() -> None:
     from persist_lib.shard.memory_plan import MergeStats
     from persist_lib.shard.sorted_run_stream import sorted_run_stream_bytes
 
-    client = _client(blob_target_size=64 << 10)
+    # One run: the retained history is not split into time layers (``time_layers``).
+    client = _client(blob_target_size=64 << 10, compaction_time_layers=1)
     shard, w, r, log, upper = _write(client, random.Random(5), 90)
     mn.compact(client, shard)
     state = client.machine(shard).fetch_latest()

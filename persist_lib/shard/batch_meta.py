@@ -7,6 +7,13 @@ that the writer's path is an encode, not a sort; readers consolidate across part
 anyway, and the compactor sorts such a part when it loads it (``kway_merge.Run``). A *batch* is a list of parts plus a description
 ``[lower, upper)`` (every update time ``t`` satisfies ``lower <= t < upper``) and a
 ``since`` (times below it may have been forwarded to it by compaction).
+
+A batch the compactor wrote in *time layers* (``shard.time_layers``) records where each
+of its sorted runs starts (``HollowBatch.run_splits``): each run holds the updates of
+one time range, so a read as of an old time skips the later runs' parts by their
+``tmin``. The field is optional: state without it reads as before, and code that
+predates it reads such a batch as one run per part (its parts are written under a
+writer id code of that age doesn't take for one sorted run: ``runs.batch_runs``).
 """
 
 from __future__ import annotations
@@ -110,6 +117,10 @@ class HollowBatch:
     upper: Antichain
     since: Antichain
     parts: tuple[PartMeta, ...] = field(default_factory=tuple)
+    # Where the batch's sorted runs start after the first (indices into ``parts``,
+    # increasing, each in ``(0, len(parts))``): a time-layered compactor output. None:
+    # the runs follow from the parts' writer (``runs.batch_runs``).
+    run_splits: tuple[int, ...] | None = None
 
     @property
     def len(self) -> int:
@@ -125,18 +136,46 @@ class HollowBatch:
         return [p.key for p in self.parts if p.key is not None]
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "lower": self.lower.to_json(),
             "upper": self.upper.to_json(),
             "since": self.since.to_json(),
             "parts": [p.to_json() for p in self.parts],
         }
+        if self.run_splits is not None:
+            d["run_splits"] = list(self.run_splits)  # optional: older readers ignore it
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> HollowBatch:
+        parts = tuple(PartMeta.from_json(p) for p in d["parts"])
         return cls(
             lower=Antichain.from_json(d["lower"]),
             upper=Antichain.from_json(d["upper"]),
             since=Antichain.from_json(d["since"]),
-            parts=tuple(PartMeta.from_json(p) for p in d["parts"]),
+            parts=parts,
+            run_splits=_run_splits_from_json(d.get("run_splits"), len(parts)),
         )
+
+
+def _run_splits_from_json(raw: Any, num_parts: int) -> tuple[int, ...] | None:
+    """Recorded run starts; None (the runs then follow from the writers) when absent or
+    not increasing indices inside the parts: the splits are a read hint, and a read
+    that takes one run per part is correct whatever they say."""
+    if raw is None:
+        return None
+    try:
+        splits = tuple(int(i) for i in raw)
+    except (TypeError, ValueError):
+        return None
+    return splits if run_splits_fit(splits, num_parts) else None
+
+
+def run_splits_fit(splits: tuple[int, ...], num_parts: int) -> bool:
+    """Whether ``splits`` are increasing part indices in ``(0, num_parts)``."""
+    prev = 0
+    for i in splits:
+        if not prev < i < num_parts:
+            return False
+        prev = i
+    return True

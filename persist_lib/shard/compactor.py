@@ -48,9 +48,16 @@ from persist_lib.shard.part_fetch import DECODED_CACHE
 from persist_lib.shard.part_writers import PartWriter
 from persist_lib.shard.parts import part_blob_key
 from persist_lib.shard.range_merge import may_merge_by_ranges, plan_by_ranges
-from persist_lib.shard.runs import RunOrderViolation, RunSource, batch_runs, new_compactor_writer_id
+from persist_lib.shard.runs import (
+    RunOrderViolation,
+    RunSource,
+    batch_runs,
+    is_layered_writer,
+    new_compactor_writer_id,
+)
 from persist_lib.shard.spine import CompactionRequest
 from persist_lib.shard.thread_pools import SharedPool
+from persist_lib.shard.time_layers import LayeredOutput, layer_bounds, split_rows_by_layer
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +104,7 @@ def merge_batches(
     inline_threshold: int,
     writer: str | None = None,
     in_memory: bool | None = None,
+    time_layers: tuple[int, ...] = (),
 ) -> MergeOutput:
     """Merges ``inputs`` into one batch ``[lower, upper)`` forwarded to ``since``.
 
@@ -104,14 +112,20 @@ def merge_batches(
     intermediate runs are deleted before returning. On error, everything written is
     deleted (best effort) and the error re-raised. ``in_memory``: None chooses by the
     budget (``may_merge_in_memory``); False forces the streaming k-way merge (tests).
+    ``time_layers``: the output is one sorted run per time layer starting at these
+    times (``time_layers.layer_bounds`` plans them; ``writer`` must then be a
+    layered writer id, ``runs.new_compactor_writer_id(layered=True)``).
     """
-    writer = writer or new_compactor_writer_id()
+    writer = writer or new_compactor_writer_id(layered=bool(time_layers))
+    if time_layers and not is_layered_writer(writer):
+        raise InvalidUsage(f"shard {shard}: a merge in time layers must write under a layered writer id, not {writer}")
     since_t = forward_time(since, upper)
     runs_parts: list[list[PartMeta]] = [run for b in inputs for run in batch_runs(b)]
     try:
         return _merge(
             blob, schemas, shard, runs_parts, lower, upper, since, since_t, memory_budget,
             target_part_bytes, inline_threshold, writer, check_order=True, in_memory=in_memory,
+            time_layers=time_layers,
         )
     except RunOrderViolation:
         log.warning("shard %s: compactor runs were not sorted; merging with a run per part", shard)
@@ -119,6 +133,7 @@ def merge_batches(
         out = _merge(
             blob, schemas, shard, per_part, lower, upper, since, since_t, memory_budget,
             target_part_bytes, inline_threshold, writer, check_order=False, in_memory=in_memory,
+            time_layers=time_layers,
         )
         out.stats.restarted_per_part = True
         return out
@@ -140,6 +155,7 @@ def _merge(
     *,
     check_order: bool,
     in_memory: bool | None = None,
+    time_layers: tuple[int, ...] = (),
 ) -> MergeOutput:
     max_encoded = max((p.size for run in runs_parts for p in run), default=0)
     sources = [RunSource.of_parts(run, schemas) for run in runs_parts]
@@ -148,15 +164,17 @@ def _merge(
     intermediate: list[str] = []
     ctx = MergeCtx(blob, schemas, shard, since_t, budget, max_encoded, target_part_bytes, stats, check_order)
 
-    def builder(inline: int) -> BatchBuilder:
+    def builder(inline: int, part_bytes: int = plan.output_part_bytes) -> BatchBuilder:
         return BatchBuilder(
             blob, schemas, shard=shard, writer=writer, lower=lower,
-            target_part_bytes=plan.output_part_bytes, max_inflight_uploads=1,
+            target_part_bytes=part_bytes, max_inflight_uploads=1,
             inline_threshold=inline, executor=_upload_pool(), consolidated=True,
         )
 
     ranged = None
-    if in_memory is not False and may_merge_by_ranges(runs_parts, sources, schemas, budget, plan):
+    # The key-range merge writes one run in key order; time layers come from the
+    # one-sort in-memory merge (or the streaming one), which can split by time.
+    if not time_layers and in_memory is not False and may_merge_by_ranges(runs_parts, sources, schemas, budget, plan):
         # The decoded parts fit: key ranges consolidated on two threads (range_merge).
         ranged = plan_by_ranges(blob, schemas, shard, runs_parts, since_t, stats, plan, budget)
     planned = None
@@ -171,12 +189,35 @@ def _merge(
         # Parts of at most IN_MEMORY_PART_BYTES: two encode while the next is gathered,
         # the last one alone is short, and readers decode such parts in parallel.
         part_bytes = min(plan.output_part_bytes, IN_MEMORY_PART_BYTES)
-        out = BatchBuilder(
-            blob, schemas, shard=shard, writer=writer, lower=lower,
-            target_part_bytes=part_bytes, max_inflight_uploads=2,
-            inline_threshold=inline_threshold, executor=_upload_pool(), consolidated=True,
-        )
+        def in_memory_builder() -> BatchBuilder:
+            return BatchBuilder(
+                blob, schemas, shard=shard, writer=writer, lower=lower,
+                target_part_bytes=part_bytes, max_inflight_uploads=2,
+                inline_threshold=inline_threshold, executor=_upload_pool(), consolidated=True,
+            )
+
         merged: pa.Table | None = None
+        if time_layers:
+            # One run per time layer, written one layer after the other.
+            assert planned is not None
+            source, rows, diffs = planned
+            del planned
+            stats.output_rows = len(rows)
+            layered = LayeredOutput(time_layers, in_memory_builder)
+            try:
+                for layer, (l_rows, l_diffs) in enumerate(split_rows_by_layer(layered, source.table, rows, diffs)):
+                    for lo, hi in row_slices(len(l_rows), source.table, part_bytes):
+                        merged = gather_updates(source, l_rows[lo:hi], l_diffs[lo:hi])
+                        layered.add(layer, merged)
+                    layered.finish_layer(layer, upper, since)
+                del source
+                batch = layered.finish(lower, upper, since)
+            except BaseException:
+                layered.abort()
+                raise
+            stats.bytes_written = batch.size
+            return MergeOutput(batch, stats, [])
+        out = in_memory_builder()
         try:
             if ranged is not None:
                 for merged in ranged.tables():
@@ -219,6 +260,20 @@ def _merge(
         level = ctx.fold_smallest(sources)
         level = ctx.reduce_to_fit(level, plan, to_blob)
         stats.passes += 1
+        if time_layers:
+            # Every layer's builder open at once, the merge's output routed by time: each
+            # buffers a part of the plan's output part size shared among the layers.
+            layer_part = max(1, plan.output_part_bytes // (len(time_layers) + 1))
+            layered = LayeredOutput(time_layers, lambda: builder(inline_threshold, layer_part))
+            try:
+                for t in ctx.iter_pass(level):
+                    layered.add_routed(t)
+                batch = layered.finish(lower, upper, since)
+            except BaseException:
+                layered.abort()
+                raise
+            stats.bytes_written += batch.size
+            return MergeOutput(batch, stats, intermediate)
         out = builder(inline_threshold)
         try:
             for t in ctx.iter_pass(level):
@@ -271,7 +326,17 @@ def _metadata_only_output(req: CompactionRequest) -> HollowBatch:
     assert len(non_empty) <= 1
     since = non_empty[0].since if non_empty else req.since
     parts = non_empty[0].parts if non_empty else ()
-    return HollowBatch(lower=req.lower, upper=req.upper, since=since, parts=parts)
+    splits = non_empty[0].run_splits if non_empty else None
+    return HollowBatch(lower=req.lower, upper=req.upper, since=since, parts=parts, run_splits=splits)
+
+
+def request_time_layers(req: CompactionRequest, config: PersistConfig) -> tuple[int, ...]:
+    """Where the output of ``req`` starts a new time layer (``time_layers``); empty: one run."""
+    return layer_bounds(
+        [p for b in req.inputs for p in b.parts], forward_time(req.since, req.upper),
+        max_layers=config.compaction_time_layers, min_rows=config.compaction_layer_min_rows,
+        max_first_share=config.compaction_layer_max_first_share,
+    )
 
 
 def compact_request(
@@ -297,8 +362,10 @@ def compact_request(
         output = _metadata_only_output(req)
         produced_keys: list[str] = []
     else:
+        layers = request_time_layers(req, config)
         pw = PartWriter.register(
-            machine, purpose="compaction", context=context, writer_id=new_compactor_writer_id()
+            machine, purpose="compaction", context=context,
+            writer_id=new_compactor_writer_id(layered=bool(layers)),
         )
         try:
             merged = merge_batches(
@@ -306,6 +373,7 @@ def compact_request(
                 upper=req.upper, since=req.since, memory_budget=config.compaction_memory_budget,
                 target_part_bytes=config.blob_target_size, inline_threshold=config.inline_threshold,
                 writer=pw.writer_id, in_memory=None if config.compaction_in_memory else False,
+                time_layers=layers,
             )
         except BlobNotFound:
             # The compactor holds no seqno: an input may have been replaced by another

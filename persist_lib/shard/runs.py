@@ -3,9 +3,11 @@
 A *run* is a sequence of parts whose rows are sorted across part boundaries. A batch
 written by a user is a set of runs of one part each (``BatchBuilder`` sorts each part
 on its own); a batch written by the compactor is one run (its writer id starts with
-``COMPACTOR_WRITER_PREFIX``). That is only a hint: crossing a part boundary inside a
-run checks the order, and a violation (``RunOrderViolation``) restarts the merge with
-one run per part. ``RunSource`` is a run as the merge engine takes it: parts, a
+``COMPACTOR_WRITER_PREFIX``), or, written in time layers (``shard.time_layers``), the
+runs its ``run_splits`` record (its writer id starts with ``LAYERED_WRITER_PREFIX``, which
+code that predates the splits doesn't take for one run: it reads one run per part).
+That is only a hint: crossing a part boundary inside a run checks the order, and a
+violation (``RunOrderViolation``) restarts the merge with one run per part. ``RunSource`` is a run as the merge engine takes it: parts, a
 decoded table, or a run spilled to a local file.
 """
 
@@ -16,15 +18,22 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from persist_lib.shard.batch_meta import HollowBatch, PartMeta
+from persist_lib.shard.batch_meta import HollowBatch, PartMeta, run_splits_fit
 from persist_lib.shard.codec import Schemas
 from persist_lib.shard.memory_plan import estimate_decoded_bytes
 
 COMPACTOR_WRITER_PREFIX = "cmp-"
+# The writer of a compactor output in time layers: not ``cmp-``, so that code without
+# ``HollowBatch.run_splits`` reads its parts as one run each (correct, if slower).
+LAYERED_WRITER_PREFIX = "cml-"
 
 
-def new_compactor_writer_id() -> str:
-    return f"{COMPACTOR_WRITER_PREFIX}{uuid.uuid4()}"
+def new_compactor_writer_id(*, layered: bool = False) -> str:
+    return f"{LAYERED_WRITER_PREFIX if layered else COMPACTOR_WRITER_PREFIX}{uuid.uuid4()}"
+
+
+def is_layered_writer(writer: str) -> bool:
+    return writer.startswith(LAYERED_WRITER_PREFIX)
 
 
 def _writer_of(key: str) -> str:
@@ -37,8 +46,12 @@ class RunOrderViolation(Exception):
 
 
 def batch_runs(b: HollowBatch) -> list[list[PartMeta]]:
-    """The sorted runs of a batch: one run if a compactor wrote it, else one per part
-    (an unsorted part is a run once ``Run`` has sorted it)."""
+    """The sorted runs of a batch: those its ``run_splits`` record (a time-layered
+    compactor output), one run if a compactor wrote it, else one per part (an unsorted
+    part is a run once ``Run`` has sorted it)."""
+    if b.run_splits is not None and run_splits_fit(b.run_splits, len(b.parts)):
+        bounds = [0, *b.run_splits, len(b.parts)]
+        return [list(b.parts[lo:hi]) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
     if len(b.parts) > 1:
         writers = {_writer_of(p.key) for p in b.parts if p.key is not None}
         if len(writers) == 1 and next(iter(writers)).startswith(COMPACTOR_WRITER_PREFIX):

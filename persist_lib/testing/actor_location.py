@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from persist_lib.testing.history import EventLog
-from persist_lib.testing.history_config import HistoryConfig
+from persist_lib.testing.history_config import TINY_TIME_LAYERS, HistoryConfig
 
 
 @dataclass
@@ -61,6 +61,7 @@ def build_location(
         rollup_interval=cfg.rollup_interval,
         unsorted_min_bytes=cfg.unsorted_min_bytes,
         compaction_in_memory=cfg.compaction_in_memory,
+        **(TINY_TIME_LAYERS if cfg.tiny_time_layers else {}),
         compaction_enabled=cfg.background_compaction,
         listen_poll_max_s=0.2,
         rng=random.Random(seed),

@@ -12,6 +12,7 @@ import os
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -19,6 +20,11 @@ KEY_SCHEMA = pa.schema([("k", pa.string())])
 VAL_SCHEMA = pa.schema([("v", pa.int64())])
 
 Update = tuple[tuple[tuple[str], tuple[int]], int, int]
+
+
+# The config of merges that keep retained history in time layers however small and
+# uneven (``shard.time_layers``): the soak and the stateful model use it in half their runs.
+TINY_TIME_LAYERS: dict[str, Any] = {"compaction_layer_min_rows": 1, "compaction_layer_max_first_share": 1.0}
 
 
 @dataclass
@@ -66,6 +72,9 @@ class HistoryConfig:
     unsorted_min_bytes: int | None = None
     # Merges that fit their budget run in memory (False: always the streaming merge).
     compaction_in_memory: bool = True
+    # Merges keep retained history in time layers however small and uneven
+    # (``shard.time_layers``: no minimum rows, no bound on the first layer's share).
+    tiny_time_layers: bool = False
     # Writer steps that replay committed times with divergent updates through a
     # verified append (``actors`` module docstring).
     verified_append_rate: float = 0.0

@@ -91,6 +91,9 @@ def default_config(seed: int, root: str, consensus_uri: str, **overrides: Any) -
         compaction_in_memory=rng.random() < 0.5,
         # Issue 26: divergent verified appends (from below the since) must stop.
         verified_append_rate=rng.choice([0.0, 0.04]),
+        # Issue 28: merges keep retained history in time layers however small, in half
+        # the seeds (drawn last: the draws above are those of earlier sessions).
+        tiny_time_layers=rng.random() < 0.5,
     )
     for k, v in overrides.items():
         if not hasattr(cfg, k):

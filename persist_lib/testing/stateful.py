@@ -38,6 +38,7 @@ from persist_lib.shard.machine import clear_state_cache
 from persist_lib.testing import model
 from persist_lib.testing.audit import AuditConsensus
 from persist_lib.testing.faults import ScriptedConsensus
+from persist_lib.testing.history_config import TINY_TIME_LAYERS
 
 KEY = pa.schema([("k", pa.string())])
 VAL = pa.schema([("v", pa.int64())])
@@ -76,13 +77,19 @@ class ShardStateMachine(RuleBasedStateMachine):
         self.inline = 0
         self.unsorted_min_bytes: int | None = None
         self.in_memory_merges = True
+        self.tiny_layers = False
         self.client: Any = None  # a PersistClient once initialized
 
-    @initialize(inline=st.sampled_from([0, 0, 4096]), unsorted=st.booleans(), in_memory=st.booleans())
-    def init(self, inline: int, unsorted: bool, in_memory: bool) -> None:
+    @initialize(
+        inline=st.sampled_from([0, 0, 4096]), unsorted=st.booleans(), in_memory=st.booleans(),
+        time_layers=st.booleans(),
+    )
+    def init(self, inline: int, unsorted: bool, in_memory: bool, time_layers: bool) -> None:
         self.inline = self.inline_threshold if self.inline_threshold is not None else inline
         self.unsorted_min_bytes = 0 if unsorted else None
         self.in_memory_merges = in_memory  # else the streaming k-way merge, always
+        # Merges keep retained history in time layers however small (``shard.time_layers``).
+        self.tiny_layers = time_layers
         self.client = self._new_client()
         self.open_writer()
         self.open_reader()
@@ -94,6 +101,7 @@ class ShardStateMachine(RuleBasedStateMachine):
             inline_threshold=self.inline,
             unsorted_min_bytes=self.unsorted_min_bytes,
             compaction_in_memory=self.in_memory_merges,
+            **(TINY_TIME_LAYERS if self.tiny_layers else {}),
             reader_lease_ms=LEASE_MS,
             writer_lease_ms=LEASE_MS,
             retry_deadline_s=2.0,

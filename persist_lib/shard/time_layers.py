@@ -1,0 +1,208 @@
+"""Time layers: a compactor output that keeps retained history apart by time (issue 28).
+
+A merge's output is sorted by ``(k, v, t)``, so one output run mixes every time the
+merge retained (the times between the since and the upper): a read as of an old time
+would have to fetch all of it to find the few updates at or before its as-of. When the
+retained history is large, the compactor instead writes one sorted, consolidated run
+per *time layer* ``[b_i, b_{i+1})`` and records where each run starts
+(``HollowBatch.run_splits``). Every part of a later layer has ``tmin`` beyond the
+earlier layers' times, so a snapshot as of a time in layer ``i`` skips the parts of
+every later layer by their ``tmin`` (``handles.snapshot``) without fetching them.
+
+**Layer bounds** (``layer_bounds``) are planned from the inputs' part metadata before
+the merge: each part spreads its ``count`` updates evenly over ``[tmin, tmax]``
+(forwarded to the since), which is exact for the parts of single-time commits and of
+earlier layers and an estimate for older one-run outputs. The layers are geometric from
+the newest end: with ``max_layers = L`` the bounds sit where about ``N / 2^(L-1)``,
+..., ``N / 4``, ``N / 2`` of the ``N`` updates lie before them, so a read as of any time
+past the first bound fetches at most about twice the updates at or before it, a read as
+of the latest time merges at most ``L`` runs per batch, and layers of fewer than
+``min_rows`` updates are not split off. A layer spans two distinct times at least (one
+run per commit would make a read merge as many runs as the commits it spans: the first
+layer of four equal commits is the first two). Layers cost every read at the latest
+time a merge of the runs instead of one linear pass (2-3x slower at 1-4M rows,
+docs/benchmarks.md), so a merge writes them only when the first layer holds at most
+``max_first_share`` (``compaction_layer_max_first_share``, 1/4) of its updates: an old
+read then skips most of the batch. History that falls below the since is forwarded
+to one time by the next merge and so collapses into one layer.
+
+``LayeredOutput`` writes the layers: a ``BatchBuilder`` per layer (rows routed by time,
+each layer's rows staying in ``(k, v, t)`` order), assembled into one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from persist_lib.frontier import Antichain
+from persist_lib.shard.batch_builder import BatchBuilder
+from persist_lib.shard.batch_meta import HollowBatch, PartMeta
+from persist_lib.shard.codec import T_COL
+
+
+def _atoms(parts: Sequence[PartMeta], since_t: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per part: its smallest and largest time forwarded to ``since_t``, and its count."""
+    parts = [p for p in parts if p.count > 0]
+    lo = np.array([p.tmin for p in parts], dtype=np.float64)
+    hi = np.array([p.tmax for p in parts], dtype=np.float64)
+    if since_t is not None:
+        lo = np.maximum(lo, since_t)
+        hi = np.maximum(hi, since_t)
+    return lo, hi, np.array([p.count for p in parts], dtype=np.float64)
+
+
+def layer_bounds(
+    parts: Sequence[PartMeta], since_t: int | None, *, max_layers: int, min_rows: int,
+    max_first_share: float = 1.0,
+) -> tuple[int, ...]:
+    """The times where the layers of a merge of ``parts`` (forwarded to ``since_t``)
+    start after the first, increasing; empty for one layer (see the module doc).
+    ``max_first_share``: no layers at all when the first would hold more than this
+    share of the updates (an old read would skip too little to pay for the merge that
+    every read at the latest time then runs)."""
+    if max_layers < 2:
+        return ()
+    lo, hi, count = _atoms(parts, since_t)
+    n = float(count.sum())
+    if n < 2 * max(min_rows, 1) or not len(lo) or lo.min() == hi.max():
+        return ()
+    width = hi - lo + 1
+
+    def before(x: int) -> float:
+        """Estimated updates at times < x."""
+        return float((count * np.clip((x - lo) / width, 0.0, 1.0)).sum())
+
+    points = np.unique(lo[width == 1])
+    ranges = width > 1
+
+    def two_times_from(start: int, x: int) -> int | None:
+        """``x``, or the smallest bound past it, such that ``[start, x)`` holds at least
+        two distinct times (None: there is no such bound)."""
+        overlap = np.minimum(hi[ranges] + 1, x) - np.maximum(lo[ranges], start)
+        if len(overlap) and overlap.max() >= 2:
+            return x
+        i = int(np.searchsorted(points, start))
+        if i + 1 >= len(points):
+            return None
+        return max(x, int(points[i + 1]) + 1)
+
+    first, last = int(lo.min()), int(hi.max())
+    bounds: list[int] = []
+    done = 0.0
+    for j in range(max_layers - 1):
+        target = n / (1 << (max_layers - 1 - j))
+        if target < min_rows:
+            continue
+        a, b = first + 1, last + 1  # the smallest x in (first, last + 1] with before(x) >= target
+        while a < b:
+            mid = (a + b) // 2
+            if before(mid) >= target:
+                b = mid
+            else:
+                a = mid + 1
+        # A layer spans two times at least: one run per commit would make a read merge
+        # as many runs as the commits it spans.
+        spread = two_times_from(bounds[-1] if bounds else first, a)
+        if spread is None:
+            continue
+        a = spread
+        at = before(a)
+        if (bounds and a <= bounds[-1]) or at - done < min_rows or n - at < min_rows:
+            continue
+        if not bounds and at > max_first_share * n:
+            return ()
+        bounds.append(a)
+        done = at
+    return tuple(bounds)
+
+
+def split_rows_by_layer(
+    out: LayeredOutput, table: pa.Table, rows: np.ndarray, diffs: np.ndarray
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """For each layer of ``out`` in order: the entries of ``rows`` (indices into
+    ``table``, in output order) whose time falls in it, and their ``diffs``."""
+    layers = out.layer_of(table.column(T_COL).to_numpy()[rows])
+    for layer in range(out.num_layers):
+        sel = np.flatnonzero(layers == layer)
+        yield rows[sel], diffs[sel]
+
+
+class LayeredOutput:
+    """A merge output written as one sorted run per time layer: layer ``i`` holds the
+    updates at times in ``[bounds[i-1], bounds[i])`` (open-ended at both ends). Rows
+    must come in ``(k, v, t)`` order across ``add`` calls, as for one ``BatchBuilder``."""
+
+    def __init__(self, bounds: Sequence[int], new_builder: Callable[[], BatchBuilder]) -> None:
+        self.bounds = np.asarray(bounds, dtype=np.int64)
+        self._new = new_builder
+        self._builders: list[BatchBuilder | None] = [None] * (len(bounds) + 1)
+        self._done: list[HollowBatch | None] = [None] * (len(bounds) + 1)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._builders)
+
+    def layer_of(self, times: np.ndarray) -> np.ndarray:
+        """The layer of each time."""
+        return np.searchsorted(self.bounds, times, side="right")
+
+    def add(self, layer: int, table: pa.Table) -> None:
+        """Adds rows that all belong to ``layer``."""
+        b = self._builders[layer]
+        if b is None:
+            if self._done[layer] is not None:
+                raise AssertionError(f"time layer {layer} was already finished")
+            b = self._builders[layer] = self._new()
+        b.add(table)
+
+    def add_routed(self, table: pa.Table) -> None:
+        """Adds rows of any layers, each to its own (order kept within each)."""
+        if not table.num_rows:
+            return
+        if not len(self.bounds):
+            self.add(0, table)
+            return
+        layers = self.layer_of(table.column(T_COL).to_numpy())
+        lo, hi = int(layers.min()), int(layers.max())
+        if lo == hi:
+            self.add(lo, table)
+            return
+        for layer in range(lo, hi + 1):
+            mask = layers == layer
+            if mask.any():
+                self.add(layer, table.filter(pa.array(mask)))
+
+    def finish_layer(self, layer: int, upper: Antichain, since: Antichain) -> None:
+        """Flushes ``layer`` (nothing more is added to it) and waits for its uploads."""
+        b = self._builders[layer]
+        if b is not None:
+            self._done[layer] = b.finish(upper, since)
+
+    def finish(self, lower: Antichain, upper: Antichain, since: Antichain) -> HollowBatch:
+        """The batch ``[lower, upper)``: every layer's parts, oldest layer first, with the
+        start of each run recorded. On an error everything written is deleted."""
+        try:
+            for i in range(self.num_layers):
+                if self._done[i] is None:
+                    self.finish_layer(i, upper, since)
+        except BaseException:
+            self.abort()
+            raise
+        parts: list[PartMeta] = []
+        splits: list[int] = []
+        for hb in self._done:
+            if hb is None or not hb.parts:
+                continue
+            if parts:
+                splits.append(len(parts))
+            parts.extend(hb.parts)
+        return HollowBatch(lower=lower, upper=upper, since=since, parts=tuple(parts), run_splits=tuple(splits))
+
+    def abort(self) -> None:
+        """Deletes every part written (best effort), finished layers' too."""
+        for b in self._builders:
+            if b is not None:
+                b.abort()
