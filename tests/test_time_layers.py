@@ -266,3 +266,46 @@ def test_history_below_the_since_collapses_into_one_layer(in_memory: bool) -> No
     assert _rows(r.snapshot(15)) == _model(log, 15)
     w.expire()
     r.expire()
+
+
+def test_a_key_range_merge_writes_time_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key-range merge (``range_merge``, two threads) routes its key-ordered output
+    by time into the layers: the batch is layered, each run consolidated and in its own
+    time range, and the snapshot at every as-of equals the model."""
+    from persist_lib.shard import compactor, range_merge
+
+    monkeypatch.setattr(range_merge, "RANGE_BYTES", 16 << 10)
+    monkeypatch.setattr(range_merge, "MIN_RANGE_MERGE_ROWS", 1_000)
+    calls: list[int] = []
+    plan = compactor.plan_by_ranges
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        out = plan(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(compactor, "plan_by_ranges", counted)
+    client = _client()
+    shard = ShardId.new()
+    w, r = client.open(shard, KEY, VAL)
+    rng = random.Random(11)
+    log: list[Row] = []
+    for t in range(16):  # unsorted-looking key order, repeats and retractions across times
+        ups = [(rng.randrange(500), f"v{rng.randrange(3)}", t, rng.choice([1, 1, -1])) for _ in range(400)]
+        w.compare_and_append([(((k,), (v,)), tt, d) for k, v, tt, d in ups], t, t + 1)
+        log += ups
+    mn.compact(client, shard)
+    assert any(calls), "the key-range merge was not taken"
+    (b,) = [b for _, b in client.machine(shard).fetch_latest().trace_batches()]
+    assert b.run_splits and len(batch_runs(b)) >= 2
+    prev = -1
+    for run in batch_runs(b):
+        t = pa.concat_tables([fetch_part(client.blob, p, w.schemas, str(shard)) for p in run])
+        assert is_consolidated(t)
+        times = t.column("t").to_pylist()
+        assert min(times) > prev
+        prev = max(times)
+    for as_of in range(16):
+        assert _rows(r.snapshot(as_of)) == _model(log, as_of), as_of
+    w.expire()
+    r.expire()

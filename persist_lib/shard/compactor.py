@@ -172,9 +172,7 @@ def _merge(
         )
 
     ranged = None
-    # The key-range merge writes one run in key order; time layers come from the
-    # one-sort in-memory merge (or the streaming one), which can split by time.
-    if not time_layers and in_memory is not False and may_merge_by_ranges(runs_parts, sources, schemas, budget, plan):
+    if in_memory is not False and may_merge_by_ranges(runs_parts, sources, schemas, budget, plan):
         # The decoded parts fit: key ranges consolidated on two threads (range_merge).
         ranged = plan_by_ranges(blob, schemas, shard, runs_parts, since_t, stats, plan, budget)
     planned = None
@@ -198,19 +196,25 @@ def _merge(
 
         merged: pa.Table | None = None
         if time_layers:
-            # One run per time layer, written one layer after the other.
-            assert planned is not None
-            source, rows, diffs = planned
-            del planned
-            stats.output_rows = len(rows)
+            # One run per time layer: the key ranges' output routed by time to every
+            # layer's builder at once, or the one sort's written layer after layer.
             layered = LayeredOutput(time_layers, in_memory_builder)
             try:
-                for layer, (l_rows, l_diffs) in enumerate(split_rows_by_layer(layered, source.table, rows, diffs)):
-                    for lo, hi in row_slices(len(l_rows), source.table, part_bytes):
-                        merged = gather_updates(source, l_rows[lo:hi], l_diffs[lo:hi])
-                        layered.add(layer, merged)
-                    layered.finish_layer(layer, upper, since)
-                del source
+                if ranged is not None:
+                    for merged in ranged.tables():
+                        layered.add_routed(merged)
+                    del ranged
+                else:
+                    assert planned is not None
+                    source, rows, diffs = planned
+                    del planned
+                    stats.output_rows = len(rows)
+                    for layer, (l_rows, l_diffs) in enumerate(split_rows_by_layer(layered, source.table, rows, diffs)):
+                        for lo, hi in row_slices(len(l_rows), source.table, part_bytes):
+                            merged = gather_updates(source, l_rows[lo:hi], l_diffs[lo:hi])
+                            layered.add(layer, merged)
+                        layered.finish_layer(layer, upper, since)
+                    del source
                 batch = layered.finish(lower, upper, since)
             except BaseException:
                 layered.abort()
