@@ -89,8 +89,15 @@ def caa_updates(op_id: str, coll: str, n: int, lower: int) -> list[Any]:
 def committed_upper(ctl: Any, coll: str) -> int:
     """The collection's upper counting every committed transaction (applied or not),
     read from the txn log, not through the reader path (which applies first)."""
-    spec = ctl._spec(coll)
-    active = ctl._active_rendition_at_upper(coll)
+    # Two catalog reads: a handover between them can make ``active`` a rendition the
+    # first read's spec doesn't hold yet (seen in a SEEDS=30 soak): read again then.
+    for _ in range(20):
+        spec = ctl._spec(coll)
+        active = ctl._active_rendition_at_upper(coll)
+        if active in spec["renditions"]:
+            break
+    else:
+        raise AssertionError(f"collection {coll}: active rendition {active} never in its catalog spec")
     view = ctl.txns.log.read()
     upper = min(ctl.txns.logical_upper(s, view) for s in spec["renditions"][active]["shards"])
     assert upper.time is not None, f"collection {coll} is closed"
