@@ -2,17 +2,22 @@
 persist and delta-rs side by side in one run.
 
 For each size n, the same n updates (``update_batch``) are written by each side in 4
-commits of n/4 rows at times 0..3 (delta: versions 0..3), then, per side:
-- bulk append: MB/s of Arrow over the 4 commits (persist: file blob + SQLite, durable);
+commits of n/4 rows at times 0..3 (delta: versions 0..3). The two sides run interleaved
+so that the machine's load swings (2-4x on a shared 2-core machine) land on both alike:
+the commits alternate (persist then delta-rs, delta-rs then persist, ...), and every read
+below runs ``REPS`` rounds with the order rotating, medians reported:
+- bulk append: MB/s of Arrow over the 4 commits (persist: file blob + SQLite, durable),
+  and the CPU seconds of every thread of the process (less load-sensitive);
 - snapshot of the as-written table: MB/s of Arrow of ``snapshot(3)`` against
-  ``DeltaTable(path).to_pyarrow_table()`` (median of 3);
+  ``DeltaTable(path).to_pyarrow_table()``;
 - compaction: rows/s of ``client.compact`` against ``optimize.compact()``;
 - snapshot after compaction, as above;
 - a 1%-selective filtered snapshot after compaction (``1% of the key range``):
   ``snapshot(3, filter=[("key", ">=", lo), ("key", "<", hi)])`` against
-  ``to_pyarrow_table(filters=...)`` of the compacted delta table (median of 3);
-- cold time travel: a new client and reader reading as of time 1 (half the rows)
-  against ``DeltaTable(path, version=1).to_pyarrow_table()`` (median of 3);
+  ``to_pyarrow_table(filters=...)`` of the compacted delta table;
+- cold time travel: a new client and a leased reader reading as of time 1 (half the
+  rows), and a new client's one-shot ``client.snapshot`` (no reader registration),
+  against ``DeltaTable(path, version=1).to_pyarrow_table()``;
 - Spark and ``persist sql`` over the compacted shard against Spark and DuckDB reading its
   part files as plain Parquet (``bench.scaling_engines``; ``PERSIST_BENCH_ENGINES=0``
   leaves them out), then again once the since reached the as-of and the shard was
@@ -27,14 +32,16 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bench.common import (
     KEY_SCHEMA,
     VAL_SCHEMA,
     Ctx,
-    median_time,
     persist_file_client,
     row,
     update_batch,
@@ -64,82 +71,115 @@ def _engines() -> bool:
     return os.environ.get("PERSIST_BENCH_ENGINES", "1") != "0"
 
 
-def _persist(ctx: Ctx, chunks: list[Any], label: str) -> dict[str, Any]:
+def _timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """Wall seconds, CPU seconds (every thread of the process: delta-rs's Rust threads
+    and persist's pools alike) and the result of one call of ``fn``."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - t0, time.process_time() - c0, out
+
+
+def _interleaved(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, tuple[float, Any]]:
+    """Each of ``fns`` ``reps`` times, the order rotating from round to round so that the
+    machine's load swings land on every side alike: per name, the median wall time and
+    the last result."""
+    names = list(fns)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    last: dict[str, Any] = {}
+    for i in range(reps):
+        for k in names[i % len(names):] + names[: i % len(names)]:
+            gc.collect()
+            wall, _, last[k] = _timed(fns[k])
+            times[k].append(wall)
+    return {k: (statistics.median(times[k]), last[k]) for k in names}
+
+
+def _append_both(ctx: Ctx, chunks: list[Any], label: str) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """The 4 commits written by both sides, commit by commit, alternating which side goes
+    first: each side's wall and CPU seconds, its figures dicts, and persist's client and
+    handles (``(client, shard, write, read)``)."""
+    from deltalake import write_deltalake
+
     from persist_lib.ids import ShardId
-    from persist_lib.shard.machine import clear_state_cache
 
     d = ctx.dir(f"scaling_persist_{label}")
+    path = str(ctx.dir(f"scaling_delta_{label}"))
     client = persist_file_client(d, compaction_enabled=False)
     shard = ShardId.new()
     w, r = client.open(shard, KEY_SCHEMA, VAL_SCHEMA)
-    t0 = time.perf_counter()
+    p: dict[str, Any] = {"append_s": 0.0, "append_cpu_s": 0.0, "dir": d, "shard": shard}
+    dl: dict[str, Any] = {"append_s": 0.0, "append_cpu_s": 0.0, "path": path}
     for i, c in enumerate(chunks):
-        w.compare_and_append(c, i, i + 1)
-    out: dict[str, Any] = {"append_s": time.perf_counter() - t0}
-    gc.collect()
-    out["snap_s"], snap = median_time(lambda: r.snapshot(COMMITS - 1), REPS)
-    out["snap_mb"] = snap.nbytes / 1e6
-    del snap
+        steps: list[tuple[dict[str, Any], Callable[[], Any]]] = [
+            (p, lambda c=c, i=i: w.compare_and_append(c, i, i + 1)),
+            (dl, lambda c=c: write_deltalake(path, c, mode="append")),
+        ]
+        for side, fn in steps if i % 2 == 0 else steps[::-1]:
+            gc.collect()
+            wall, cpu, _ = _timed(fn)
+            side["append_s"] += wall
+            side["append_cpu_s"] += cpu
+    return p, dl, (client, shard, w, r)
+
+
+def _cold_persist(d: Path, shard: Any, *, leased: bool) -> int:
+    """A cold read as of time 1: empty state cache, a new client, and either a leased
+    reader (registered and expired: two durable consensus writes) or a one-shot
+    ``client.snapshot`` (no registration)."""
+    from persist_lib.shard.machine import clear_state_cache
+
+    clear_state_cache()
+    c = persist_file_client(d)
+    try:
+        if not leased:
+            return int(c.snapshot(shard, KEY_SCHEMA, VAL_SCHEMA, 1).num_rows)
+        rr = c.open_leased_reader(shard, KEY_SCHEMA, VAL_SCHEMA)
+        n = int(rr.snapshot(1).num_rows)
+        rr.expire()
+        return n
+    finally:
+        c.close()
+
+
+def _measure(ctx: Ctx, chunks: list[Any], label: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every figure of one size, persist and delta-rs side by side (see the module doc)."""
+    from deltalake import DeltaTable
+
+    p, dl, (client, shard, w, r) = _append_both(ctx, chunks, label)
+    path = dl["path"]
     rows = sum(c.num_rows for c in chunks)
-    t0, c0 = time.perf_counter(), time.process_time()
-    client.compact(shard)
-    out["compact_rows_per_s"] = rows / (time.perf_counter() - t0)
-    out["compact_cpu_s"] = round(time.process_time() - c0, 3)  # every thread of the process
-    gc.collect()
-    out["snap_c_s"], snap = median_time(lambda: r.snapshot(COMMITS - 1), REPS)
-    out["snap_c_mb"] = snap.nbytes / 1e6
-    del snap
-    out["filt_s"], sel = median_time(lambda: r.snapshot(COMMITS - 1, filter=FILTER), REPS)
-    out["filt_rows"] = sel.num_rows
-    del sel
-    out["dir"], out["shard"] = d, shard
+
+    def read_pair(key: str, fp: Callable[[], Any], fd: Callable[[], Any]) -> None:
+        got = _interleaved({"persist": fp, "delta": fd}, REPS)
+        for side, name in ((p, "persist"), (dl, "delta")):
+            side[f"{key}_s"], t = got[name]
+            side[f"{key}_mb"], side[f"{key}_rows"] = t.nbytes / 1e6, t.num_rows
+
+    read_pair("snap", lambda: r.snapshot(COMMITS - 1), lambda: DeltaTable(path).to_pyarrow_table())
+    for side, compact in ((p, lambda: client.compact(shard)), (dl, lambda: DeltaTable(path).optimize.compact())):
+        gc.collect()
+        wall, cpu, _ = _timed(compact)
+        side["compact_rows_per_s"], side["compact_cpu_s"] = rows / wall, round(cpu, 3)
+    read_pair("snap_c", lambda: r.snapshot(COMMITS - 1), lambda: DeltaTable(path).to_pyarrow_table())
+    read_pair(
+        "filt", lambda: r.snapshot(COMMITS - 1, filter=FILTER), lambda: DeltaTable(path).to_pyarrow_table(filters=FILTER)
+    )
     w.expire()
     r.expire()
     client.close()
-
-    def cold() -> int:
-        clear_state_cache()
-        c = persist_file_client(d)
-        try:
-            rr = c.open_leased_reader(shard, KEY_SCHEMA, VAL_SCHEMA)
-            n = rr.snapshot(1).num_rows
-            rr.expire()
-            return n
-        finally:
-            c.close()
-
-    out["tt_s"], out["tt_rows"] = median_time(cold, REPS)
-    return out
-
-
-def _delta(ctx: Ctx, chunks: list[Any], label: str) -> dict[str, Any]:
-    from deltalake import DeltaTable, write_deltalake
-
-    p = str(ctx.dir(f"scaling_delta_{label}"))
-    t0 = time.perf_counter()
-    for c in chunks:
-        write_deltalake(p, c, mode="append")
-    out: dict[str, Any] = {"append_s": time.perf_counter() - t0}
-    gc.collect()
-    out["snap_s"], snap = median_time(lambda: DeltaTable(p).to_pyarrow_table(), REPS)
-    out["snap_mb"] = snap.nbytes / 1e6
-    del snap
-    rows = sum(c.num_rows for c in chunks)
-    t0, c0 = time.perf_counter(), time.process_time()
-    DeltaTable(p).optimize.compact()
-    out["compact_rows_per_s"] = rows / (time.perf_counter() - t0)
-    out["compact_cpu_s"] = round(time.process_time() - c0, 3)
-    gc.collect()
-    out["snap_c_s"], snap = median_time(lambda: DeltaTable(p).to_pyarrow_table(), REPS)
-    out["snap_c_mb"] = snap.nbytes / 1e6
-    del snap
-    out["filt_s"], sel = median_time(lambda: DeltaTable(p).to_pyarrow_table(filters=FILTER), REPS)
-    out["filt_rows"] = sel.num_rows
-    del sel
-    out["tt_s"], out["tt_rows"] = median_time(
-        lambda: DeltaTable(p, version=1).to_pyarrow_table().num_rows, REPS
+    d = p["dir"]
+    tt = _interleaved(
+        {
+            "leased": lambda: _cold_persist(d, shard, leased=True),
+            "one_shot": lambda: _cold_persist(d, shard, leased=False),
+            "delta": lambda: DeltaTable(path, version=1).to_pyarrow_table().num_rows,
+        },
+        REPS,
     )
-    return out
+    p["tt_s"], p["tt_rows"] = tt["leased"]
+    p["tt_one_shot_s"], _ = tt["one_shot"]
+    dl["tt_s"], dl["tt_rows"] = tt["delta"]
+    return p, dl
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
@@ -151,9 +191,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
         per = n // COMMITS
         chunks = [update_batch(per, i, 1000 + i) for i in range(COMMITS)]
         arrow_mb = sum(c.nbytes for c in chunks) / 1e6
-        p = _persist(ctx, chunks, label)
-        gc.collect()
-        dl = _delta(ctx, chunks, label)
+        p, dl = _measure(ctx, chunks, label)
         del chunks
         gc.collect()
         eng: dict[str, Any] = {}
@@ -168,10 +206,15 @@ def run(ctx: Ctx) -> dict[str, Any]:
             eng |= se.no_history_figures(p["dir"], p["shard"])
             gc.collect()
         p["dir"], p["shard"] = str(p["dir"]), str(p["shard"])
+        for side in (p, dl):
+            side["append_cpu_s"] = round(side["append_cpu_s"], 3)
         det[label] = {"arrow_MB": round(arrow_mb, 1), "persist": p, "delta": dl, **eng}
         rows += [
             row(NAME, f"{label}: bulk append, MB/s of Arrow", arrow_mb / p["append_s"], "MB/s",
                 "delta-rs write_deltalake", arrow_mb / dl["append_s"]),
+            row(NAME, f"{label}: bulk append, CPU s (every thread)", p["append_cpu_s"], "CPU s",
+                "delta-rs write_deltalake", dl["append_cpu_s"],
+                note="less load-sensitive than the wall figure; lower is better"),
             row(NAME, f"{label}: snapshot as written, MB/s of Arrow", p["snap_mb"] / p["snap_s"], "MB/s",
                 "delta-rs to_pyarrow_table", dl["snap_mb"] / dl["snap_s"]),
             row(NAME, f"{label}: compaction, rows/s", p["compact_rows_per_s"], "rows/s",
@@ -181,6 +224,9 @@ def run(ctx: Ctx) -> dict[str, Any]:
             row(NAME, f"{label}: cold time travel (as of time 1 of 4), ms", p["tt_s"] * 1e3, "ms",
                 f"delta-rs version=1 ({dl['tt_rows']:,} rows)", dl["tt_s"] * 1e3,
                 note=f"persist {p['tt_rows']:,} rows"),
+            row(NAME, f"{label}: cold time travel (as of time 1 of 4), one-shot read, ms", p["tt_one_shot_s"] * 1e3,
+                "ms", f"delta-rs version=1 ({dl['tt_rows']:,} rows)", dl["tt_s"] * 1e3,
+                note="client.snapshot: no reader registration or expiry"),
             row(NAME, f"{label}: 1%-selective filtered snapshot after compaction, ms", p["filt_s"] * 1e3,
                 "ms", f"delta-rs to_pyarrow_table(filters) ({dl['filt_rows']:,} rows)", dl["filt_s"] * 1e3,
                 note=f"persist {p['filt_rows']:,} rows"),
