@@ -20,8 +20,8 @@ of the latest time merges at most ``L`` runs per batch, and layers of fewer than
 ``min_rows`` updates are not split off. A layer spans two distinct times at least (one
 run per commit would make a read merge as many runs as the commits it spans: the first
 layer of four equal commits is the first two). Layers cost every read at the latest
-time a merge of the runs instead of one linear pass (2-3x slower at 1-4M rows,
-docs/benchmarks.md), so a merge writes them only when the first layer holds at most
+time a merge of the runs instead of one linear pass (four equal commits in two layers:
+2x slower at 1M rows, ~4x at 4M and 16M; docs/benchmarks.md, sessions 14 and 15), so a merge writes them only when the first layer holds at most
 ``max_first_share`` (``compaction_layer_max_first_share``, 1/4) of its updates: an old
 read then skips most of the batch. History that falls below the since is forwarded
 to one time by the next merge and so collapses into one layer.
