@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -50,6 +51,7 @@ from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import T_COL, Schemas, check_updates
 from persist_lib.shard.consolidate import RangeConsolidation, consolidate
 from persist_lib.shard.parts import encode_part, part_blob_key, part_meta_for
+from persist_lib.shard.presorted import cut_points, presorted_consolidated
 from persist_lib.shard.stats import part_stats
 from persist_lib.shard.thread_pools import SharedPool
 
@@ -347,18 +349,30 @@ class BatchBuilder:
         can't be cut into ranges."""
         cap = min(self.target_part_bytes, KEY_RANGE_PART_BYTES)
         k = max(self.max_inflight_uploads, math.ceil(table.nbytes / cap))
+        run = presorted_consolidated(table)
+        if run is not None:  # sorted already: cut where it lies (``presorted``)
+            bounds = [0, *cut_points(run.column(0), k), run.num_rows]
+            for lo, hi in zip(bounds, bounds[1:], strict=False):
+                if hi > lo:
+                    self._submit(self._store_part, run.slice(lo, hi - lo), unsorted=False)
+            return True
         split = RangeConsolidation.split(
             table, k, shared_source=table.nbytes <= KEY_RANGE_SHARED_SOURCE_MAX_BYTES
         )
         if split is None:
             return False
         for i in range(len(split)):
-            self._wait_for_capacity()
-            key = part_blob_key(self.shard, self.writer)
-            with self._keys_lock:
-                self._keys.append(key)
-            self._futures.append(self._executor.submit(self._write_range, split, i, key))
+            self._submit(self._write_range, split, i)
         return True
+
+    def _submit(self, fn: Callable[..., PartMeta | None], *args: Any, **kw: Any) -> None:
+        """Runs ``fn(*args, key, **kw)`` in the pool once a slot is free, ``key`` a fresh
+        part key (remembered: ``abort`` deletes it)."""
+        self._wait_for_capacity()
+        key = part_blob_key(self.shard, self.writer)
+        with self._keys_lock:
+            self._keys.append(key)
+        self._futures.append(self._executor.submit(fn, *args, key, **kw))
 
     def _write_range(self, split: RangeConsolidation, i: int, key: str) -> PartMeta | None:
         """Runs in the pool: sorts and consolidates key range ``i``, then stores it."""
