@@ -17,7 +17,16 @@ import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_key_range_parts import KEY_TYPES, VAL, as_counter, client, model, table_of, write_batches
+from test_key_range_parts import (
+    KEY_TYPES,
+    VAL,
+    as_counter,
+    assert_disjoint_parts_read_as_one_run,
+    client,
+    model,
+    table_of,
+    write_batches,
+)
 
 from persist_lib.shard import consolidate as consolidate_mod
 from persist_lib.shard.codec import Schemas, normalize_checked
@@ -106,14 +115,7 @@ def test_a_large_sorted_chunk_is_cut_into_disjoint_parts_without_a_sort(no_sort:
     t = t.sort_by([("k", "ascending"), ("v", "ascending")])
     w, r, (b,) = write_batches(c, "int", [t])
     assert no_sort == []
-    assert len(b.parts) >= 8 and all(p.sorted for p in b.parts)
-    bounds = sorted((s[1], s[2]) for p in b.parts for s in p.stats or () if s[0] == "k.k")
-    assert len(bounds) == len(b.parts)
-    assert all(hi < lo for (_, hi), (lo, _) in zip(bounds, bounds[1:], strict=False))
-    with r.snapshot_batches(0) as s:
-        got = pa.Table.from_batches(list(s), schema=s.schema)
-        assert s.stats.runs == 1
-    assert as_counter(got) == model([t], 0)
+    assert_disjoint_parts_read_as_one_run(b, r, t, min_parts=8)
 
 
 def test_an_unsorted_chunk_is_still_sorted(no_sort: list[int]) -> None:

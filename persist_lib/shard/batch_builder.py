@@ -24,7 +24,9 @@ into ranges of about ``KEY_RANGE_PART_BYTES`` (at least one per upload thread;
 uploaded by its own task. The parts are sorted and hold disjoint leading-key ranges,
 which their recorded statistics show, so a read takes them as one sorted run laid end
 to end (``disjoint_runs``): no merge and no sort (issue 28). The sort costs the writer
-about what the smaller, sorted encoding saves on the two upload threads.
+about what the smaller, sorted encoding saves on the two upload threads. A chunk that
+arrives sorted already is recognised in linear time and cut where it lies, at
+leading-key changes, without the sort and the gather (``presorted``).
 
 Every blob key the builder might have written is remembered until the batch is
 handed over, so any failure (an upload error, out-of-range times, a lost
