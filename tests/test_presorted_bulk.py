@@ -10,6 +10,7 @@ on its key alone still goes through the sort.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -34,8 +35,9 @@ from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.disjoint_runs import chain_disjoint_runs
 from persist_lib.shard.presorted import (
     PROBE_PAIRS,
+    consolidate_presorted,
     cut_points,
-    presorted_consolidated,
+    is_presorted,
     probably_sorted,
 )
 from persist_lib.shard.runs import batch_runs
@@ -95,6 +97,11 @@ def test_sorted_chunks_read_back_as_the_old_path(
     assert no_sort == []  # sorted: cut where it lay, never sorted
     _, r_old, _ = write_batches(old, kind, [table])
     assert all(p.sorted for p in b.parts)
+    sums: Counter[tuple[int | None, int, int]] = Counter()
+    for x, v, t, d in rows:
+        sums[(x, v, t)] += d
+    # Consolidated parts: one row per (k, v, t) with a nonzero sum, none repeated.
+    assert sum(p.count for p in b.parts) == sum(1 for d in sums.values() if d)
     if len(b.parts) > 1:
         assert len(chain_disjoint_runs(batch_runs(b), Schemas(KEY_TYPES[kind], VAL))) == 1
     for as_of in range(2):
@@ -139,7 +146,7 @@ def test_one_inversion_the_probe_misses_goes_through_the_sort(no_sort: list[int]
     schemas = Schemas(KEY_TYPES["int"], VAL)
     internal = normalize_checked(t, schemas, shard="s").table
     assert probably_sorted(internal.column(0))  # the probe misses it...
-    assert presorted_consolidated(internal) is None  # ...the full check does not
+    assert not is_presorted(internal)  # ...the full check does not
     c = client(key_ranges=True)
     _, r, (b,) = write_batches(c, "int", [t])
     assert no_sort == [n]
@@ -171,6 +178,5 @@ def test_presorted_consolidation_sums_equal_neighbours() -> None:
     schemas = Schemas(KEY_TYPES["str"], VAL)
     rows = _sorted_rows("str", [(1, 1, 0, 1), (1, 1, 0, 2), (2, 1, 0, 1), (2, 1, 0, -1), (None, 3, 0, 5), (3, 2, 1, 1)])
     internal = normalize_checked(table_of("str", rows), schemas, shard="s").table
-    got = presorted_consolidated(internal)
-    assert got is not None
-    assert got.equals(consolidate(internal))
+    assert is_presorted(internal)
+    assert consolidate_presorted(internal).equals(consolidate(internal))

@@ -53,7 +53,7 @@ from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import T_COL, Schemas, check_updates
 from persist_lib.shard.consolidate import RangeConsolidation, consolidate
 from persist_lib.shard.parts import encode_part, part_blob_key, part_meta_for
-from persist_lib.shard.presorted import cut_points, presorted_consolidated
+from persist_lib.shard.presorted import consolidate_presorted, cut_points, is_presorted
 from persist_lib.shard.stats import part_stats
 from persist_lib.shard.thread_pools import SharedPool
 
@@ -351,12 +351,10 @@ class BatchBuilder:
         can't be cut into ranges."""
         cap = min(self.target_part_bytes, KEY_RANGE_PART_BYTES)
         k = max(self.max_inflight_uploads, math.ceil(table.nbytes / cap))
-        run = presorted_consolidated(table)
-        if run is not None:  # sorted already: cut where it lies (``presorted``)
-            bounds = [0, *cut_points(run.column(0), k), run.num_rows]
+        if is_presorted(table):  # sorted already: cut where it lies (``presorted``)
+            bounds = [0, *cut_points(table.column(0), k), table.num_rows]
             for lo, hi in zip(bounds, bounds[1:], strict=False):
-                if hi > lo:
-                    self._submit(self._store_part, run.slice(lo, hi - lo), unsorted=False)
+                self._submit(self._write_presorted, table.slice(lo, hi - lo))
             return True
         split = RangeConsolidation.split(
             table, k, shared_source=table.nbytes <= KEY_RANGE_SHARED_SOURCE_MAX_BYTES
@@ -375,6 +373,10 @@ class BatchBuilder:
         with self._keys_lock:
             self._keys.append(key)
         self._futures.append(self._executor.submit(fn, *args, key, **kw))
+
+    def _write_presorted(self, piece: pa.Table, key: str) -> PartMeta | None:
+        """Runs in the pool: consolidates a slice of a sorted chunk in place, then stores it."""
+        return self._store_part(consolidate_presorted(piece), key, unsorted=False)
 
     def _write_range(self, split: RangeConsolidation, i: int, key: str) -> PartMeta | None:
         """Runs in the pool: sorts and consolidates key range ``i``, then stores it."""

@@ -7,13 +7,15 @@ encode. Many bulk loads come sorted already (a table exported in key order, a Sp
 that sorted its output, an ingest replaying a sorted source). For those the sort and
 the gather are pure cost: the chunk is its own sorted order.
 
-``presorted_consolidated`` finds out cheaply. A probe of a few thousand neighbouring
-pairs of the leading key rejects an unsorted chunk at once (random data fails on the
-first pairs); a chunk that passes is checked in full, linearly, and consolidated where
-it lies (``consolidate.consolidate_sorted``: equal neighbours summed, zeros dropped,
-no row moved). ``cut_points`` then cuts it into contiguous slices at leading-key
-changes, never inside a run of one leading key, so the slices hold disjoint leading-key
-ranges: exactly the parts the sorting path would write, without its sort and gather.
+``is_presorted`` finds out cheaply. A probe of a few thousand neighbouring pairs of
+the leading key rejects an unsorted chunk at once (random data fails on the first
+pairs); a chunk that passes is checked in full, linearly. ``cut_points`` then cuts it
+into contiguous slices at leading-key changes, never inside a run of one leading key,
+so the slices hold disjoint leading-key ranges, and equal rows (equal leading keys
+first) always fall in one slice: each slice is consolidated on its own, on its upload
+thread, where it lies (``consolidate_presorted``: equal neighbours summed, zeros
+dropped, no row moved). The parts are exactly those the sorting path would write,
+without its sort and gather.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pyarrow.compute as pc
 
 from persist_lib.errors import InvalidUsage
 from persist_lib.shard.codec import D_COL, T_COL
-from persist_lib.shard.consolidate import consolidate_sorted
+from persist_lib.shard.consolidate import consolidate, consolidate_sorted
 from persist_lib.shard.ranks import as_chunked, comparable
 from persist_lib.shard.sorted_checks import linear_kernels_apply, sorted_ties
 
@@ -57,19 +59,26 @@ def probably_sorted(col: pa.Array | pa.ChunkedArray) -> bool:
     return not _descends(col, np.concatenate([head, spread]))
 
 
-def presorted_consolidated(table: pa.Table) -> pa.Table | None:
-    """``consolidate(table)`` when ``table`` (an update table, internal layout) is
-    already sorted by ``(k, v, t)``, computed in linear time without moving a row (the
-    table itself when it was consolidated too); None when it is not sorted, or its
-    columns need the ranking path to be compared (nested types)."""
+def is_presorted(table: pa.Table) -> bool:
+    """Whether ``table`` (an update table, internal layout) is already sorted by
+    ``(k, v, t)`` (equal rows allowed), checked in linear time: False when it is not,
+    or when its columns need the ranking path to be compared (nested types)."""
     names = [c for c in table.column_names if c not in (T_COL, D_COL)] + [T_COL]
     if table.num_rows < 2 or not names[:-1]:
-        return None
+        return False
     if not linear_kernels_apply(table.column(c).type for c in names):
-        return None
+        return False
     if not probably_sorted(table.column(0)):
-        return None
-    return consolidate_sorted(table)
+        return False
+    return sorted_ties([table.column(c) for c in names]) is not None
+
+
+def consolidate_presorted(table: pa.Table) -> pa.Table:
+    """``consolidate(table)`` for a slice of a chunk ``is_presorted`` accepted: equal
+    neighbours summed and zero sums dropped where they lie, no row moved (the slice
+    itself when there is nothing to sum)."""
+    out = consolidate_sorted(table)
+    return consolidate(table) if out is None else out  # (None: not sorted after all)
 
 
 def cut_points(col: pa.Array | pa.ChunkedArray, pieces: int) -> list[int]:
