@@ -176,7 +176,13 @@ def test_a_bulk_chunk_becomes_disjoint_sorted_parts_read_as_one_run() -> None:
     n = 20_000
     t = bulk(rng.integers(0, 5_000, n), v=[f"v{i % 13}" for i in range(n)])
     w, r, (b,) = write_batches(c, "int", [t])
-    assert len(b.parts) >= 8 and all(p.sorted for p in b.parts)
+    assert_disjoint_parts_read_as_one_run(b, r, t, min_parts=8)
+
+
+def assert_disjoint_parts_read_as_one_run(b: HollowBatch, r: Any, t: pa.Table, *, min_parts: int) -> None:
+    """``b`` (the batch of ``t``, int keys) is at least ``min_parts`` sorted parts of
+    disjoint key ranges, which a snapshot reads as one run, correctly."""
+    assert len(b.parts) >= min_parts and all(p.sorted for p in b.parts)
     bounds = sorted((s[1], s[2]) for p in b.parts for s in p.stats or () if s[0] == "k.k")
     assert len(bounds) == len(b.parts)
     assert all(hi < lo for (_, hi), (lo, _) in zip(bounds, bounds[1:], strict=False))

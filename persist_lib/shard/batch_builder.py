@@ -24,7 +24,9 @@ into ranges of about ``KEY_RANGE_PART_BYTES`` (at least one per upload thread;
 uploaded by its own task. The parts are sorted and hold disjoint leading-key ranges,
 which their recorded statistics show, so a read takes them as one sorted run laid end
 to end (``disjoint_runs``): no merge and no sort (issue 28). The sort costs the writer
-about what the smaller, sorted encoding saves on the two upload threads.
+about what the smaller, sorted encoding saves on the two upload threads. A chunk that
+arrives sorted already is recognised in linear time and cut where it lies, at
+leading-key changes, without the sort and the gather (``presorted``).
 
 Every blob key the builder might have written is remembered until the batch is
 handed over, so any failure (an upload error, out-of-range times, a lost
@@ -37,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -50,6 +53,7 @@ from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import T_COL, Schemas, check_updates
 from persist_lib.shard.consolidate import RangeConsolidation, consolidate
 from persist_lib.shard.parts import encode_part, part_blob_key, part_meta_for
+from persist_lib.shard.presorted import consolidate_presorted, cut_points, is_presorted
 from persist_lib.shard.stats import part_stats
 from persist_lib.shard.thread_pools import SharedPool
 
@@ -347,18 +351,32 @@ class BatchBuilder:
         can't be cut into ranges."""
         cap = min(self.target_part_bytes, KEY_RANGE_PART_BYTES)
         k = max(self.max_inflight_uploads, math.ceil(table.nbytes / cap))
+        if is_presorted(table):  # sorted already: cut where it lies (``presorted``)
+            bounds = [0, *cut_points(table.column(0), k), table.num_rows]
+            for lo, hi in zip(bounds, bounds[1:], strict=False):
+                self._submit(self._write_presorted, table.slice(lo, hi - lo))
+            return True
         split = RangeConsolidation.split(
             table, k, shared_source=table.nbytes <= KEY_RANGE_SHARED_SOURCE_MAX_BYTES
         )
         if split is None:
             return False
         for i in range(len(split)):
-            self._wait_for_capacity()
-            key = part_blob_key(self.shard, self.writer)
-            with self._keys_lock:
-                self._keys.append(key)
-            self._futures.append(self._executor.submit(self._write_range, split, i, key))
+            self._submit(self._write_range, split, i)
         return True
+
+    def _submit(self, fn: Callable[..., PartMeta | None], *args: Any, **kw: Any) -> None:
+        """Runs ``fn(*args, key, **kw)`` in the pool once a slot is free, ``key`` a fresh
+        part key (remembered: ``abort`` deletes it)."""
+        self._wait_for_capacity()
+        key = part_blob_key(self.shard, self.writer)
+        with self._keys_lock:
+            self._keys.append(key)
+        self._futures.append(self._executor.submit(fn, *args, key, **kw))
+
+    def _write_presorted(self, piece: pa.Table, key: str) -> PartMeta | None:
+        """Runs in the pool: consolidates a slice of a sorted chunk in place, then stores it."""
+        return self._store_part(consolidate_presorted(piece), key, unsorted=False)
 
     def _write_range(self, split: RangeConsolidation, i: int, key: str) -> PartMeta | None:
         """Runs in the pool: sorts and consolidates key range ``i``, then stores it."""
