@@ -8,6 +8,7 @@ are not sorted by ``(k, v, t)`` (the part's flag is not trusted)."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import numpy as np
@@ -15,6 +16,7 @@ import pyarrow as pa
 import pytest
 
 from persist_lib import Antichain
+from persist_lib.errors import Determinate
 from persist_lib.location.mem import MemBlob
 from persist_lib.shard import range_merge
 from persist_lib.shard.batch_builder import build_batch
@@ -26,6 +28,14 @@ from persist_lib.shard.parts import fetch_part
 from persist_lib.shard.range_merge import RangeMerge, _cut
 from persist_lib.shard.ranks import comparable
 from persist_lib.shard.runs import batch_runs, new_compactor_writer_id
+
+
+@pytest.fixture
+def small_ranges_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranges of ~64 KiB and merges from 1,000 rows: several ranges on small data."""
+    monkeypatch.setattr(range_merge, "RANGE_BYTES", 64 << 10)
+    monkeypatch.setattr(range_merge, "MIN_RANGE_MERGE_ROWS", 1_000)
+
 
 SCHEMAS_INT = Schemas.create(pa.schema([("a", pa.int64()), ("b", pa.string())]), pa.schema([("v", pa.string())]))
 SCHEMAS_FLOAT = Schemas.create(pa.schema([("a", pa.float64())]), pa.schema([("v", pa.string())]))
@@ -160,3 +170,69 @@ def test_a_table_spanning_layers_is_cut_by_range_and_layer() -> None:
                 if p.first is not None:
                     keys = range_merge.leading_keys(p.table.column(0))
                     assert (p.first, p.last) == (keys[0], keys[-1])
+
+
+class _RecordingBlob(MemBlob):
+    """A MemBlob recording which thread wrote each key; ``fail_after``: the set that
+    many sets after the first fails (a full disk)."""
+
+    def __init__(self, name: str, fail_after: int | None = None) -> None:
+        super().__init__(name)
+        self.writers: dict[str, str] = {}
+        self.fail_after = fail_after
+        self.lock = threading.Lock()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self.lock:
+            if self.fail_after is not None:
+                if self.fail_after == 0:
+                    raise Determinate(f"blob {key}: no space left (test)")
+                self.fail_after -= 1
+            self.writers[key] = threading.current_thread().name
+        super().set(key, value)
+
+
+def _layered_inputs(blob: MemBlob) -> list:  # type: ignore[type-arg]
+    rng = np.random.default_rng(21)
+    inputs = []
+    for i in range(12):
+        t = _rows(rng, SCHEMAS_INT, 1_000, 1_000_000, 1)
+        t = t.set_column(3, t.schema.field(3), pa.array(np.full(1_000, i, dtype=np.int64)))
+        inputs.append(build_batch(blob, SCHEMAS_INT, t, shard="s1", writer="w1", lower=i, upper=i + 1))
+    return inputs
+
+
+def _merge_layered(blob: MemBlob, inputs: list):  # type: ignore[no-untyped-def,type-arg]
+    return merge_batches(
+        blob, SCHEMAS_INT, shard="s1", inputs=tuple(inputs), lower=Antichain([0]), upper=Antichain([12]),
+        since=Antichain([0]), memory_budget=64 << 20, target_part_bytes=128 << 20, inline_threshold=0,
+        writer=new_compactor_writer_id(layered=True), time_layers=(3, 6, 9),
+    )
+
+
+@pytest.mark.usefixtures("small_ranges_module")
+def test_the_layers_last_parts_are_written_at_once_off_the_merge_thread() -> None:
+    """Every layer below the part size is one part, written when its builder finishes:
+    all layers finish at once on the finishing threads, not one after the other on the
+    merge's own thread (where each small layer's encode and write waited for the
+    previous one's)."""
+    blob = _RecordingBlob(uuid.uuid4().hex)
+    inputs = _layered_inputs(blob)
+    blob.writers.clear()
+    out = _merge_layered(blob, inputs)
+    assert len(batch_runs(out.batch)) == 4 and len(out.batch.parts) == 4
+    names = [blob.writers[k] for k in out.batch.blob_keys()]
+    assert all(n.startswith("persist-compactor-finish") for n in names), names
+
+
+@pytest.mark.usefixtures("small_ranges_module")
+def test_a_layer_failing_to_finish_leaves_no_output() -> None:
+    """One layer's write fails while the others finish at once: the merge raises that
+    error and every part written by any layer is deleted."""
+    blob = _RecordingBlob(uuid.uuid4().hex)
+    inputs = _layered_inputs(blob)
+    before = {m.key for m in blob.list_keys_and_metadata("s1/")}
+    blob.fail_after = 2
+    with pytest.raises(Determinate, match="no space left"):
+        _merge_layered(blob, inputs)
+    assert {m.key for m in blob.list_keys_and_metadata("s1/")} == before

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -69,6 +69,28 @@ _UPLOADS = SharedPool(4, "persist-compactor-upload")
 
 def _upload_pool() -> ThreadPoolExecutor:
     return _UPLOADS.get()
+
+
+# Finishing a layered output's builders at once (``_finish_layers``): not the upload
+# pool, whose tasks the finishing builders wait for.
+_FINISHERS = SharedPool(4, "persist-compactor-finish")
+
+
+def _finish_layers(layered: LayeredOutput, upper: Antichain, since: Antichain) -> None:
+    """Finishes every layer of ``layered`` at once. A builder's last part is encoded
+    and written on the thread that finishes it (a batch of one part, like every layer
+    below ``IN_MEMORY_PART_BYTES``, has no other): finished one after the other, the
+    small layers' parts were encoded and fsynced in turn on the merge's thread at the
+    very end of the merge. Waits for all of them; then raises the first error (the
+    caller aborts the output)."""
+    pool = _FINISHERS.get()
+    futures = [pool.submit(layered.finish_layer, i, upper, since) for i in range(layered.num_layers)]
+    try:
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+    finally:
+        wait(futures)  # (interrupted: the caller's abort must not race a finishing builder)
+    if errors:
+        raise errors[0]
 
 
 def forward_time(since: Antichain, upper: Antichain) -> int | None:
@@ -212,6 +234,7 @@ def _merge(
                     for layer, merged in ranged.tables():
                         layered.add(layer, merged)
                     del ranged
+                    _finish_layers(layered, upper, since)
                 else:
                     assert planned is not None
                     source, rows, diffs = planned
