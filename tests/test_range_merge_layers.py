@@ -236,3 +236,22 @@ def test_a_layer_failing_to_finish_leaves_no_output() -> None:
     with pytest.raises(Determinate, match="no space left"):
         _merge_layered(blob, inputs)
     assert {m.key for m in blob.list_keys_and_metadata("s1/")} == before
+
+
+@pytest.mark.parametrize("schemas", [SCHEMAS_INT, SCHEMAS_FLOAT], ids=["int", "float"])
+@pytest.mark.parametrize("split", [False, True], ids=["one-thread", "two-key-ranges"])
+def test_consolidate_pieces_equals_consolidate(monkeypatch: pytest.MonkeyPatch, schemas: Schemas, split: bool) -> None:
+    """``consolidate_pieces`` (chunks combined, Arrow's take) gives exactly
+    ``consolidate``'s table for many-chunk inputs: nulls, floats (NaN, -0.0), equal
+    rows across chunks, zero sums; and when the plan splits into two key ranges."""
+    from persist_lib.shard import consolidate as cmod
+
+    if split:
+        monkeypatch.setattr(cmod, "PARALLEL_PLAN_ROWS", 500)
+    rng = np.random.default_rng(17)
+    for _ in range(4):
+        chunks = [_rows(rng, schemas, int(rng.integers(0, 400)), 300, 3) for _ in range(int(rng.integers(1, 30)))]
+        t = pa.concat_tables(chunks)
+        got, want = cmod.consolidate_pieces(t), consolidate(t)
+        assert _canon(got).equals(_canon(want))
+        assert all(c.num_chunks <= 1 for c in got.columns)

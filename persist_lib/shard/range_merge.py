@@ -61,7 +61,7 @@ import pyarrow as pa
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import D_COL, T_COL, Schemas, internal_schema
-from persist_lib.shard.consolidate import consolidate, consolidate_sorted
+from persist_lib.shard.consolidate import consolidate_pieces, consolidate_sorted
 from persist_lib.shard.in_memory_merge import decode_parts
 from persist_lib.shard.kway_merge import few_linear_runs
 from persist_lib.shard.memory_plan import (
@@ -350,7 +350,7 @@ class RangeMerge:
             if done is not None:
                 self.stats.presorted_rows += t.num_rows  # (one writer at a time: the GIL)
                 return done
-        return consolidate(pieces[0].table if len(pieces) == 1 else pa.concat_tables([p.table for p in pieces]))
+        return consolidate_pieces(pieces[0].table if len(pieces) == 1 else pa.concat_tables([p.table for p in pieces]))
 
     def tables(self) -> Iterator[tuple[int, pa.Table]]:
         """``(layer, rows)``: each key range's consolidated rows, layer by layer, the
