@@ -22,8 +22,9 @@ column maps to integers (integers, floats by total order, temporal types, boolea
    the pivots by a binary search and sliced without a copy. Any other table (a bulk
    write's unsorted part) gets a permutation grouping its rows by range (a stable sort
    of small range numbers; int32, 4 bytes a row) and each range gathers its rows.
-4. Each range, the concatenation of its pieces, is consolidated (``consolidate``: sort
-   by ``(k, v, t)``, sum diffs) on a pool of two threads, at most two ranges in
+4. Each range, the concatenation of its pieces, is consolidated (``consolidate_pieces``:
+   chunks combined, sort by ``(k, v, t)``, sum diffs, one Arrow gather) on a pool of two
+   threads, at most two ranges in
    flight; numpy, Arrow and polars release the GIL, so ranges sort and gather on both
    cores while the output builder encodes earlier ones. No unsorted part is sorted
    whole, and no merge pass is written to blob and read back.
