@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -69,6 +69,28 @@ _UPLOADS = SharedPool(4, "persist-compactor-upload")
 
 def _upload_pool() -> ThreadPoolExecutor:
     return _UPLOADS.get()
+
+
+# Finishing a layered output's builders at once (``_finish_layers``): not the upload
+# pool, whose tasks the finishing builders wait for.
+_FINISHERS = SharedPool(4, "persist-compactor-finish")
+
+
+def _finish_layers(layered: LayeredOutput, upper: Antichain, since: Antichain) -> None:
+    """Finishes every layer of ``layered`` at once. A builder's last part is encoded
+    and written on the thread that finishes it (a batch of one part, like every layer
+    below ``IN_MEMORY_PART_BYTES``, has no other): finished one after the other, the
+    small layers' parts were encoded and fsynced in turn on the merge's thread at the
+    very end of the merge. Waits for all of them; then raises the first error (the
+    caller aborts the output)."""
+    pool = _FINISHERS.get()
+    futures = [pool.submit(layered.finish_layer, i, upper, since) for i in range(layered.num_layers)]
+    try:
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+    finally:
+        wait(futures)  # (interrupted: the caller's abort must not race a finishing builder)
+    if errors:
+        raise errors[0]
 
 
 def forward_time(since: Antichain, upper: Antichain) -> int | None:
@@ -171,10 +193,28 @@ def _merge(
             inline_threshold=inline, executor=_upload_pool(), consolidated=True,
         )
 
+    # Parts of at most IN_MEMORY_PART_BYTES: two encode while the next is gathered,
+    # the last one alone is short, and readers decode such parts in parallel.
+    part_bytes = min(plan.output_part_bytes, IN_MEMORY_PART_BYTES)
+
+    def in_memory_builder() -> BatchBuilder:
+        return BatchBuilder(
+            blob, schemas, shard=shard, writer=writer, lower=lower,
+            target_part_bytes=part_bytes, max_inflight_uploads=2,
+            inline_threshold=inline_threshold, executor=_upload_pool(), consolidated=True,
+        )
+
+    # (no builder exists until rows are added: unused if the merge streams)
+    layered = LayeredOutput(time_layers, in_memory_builder) if time_layers else None
     ranged = None
     if in_memory is not False and may_merge_by_ranges(runs_parts, sources, schemas, budget, plan):
-        # The decoded parts fit: key ranges consolidated on two threads (range_merge).
-        ranged = plan_by_ranges(blob, schemas, shard, runs_parts, since_t, stats, plan, budget)
+        # The decoded parts fit: key ranges consolidated on two threads (range_merge),
+        # grouped by time layer as they are cut.
+        ranged = plan_by_ranges(
+            blob, schemas, shard, runs_parts, since_t, stats, plan, budget,
+            layered.layer_of if layered is not None else None,
+            layered.num_layers if layered is not None else 1,
+        )
     planned = None
     if ranged is None and in_memory is not False and may_merge_in_memory(runs_parts, sources, schemas, budget, plan):
         # Everything may fit: decode every part (in parallel) while the decoded bytes
@@ -184,26 +224,17 @@ def _merge(
         planned = plan_in_memory(blob, schemas, shard, runs_parts, since_t, stats, plan, budget)
     if planned is not None or ranged is not None:
         stats.passes = 1
-        # Parts of at most IN_MEMORY_PART_BYTES: two encode while the next is gathered,
-        # the last one alone is short, and readers decode such parts in parallel.
-        part_bytes = min(plan.output_part_bytes, IN_MEMORY_PART_BYTES)
-        def in_memory_builder() -> BatchBuilder:
-            return BatchBuilder(
-                blob, schemas, shard=shard, writer=writer, lower=lower,
-                target_part_bytes=part_bytes, max_inflight_uploads=2,
-                inline_threshold=inline_threshold, executor=_upload_pool(), consolidated=True,
-            )
-
         merged: pa.Table | None = None
-        if time_layers:
-            # One run per time layer: the key ranges' output routed by time to every
-            # layer's builder at once, or the one sort's written layer after layer.
-            layered = LayeredOutput(time_layers, in_memory_builder)
+        if layered is not None:
+            # One run per time layer: the key ranges' output, already grouped by layer,
+            # added to every layer's builder at once, or the one sort's written layer
+            # after layer.
             try:
                 if ranged is not None:
-                    for merged in ranged.tables():
-                        layered.add_routed(merged)
+                    for layer, merged in ranged.tables():
+                        layered.add(layer, merged)
                     del ranged
+                    _finish_layers(layered, upper, since)
                 else:
                     assert planned is not None
                     source, rows, diffs = planned
@@ -224,7 +255,7 @@ def _merge(
         out = in_memory_builder()
         try:
             if ranged is not None:
-                for merged in ranged.tables():
+                for _, merged in ranged.tables():  # (one layer)
                     out.add(merged)
                 del ranged
             else:

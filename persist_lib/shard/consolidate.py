@@ -437,6 +437,23 @@ def consolidate(table: pa.Table) -> pa.Table:
     return gather_updates(source if source is not None else table, rows, diffs)
 
 
+def consolidate_pieces(table: pa.Table) -> pa.Table:
+    """``consolidate`` for a table of many chunks gathered once (a key range of a merge:
+    slices of many parts): the chunks combined first, then sorted and gathered with
+    Arrow's ``take`` on the combined columns. Converting the strings for polars'
+    gather (``RowSource``) pays off when a table is gathered several times, not here,
+    and every kernel on a many-chunk column pays per chunk: measured on 170k rows in 57
+    chunks (int64 key, string value), 4.4 ms of CPU against 9.4 ms (60k rows: 1.2
+    against 3.1 ms)."""
+    if table.num_rows == 0:
+        return table
+    t = table.combine_chunks()
+    rows, diffs = consolidation_plan(t, None)
+    out = t.take(pa.array(rows))
+    di = out.schema.get_field_index(D_COL)
+    return out.set_column(di, out.schema.field(di), pa.array(diffs, pa.int64()))
+
+
 def consolidate_sorted(table: pa.Table) -> pa.Table | None:
     """``consolidate(table)`` for a table already sorted by ``(k, v, t)`` (e.g. a sorted
     run whose times were forwarded to an as-of), in linear time: equal rows are

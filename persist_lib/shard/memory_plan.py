@@ -143,6 +143,7 @@ class MergeStats:
     restarted_per_part: bool = False
     unsorted_parts_sorted: int = 0  # parts a bulk write stored unsorted, sorted on load
     key_ranges: int = 0  # key ranges of a range merge (``range_merge``), consolidated in parallel
+    presorted_rows: int = 0  # rows a range merge consolidated in linear time (key-disjoint sorted pieces)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -22,11 +22,25 @@ column maps to integers (integers, floats by total order, temporal types, boolea
    the pivots by a binary search and sliced without a copy. Any other table (a bulk
    write's unsorted part) gets a permutation grouping its rows by range (a stable sort
    of small range numbers; int32, 4 bytes a row) and each range gathers its rows.
-4. Each range, the concatenation of its pieces, is consolidated (``consolidate``: sort
-   by ``(k, v, t)``, sum diffs) on a pool of two threads, at most two ranges in
+4. Each range, the concatenation of its pieces, is consolidated (``consolidate_pieces``:
+   chunks combined, sort by ``(k, v, t)``, sum diffs, one Arrow gather) on a pool of two
+   threads, at most two ranges in
    flight; numpy, Arrow and polars release the GIL, so ranges sort and gather on both
    cores while the output builder encodes earlier ones. No unsorted part is sorted
    whole, and no merge pass is written to blob and read back.
+5. When the output is written in time layers (``time_layers``), the cut groups rows by
+   ``(key range, layer)``: a table whose times all fall in one layer (every small
+   commit, every part of a bulk write at one time) goes whole to that layer, a table
+   spanning layers gets one permutation grouping its rows by both. Each range then
+   yields one consolidated table per layer, which the caller adds to that layer's
+   run: no routing pass over the output. Rows equal in ``(k, v, t)`` share their time,
+   hence their layer, so consolidating per layer is consolidating the range.
+6. A group whose pieces all come from sorted tables and are key-disjoint (each piece's
+   last leading key <= the next one's first: one piece of a sorted bulk part, or the
+   key-range parts of one write) is concatenated in key order and consolidated in
+   linear time (``consolidate_sorted``: it checks the full ``(k, v, t)`` order and
+   sums equal neighbours, so a part's ``sorted`` flag is never trusted); only if that
+   check finds the rows out of order does the group take the sorting consolidation.
 
 Memory (``admission_bytes``): the decoded tables and the permutations, plus either what
 decoding holds (encoded bytes of the parts in flight) or what the ranges in flight
@@ -38,7 +52,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -47,8 +61,8 @@ import pyarrow as pa
 
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
-from persist_lib.shard.codec import Schemas, internal_schema
-from persist_lib.shard.consolidate import consolidate
+from persist_lib.shard.codec import D_COL, T_COL, Schemas, internal_schema
+from persist_lib.shard.consolidate import consolidate_pieces, consolidate_sorted
 from persist_lib.shard.in_memory_merge import decode_parts
 from persist_lib.shard.kway_merge import few_linear_runs
 from persist_lib.shard.memory_plan import (
@@ -60,6 +74,7 @@ from persist_lib.shard.memory_plan import (
 from persist_lib.shard.part_fetch import release_unused_memory
 from persist_lib.shard.ranks import comparable, to_numpy
 from persist_lib.shard.runs import RunSource
+from persist_lib.shard.sorted_checks import linear_kernels_apply
 from persist_lib.shard.thread_pools import SharedPool
 
 log = logging.getLogger(__name__)
@@ -130,13 +145,15 @@ def _steps_bytes(decoded: int, rows: int, schemas: Schemas, plan: MemoryPlan) ->
 
 def admission_bytes(parts: list[PartMeta], schemas: Schemas, plan: MemoryPlan) -> int:
     """The most a range merge of ``parts`` is expected to hold (estimated from the
-    parts' metadata): every part decoded, the permutations of unsorted parts (and the
+    parts' metadata): every part decoded, the permutations of unsorted parts and of
+    parts holding more than one time (and the
     int64 leading keys of the largest part, while it is cut), plus the larger of what
     decoding holds transiently (the encoded bytes of two parts) and what the merge
     steps hold (``_steps_bytes``)."""
     decoded = sum(decoded_bytes_or_estimate(p, schemas) for p in parts)
     rows = sum(p.count for p in parts)
-    perms = PERM_BYTES_PER_ROW * sum(p.count for p in parts if not p.sorted)
+    # (a sorted part whose times span several time layers is grouped by a permutation too)
+    perms = PERM_BYTES_PER_ROW * sum(p.count for p in parts if not p.sorted or p.tmin != p.tmax)
     keys = 8 * max((p.count for p in parts), default=0)
     transient = sum(sorted((p.size for p in parts), reverse=True)[:2])
     return decoded + perms + keys + max(transient, _steps_bytes(decoded, rows, schemas, plan))
@@ -157,43 +174,114 @@ def may_merge_by_ranges(
     return admission_bytes(parts, schemas, plan) <= budget
 
 
+LayerOf = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass
+class _Piece:
+    """The rows of one decoded table in one ``(key range, layer)`` group; ``first`` and
+    ``last``: their smallest and largest leading key (``leading_keys``) when the table
+    is sorted by its leading key (its rows kept in order), else None."""
+
+    table: pa.Table
+    first: int | None
+    last: int | None
+
+
 @dataclass
 class _Cut:
-    """A decoded table cut into the key ranges: range ``r`` is rows ``bounds[r]`` to
-    ``bounds[r + 1]`` of the table (sorted by its leading key: ``perm`` None) or of
-    ``perm`` (the table's row numbers grouped by range)."""
+    """A decoded table cut into groups: group ``g`` is rows ``bounds[g]`` to
+    ``bounds[g + 1]`` of the table (sorted by its leading key, one layer: ``perm``
+    None) or of ``perm`` (the table's row numbers grouped by group, in table order
+    within a group). Groups are the key ranges when every row is in ``layer``, else
+    ``(range r, layer l)`` pairs as ``r * n_layers + l`` (``layer`` None).
+    ``first``/``last``: each group's smallest and largest leading key, for tables
+    sorted by it (None otherwise)."""
 
     table: pa.Table
     bounds: np.ndarray
     perm: np.ndarray | None
+    layer: int | None
+    n_layers: int
+    first: np.ndarray | None
+    last: np.ndarray | None
 
-    def piece(self, r: int) -> pa.Table | None:
-        lo, hi = int(self.bounds[r]), int(self.bounds[r + 1])
+    def range_rows(self) -> np.ndarray:
+        """The rows of each key range (all layers)."""
+        counts = np.diff(self.bounds)
+        return counts if self.layer is not None else counts.reshape(-1, self.n_layers).sum(axis=1)
+
+    def piece(self, r: int, layer: int) -> _Piece | None:
+        """The rows of key range ``r`` in time layer ``layer`` (None: there are none)."""
+        if self.layer is None:
+            g = r * self.n_layers + layer
+        elif layer == self.layer:
+            g = r
+        else:
+            return None
+        lo, hi = int(self.bounds[g]), int(self.bounds[g + 1])
         if hi <= lo:
             return None
-        if self.perm is None:
-            return self.table.slice(lo, hi - lo)
-        return self.table.take(pa.array(self.perm[lo:hi]))
+        t = self.table.slice(lo, hi - lo) if self.perm is None else self.table.take(pa.array(self.perm[lo:hi]))
+        if self.first is None or self.last is None:
+            return _Piece(t, None, None)
+        return _Piece(t, int(self.first[g]), int(self.last[g]))
 
 
 def _is_sorted(keys: np.ndarray) -> bool:
     return len(keys) < 2 or bool(np.all(keys[1:] >= keys[:-1]))
 
 
-def _cut(t: pa.Table, pivots: np.ndarray) -> _Cut:
+def _cut(t: pa.Table, pivots: np.ndarray, layer_of: LayerOf | None = None, n_layers: int = 1) -> _Cut:
     keys = leading_keys(t.column(0))
-    if _is_sorted(keys):
+    n = len(keys)
+    srt = _is_sorted(keys)
+    layers: np.ndarray | None = None
+    layer: int | None = 0
+    if layer_of is not None and n_layers > 1 and n:
+        layers = layer_of(to_numpy(t.column(T_COL)))
+        lo, hi = int(layers.min()), int(layers.max())
+        if lo == hi:
+            layer, layers = lo, None
+        else:
+            layer = None
+    if srt and layers is None:
         inner = np.searchsorted(keys, pivots, side="right")
-        return _Cut(t, np.concatenate([[0], inner, [len(keys)]]).astype(np.int64), None)
+        bounds = np.concatenate([[0], inner, [n]]).astype(np.int64)
+        return _Cut(t, bounds, None, layer, n_layers, keys[np.minimum(bounds[:-1], n - 1)],
+                    keys[np.maximum(bounds[1:] - 1, 0)])
     # The range of each row: the number of pivots below its key (``digitize`` is ~2x
-    # faster than ``searchsorted`` for unsorted keys).
+    # faster than ``searchsorted`` for unsorted keys); with layers, its (range, layer).
+    groups = len(pivots) + 1
     rid = np.digitize(keys, pivots, right=True).astype(np.int16 if len(pivots) < (1 << 15) else np.int32)
-    del keys
+    if layers is not None:
+        groups *= n_layers
+        rid = rid.astype(np.int32 if groups < (1 << 31) else np.int64) * n_layers + layers.astype(np.int32)
+        del layers
     perm = np.argsort(rid, kind="stable").astype(np.int32 if t.num_rows < (1 << 31) else np.int64)
-    counts = np.bincount(rid, minlength=len(pivots) + 1)
+    counts = np.bincount(rid, minlength=groups)
+    del rid
     bounds = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=bounds[1:])
-    return _Cut(t, bounds, perm)
+    first = last = None
+    if srt and n:  # (the stable grouping keeps each group's rows in key order)
+        first = keys[perm[np.minimum(bounds[:-1], n - 1)]]
+        last = keys[perm[np.maximum(bounds[1:] - 1, 0)]]
+    return _Cut(t, bounds, perm, layer, n_layers, first, last)
+
+
+def _key_chain(pieces: list[_Piece]) -> list[pa.Table] | None:
+    """The pieces' tables in leading-key order when they come from sorted tables and
+    are key-disjoint (each one's last key <= the next one's first): their concatenation
+    is then sorted by the leading key. None otherwise."""
+    if any(p.first is None for p in pieces):
+        return None
+    chain = sorted(pieces, key=lambda p: (p.first, p.last))
+    for a, b in zip(chain, chain[1:], strict=False):
+        assert a.last is not None and b.first is not None
+        if a.last > b.first:
+            return None
+    return [p.table for p in chain]
 
 
 def pivots(tables: list[pa.Table], n_ranges: int) -> np.ndarray:
@@ -213,11 +301,14 @@ def pivots(tables: list[pa.Table], n_ranges: int) -> np.ndarray:
 
 
 class RangeMerge:
-    """The decoded tables of one merge cut into key ranges; ``tables()`` yields the
-    consolidated ranges in order (each consolidated on the range pool)."""
+    """The decoded tables of one merge cut into key ranges (and time layers:
+    ``layer_of`` maps times to layers ``0 .. n_layers - 1``); ``tables()`` yields each
+    range's consolidated rows per layer, ranges in order (each range consolidated on
+    the range pool)."""
 
     def __init__(
-        self, tables: list[pa.Table], stats: MergeStats, budget: int, plan: MemoryPlan, schemas: Schemas
+        self, tables: list[pa.Table], stats: MergeStats, budget: int, plan: MemoryPlan, schemas: Schemas,
+        layer_of: LayerOf | None = None, n_layers: int = 1,
     ) -> None:
         self.stats = stats
         self.schemas = schemas
@@ -227,9 +318,12 @@ class RangeMerge:
         n_ranges = max(2, -(-self.held // RANGE_BYTES))
         piv = pivots(tables, n_ranges) if rows else np.zeros(0, dtype=np.int64)
         self.n_ranges = len(piv) + 1
-        self.cuts = [_cut(t, piv) for t in tables]
+        self.n_layers = n_layers if layer_of is not None else 1
+        self.cuts = [_cut(t, piv, layer_of, self.n_layers) for t in tables]
+        schema = internal_schema(schemas)
+        self.linear = linear_kernels_apply(f.type for f in schema if f.name != D_COL)
         perms = sum(c.perm.nbytes for c in self.cuts if c.perm is not None)
-        largest = int(np.diff(sum(c.bounds for c in self.cuts)).max()) if self.cuts else 0
+        largest = int(np.sum([c.range_rows() for c in self.cuts], axis=0).max()) if self.cuts else 0
         biggest = range_bytes(largest, per_row, row_layout(schemas)[1])
         room = budget - self.held - perms - 4 * plan.output_part_bytes
         self.in_flight = RANGES_IN_FLIGHT if RANGES_IN_FLIGHT * biggest <= room else 1
@@ -237,26 +331,43 @@ class RangeMerge:
         self.rows = rows
         self.peak_bytes = self.held + perms + self.in_flight * biggest + 4 * plan.output_part_bytes
 
-    def _range(self, r: int) -> pa.Table:
-        pieces = [p for p in (c.piece(r) for c in self.cuts) if p is not None]
-        if not pieces:
-            return internal_schema(self.schemas).empty_table()
-        return consolidate(pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces))
+    def _range(self, r: int) -> list[tuple[int, pa.Table]]:
+        out: list[tuple[int, pa.Table]] = []
+        for layer in range(self.n_layers):
+            pieces = [p for p in (c.piece(r, layer) for c in self.cuts) if p is not None]
+            if pieces:
+                t = self._consolidated(pieces)
+                if t.num_rows:
+                    out.append((layer, t))
+        return out
 
-    def tables(self) -> Iterator[pa.Table]:
-        """The consolidated key ranges, in order (empty ones skipped)."""
+    def _consolidated(self, pieces: list[_Piece]) -> pa.Table:
+        """The pieces of one group, consolidated: in linear time (no sort, no gather)
+        when they are key-disjoint sorted pieces, else by one sort of all of them."""
+        chain = _key_chain(pieces) if self.linear else None
+        if chain is not None:
+            t = chain[0] if len(chain) == 1 else pa.concat_tables(chain)
+            done = consolidate_sorted(t)  # None: not sorted by (k, v, t) after all
+            if done is not None:
+                self.stats.presorted_rows += t.num_rows  # (one writer at a time: the GIL)
+                return done
+        return consolidate_pieces(pieces[0].table if len(pieces) == 1 else pa.concat_tables([p.table for p in pieces]))
+
+    def tables(self) -> Iterator[tuple[int, pa.Table]]:
+        """``(layer, rows)``: each key range's consolidated rows, layer by layer, the
+        ranges in order (empty ones skipped). Within a layer, rows come in ``(k, v, t)``
+        order across the whole iteration."""
         pool = _RANGE_POOL.get()
-        pending: deque[Future[pa.Table]] = deque()
+        pending: deque[Future[list[tuple[int, pa.Table]]]] = deque()
         try:
             for r in range(self.n_ranges + self.in_flight - 1):
                 if r < self.n_ranges:
                     pending.append(pool.submit(self._range, r))
                 if len(pending) < self.in_flight and r < self.n_ranges:
                     continue
-                out = pending.popleft().result()
-                if out.num_rows:
+                for layer, out in pending.popleft().result():
                     self.stats.output_rows += out.num_rows
-                    yield out
+                    yield layer, out
         finally:
             for f in pending:
                 f.cancel()
@@ -268,11 +379,12 @@ class RangeMerge:
 
 def plan_by_ranges(
     blob: Blob, schemas: Schemas, shard: str, runs_parts: list[list[PartMeta]], since_t: int | None,
-    stats: MergeStats, plan: MemoryPlan, budget: int,
+    stats: MergeStats, plan: MemoryPlan, budget: int, layer_of: LayerOf | None = None, n_layers: int = 1,
 ) -> RangeMerge | None:
-    """Decodes every part and cuts the rows into key ranges. None when the decoded
-    parts turn out larger than the budget allows or a key range would not fit (a
-    leading key shared by too many rows): nothing is kept, the caller streams."""
+    """Decodes every part and cuts the rows into key ranges (and time layers: see
+    ``RangeMerge``). None when the decoded parts turn out larger than the budget
+    allows or a key range would not fit (a leading key shared by too many rows):
+    nothing is kept, the caller streams."""
     parts = [p for run in runs_parts for p in run]
     decoded = sum(decoded_bytes_or_estimate(p, schemas) for p in parts)
     limit = budget - (admission_bytes(parts, schemas, plan) - decoded)
@@ -284,7 +396,7 @@ def plan_by_ranges(
     stats.bytes_read += sum(p.size for p in parts)
     stats.rows_read += sum(t.num_rows for t in tables)
     stats.unsorted_parts_sorted += sum(1 for p in parts if not p.sorted)  # (grouped by key range)
-    merge = RangeMerge([t for t in tables if t.num_rows], stats, budget, plan, schemas)
+    merge = RangeMerge([t for t in tables if t.num_rows], stats, budget, plan, schemas, layer_of, n_layers)
     del tables
     if not merge.fits:
         log.info("shard %s: a key range of the merge does not fit its budget; streaming", shard)
