@@ -36,6 +36,7 @@ path, which checks); DuckDB also refuses invalid UTF-8 in a Parquet string colum
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -53,7 +54,7 @@ from persist_lib.shard.codec import D_COL, DIFF, TS, Schemas
 from persist_lib.shard.part_fetch import check_part_metadata, fetch_part_bytes
 from persist_lib.shard.parts import verify_part_bytes
 from persist_lib.shard.predicate import Predicate
-from persist_lib.sql.parallel_scan import ScanHolds, scan_pool
+from persist_lib.sql.parallel_scan import ScanHolds, scan_pool, scan_workers
 
 # Encoded bytes of parts a session copies for one direct view, at most.
 DIRECT_MAX_BYTES = 4 << 30
@@ -139,22 +140,29 @@ def copy_verified(
     dest.mkdir(mode=0o700)
     paths = [dest / f"part-{i:06d}.parquet" for i in range(len(parts))]
     pool = scan_pool()
-    futures: list[Future[None]] = [
-        pool.submit(_copy_one, blob, p, schemas, shard, path) for p, path in zip(parts, paths, strict=True)
-    ]
+    # Parts holding several times first (the ones that may need merging), a few in flight:
+    # a shard that needs the general path is told after a part or two, not after copying all.
+    todo = deque(sorted(range(len(parts)), key=lambda i: parts[i].tmin == parts[i].tmax))
+    window = 2 * scan_workers()
+    started: list[Future[None]] = []
+    running: deque[Future[None]] = deque()
     ok = False
     try:
-        for f in futures:
-            f.result()
+        while todo or running:
+            while todo and len(running) < window:
+                i = todo.popleft()
+                running.append(pool.submit(_copy_one, blob, parts[i], schemas, shard, paths[i]))
+                started.append(running[-1])
+            running.popleft().result()
         ok = True
         return [str(p) for p in paths]
     except NeedsMerge:
         return None
     finally:
         if not ok:
-            for f in futures:
+            for f in started:
                 f.cancel()
-            for f in futures:
+            for f in started:
                 if not f.cancelled():
                     f.exception()  # wait: no write may land after the clean-up
             for p in paths:
