@@ -149,3 +149,28 @@ def test_the_copies_directory_opens_no_other_file(tmp_path: Path) -> None:
         with pytest.raises(SqlReadOnly):
             s.sql("SET allowed_directories = ['/']")
     client.close()
+
+
+def test_quoted_field_names_and_other_types(tmp_path: Path) -> None:
+    """Field names that need quoting are read directly; a field of a type outside the
+    plain ones (a timestamp) takes the stream. Both give the stream's rows."""
+    client = client_in(tmp_path)
+    key = pa.schema([("i d", pa.int64()), ('q"k', pa.int32())])
+    val = pa.schema([("v.al", pa.string()), ("at", pa.timestamp("us"))])
+    for vs, direct in ((pa.schema([val.field(0)]), True), (val, False)):
+        sid = ShardId.new()
+        w, r = client.open(sid, key, vs)
+        cols = {"i d": pa.array([1, 2], pa.int64()), 'q"k': pa.array([7, 8], pa.int32()), "v.al": ["x", "y"]}
+        if len(vs) == 2:
+            cols["at"] = pa.array([0, 1], pa.timestamp("us"))
+        w.compare_and_append(pa.table({**cols, "ts": pa.array([0, 0], pa.int64()), "diff": pa.array([1, 1], pa.int64())}),
+                             0, 1)
+        w.expire()
+        r.expire()
+        with SqlSession(client, as_of=0) as s:
+            assert scans_parquet(s, sid) is direct
+            got = s.sql(f"SELECT * FROM {sid} ORDER BY 1").fetchall()
+            assert [d[0] for d in s.sql(f"SELECT * FROM {sid}").description] == [*key.names, *vs.names, "ts", "diff"]
+        with SqlSession(client, as_of=0, direct_reads=False) as s:
+            assert got == s.sql(f"SELECT * FROM {sid} ORDER BY 1").fetchall()
+    client.close()
