@@ -62,8 +62,10 @@ imported when first used.
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -96,7 +98,9 @@ class SqlSession:
     the client's ``snapshot_timeout_s``, as for reads). ``connection`` is the DuckDB
     connection to use (default: a new in-memory, read-only one -- ``read_only_connection``
     -- closed with the session; a connection you pass is used as it is, with whatever
-    file and network access you gave it).
+    file and network access you gave it). ``direct_reads`` (default on): a shard snapshot
+    whose parts need no consolidation is read by DuckDB from verified copies of its
+    parts (``direct_scan``; own connection only); off, every source is streamed.
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class SqlSession:
         timeout_s: float | None = None,
         connection: Any | None = None,
         owns_client: bool = False,
+        direct_reads: bool = True,
     ) -> None:
         self.client = client
         self.as_of = None if as_of is None else parse_time(as_of, "as_of")
@@ -116,12 +121,15 @@ class SqlSession:
         self._con = connection
         self._owns_con = connection is None
         self._scratch: str | None = None  # the own connection's spill directory
+        self._copies: str | None = None  # verified part copies of direct views (own connection only)
+        self._direct_reads = direct_reads
         self._owns_client = owns_client
         self._ctl: StorageController | None = None
         self._tables: dict[str, Table] = {}
         self._views: dict[tuple[str, Scan], str] = {}
         self._view_sources: dict[str, ArrowSource] = {}
         self._pushed_views: dict[tuple[str, str], str] = {}  # (view, filter) -> view
+        self._direct_views: dict[tuple[str, Scan, str], str | None] = {}  # (table, scan, filter) -> view
         self._view_ids = itertools.count()
         self._collections: list[str] | None = None
         self._closed = False
@@ -168,7 +176,10 @@ class SqlSession:
         if self._con is None:
             self._scratch = tempfile.mkdtemp(prefix="persist-sql-")  # private: 0700
             try:
-                self._con = read_only_connection(self._scratch)
+                copies = os.path.join(self._scratch, "parts")
+                os.mkdir(copies, 0o700)
+                self._con = read_only_connection(self._scratch, copies)
+                self._copies = copies
             except BaseException:
                 shutil.rmtree(self._scratch, ignore_errors=True)
                 self._scratch = None
@@ -290,17 +301,30 @@ class SqlSession:
 
         text = rewrite_sql(query, view_for, spans)
         con = self.connection
-        pushed = self._pushed_view(text, used)
-        if pushed is not None:
+        # Each source's view is replaced by a direct view (DuckDB reading verified part
+        # copies) where the parts allow, else by the stream with the query's filter pushed
+        # down (one source only), else kept.
+        pred = self._pushed_filter(text, used)
+        replace: dict[str, str] = {}
+        for v in dict.fromkeys(used):
+            src = self._view_sources[v]
+            direct = self._direct_view(src, pred)
+            if direct is not None:
+                replace[v] = direct
+            elif pred is not None:
+                replace[v] = self._pushed_stream(v, src, pred)
+        if replace:
             spans.clear()  # positions of the second rewrite, for ``explain_error``
 
-            def pushed_for(ref: TableRef) -> str | None:
-                if self._view_for(ref, default, latest) is None:
+            def final_for(ref: TableRef) -> str | None:
+                v = self._view_for(ref, default, latest)
+                if v is None:
                     return None
-                refs.setdefault(pushed, ref.text)
-                return pushed
+                out = replace.get(v, v)
+                refs.setdefault(out, ref.text)
+                return out
 
-            text = rewrite_sql(query, pushed_for, spans)
+            text = rewrite_sql(query, final_for, spans)
         try:
             return con.sql(text)
         except duckdb.Error as e:
@@ -313,13 +337,13 @@ class SqlSession:
             # DuckDB's own error, told about the user's query (never the internal views)
             raise type(e)(told) from None
 
-    def _pushed_view(self, text: str, used: list[str]) -> str | None:
-        """A view of the query's one persist source with the query's filter pushed down
-        to its reads (``sql.pushdown``), or None (several sources or none, or nothing
-        to push). DuckDB still applies the whole filter: the rows are the same."""
+    def _pushed_filter(self, text: str, used: list[str]) -> Predicate | None:
+        """The query's filter on its one persist source, to push down to its reads
+        (``sql.pushdown``), or None (several sources or none, or nothing to push).
+        DuckDB still applies the whole filter: the rows are the same."""
         import duckdb
 
-        if len(used) != 1:
+        if len(set(used)) != 1:
             return None
         src = self._view_sources[used[0]]
         try:
@@ -338,14 +362,17 @@ class SqlSession:
             terms.append(term)
         if not terms:
             return None
-        pred = Predicate(tuple(terms))
-        k = (used[0], pred.describe())
-        view = self._pushed_views.get(k)
-        if view is None:
-            view = self._pushed_views[k] = self.register(
+        return Predicate(tuple(terms))
+
+    def _pushed_stream(self, view: str, src: ArrowSource, pred: Predicate) -> str:
+        """The stream view of ``src`` with ``pred`` pushed down to its reads."""
+        k = (view, pred.describe())
+        pushed = self._pushed_views.get(k)
+        if pushed is None:
+            pushed = self._pushed_views[k] = self.register(
                 f"__persist_{next(self._view_ids)}", src.with_filter(pred)
             )
-        return view
+        return pushed
 
     def _view_for(self, ref: TableRef, default: int | None, latest: dict[str, int]) -> str | None:
         key = self.resolve(ref.name)
@@ -371,6 +398,24 @@ class SqlSession:
         if view is None:
             view = self._views[k] = self.register(f"__persist_{next(self._view_ids)}", src)
         return view
+
+    def _direct_view(self, src: ArrowSource, pred: Predicate | None) -> str | None:
+        """A view of ``src`` that DuckDB reads from verified copies of its parts
+        (``direct_scan``; with ``pred``, only the parts its statistics don't rule out),
+        when ``src`` is a shard snapshot whose parts need no consolidation and the session
+        owns its connection; None otherwise. Decided (and copied) once per session for a
+        source and filter."""
+        if not self._direct_reads or self._copies is None or src.scan.as_of is None:
+            return None
+        k = (src.table.label, src.scan, pred.describe() if pred is not None else "")
+        if k in self._direct_views:
+            return self._direct_views[k]
+        view = f"__persist_{next(self._view_ids)}"
+        select = src.table.direct_select(src.scan.as_of, self.timeout_s, Path(self._copies) / view, pred)
+        if select is not None:
+            self.connection.execute(f"CREATE VIEW {view} AS {select}")
+        self._direct_views[k] = out = view if select is not None else None
+        return out
 
     # ----- polars ----------------------------------------------------------------------
 

@@ -62,7 +62,7 @@ _POOL: list[ThreadPoolExecutor] = []
 _POOL_LOCK = threading.Lock()
 
 
-def _pool() -> ThreadPoolExecutor:
+def scan_pool() -> ThreadPoolExecutor:
     """The process's scan pool (``scan_workers`` threads, started once: a query does not
     pay for starting threads). Scans share it; each keeps at most ``in_flight`` parts
     queued on it."""
@@ -190,7 +190,7 @@ def _scan(
     parts ahead; the shared rows consolidated at the end. A generator: nothing is
     fetched before the first ``next``; closing it cancels what is queued and waits for
     what runs (the parts stay held until then)."""
-    pool = _pool()
+    pool = scan_pool()
     queue: deque[Future[tuple[pa.Table, pa.Table | None]]] = deque()
     submit: Callable[[int], Future[tuple[pa.Table, pa.Table | None]]] = lambda i: pool.submit(  # noqa: E731
         _fetch_one, splits[i], overlaps[i], blob
