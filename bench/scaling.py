@@ -238,6 +238,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
             ("spark_nh_lazy", "no history: Spark read_snapshot(materialize=False) + aggregate",
              "spark.read.parquet of the part files"),
             ("sql_nh", "no history: persist sql aggregate", "DuckDB read_parquet of the part files"),
+            ("sql_nh_fresh", "no history: persist sql aggregate, a new session per query (one `persist sql` run)",
+             "DuckDB read_parquet of the part files"),
         ):
             if key in eng:
                 e = eng[key]
