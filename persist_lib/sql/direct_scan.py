@@ -40,6 +40,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -170,30 +171,33 @@ def copy_verified(
             dest.rmdir()
 
 
-def _ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
+def direct_relation(con: Any, schemas: Schemas, paths: Sequence[str], as_of: int) -> Any:
+    """The relation of a direct view on ``con``: the user layout (key fields, value
+    fields, ``ts``, ``diff``) over the copies, built with DuckDB's expression API (no
+    SQL text assembled from names or paths)."""
+    import duckdb
+    from duckdb.sqltypes import BIGINT
+
+    def field(struct: str, name: str) -> Any:
+        return duckdb.FunctionExpression(
+            "struct_extract", duckdb.ColumnExpression(struct), duckdb.ConstantExpression(name)
+        ).alias(name)
+
+    cols = [field("k", f.name) for f in schemas.key] + [field("v", f.name) for f in schemas.val]
+    cols += [
+        duckdb.ConstantExpression(int(as_of)).cast(BIGINT).alias(TS),
+        duckdb.ColumnExpression(D_COL).alias(DIFF),
+    ]
+    return con.read_parquet(list(paths)).select(*cols)
 
 
-def _literal(path: str) -> str:
-    return "'" + path.replace("'", "''") + "'"
-
-
-def view_sql(schemas: Schemas, paths: Sequence[str], as_of: int) -> str:
-    """The SELECT of a direct view: the user layout (key fields, value fields, ``ts``,
-    ``diff``) over the copies."""
-    cols = [f"k.{_ident(f.name)} AS {_ident(f.name)}" for f in schemas.key]
-    cols += [f"v.{_ident(f.name)} AS {_ident(f.name)}" for f in schemas.val]
-    cols += [f"CAST({int(as_of)} AS BIGINT) AS {_ident(TS)}", f"{D_COL} AS {_ident(DIFF)}"]
-    files = ", ".join(_literal(p) for p in paths)
-    return f"SELECT {', '.join(cols)} FROM read_parquet([{files}])"  # noqa: S608 - quoted identifiers and our own paths
-
-
-def direct_view(
+def direct_paths(
     reader: ReadHandle, holds: ScanHolds, as_of: int, timeout_s: float | None, dest: Path,
     filter: Predicate | None = None,
-) -> str | None:
-    """The SELECT of a direct view of ``reader``'s snapshot at ``as_of`` over verified
-    copies written under ``dest``, or None when the general scan is needed. ``filter``:
+) -> list[str] | None:
+    """The verified copies (written under ``dest``, in key order) of the parts of
+    ``reader``'s snapshot at ``as_of``, for a direct view (``direct_relation``), or None
+    when the general scan is needed. ``filter``:
     parts its statistics rule out are left out (the query applies the filter itself).
     The parts are held (``holds``) only while they are copied."""
     holds.begin()
@@ -204,6 +208,6 @@ def direct_view(
         if ordered is None:
             return None
         paths = copy_verified(reader.client.blob, ordered, reader.schemas, reader.shard_id, dest)
-        return None if paths is None else view_sql(reader.schemas, paths, as_of)
+        return paths
     finally:
         holds.end()

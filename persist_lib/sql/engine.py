@@ -75,6 +75,7 @@ from persist_lib.frontier import Antichain
 from persist_lib.ids import ShardId
 from persist_lib.shard.codec import Schemas
 from persist_lib.shard.predicate import Predicate
+from persist_lib.sql.direct_scan import direct_relation
 from persist_lib.sql.guard import SqlReadOnly as SqlReadOnly
 from persist_lib.sql.guard import read_only_connection, read_only_error
 from persist_lib.sql.pushdown import filter_terms, scan_filters
@@ -411,10 +412,10 @@ class SqlSession:
         if k in self._direct_views:
             return self._direct_views[k]
         view = f"__persist_{next(self._view_ids)}"
-        select = src.table.direct_select(src.scan.as_of, self.timeout_s, Path(self._copies) / view, pred)
-        if select is not None:
-            self.connection.execute(f"CREATE VIEW {view} AS {select}")
-        self._direct_views[k] = out = view if select is not None else None
+        paths = src.table.direct_paths(src.scan.as_of, self.timeout_s, Path(self._copies) / view, pred)
+        if paths is not None:
+            direct_relation(self.connection, src.table.schemas, paths, src.scan.as_of).create_view(view)
+        self._direct_views[k] = out = view if paths is not None else None
         return out
 
     # ----- polars ----------------------------------------------------------------------

@@ -22,7 +22,7 @@ from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read import ReadHandle
 from persist_lib.shard.codec import Schemas, internal_schema, user_schema
 from persist_lib.shard.predicate import Predicate
-from persist_lib.sql.direct_scan import direct_view
+from persist_lib.sql.direct_scan import direct_paths
 from persist_lib.sql.parallel_scan import ScanHolds, parallel_snapshot
 from persist_lib.sql.times import format_time, range_text
 
@@ -84,17 +84,17 @@ class Table:
             as_of, memory_budget=memory_budget, timeout_s=timeout_s, filter=filter, columns=columns
         )
 
-    def direct_select(
+    def direct_paths(
         self, as_of: int, timeout_s: float | None, dest: Path, filter: Predicate | None = None
-    ) -> str | None:
-        """The SELECT of a DuckDB view reading verified copies of the parts (written
+    ) -> list[str] | None:
+        """The paths of verified copies, for a DuckDB view, of the parts (written
         under ``dest``) of a shard's snapshot at ``as_of`` that needs no consolidation
         (``direct_scan``; ``filter``: only the parts its statistics don't rule out);
         None for a collection or when the parts need the general scan."""
         r = self._reader
         if not isinstance(r, ReadHandle) or self._holds is None:
             return None
-        return direct_view(r, self._holds, as_of, timeout_s, dest, filter)
+        return direct_paths(r, self._holds, as_of, timeout_s, dest, filter)
 
     def updates_between_batches(
         self, lower: int, upper: int, *, memory_budget: int | None, timeout_s: float | None,
