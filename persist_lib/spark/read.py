@@ -39,6 +39,7 @@ from persist_lib.spark._common import (
     table_batches,
 )
 from persist_lib.spark.direct_read import try_direct
+from persist_lib.spark.disjoint_splits import key_range_splits
 from persist_lib.spark.types import spark_arrow_schema, spark_schema, to_spark_arrow
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -82,6 +83,25 @@ def _fetcher(
 OVERLAP = "__persist_overlap"
 
 
+def _fetched(spark: Any, splits: list[Split], schemas: Schemas) -> Any:
+    """The splits' rows as fetched (each split consolidated on its own), one Spark
+    partition per split, lazily."""
+    check_session(spark, "splits_dataframe")
+    from persist_lib.spark.executors import prepare_executors
+
+    prepare_executors(spark, blob_uri=next((s.blob_uri for s in splits), None))
+    sschema = spark_schema(schemas)
+    ids = spark.range(0, len(splits), 1, max(1, len(splits)))
+    return ids.mapInArrow(_fetcher(splits, spark_arrow_schema(sschema)), sschema)
+
+
+def _projected(df: Any, schemas: Schemas, columns: Sequence[str] | None) -> Any:
+    if columns is None:
+        return df
+    pd = ReadPushdown.plan(schemas, columns, None, shard="(splits)")
+    return df.select(*(pd.columns or ()))
+
+
 def splits_dataframe(
     spark: Any, splits: list[Split], schemas: Schemas, *, consolidate: bool = True,
     columns: Sequence[str] | None = None,
@@ -93,16 +113,9 @@ def splits_dataframe(
     ``columns``: the key/value fields to keep (with ``ts`` and ``diff``), selected after
     the consolidation across splits (which needs every column).
     """
-    check_session(spark, "splits_dataframe")
-    from persist_lib.spark.executors import prepare_executors
-
-    prepare_executors(spark, blob_uri=next((s.blob_uri for s in splits), None))
+    df = _fetched(spark, splits, schemas)
     F = sql_functions(spark)
     sschema = spark_schema(schemas)
-    target = spark_arrow_schema(sschema)
-    n = max(1, len(splits))
-    ids = spark.range(0, len(splits), 1, n)
-    df = ids.mapInArrow(_fetcher(splits, target), sschema)
     if consolidate and len([s for s in splits if s.parts]) > 1:
         group = [c for c in sschema.fieldNames() if c != DIFF]
         df = (
@@ -111,10 +124,7 @@ def splits_dataframe(
             .where(F.col(DIFF) != 0)
             .select(*sschema.fieldNames())
         )
-    if columns is not None:
-        pd = ReadPushdown.plan(schemas, columns, None, shard="(splits)")
-        df = df.select(*(pd.columns or ()))
-    return df
+    return _projected(df, schemas, columns)
 
 
 def _materialize(df: Any) -> Any:
@@ -159,10 +169,7 @@ def _read(
         .select(*names)
     )
     df = alone.unionByName(shared)
-    if columns is not None:
-        pd = ReadPushdown.plan(schemas, columns, None, shard="(splits)")
-        df = df.select(*(pd.columns or ()))
-    return df
+    return _projected(df, schemas, columns)
 
 
 def read_snapshot(
@@ -206,7 +213,8 @@ def read_snapshot(
     spark_schema(reader.schemas)  # unsupported types fail before any hold is taken
     ReadPushdown.plan(reader.schemas, columns, filter, shard=reader.shard_id)  # bad names fail here
     n = num_splits or _default_splits(spark)
-    splits: list[Split] = list(reader.snapshot_splits(as_of, n, timeout_s, filter=filter))
+    planned = reader.snapshot_splits(as_of, n, timeout_s, filter=filter)
+    splits: list[Split] = list(planned)
     keep_hold = False
     try:
         if consolidate:
@@ -220,7 +228,17 @@ def read_snapshot(
                     return _materialize(direct)
                 keep_hold = True
                 return direct
-        return _read(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
+        ranged = key_range_splits(planned, reader.schemas, n) if consolidate else None
+        if ranged is not None:  # no record in two splits: nothing to group across them
+            df = _projected(_fetched(spark, list(ranged), reader.schemas), reader.schemas, columns)
+        elif materialize:
+            return _read(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
+        else:
+            df = splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
+        if materialize:
+            return _materialize(df)
+        keep_hold = True
+        return df
     finally:
         if not keep_hold:
             reader.release_splits()
