@@ -50,14 +50,18 @@ def key_range_splits(splits: Sequence[SnapshotSplit], schemas: Schemas, n: int) 
     ordered = planned[0]
     column = KEY_PREFIX + schemas.key.field(0).name
     ranges = [_range(p, column) for p in ordered]
-    target = sum(p.size for p in ordered) / max(1, n)
+    left = sum(p.size for p in ordered)  # bytes not yet in a closed group
+    target = left / max(1, n)
     groups: list[list[PartMeta]] = [[]]
     acc = 0
     top = ranges[0][1]
     for p, (lo, hi) in zip(ordered, ranges, strict=True):
-        # Cut before p only at a strict gap: no key of p is in the group so far.
-        if groups[-1] and acc >= target and lo > top and len(groups) < n:
+        # Cut before p when p would take the group past its share of what is left,
+        # and only at a strict gap: no key of p is in the group so far.
+        if groups[-1] and acc + p.size / 2 > target and lo > top and len(groups) < n:
+            left -= acc
             groups.append([])
+            target = left / (n - len(groups) + 1)
             acc = 0
         groups[-1].append(p)
         acc += p.size
