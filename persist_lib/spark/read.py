@@ -57,6 +57,18 @@ def _default_splits(spark: Any) -> int:
     return default_parallelism(spark) * 2
 
 
+# Rows a key-range split fetches at most by default (each executor holds its split's
+# decoded table, and a copy in Spark's layout, while it hands it over).
+MAX_SPLIT_ROWS = 4_000_000
+
+
+def _range_splits(spark: Any, splits: Sequence[SnapshotSplit]) -> int:
+    """How many key-range splits by default: balanced by bytes, they need no spare
+    tasks, so one per core, unless that makes a split hold more than ``MAX_SPLIT_ROWS``."""
+    rows = sum(p.count for s in splits for p in s.parts)
+    return max(default_parallelism(spark), -(-rows // MAX_SPLIT_ROWS))
+
+
 def _fetcher(
     splits: list[Split], target: pa.Schema, overlaps: list[SplitOverlap] | None = None
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
@@ -238,8 +250,7 @@ def read_snapshot(
                     return _materialize(direct)
                 keep_hold = True
                 return direct
-        # Balanced by bytes, key-range splits need no spare tasks: one per core by default.
-        ranged = key_range_splits(planned, reader.schemas, num_splits or default_parallelism(spark)) if consolidate else None
+        ranged = key_range_splits(planned, reader.schemas, num_splits or _range_splits(spark, planned)) if consolidate else None
         if ranged is not None:  # no record in two splits: nothing to group across them
             df = _projected(_fetched(spark, list(ranged), reader.schemas), reader.schemas, columns)
         elif materialize:
