@@ -96,3 +96,34 @@ def test_history_read_plans_no_shuffle_and_stays_lazy_when_asked(spark: Any, tmp
     assert _rows(got) == _rows(r.snapshot(11).select(["id", "name", "ts", "diff"]))
     r.expire()
     client.close()
+
+
+class _CountingGets:
+    """The client's blob, counting the part fetches the direct path's verification makes."""
+
+    def __init__(self, blob: Any) -> None:
+        self.blob = blob
+        self.keys: list[str] = []
+
+    def get(self, key: str) -> bytes | None:
+        self.keys.append(key)
+        data: bytes | None = self.blob.get(key)
+        return data
+
+
+@pytest.mark.spark
+def test_a_shard_with_history_is_given_up_after_verifying_one_part(spark: Any, tmp_path: Path) -> None:
+    """Every part holds ties: the direct path learns that from the first and does not
+    fetch and hash the others only to fall back (the general path verifies them)."""
+    from persist_lib.spark.direct_read import try_direct
+
+    client, r = _shard(file_location(tmp_path), 23, ties=True)
+    parts = [p for _, b in client.machine(SHARD).fetch_latest().trace_batches() for p in b.parts]
+    assert len(parts) == 4
+    counting = _CountingGets(client.blob)
+    got = try_direct(spark, client.blob_uri, SHARD, r.schemas, parts, 11, filter=None, columns=None,
+                     driver_blob=counting)  # type: ignore[arg-type]
+    assert got is None
+    assert len(counting.keys) == 1
+    r.expire()
+    client.close()
