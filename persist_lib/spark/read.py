@@ -4,12 +4,15 @@ The driver plans *splits* (picklable lists of part metadata) from one state vers
 and holds that version (the reader's seqno hold) while executors fetch, verify and
 decode the parts. Each split is consolidated on its executor; a ``groupBy`` over
 ``(key, value, ts)`` then consolidates across splits (the same ``(k, v, t)`` can sit
-in parts of different splits), dropping zero diffs.
+in parts of different splits), dropping zero diffs. A snapshot of key-disjoint parts is instead fetched in key-range
+splits that share no record (``disjoint_splits``) and needs no grouping.
 
 A DataFrame is lazy, but parts may be garbage collected once the hold is released, so
-the result is materialized before returning (``localCheckpoint``: executor-local, no
-lineage back to the blob store) and the hold released; the caller's ``ReadHandle``
-keeps its since (and so the readable history) as usual.
+by default the result is materialized before returning (``localCheckpoint``:
+executor-local, no lineage back to the blob store) and the hold released; with
+``read_snapshot(materialize=False)`` it stays lazy and the reader keeps the hold until
+``release_splits``. The caller's ``ReadHandle`` keeps its since (and so the readable
+history) as usual.
 
 Caveat of the Spark-side consolidation: Spark groups ``-0.0`` with ``0.0`` and every
 NaN together, where persist keeps them apart. Only float key/value fields holding
@@ -39,6 +42,7 @@ from persist_lib.spark._common import (
     table_batches,
 )
 from persist_lib.spark.direct_read import try_direct
+from persist_lib.spark.disjoint_splits import key_range_splits
 from persist_lib.spark.types import spark_arrow_schema, spark_schema, to_spark_arrow
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,6 +55,18 @@ Split = SnapshotSplit | RangeSplit
 
 def _default_splits(spark: Any) -> int:
     return default_parallelism(spark) * 2
+
+
+# Rows a key-range split fetches at most by default (each executor holds its split's
+# decoded table, and a copy in Spark's layout, while it hands it over).
+MAX_SPLIT_ROWS = 4_000_000
+
+
+def _range_splits(spark: Any, splits: Sequence[SnapshotSplit]) -> int:
+    """How many key-range splits by default: balanced by bytes, they need no spare
+    tasks, so one per core, unless that makes a split hold more than ``MAX_SPLIT_ROWS``."""
+    rows = sum(p.count for s in splits for p in s.parts)
+    return max(default_parallelism(spark), -(-rows // MAX_SPLIT_ROWS))
 
 
 def _fetcher(
@@ -73,13 +89,36 @@ def _fetcher(
                     out = to_spark_arrow(table, target)
                     if overlaps is not None:
                         out = out.append_column(OVERLAP, overlaps[i].mask(table))
-                    yield from table_batches(out)
+                    yield from table_batches(out, FETCH_BATCH_ROWS)
 
     return run
 
 
+# Rows per Arrow batch a fetching executor hands to the JVM: a split's table in a few
+# large batches costs less per row than Spark's usual 10k-64k (issue 28, measured).
+FETCH_BATCH_ROWS = 1 << 20
+
 # The executors' mark on a row another split may also hold (``split_overlap``).
 OVERLAP = "__persist_overlap"
+
+
+def _fetched(spark: Any, splits: list[Split], schemas: Schemas) -> Any:
+    """The splits' rows as fetched (each split consolidated on its own), one Spark
+    partition per split, lazily."""
+    check_session(spark, "splits_dataframe")
+    from persist_lib.spark.executors import prepare_executors
+
+    prepare_executors(spark, blob_uri=next((s.blob_uri for s in splits), None))
+    sschema = spark_schema(schemas)
+    ids = spark.range(0, len(splits), 1, max(1, len(splits)))
+    return ids.mapInArrow(_fetcher(splits, spark_arrow_schema(sschema)), sschema)
+
+
+def _projected(df: Any, schemas: Schemas, columns: Sequence[str] | None) -> Any:
+    if columns is None:
+        return df
+    pd = ReadPushdown.plan(schemas, columns, None, shard="(splits)")
+    return df.select(*(pd.columns or ()))
 
 
 def splits_dataframe(
@@ -93,16 +132,9 @@ def splits_dataframe(
     ``columns``: the key/value fields to keep (with ``ts`` and ``diff``), selected after
     the consolidation across splits (which needs every column).
     """
-    check_session(spark, "splits_dataframe")
-    from persist_lib.spark.executors import prepare_executors
-
-    prepare_executors(spark, blob_uri=next((s.blob_uri for s in splits), None))
+    df = _fetched(spark, splits, schemas)
     F = sql_functions(spark)
     sschema = spark_schema(schemas)
-    target = spark_arrow_schema(sschema)
-    n = max(1, len(splits))
-    ids = spark.range(0, len(splits), 1, n)
-    df = ids.mapInArrow(_fetcher(splits, target), sschema)
     if consolidate and len([s for s in splits if s.parts]) > 1:
         group = [c for c in sschema.fieldNames() if c != DIFF]
         df = (
@@ -111,10 +143,7 @@ def splits_dataframe(
             .where(F.col(DIFF) != 0)
             .select(*sschema.fieldNames())
         )
-    if columns is not None:
-        pd = ReadPushdown.plan(schemas, columns, None, shard="(splits)")
-        df = df.select(*(pd.columns or ()))
-    return df
+    return _projected(df, schemas, columns)
 
 
 def _materialize(df: Any) -> Any:
@@ -159,10 +188,7 @@ def _read(
         .select(*names)
     )
     df = alone.unionByName(shared)
-    if columns is not None:
-        pd = ReadPushdown.plan(schemas, columns, None, shard="(splits)")
-        df = df.select(*(pd.columns or ()))
-    return df
+    return _projected(df, schemas, columns)
 
 
 def read_snapshot(
@@ -193,12 +219,15 @@ def read_snapshot(
     When the parts at ``as_of`` need no consolidation and the blob is a local
     directory (``spark.direct_read``: key-disjoint consolidated parts, every time at or
     before ``as_of``, no filter), the executors only verify each part's checksum and
-    Spark's own Parquet reader reads the part files. With ``materialize=False`` that
-    DataFrame stays lazy (read when an action runs: the speed of
-    ``spark.read.parquet``) and this reader keeps its hold on the parts until
+    Spark's own Parquet reader reads the part files. Otherwise, when the parts' key
+    ranges are disjoint (a compacted shard, history kept or not), they are fetched in
+    key-range splits that share no record (``spark.disjoint_splits``): each split is
+    consolidated on its executor and nothing is grouped across splits (no shuffle).
+
+    With ``materialize=False`` the DataFrame stays lazy on every path (read when an
+    action runs, once per action) and this reader keeps its hold on the parts until
     ``reader.release_splits()`` or ``expire()`` (call it once the DataFrame is no longer
-    used; the next read through this reader releases it too); the general path always
-    materializes.
+    used; the next read through this reader releases it too).
     """
     as_of = check_time(as_of, "as_of")
     check_session(spark, f"read_snapshot of shard {reader.shard_id}")
@@ -206,7 +235,8 @@ def read_snapshot(
     spark_schema(reader.schemas)  # unsupported types fail before any hold is taken
     ReadPushdown.plan(reader.schemas, columns, filter, shard=reader.shard_id)  # bad names fail here
     n = num_splits or _default_splits(spark)
-    splits: list[Split] = list(reader.snapshot_splits(as_of, n, timeout_s, filter=filter))
+    planned = reader.snapshot_splits(as_of, n, timeout_s, filter=filter)
+    splits: list[Split] = list(planned)
     keep_hold = False
     try:
         if consolidate:
@@ -220,7 +250,17 @@ def read_snapshot(
                     return _materialize(direct)
                 keep_hold = True
                 return direct
-        return _read(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
+        ranged = key_range_splits(planned, reader.schemas, num_splits or _range_splits(spark, planned)) if consolidate else None
+        if ranged is not None:  # no record in two splits: nothing to group across them
+            df = _projected(_fetched(spark, list(ranged), reader.schemas), reader.schemas, columns)
+        elif materialize:
+            return _read(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
+        else:
+            df = splits_dataframe(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
+        if materialize:
+            return _materialize(df)
+        keep_hold = True
+        return df
     finally:
         if not keep_hold:
             reader.release_splits()
