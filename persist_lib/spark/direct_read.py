@@ -47,7 +47,6 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -57,6 +56,7 @@ from persist_lib.handles.split_overlap import disjoint_overlaps
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import DIFF, TS, Schemas
+from persist_lib.shard.direct_parts import first_key_increases, plain_type
 from persist_lib.shard.parts import FORMAT_VERSION, META_FORMAT, META_SCHEMAS, verify_part_bytes
 from persist_lib.spark._common import (
     default_parallelism,
@@ -77,16 +77,6 @@ CORRUPT = "corrupt:"  # a prefix: the rest is the CorruptionError's message
 DRIVER_VERIFY_BYTES = 256 << 20
 
 
-def _plain(t: pa.DataType) -> bool:
-    return (
-        (pa.types.is_integer(t) and pa.types.is_signed_integer(t))
-        or pa.types.is_floating(t) and not pa.types.is_float16(t)
-        or pa.types.is_boolean(t)
-        or pa.types.is_string(t) or pa.types.is_large_string(t)
-        or pa.types.is_binary(t) or pa.types.is_large_binary(t)
-    )
-
-
 def local_root(blob_uri: str) -> str | None:
     """The directory of a ``file://`` blob, or None for any other blob."""
     if not blob_uri.startswith("file:"):
@@ -104,7 +94,7 @@ def eligible_parts(
     """The parts, when the driver-side conditions of the module docstring hold; else None."""
     if filter is not None or not parts or local_root(blob_uri) is None:
         return None
-    if not all(_plain(f.type) for f in [*schemas.key, *schemas.val]):
+    if not all(plain_type(f.type) for f in [*schemas.key, *schemas.val]):
         return None
     for conf in ("spark.sql.files.ignoreMissingFiles", "spark.sql.files.ignoreCorruptFiles"):
         if str(spark.conf.get(conf, "false")).lower() == "true":
@@ -140,11 +130,8 @@ def verify_one(blob: Blob, part: PartMeta, schemas: Schemas, shard: str) -> str:
         return MIGRATE
     if names != (["k", "v", "t", "d"] if len(schemas.val) else ["k", "t", "d"]):
         return f"{CORRUPT} shard {shard}: part {part.key}: columns {names}"
-    if part.tmin < part.tmax:
-        first = pf.read(columns=["k"], use_threads=False).column("k").combine_chunks().field(0)
-        v = first.to_numpy(zero_copy_only=False)
-        if first.null_count or not bool(np.all(v[1:] > v[:-1])):
-            return NEEDS_MERGE
+    if part.tmin < part.tmax and not first_key_increases(pf):
+        return NEEDS_MERGE
     return OK
 
 

@@ -42,7 +42,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -52,6 +51,7 @@ from persist_lib.handles.split_overlap import disjoint_overlaps
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import D_COL, DIFF, TS, Schemas
+from persist_lib.shard.direct_parts import first_key_increases, plain_type
 from persist_lib.shard.part_fetch import check_part_metadata, fetch_part_bytes
 from persist_lib.shard.parts import verify_part_bytes
 from persist_lib.shard.predicate import Predicate
@@ -61,26 +61,12 @@ from persist_lib.sql.parallel_scan import ScanHolds, scan_pool, scan_workers
 DIRECT_MAX_BYTES = 4 << 30
 
 
-def _duckdb_plain(t: pa.DataType) -> bool:
-    """Types DuckDB reads from a persist part as the type of the Arrow stream's column."""
-    if pa.types.is_integer(t):
-        return pa.types.is_signed_integer(t)
-    if pa.types.is_floating(t):
-        return not pa.types.is_float16(t)
-    return any(
-        f(t) for f in (
-            pa.types.is_boolean, pa.types.is_string, pa.types.is_large_string,
-            pa.types.is_binary, pa.types.is_large_binary,
-        )
-    )
-
-
 def planned_parts(parts: Sequence[PartMeta], schemas: Schemas, as_of: int) -> list[PartMeta] | None:
     """The parts in key order when the state-side conditions of the module docstring
     hold, else None."""
     if not parts or sum(p.size for p in parts) > DIRECT_MAX_BYTES:
         return None
-    if not all(_duckdb_plain(f.type) for f in (*schemas.key, *schemas.val)):
+    if not all(plain_type(f.type) for f in (*schemas.key, *schemas.val)):
         return None
     if any(not p.sorted or p.tmax > as_of for p in parts):
         return None
@@ -115,20 +101,10 @@ def _copy_one(blob: Blob, part: PartMeta, schemas: Schemas, shard: str, path: Pa
         )
     if written.fingerprint() != schemas.fingerprint():
         raise NeedsMerge(part.location)
-    if part.tmin < part.tmax and not _keys_increase(pf):
+    if part.tmin < part.tmax and not first_key_increases(pf):
         raise NeedsMerge(part.location)
     with open(path, "xb") as f:  # a fresh name in a private directory
         f.write(data)
-
-
-def _keys_increase(pf: pq.ParquetFile) -> bool:
-    """Whether the part's first key field strictly increases (no nulls): then no
-    ``(key, value)`` sits at two of its times."""
-    first = pf.read(columns=["k"], use_threads=False).column("k").combine_chunks().field(0)
-    if first.null_count:
-        return False
-    v = first.to_numpy(zero_copy_only=False)
-    return bool(np.all(v[1:] > v[:-1]))
 
 
 def copy_verified(
