@@ -23,7 +23,9 @@ below runs ``REPS`` rounds with the order rotating, medians reported:
   leaves them out), then again once the since reached the as-of and the shard was
   compacted again ("no history" rows: parts that need no consolidation).
 Run alone: ``python -m bench --only scaling --runs 1 --max-runs 1`` (not part of ``make
-bench``); ``PERSIST_BENCH_SIZES=1,4`` picks the sizes in millions. The issue 28 goal:
+bench``); ``PERSIST_BENCH_SIZES=1,4`` picks the sizes in millions; ``PERSIST_BENCH_SCALING=sql``
+runs only the ``persist sql`` rows (persist writes and compacts the shard; no delta-rs, no
+Spark, none of the other rows). The issue 28 goal:
 the persist/delta-rs ratio falls by at most 20% from the smallest size to the largest on
 every row.
 """
@@ -69,6 +71,29 @@ def _sizes() -> list[int]:
 
 def _engines() -> bool:
     return os.environ.get("PERSIST_BENCH_ENGINES", "1") != "0"
+
+
+def _sql_only() -> bool:
+    """``PERSIST_BENCH_SCALING=sql``: only the ``persist sql`` rows."""
+    return os.environ.get("PERSIST_BENCH_SCALING") == "sql"
+
+
+def _sql_shard(ctx: Ctx, chunks: list[Any], label: str) -> dict[str, Any]:
+    """The shard the SQL rows read, as ``_measure`` leaves it (the 4 commits, compacted with
+    the since at 0), without the delta-rs side or any other figure."""
+    from persist_lib.ids import ShardId
+
+    d = ctx.dir(f"scaling_persist_{label}")
+    client = persist_file_client(d, compaction_enabled=False)
+    shard = ShardId.new()
+    w, r = client.open(shard, KEY_SCHEMA, VAL_SCHEMA)
+    for i, c in enumerate(chunks):
+        w.compare_and_append(c, i, i + 1)
+    client.compact(shard)
+    w.expire()
+    r.expire()
+    client.close()
+    return {"dir": d, "shard": shard}
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
@@ -191,10 +216,21 @@ def run(ctx: Ctx) -> dict[str, Any]:
         per = n // COMMITS
         chunks = [update_batch(per, i, 1000 + i) for i in range(COMMITS)]
         arrow_mb = sum(c.nbytes for c in chunks) / 1e6
+        eng: dict[str, Any] = {}
+        if _sql_only():
+            from bench import scaling_engines as se
+
+            p = _sql_shard(ctx, chunks, label)
+            del chunks
+            gc.collect()
+            eng["sql"] = se.sql_figures(p["dir"], p["shard"], se.part_files_of(p["dir"], p["shard"]))
+            eng |= se.no_history_figures(p["dir"], p["shard"], spark=False)
+            det[label] = {"arrow_MB": round(arrow_mb, 1), **eng}
+            rows += _engine_rows(label, eng)
+            continue
         p, dl = _measure(ctx, chunks, label)
         del chunks
         gc.collect()
-        eng: dict[str, Any] = {}
         if _engines():
             from bench import scaling_engines as se
 
@@ -231,7 +267,15 @@ def run(ctx: Ctx) -> dict[str, Any]:
                 "ms", f"delta-rs to_pyarrow_table(filters) ({dl['filt_rows']:,} rows)", dl["filt_s"] * 1e3,
                 note=f"persist {p['filt_rows']:,} rows"),
         ]
-        for key, what, anchor in (
+        rows += _engine_rows(label, eng)
+    _engines_done()
+    return {"rows": rows, "detail": det}
+
+
+def _engine_rows(label: str, eng: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Spark and SQL rows of one size (those measured)."""
+    rows = []
+    for key, what, anchor in (
             ("spark", "Spark read_snapshot + aggregate (local[2])", "spark.read.parquet of the part files"),
             ("sql", "persist sql aggregate over the snapshot", "DuckDB read_parquet of the part files"),
             ("spark_nh", "no history: Spark read_snapshot + aggregate", "spark.read.parquet of the part files"),
@@ -249,12 +293,11 @@ def run(ctx: Ctx) -> dict[str, Any]:
                         note=f"{e['rows']:,} rows vs {e['raw_rows']:,} updates; "
                         f"speed {e['raw_s'] / e['persist_s']:.2f}x (goal >= 0.8x)")
                 )
-    _engines_done()
-    return {"rows": rows, "detail": det}
+    return rows
 
 
 def _engines_done() -> None:
-    if _engines():
+    if _engines() and not _sql_only():
         from bench import scaling_engines as se
 
         se.stop_spark()

@@ -192,11 +192,11 @@ def sql_figures(d: Path, shard: Any, files: list[str], *, fresh: bool = False) -
     return {"persist_s": p_s, "raw_s": a_s, "rows": int(p_out[0]), "raw_rows": int(a_out[0])}
 
 
-def no_history_figures(d: Path, shard: Any) -> dict[str, dict[str, Any]]:
+def no_history_figures(d: Path, shard: Any, *, spark: bool = True) -> dict[str, dict[str, Any]]:
     """Advances the shard's since to the as-of, compacts it again (every key at one
     time: parts that need no consolidation) and measures Spark (default and lazy) and
-    SQL over it, against the raw reads of its new part files. Run last: it changes the
-    shard."""
+    SQL over it, against the raw reads of its new part files (``spark=False``: SQL only).
+    Run last: it changes the shard."""
     client = persist_file_client(d)
     try:
         r = client.open_leased_reader(shard, KEY_SCHEMA, VAL_SCHEMA)
@@ -206,11 +206,13 @@ def no_history_figures(d: Path, shard: Any) -> dict[str, dict[str, Any]]:
     finally:
         client.close()
     files = part_files_of(d, shard)
-    from persist_lib.spark import read_snapshot
+    out: dict[str, dict[str, Any]] = {}
+    if spark:
+        from persist_lib.spark import read_snapshot
 
-    out = {"spark_nh": spark_figures(d, shard, files)}
-    if "materialize" in inspect.signature(read_snapshot).parameters:  # not before issue 28's direct reads
-        out["spark_nh_lazy"] = spark_figures(d, shard, files, materialize=False)
+        out["spark_nh"] = spark_figures(d, shard, files)
+        if "materialize" in inspect.signature(read_snapshot).parameters:  # not before issue 28's direct reads
+            out["spark_nh_lazy"] = spark_figures(d, shard, files, materialize=False)
     out["sql_nh"] = sql_figures(d, shard, files)
     out["sql_nh_fresh"] = sql_figures(d, shard, files, fresh=True)
     return out
