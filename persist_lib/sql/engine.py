@@ -65,8 +65,6 @@ import itertools
 import os
 import shutil
 import tempfile
-import threading
-from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +79,7 @@ from persist_lib.sql.direct_scan import direct_relation
 from persist_lib.sql.guard import SqlReadOnly as SqlReadOnly
 from persist_lib.sql.guard import read_only_connection, read_only_error
 from persist_lib.sql.pushdown import filter_terms, scan_filters
-from persist_lib.sql.rewrite import Span, TableRef, explain_error, may_filter, rewrite_sql
+from persist_lib.sql.rewrite import Span, TableRef, explain_error, rewrite_sql
 from persist_lib.sql.sources import ArrowSource, Scan, Table, lazy_frame
 from persist_lib.sql.times import TimeLike, format_time, parse_time
 
@@ -125,14 +123,12 @@ class SqlSession:
         self._owns_con = connection is None
         self._scratch: str | None = None  # the own connection's spill directory
         self._copies: str | None = None  # verified part copies of direct views (own connection only)
-        self._con_future: Future[Any] | None = None  # the own connection, being opened
         self._direct_reads = direct_reads
         self._owns_client = owns_client
         self._ctl: StorageController | None = None
         self._tables: dict[str, Table] = {}
         self._views: dict[tuple[str, Scan], str] = {}
         self._view_sources: dict[str, ArrowSource] = {}
-        self._unregistered: list[str] = []  # views named by ``sql`` not registered yet
         self._pushed_views: dict[tuple[str, str], str] = {}  # (view, filter) -> view
         self._direct_views: dict[tuple[str, Scan, str], str | None] = {}  # (table, scan, filter) -> view
         self._view_ids = itertools.count()
@@ -154,12 +150,6 @@ class SqlSession:
         if self._ctl is not None:
             self._ctl.close()
             self._ctl = None
-        if self._con is None and self._con_future is not None:
-            try:
-                self._con = self._con_future.result()
-            except BaseException:  # noqa: BLE001 - it failed to open: nothing to close
-                pass
-        self._con_future = None
         if self._con is not None and self._owns_con:
             self._con.close()
             self._con = None
@@ -185,43 +175,17 @@ class SqlSession:
         read-only one (``read_only_connection``)."""
         self._check_open()
         if self._con is None:
-            self._start_connection()
-            assert self._con_future is not None
+            self._scratch = tempfile.mkdtemp(prefix="persist-sql-")  # private: 0700
             try:
-                self._con = self._con_future.result()
+                copies = os.path.join(self._scratch, "parts")
+                os.mkdir(copies, 0o700)
+                self._con = read_only_connection(self._scratch, copies)
+                self._copies = copies
             except BaseException:
-                self._con_future = None
-                if self._scratch is not None:
-                    shutil.rmtree(self._scratch, ignore_errors=True)
-                self._scratch = self._copies = None
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None
                 raise
-            self._con_future = None
         return self._con
-
-    def _start_connection(self) -> None:
-        """Starts opening the session's own connection on a thread, if it has none yet:
-        DuckDB takes tens of milliseconds to open a database, mostly outside the GIL, so
-        ``sql`` opens it while it opens the tables and copies their parts."""
-        if self._con is not None or self._con_future is not None:
-            return
-        scratch = tempfile.mkdtemp(prefix="persist-sql-")  # private: 0700
-        try:
-            copies = os.path.join(scratch, "parts")
-            os.mkdir(copies, 0o700)
-        except BaseException:
-            shutil.rmtree(scratch, ignore_errors=True)
-            raise
-        self._scratch, self._copies = scratch, copies
-        fut: Future[Any] = Future()
-
-        def open_it() -> None:
-            try:
-                fut.set_result(read_only_connection(scratch, copies))
-            except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                fut.set_exception(e)
-
-        threading.Thread(target=open_it, name="persist-sql-connect", daemon=True).start()
-        self._con_future = fut
 
     # ----- tables ------------------------------------------------------------------
 
@@ -323,9 +287,6 @@ class SqlSession:
         other DuckDB errors are DuckDB's own."""
         import duckdb
 
-        self._check_open()
-        if self._owns_con:
-            self._start_connection()  # opened while the tables are opened and their parts copied
         default = self.as_of if as_of is None else parse_time(as_of, "as_of")
         latest: dict[str, int] = {}  # one "latest" time per table within a query
         used: list[str] = []
@@ -340,11 +301,11 @@ class SqlSession:
             return view
 
         text = rewrite_sql(query, view_for, spans)
+        con = self.connection
         # Each source's view is replaced by a direct view (DuckDB reading verified part
         # copies) where the parts allow, else by the stream with the query's filter pushed
-        # down (one source only), else kept. A query without a filter needs no plan to
-        # tell (``may_filter``), so its parts are copied while the connection opens.
-        pred = self._pushed_filter(text, used) if may_filter(query) else None
+        # down (one source only), else kept.
+        pred = self._pushed_filter(text, used)
         replace: dict[str, str] = {}
         for v in dict.fromkeys(used):
             src = self._view_sources[v]
@@ -353,9 +314,7 @@ class SqlSession:
                 replace[v] = direct
             elif pred is not None:
                 replace[v] = self._pushed_stream(v, src, pred)
-        final = used
         if replace:
-            final = []
             spans.clear()  # positions of the second rewrite, for ``explain_error``
 
             def final_for(ref: TableRef) -> str | None:
@@ -364,12 +323,9 @@ class SqlSession:
                     return None
                 out = replace.get(v, v)
                 refs.setdefault(out, ref.text)
-                final.append(out)
                 return out
 
             text = rewrite_sql(query, final_for, spans)
-        con = self.connection
-        self._register_pending(set(final))
         try:
             return con.sql(text)
         except duckdb.Error as e:
@@ -391,7 +347,6 @@ class SqlSession:
         if len(set(used)) != 1:
             return None
         src = self._view_sources[used[0]]
-        self._register_pending(set(used))
         try:
             plan = self.connection.sql("EXPLAIN (FORMAT json) " + text).fetchall()
         except duckdb.Error:
@@ -442,22 +397,8 @@ class SqlSession:
         k = (src.table.label, src.scan)
         view = self._views.get(k)
         if view is None:
-            # Registered on the connection only when a statement uses it (``_register_pending``).
-            view = self._views[k] = f"__persist_{next(self._view_ids)}"
-            self._view_sources[view] = src
-            self._unregistered.append(view)
+            view = self._views[k] = self.register(f"__persist_{next(self._view_ids)}", src)
         return view
-
-    def _register_pending(self, views: set[str]) -> None:
-        """Registers the stream views among ``views`` that ``_view_for`` named but did not
-        register yet."""
-        todo = [v for v in self._unregistered if v in views]
-        if not todo:
-            return
-        con = self.connection
-        for v in todo:
-            con.register(v, self._view_sources[v])
-            self._unregistered.remove(v)
 
     def _direct_view(self, src: ArrowSource, pred: Predicate | None) -> str | None:
         """A view of ``src`` that DuckDB reads from verified copies of its parts

@@ -86,18 +86,6 @@ _NOT_ALIAS = _CLAUSE_END | {
 _FROM_FUNCTIONS = {"EXTRACT", "TRIM", "SUBSTRING", "SUBSTR", "OVERLAY", "POSITION"}
 
 
-# Keywords of the clauses a filter on a table comes from (DuckDB may push a ``HAVING``
-# on grouping keys, or a join condition, down to a scan).
-_FILTER_WORDS = {"WHERE", "HAVING", "QUALIFY", "ON", "USING", "NATURAL", "SEMI", "ANTI", "FILTER"}
-
-
-def may_filter(query: str) -> bool:
-    """Whether ``query`` has a clause that may filter a table (a ``WHERE``, ``HAVING``,
-    ``QUALIFY``, join condition, ...): False means no plan of it has a filter above a scan,
-    so there is nothing to push down (``sql.pushdown``) and no need to plan it to find out."""
-    return any(t.upper in _FILTER_WORDS for t in _tokens(query))
-
-
 def _unquote_ident(t: _Tok) -> str:
     return t.text[1:-1].replace('""', '"') if t.kind == "qident" else t.text
 
