@@ -18,6 +18,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Self
 
@@ -236,10 +237,14 @@ class LeasedReader:
                 return [one(p) for p in parts]
             # The process's shared fetch threads (``handles.fetch_pool``): no pool start
             # per read.
-            return list(fetch_pool(self._client.config.fetch_parallelism).map(one, parts))
+            return list(self._fetch_pool().map(one, parts))
         except BlobNotFound:
             self._blob_missing()
             raise
+
+    def _fetch_pool(self) -> Executor:
+        """The process's shared fetch threads for this client's ``fetch_parallelism``."""
+        return fetch_pool(self._client.config.fetch_parallelism)
 
     def _guard_missing(self, it: Iterator[pa.Table]) -> Iterator[pa.Table]:
         """A missing blob we were entitled to read means our lease lapsed (expiry dropped

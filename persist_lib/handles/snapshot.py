@@ -181,7 +181,7 @@ class SnapshotReader(LeasedReader):
                 runs = [[p] for p in parts]
             else:
                 try:
-                    for t in self._guard_missing(stream_sorted_run(parts, as_of, fetch, shard)):
+                    for t in self._guard_missing(stream_sorted_run(parts, as_of, fetch, shard, self._fetch_pool())):
                         t = pd.filter_data(t)
                         stats.output_rows += t.num_rows
                         if t.num_rows:
