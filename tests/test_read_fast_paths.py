@@ -285,6 +285,26 @@ def test_stream_sorted_run_refuses_overlapping_parts() -> None:
             list(stream_sorted_run(metas[: len(tables)], 0, lambda p, by_key=by_key: by_key[p.key], "s"))
 
 
+def test_restartable_sorted_run_read_refuses_overlap_without_corruption() -> None:
+    """A whole snapshot reads one sorted run through ``stream_sorted_run`` but keeps every
+    table until the end (``restartable``): two sorted parts that overlap then raise
+    ``RunOrderViolation`` even after the first part went by, so the snapshot can read
+    the batch with a run per part instead of failing with ``CorruptionError``."""
+    from persist_lib.shard.batch_meta import PartMeta
+    from persist_lib.shard.runs import RunOrderViolation
+    from persist_lib.shard.sorted_run_stream import stream_sorted_run
+
+    rng = np.random.default_rng(2)
+    a = consolidate(_updates(rng, 500, 100_000, 1))
+    metas = [PartMeta(key=f"p{i}", size=0, count=1, sha256="", tmin=0, tmax=0) for i in range(2)]
+    with pytest.raises(RunOrderViolation):
+        list(stream_sorted_run(metas, 0, lambda p: a, "s", restartable=True))
+    # A post filter runs on each part's forwarded rows before they are consolidated.
+    got = list(stream_sorted_run(metas[:1], 0, lambda p: a, "s", post=lambda t: t.filter(pa.compute.greater(t["d"], 0))))
+    want = consolidate(snapshot_at(a, 0))
+    assert pa.concat_tables(got).combine_chunks().equals(want.filter(pa.compute.greater(want["d"], 0)))
+
+
 def test_large_compacted_run_is_streamed_part_by_part() -> None:
     """A compacted run too large to decode whole within the budget but whose parts fit
     it two at a time is read by ``stream_sorted_run`` (one run, no merge pass), and

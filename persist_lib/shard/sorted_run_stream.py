@@ -71,6 +71,9 @@ def stream_sorted_run(
     fetch: Callable[[PartMeta], pa.Table],
     shard: str,
     pool: Executor | None = None,
+    *,
+    post: Callable[[pa.Table], pa.Table] | None = None,
+    restartable: bool = False,
 ) -> Iterator[pa.Table]:
     """The snapshot at ``as_of`` of one sorted run (``parts`` in order), as consolidated
     tables in ``(k, v)`` order; ``fetch(part)`` returns a part verified and decoded
@@ -78,27 +81,33 @@ def stream_sorted_run(
 
     ``pool``: where parts are fetched, forwarded and consolidated, ``AHEAD`` of them at
     once (the caller's thread only folds part boundaries and hands tables on); default
-    a pool of ``AHEAD`` threads for this read. Nothing run on it may wait on it."""
+    a pool of ``AHEAD`` threads for this read. Nothing run on it may wait on it.
+    ``post``: applied to each part's rows once their times are forwarded, before they
+    are consolidated (a read's row filter). ``restartable``: the caller keeps every
+    table until the run is done (a whole snapshot), so a run found unsorted raises
+    ``RunOrderViolation`` however far it got, and the caller may read it another way."""
 
     def load(p: PartMeta) -> pa.Table | None:
-        return consolidate_sorted(snapshot_at(fetch(p), as_of, all_at_or_before=p.tmax <= as_of))
+        t = snapshot_at(fetch(p), as_of, all_at_or_before=p.tmax <= as_of)
+        return consolidate_sorted(post(t) if post is not None else t)
 
     with contextlib.ExitStack() as stack:
         if pool is None:
             pool = stack.enter_context(ThreadPoolExecutor(max_workers=AHEAD, thread_name_prefix="persist-run-read"))
         pending: deque[Future[pa.Table | None]] = deque(pool.submit(load, p) for p in parts[:AHEAD])
         stack.callback(lambda: [f.cancel() for f in pending])
-        yield from _fold_boundaries(parts, pending, lambda i: pool.submit(load, parts[i]), shard)
+        yield from _fold_boundaries(parts, pending, lambda i: pool.submit(load, parts[i]), shard, restartable)
 
 
 def _fold_boundaries(
     parts: list[PartMeta], pending: deque[Future[pa.Table | None]],
-    submit: Callable[[int], Future[pa.Table | None]], shard: str,
+    submit: Callable[[int], Future[pa.Table | None]], shard: str, restartable: bool,
 ) -> Iterator[pa.Table]:
     """The consolidated parts from ``pending`` in order (each part's successor
     ``AHEAD`` on submitted as it is taken), the last row of each held back and summed
-    into the next part's first row when they are equal."""
-    yielded = False
+    into the next part's first row when they are equal. ``restartable``: see
+    ``stream_sorted_run``."""
+    yielded = False  # (stays False for a restartable read: its caller holds the rows)
     carry: pa.Table | None = None  # the last row so far, held back
     for i in range(len(parts)):
         t = pending.popleft().result()
@@ -123,7 +132,7 @@ def _fold_boundaries(
                 continue
         carry = t.slice(t.num_rows - 1, 1)
         if t.num_rows > 1:
-            yielded = True
+            yielded = not restartable
             yield t.slice(0, t.num_rows - 1)
     if carry is not None:
         yield carry
