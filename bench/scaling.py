@@ -23,9 +23,11 @@ below runs ``REPS`` rounds with the order rotating, medians reported:
   leaves them out), then again once the since reached the as-of and the shard was
   compacted again ("no history" rows: parts that need no consolidation).
 Run alone: ``python -m bench --only scaling --runs 1 --max-runs 1`` (not part of ``make
-bench``); ``PERSIST_BENCH_SIZES=1,4`` picks the sizes in millions; ``PERSIST_BENCH_SCALING=sql``
+ bench``); ``PERSIST_BENCH_SIZES=1,4`` picks the sizes in millions; ``PERSIST_BENCH_SCALING=sql``
 runs only the ``persist sql`` rows (persist writes and compacts the shard; no delta-rs, no
-Spark, none of the other rows). The issue 28 goal:
+Spark, none of the other rows); ``PERSIST_BENCH_SCALING_ROWS=snapshot_written,time_travel``
+measures only those read rows (see ``READ_ROWS``; no Spark or SQL), plus the appends and the
+compaction. The issue 28 goal:
 the persist/delta-rs ratio falls by at most 20% from the smallest size to the largest on
 every row.
 """
@@ -70,7 +72,31 @@ def _sizes() -> list[int]:
 
 
 def _engines() -> bool:
-    return os.environ.get("PERSIST_BENCH_ENGINES", "1") != "0"
+    return os.environ.get("PERSIST_BENCH_ENGINES", "1") != "0" and _only() is None
+
+
+#: The read rows ``PERSIST_BENCH_SCALING_ROWS`` may pick (comma-separated).
+READ_ROWS = ("snapshot_written", "snapshot_compacted", "filtered", "time_travel")
+
+
+def _only() -> set[str] | None:
+    """The read rows to measure (``PERSIST_BENCH_SCALING_ROWS``, e.g.
+    ``snapshot_written,time_travel``: the issue 28 read goals); None: every row. The
+    appends and the compaction always run (the reads need them) and are reported;
+    Spark and ``persist sql`` run only with every row."""
+    env = os.environ.get("PERSIST_BENCH_SCALING_ROWS")
+    if not env:
+        return None
+    picked = {x.strip() for x in env.split(",") if x.strip()}
+    unknown = picked - set(READ_ROWS)
+    if unknown:
+        raise SystemExit(f"PERSIST_BENCH_SCALING_ROWS: unknown rows {sorted(unknown)}; pick from {READ_ROWS}")
+    return picked
+
+
+def _wanted(name: str) -> bool:
+    only = _only()
+    return only is None or name in only
 
 
 def _sql_only() -> bool:
@@ -180,19 +206,25 @@ def _measure(ctx: Ctx, chunks: list[Any], label: str) -> tuple[dict[str, Any], d
             side[f"{key}_s"], t = got[name]
             side[f"{key}_mb"], side[f"{key}_rows"] = t.nbytes / 1e6, t.num_rows
 
-    read_pair("snap", lambda: r.snapshot(COMMITS - 1), lambda: DeltaTable(path).to_pyarrow_table())
+    if _wanted("snapshot_written"):
+        read_pair("snap", lambda: r.snapshot(COMMITS - 1), lambda: DeltaTable(path).to_pyarrow_table())
     for side, compact in ((p, lambda: client.compact(shard)), (dl, lambda: DeltaTable(path).optimize.compact())):
         gc.collect()
         wall, cpu, _ = _timed(compact)
         side["compact_rows_per_s"], side["compact_cpu_s"] = rows / wall, round(cpu, 3)
-    read_pair("snap_c", lambda: r.snapshot(COMMITS - 1), lambda: DeltaTable(path).to_pyarrow_table())
-    read_pair(
-        "filt", lambda: r.snapshot(COMMITS - 1, filter=FILTER), lambda: DeltaTable(path).to_pyarrow_table(filters=FILTER)
-    )
+    if _wanted("snapshot_compacted"):
+        read_pair("snap_c", lambda: r.snapshot(COMMITS - 1), lambda: DeltaTable(path).to_pyarrow_table())
+    if _wanted("filtered"):
+        read_pair(
+            "filt", lambda: r.snapshot(COMMITS - 1, filter=FILTER),
+            lambda: DeltaTable(path).to_pyarrow_table(filters=FILTER),
+        )
     w.expire()
     r.expire()
     client.close()
     d = p["dir"]
+    if not _wanted("time_travel"):
+        return p, dl
     tt = _interleaved(
         {
             "leased": lambda: _cold_persist(d, shard, leased=True),
@@ -251,22 +283,28 @@ def run(ctx: Ctx) -> dict[str, Any]:
             row(NAME, f"{label}: bulk append, CPU s (every thread)", p["append_cpu_s"], "CPU s",
                 "delta-rs write_deltalake", dl["append_cpu_s"],
                 note="less load-sensitive than the wall figure; lower is better"),
-            row(NAME, f"{label}: snapshot as written, MB/s of Arrow", p["snap_mb"] / p["snap_s"], "MB/s",
-                "delta-rs to_pyarrow_table", dl["snap_mb"] / dl["snap_s"]),
-            row(NAME, f"{label}: compaction, rows/s", p["compact_rows_per_s"], "rows/s",
-                "delta-rs optimize.compact", dl["compact_rows_per_s"]),
-            row(NAME, f"{label}: snapshot after compaction, MB/s of Arrow", p["snap_c_mb"] / p["snap_c_s"],
-                "MB/s", "delta-rs to_pyarrow_table", dl["snap_c_mb"] / dl["snap_c_s"]),
-            row(NAME, f"{label}: cold time travel (as of time 1 of 4), ms", p["tt_s"] * 1e3, "ms",
-                f"delta-rs version=1 ({dl['tt_rows']:,} rows)", dl["tt_s"] * 1e3,
-                note=f"persist {p['tt_rows']:,} rows"),
-            row(NAME, f"{label}: cold time travel (as of time 1 of 4), one-shot read, ms", p["tt_one_shot_s"] * 1e3,
-                "ms", f"delta-rs version=1 ({dl['tt_rows']:,} rows)", dl["tt_s"] * 1e3,
-                note="client.snapshot: no reader registration or expiry"),
-            row(NAME, f"{label}: 1%-selective filtered snapshot after compaction, ms", p["filt_s"] * 1e3,
-                "ms", f"delta-rs to_pyarrow_table(filters) ({dl['filt_rows']:,} rows)", dl["filt_s"] * 1e3,
-                note=f"persist {p['filt_rows']:,} rows"),
         ]
+        if "snap_s" in p:
+            rows.append(row(NAME, f"{label}: snapshot as written, MB/s of Arrow", p["snap_mb"] / p["snap_s"], "MB/s",
+                            "delta-rs to_pyarrow_table", dl["snap_mb"] / dl["snap_s"]))
+        rows.append(row(NAME, f"{label}: compaction, rows/s", p["compact_rows_per_s"], "rows/s",
+                        "delta-rs optimize.compact", dl["compact_rows_per_s"]))
+        if "snap_c_s" in p:
+            rows.append(row(NAME, f"{label}: snapshot after compaction, MB/s of Arrow", p["snap_c_mb"] / p["snap_c_s"],
+                            "MB/s", "delta-rs to_pyarrow_table", dl["snap_c_mb"] / dl["snap_c_s"]))
+        if "tt_s" in p:
+            rows += [
+                row(NAME, f"{label}: cold time travel (as of time 1 of 4), ms", p["tt_s"] * 1e3, "ms",
+                    f"delta-rs version=1 ({dl['tt_rows']:,} rows)", dl["tt_s"] * 1e3,
+                    note=f"persist {p['tt_rows']:,} rows"),
+                row(NAME, f"{label}: cold time travel (as of time 1 of 4), one-shot read, ms",
+                    p["tt_one_shot_s"] * 1e3, "ms", f"delta-rs version=1 ({dl['tt_rows']:,} rows)", dl["tt_s"] * 1e3,
+                    note="client.snapshot: no reader registration or expiry"),
+            ]
+        if "filt_s" in p:
+            rows.append(row(NAME, f"{label}: 1%-selective filtered snapshot after compaction, ms", p["filt_s"] * 1e3,
+                            "ms", f"delta-rs to_pyarrow_table(filters) ({dl['filt_rows']:,} rows)",
+                            dl["filt_s"] * 1e3, note=f"persist {p['filt_rows']:,} rows"))
         rows += _engine_rows(label, eng)
     _engines_done()
     return {"rows": rows, "detail": det}

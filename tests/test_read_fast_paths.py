@@ -229,6 +229,43 @@ def test_stream_sorted_run_equals_consolidate(seed: int) -> None:
         assert (pa.concat_tables(got).combine_chunks() if got else want.slice(0, 0)).equals(want)
 
 
+@pytest.mark.parametrize("own_pool", [True, False])
+def test_stream_sorted_run_loads_parts_ahead_on_the_pool(own_pool: bool) -> None:
+    """``AHEAD`` parts are fetched, forwarded and consolidated at once off the caller's
+    thread (both cores work while the caller folds part boundaries), on the read's own
+    threads or on a pool it is given: the first two fetches meet at a barrier, which a
+    reader loading one part ahead never gets past. The rows still equal ``consolidate``
+    of the whole."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from persist_lib.shard.batch_meta import PartMeta
+    from persist_lib.shard.sorted_run_stream import AHEAD, stream_sorted_run
+
+    rng = np.random.default_rng(3)
+    run = consolidate(_updates(rng, 3000, 40, 4))
+    tables = _parts_of(run, [700, 1400, 2100])
+    metas = [PartMeta(key=f"p{i}", size=0, count=max(1, t.num_rows), sha256="", tmin=0, tmax=3)
+             for i, t in enumerate(tables)]
+    by_key = {m.key: t for m, t in zip(metas, tables, strict=True)}
+    barrier = threading.Barrier(AHEAD, timeout=10)
+    loaded_on: set[int] = set()
+
+    def fetch(p: PartMeta) -> pa.Table:
+        loaded_on.add(threading.get_ident())
+        if p.key in {f"p{i}" for i in range(AHEAD)}:
+            barrier.wait()  # BrokenBarrierError after 10 s if the parts load one by one
+        return by_key[p.key]
+
+    if own_pool:
+        got = list(stream_sorted_run(metas, 2, fetch, "s"))
+    else:
+        with ThreadPoolExecutor(max_workers=AHEAD) as pool:
+            got = list(stream_sorted_run(metas, 2, fetch, "s", pool))
+    assert threading.get_ident() not in loaded_on
+    assert pa.concat_tables(got).combine_chunks().equals(consolidate(snapshot_at(run, 2)))
+
+
 def test_stream_sorted_run_refuses_overlapping_parts() -> None:
     """A run that is not sorted: ``RunOrderViolation`` when found before any row was
     yielded (an unsorted first part: the read falls back to a run per part), else
@@ -246,6 +283,26 @@ def test_stream_sorted_run_refuses_overlapping_parts() -> None:
         by_key = {m.key: t for m, t in zip(metas, tables, strict=False)}
         with pytest.raises(error):
             list(stream_sorted_run(metas[: len(tables)], 0, lambda p, by_key=by_key: by_key[p.key], "s"))
+
+
+def test_restartable_sorted_run_read_refuses_overlap_without_corruption() -> None:
+    """A whole snapshot reads one sorted run through ``stream_sorted_run`` but keeps every
+    table until the end (``restartable``): two sorted parts that overlap then raise
+    ``RunOrderViolation`` even after the first part went by, so the snapshot can read
+    the batch with a run per part instead of failing with ``CorruptionError``."""
+    from persist_lib.shard.batch_meta import PartMeta
+    from persist_lib.shard.runs import RunOrderViolation
+    from persist_lib.shard.sorted_run_stream import stream_sorted_run
+
+    rng = np.random.default_rng(2)
+    a = consolidate(_updates(rng, 500, 100_000, 1))
+    metas = [PartMeta(key=f"p{i}", size=0, count=1, sha256="", tmin=0, tmax=0) for i in range(2)]
+    with pytest.raises(RunOrderViolation):
+        list(stream_sorted_run(metas, 0, lambda p: a, "s", restartable=True))
+    # A post filter runs on each part's forwarded rows before they are consolidated.
+    got = list(stream_sorted_run(metas[:1], 0, lambda p: a, "s", post=lambda t: t.filter(pa.compute.greater(t["d"], 0))))
+    want = consolidate(snapshot_at(a, 0))
+    assert pa.concat_tables(got).combine_chunks().equals(want.filter(pa.compute.greater(want["d"], 0)))
 
 
 def test_large_compacted_run_is_streamed_part_by_part() -> None:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Self
 
@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from persist_lib.errors import BlobNotFound, InvalidUsage, LeaseExpired, Timeout
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier, check_time
+from persist_lib.handles.fetch_pool import fetch_pool
 from persist_lib.handles.read_plan import MiB
 from persist_lib.shard import state as st
 from persist_lib.shard import transitions as tr
@@ -234,11 +235,16 @@ class LeasedReader:
         try:
             if len(parts) <= 1:
                 return [one(p) for p in parts]
-            with ThreadPoolExecutor(max_workers=self._client.config.fetch_parallelism) as ex:
-                return list(ex.map(one, parts))
+            # The process's shared fetch threads (``handles.fetch_pool``): no pool start
+            # per read.
+            return list(self._fetch_pool().map(one, parts))
         except BlobNotFound:
             self._blob_missing()
             raise
+
+    def _fetch_pool(self) -> Executor:
+        """The process's shared fetch threads for this client's ``fetch_parallelism``."""
+        return fetch_pool(self._client.config.fetch_parallelism)
 
     def _guard_missing(self, it: Iterator[pa.Table]) -> Iterator[pa.Table]:
         """A missing blob we were entitled to read means our lease lapsed (expiry dropped

@@ -37,7 +37,7 @@ from persist_lib.handles.read_plan import (
 from persist_lib.shard import state as st
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import to_user_table
-from persist_lib.shard.consolidate import consolidate, consolidate_sorted
+from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.disjoint_runs import chain_disjoint_runs, footers_confirm_chain
 from persist_lib.shard.kway_merge import FEW_RUNS, merges_linearly
 from persist_lib.shard.memory_plan import MergeStats
@@ -124,10 +124,11 @@ class SnapshotReader(LeasedReader):
 
         Three ways, cheapest first (docs/benchmarks.md, issue 28):
         - one sorted run (a compacted shard, or a single sorted batch part) that fits the
-          budget: its parts fetched, verified and decoded in parallel, times forwarded,
-          and ``consolidate_sorted`` — a linear check that hands the decoded columns
-          back as they are when no two rows share a ``(k, v)`` (no sort, no merge, no
-          copy); equal neighbours are summed in place;
+          budget: its parts fetched, verified, decoded, times forwarded and each
+          consolidated by ``consolidate_sorted`` on the fetch threads — a linear check
+          that hands the decoded columns back as they are when no two rows share a
+          ``(k, v)`` (no sort, no merge, no copy); equal neighbours are summed in place,
+          across part boundaries too (``sorted_run_stream``);
         - otherwise, when decoding everything fits: a few sorted runs are merged
           without sorting them again; when a part is unsorted (a bulk write's) the lot
           is concatenated (no copy) and consolidated by one sort;
@@ -161,16 +162,23 @@ class SnapshotReader(LeasedReader):
 
         one_sorted_run = len(runs) == 1 and linear and all(p.sorted for p in parts)
         if one_sorted_run and sorted_run_read_bytes(parts, self.schemas, beyond_result=result_held) <= budget:
-            only = consolidate_sorted(concat_updates(self._fetch_all(parts, at_as_of, fetch), self.schemas))
-            if only is not None:
+            # Read whole: every part forwarded, filtered and consolidated on the fetch
+            # threads (two at a time), the boundaries folded here; nothing is handed on
+            # before the run proved sorted.
+            try:
+                tables = list(self._guard_missing(stream_sorted_run(
+                    parts, as_of, fetch, shard, self._fetch_pool(), post=pd.filter_data, restartable=True,
+                )))
+            except RunOrderViolation:
+                # The run claimed to be sorted but is not (a faulty compactor): read it
+                # as one run per part below.
+                runs = [[p] for p in parts]
+            else:
                 stats.runs += 1
-                stats.output_rows += only.num_rows
-                if only.num_rows:
-                    yield only
+                for t in tables:
+                    stats.output_rows += t.num_rows
+                    yield t
                 return
-            # The run claimed to be sorted but is not (a faulty compactor): read it as
-            # one run per part below.
-            runs = [[p] for p in parts]
         elif one_sorted_run and sorted_run_stream_bytes(
             [decoded_bytes(p, self.schemas) for p in parts], [p.count for p in parts]
         ) <= budget:
@@ -181,7 +189,7 @@ class SnapshotReader(LeasedReader):
                 runs = [[p] for p in parts]
             else:
                 try:
-                    for t in self._guard_missing(stream_sorted_run(parts, as_of, fetch, shard)):
+                    for t in self._guard_missing(stream_sorted_run(parts, as_of, fetch, shard, self._fetch_pool())):
                         t = pd.filter_data(t)
                         stats.output_rows += t.num_rows
                         if t.num_rows:

@@ -1,13 +1,14 @@
 """Streaming one sorted run at an as-of, part by part, in linear time.
 
 A compacted shard is one sorted run (``runs.batch_runs``): its snapshot needs no merge.
-``stream_sorted_run`` fetches, verifies and decodes its parts in order (the next one
-on a second thread while the current one is checked), forwards each part's times to
-the as-of and consolidates it with ``consolidate_sorted`` (a neighbour check; the
-decoded columns are handed on as they are when no two rows share a ``(k, v)``). Equal
-rows can also meet across a part boundary: the last row of each part is held back
-and summed into the next part's first row when they are equal. Memory: about two
-decoded parts (``sorted_run_stream_bytes``), whatever the run's length.
+``stream_sorted_run`` fetches, verifies and decodes its parts, forwards each part's
+times to the as-of and consolidates it with ``consolidate_sorted`` (a neighbour check;
+the decoded columns are handed on as they are when no two rows share a ``(k, v)``),
+two parts at a time on the read's pool (the process's shared fetch threads), so that
+both cores work while the caller takes the parts in order. Equal rows can also meet
+across a part boundary: the last row of each part is held back and summed into the
+next part's first row when they are equal. Memory: about three decoded parts
+(``sorted_run_stream_bytes``), whatever the run's length.
 
 Every row is checked against the one before it, across parts too: a run that is not
 sorted raises ``RunOrderViolation`` (nothing yielded yet: the caller may read it
@@ -16,8 +17,10 @@ another way) or ``CorruptionError`` (rows already yielded can't be taken back).
 
 from __future__ import annotations
 
+import contextlib
+from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import NoReturn
 
 import pyarrow as pa
@@ -34,13 +37,16 @@ from persist_lib.shard.time_filters import snapshot_at
 # (``read_plan.sorted_run_read_bytes`` counts the same).
 ROW_BYTES = 32
 
+#: Parts fetched, decoded and consolidated at once, ahead of the one being handed on.
+AHEAD = 2
+
 
 def sorted_run_stream_bytes(decoded: list[int], rows: list[int]) -> int:
     """Peak memory of ``stream_sorted_run`` over parts of these decoded sizes and row
-    counts: the largest two decoded at once (the current and the prefetched one), a
-    filtered copy of the current one when rows fold, and its masks."""
-    top = sorted(decoded, reverse=True)[:2]
-    return 2 * top[0] + (top[1] if len(top) > 1 else 0) + ROW_BYTES * max(rows, default=0)
+    counts: the ``AHEAD`` largest being loaded at once, each with a filtered copy while
+    it consolidates and its masks, and the one handed on."""
+    top = sorted(decoded, reverse=True)[: AHEAD + 1]
+    return 2 * sum(top[:AHEAD]) + sum(top[AHEAD:]) + AHEAD * ROW_BYTES * max(rows, default=0)
 
 
 def _key_names(table: pa.Table) -> list[str]:
@@ -64,41 +70,70 @@ def stream_sorted_run(
     as_of: int,
     fetch: Callable[[PartMeta], pa.Table],
     shard: str,
+    pool: Executor | None = None,
+    *,
+    post: Callable[[pa.Table], pa.Table] | None = None,
+    restartable: bool = False,
 ) -> Iterator[pa.Table]:
     """The snapshot at ``as_of`` of one sorted run (``parts`` in order), as consolidated
     tables in ``(k, v)`` order; ``fetch(part)`` returns a part verified and decoded
-    (internal layout). A generator: nothing is fetched before the first ``next``."""
-    yielded = False
+    (internal layout). A generator: nothing is fetched before the first ``next``.
+
+    ``pool``: where parts are fetched, forwarded and consolidated, ``AHEAD`` of them at
+    once (the caller's thread only folds part boundaries and hands tables on); default
+    a pool of ``AHEAD`` threads for this read. Nothing run on it may wait on it.
+    ``post``: applied to each part's rows once their times are forwarded, before they
+    are consolidated (a read's row filter). ``restartable``: the caller keeps every
+    table until the run is done (a whole snapshot), so a run found unsorted raises
+    ``RunOrderViolation`` however far it got, and the caller may read it another way."""
+
+    def load(p: PartMeta) -> pa.Table | None:
+        t = snapshot_at(fetch(p), as_of, all_at_or_before=p.tmax <= as_of)
+        return consolidate_sorted(post(t) if post is not None else t)
+
+    with contextlib.ExitStack() as stack:
+        if pool is None:
+            pool = stack.enter_context(ThreadPoolExecutor(max_workers=AHEAD, thread_name_prefix="persist-run-read"))
+        pending: deque[Future[pa.Table | None]] = deque(pool.submit(load, p) for p in parts[:AHEAD])
+        stack.callback(lambda: [f.cancel() for f in pending])
+        yield from _fold_boundaries(parts, pending, lambda i: pool.submit(load, parts[i]), shard, restartable)
+
+
+def _fold_boundaries(
+    parts: list[PartMeta], pending: deque[Future[pa.Table | None]],
+    submit: Callable[[int], Future[pa.Table | None]], shard: str, restartable: bool,
+) -> Iterator[pa.Table]:
+    """The consolidated parts from ``pending`` in order (each part's successor
+    ``AHEAD`` on submitted as it is taken), the last row of each held back and summed
+    into the next part's first row when they are equal. ``restartable``: see
+    ``stream_sorted_run``."""
+    yielded = False  # (stays False for a restartable read: its caller holds the rows)
     carry: pa.Table | None = None  # the last row so far, held back
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="persist-run-read") as pool:
-        nxt: Future[pa.Table] | None = pool.submit(fetch, parts[0]) if parts else None
-        for i, p in enumerate(parts):
-            assert nxt is not None
-            table = nxt.result()
-            nxt = pool.submit(fetch, parts[i + 1]) if i + 1 < len(parts) else None
-            t = consolidate_sorted(snapshot_at(table, as_of, all_at_or_before=p.tmax <= as_of))
-            del table
-            if t is None:
+    for i in range(len(parts)):
+        t = pending.popleft().result()
+        if i + AHEAD < len(parts):
+            pending.append(submit(i + AHEAD))
+        if t is None:
+            _violation(shard, yielded)
+        if t.num_rows == 0:
+            continue
+        if carry is not None:
+            pair = pa.concat_tables([carry, t.slice(0, 1)])
+            ties = sorted_ties([pair.column(n) for n in _key_names(pair)])
+            if ties is None:
                 _violation(shard, yielded)
+            elif len(ties):
+                t = _fold_into_first(carry, t)
+            else:
+                yielded = True
+                yield carry
+            carry = None
             if t.num_rows == 0:
                 continue
-            if carry is not None:
-                pair = pa.concat_tables([carry, t.slice(0, 1)])
-                ties = sorted_ties([pair.column(n) for n in _key_names(pair)])
-                if ties is None:
-                    _violation(shard, yielded)
-                elif len(ties):
-                    t = _fold_into_first(carry, t)
-                else:
-                    yielded = True
-                    yield carry
-                carry = None
-                if t.num_rows == 0:
-                    continue
-            carry = t.slice(t.num_rows - 1, 1)
-            if t.num_rows > 1:
-                yielded = True
-                yield t.slice(0, t.num_rows - 1)
+        carry = t.slice(t.num_rows - 1, 1)
+        if t.num_rows > 1:
+            yielded = not restartable
+            yield t.slice(0, t.num_rows - 1)
     if carry is not None:
         yield carry
 
