@@ -197,11 +197,9 @@ def sql_figures(d: Path, shard: Any, files: list[str], *, fresh: bool = False) -
     return {"persist_s": p_s, "raw_s": a_s, "rows": int(p_out[0]), "raw_rows": int(a_out[0])}
 
 
-def no_history_figures(d: Path, shard: Any) -> dict[str, dict[str, Any]]:
-    """Advances the shard's since to the as-of, compacts it again (every key at one
-    time: parts that need no consolidation) and measures Spark (default and lazy) and
-    SQL over it, against the raw reads of its new part files. Run last: it changes the
-    shard."""
+def drop_history(d: Path, shard: Any) -> None:
+    """Advances the shard's since to the as-of and compacts it again: every key at one
+    time, parts that need no consolidation."""
     client = persist_file_client(d)
     try:
         r = client.open_leased_reader(shard, KEY_SCHEMA, VAL_SCHEMA)
@@ -210,6 +208,14 @@ def no_history_figures(d: Path, shard: Any) -> dict[str, dict[str, Any]]:
         r.expire()
     finally:
         client.close()
+
+
+def no_history_figures(d: Path, shard: Any) -> dict[str, dict[str, Any]]:
+    """Advances the shard's since to the as-of, compacts it again (every key at one
+    time: parts that need no consolidation) and measures Spark (default and lazy) and
+    SQL over it, against the raw reads of its new part files. Run last: it changes the
+    shard."""
+    drop_history(d, shard)
     files = part_files_of(d, shard)
     from persist_lib.spark import read_snapshot
 

@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import KEY_SCHEMA, VAL_SCHEMA, persist_file_client, update_batch
-from bench.scaling_engines import AS_OF, _check, part_files_of, spark_session, stop_spark
+from bench.scaling_engines import (
+    AS_OF,
+    _check,
+    drop_history,
+    part_files_of,
+    spark_session,
+    stop_spark,
+)
 
 COMMITS = 4
 
@@ -51,17 +58,6 @@ def _build(d: Path, n: int) -> Any:
     r.expire()
     client.close()
     return shard
-
-
-def _no_history(d: Path, shard: Any) -> None:
-    client = persist_file_client(d)
-    try:
-        r = client.open_leased_reader(shard, KEY_SCHEMA, VAL_SCHEMA)
-        r.downgrade_since(AS_OF)
-        client.compact(shard)
-        r.expire()
-    finally:
-        client.close()
 
 
 def _agg(df: Any, k: str, v: str, d: str) -> tuple[Any, ...]:
@@ -143,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
                 shard = _build(d, n)
                 for state in ("history", "no history"):
                     if state == "no history":
-                        _no_history(d, shard)
+                        drop_history(d, shard)
                     res = measure(d, shard, args.reps)
                     print(f"\n{n / 1e6:g}M, {state} (load {os.getloadavg()[0]:.1f}), median of {args.reps}:")
                     print("| side | ms | speed vs raw |\n|---|---|---|")
