@@ -10,7 +10,9 @@ files one per update):
     count(*), sum(key * diff), sum(length(value) * diff), sum(diff)
 
 - **Spark** (``local[2]``): ``persist_lib.spark.read_snapshot(spark, reader, 3)`` (fetched,
-  verified and consolidated on the executors, materialized) and the aggregate, against
+  verified and consolidated on the executors; on this ``file://`` blob the parts are
+  pinned and the DataFrame is lazy, ``spark.pins``; before that, materialized) and the
+  aggregate, against
   ``spark.read.parquet(<the part files>)`` and the same aggregate (Spark's vectorized
   Parquet reader: no checksum, no consolidation, no materialization). Goal >= 0.8x of
   the raw read's speed.
@@ -23,9 +25,10 @@ see the same load), warm page cache, one Spark session for every size.
 
 Then the same rows once the reader's since reached the as-of and the shard was
 compacted again (``no_history_figures``: every key at one time, the parts need no
-consolidation): Spark's default ``read_snapshot`` (the parts verified, then read by
-Spark's Parquet reader and materialized), ``read_snapshot(materialize=False)`` (the
-same, lazy) and ``persist sql``, each against the same raw reads of the new part files.
+consolidation): Spark's default ``read_snapshot`` (the pinned parts verified, then read
+lazily by Spark's Parquet reader), ``read_snapshot(materialize=False)`` (the parts' own
+files, the reader keeping its hold) and ``persist sql``, each against the same raw reads
+of the new part files.
 The no-history SQL row is measured twice: one session repeating the query (a direct
 view's verified part copies are made once and reused) and a new client and session
 per query (``sql_nh_fresh``: what one ``persist sql`` command pays, copies included).
@@ -116,6 +119,7 @@ def spark_figures(d: Path, shard: Any, files: list[str], *, materialize: bool = 
     from pyspark.sql import functions as F
 
     from persist_lib.spark import read_snapshot
+    from persist_lib.spark.pins import release_pins
 
     spark = spark_session()
     client = persist_file_client(d)
@@ -144,6 +148,7 @@ def spark_figures(d: Path, shard: Any, files: list[str], *, materialize: bool = 
         raw()  # warm the JVM's Parquet path and the page cache once, as persist's first run
         p_s, a_s, p_out, a_out = interleaved(persist, raw, REPS)
     finally:
+        release_pins()  # the default reads' pinned part files (spark.pins), if any
         r.expire()
         client.close()
     _check("spark", p_out, a_out)
@@ -192,11 +197,9 @@ def sql_figures(d: Path, shard: Any, files: list[str], *, fresh: bool = False) -
     return {"persist_s": p_s, "raw_s": a_s, "rows": int(p_out[0]), "raw_rows": int(a_out[0])}
 
 
-def no_history_figures(d: Path, shard: Any, *, spark: bool = True) -> dict[str, dict[str, Any]]:
-    """Advances the shard's since to the as-of, compacts it again (every key at one
-    time: parts that need no consolidation) and measures Spark (default and lazy) and
-    SQL over it, against the raw reads of its new part files (``spark=False``: SQL only).
-    Run last: it changes the shard."""
+def drop_history(d: Path, shard: Any) -> None:
+    """Advances the shard's since to the as-of and compacts it again: every key at one
+    time, parts that need no consolidation."""
     client = persist_file_client(d)
     try:
         r = client.open_leased_reader(shard, KEY_SCHEMA, VAL_SCHEMA)
@@ -205,6 +208,14 @@ def no_history_figures(d: Path, shard: Any, *, spark: bool = True) -> dict[str, 
         r.expire()
     finally:
         client.close()
+
+
+def no_history_figures(d: Path, shard: Any, *, spark: bool = True) -> dict[str, dict[str, Any]]:
+    """Advances the shard's since to the as-of, compacts it again (every key at one
+    time: parts that need no consolidation) and measures Spark (default and lazy) and
+    SQL over it, against the raw reads of its new part files (``spark=False``: SQL only).
+    Run last: it changes the shard."""
+    drop_history(d, shard)
     files = part_files_of(d, shard)
     out: dict[str, dict[str, Any]] = {}
     if spark:

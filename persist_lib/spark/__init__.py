@@ -8,7 +8,8 @@ change is still one transition of the shard's state machine:
   committed with one compare-and-set (``write.py``).
 - ``read_snapshot`` / ``read_updates`` / ``read_collection_snapshot``: snapshot splits
   (or time-range splits) fetched on executors, consolidated across splits
-  (``read.py``).
+  (``read.py``); on a ``file://`` blob the default snapshot read pins the part files it
+  reads and stays lazy (``pins.py``: ``release_pins``, ``PinExpired``).
 - ``compact_shard`` / ``spark_merge``: merges above a size threshold as a Spark job,
   applied with ``apply_merge_res`` like the in-process compactor (``compact.py``).
 - ``ingest_landing_zone`` / ``ingest_kafka``: a file landing zone, or a Kafka topic's
@@ -27,6 +28,7 @@ from persist_lib.spark._common import UnsupportedSparkSession, default_paralleli
 from persist_lib.spark.compact import apply_merge, compact_shard, spark_merge
 from persist_lib.spark.connect_server import SparkConnectServer, SparkConnectServerError
 from persist_lib.spark.ingest import SparkIngestion, ingest_kafka, ingest_landing_zone
+from persist_lib.spark.pins import PinExpired, release_pins
 from persist_lib.spark.read import (
     RangeSplit,
     read_collection_snapshot,
@@ -40,6 +42,7 @@ from persist_lib.spark.write import SparkWriteResult, write_batch
 from persist_lib.spark.write_txn import write_collection, write_collections
 
 __all__ = [
+    "PinExpired",
     "RangeSplit",
     "SparkConnectServer",
     "SparkConnectServerError",
@@ -52,6 +55,7 @@ __all__ = [
     "read_collection_snapshot",
     "read_snapshot",
     "read_updates",
+    "release_pins",
     "spark_merge",
     "splits_dataframe",
     "UnsupportedSparkSession",

@@ -34,9 +34,11 @@ runs; the JVM reads the files when an action runs, later. Parts are immutable (a
 is written once, never rewritten), so the bytes read are the bytes verified unless the
 file is changed behind persist's back in between; a file *deleted* in between (garbage
 collection after the hold is released) fails the action (``FileNotFoundException``)
-rather than losing rows, as long as ``ignoreMissingFiles`` stays off. By default the
-result is materialized (``localCheckpoint``) before the hold is released, which closes
-the window; ``materialize=False`` keeps it lazy and the reader keeps its hold.
+rather than losing rows, as long as ``ignoreMissingFiles`` stays off. By default
+``read_snapshot`` verifies and reads the parts through a pin (``spark.pins``: hard links
+taken while the hold is held, which garbage collection does not delete), so the bytes
+verified are the bytes read later; ``materialize=False`` reads the parts' own names and
+the reader keeps its hold.
 Strings are not re-validated as UTF-8 on this path (parts written by this version were
 validated when written; the general path also checks parts written before that).
 """

@@ -8,11 +8,13 @@ in parts of different splits), dropping zero diffs. A snapshot of key-disjoint p
 splits that share no record (``disjoint_splits``) and needs no grouping.
 
 A DataFrame is lazy, but parts may be garbage collected once the hold is released, so
-by default the result is materialized before returning (``localCheckpoint``:
-executor-local, no lineage back to the blob store) and the hold released; with
-``read_snapshot(materialize=False)`` it stays lazy and the reader keeps the hold until
-``release_splits``. The caller's ``ReadHandle`` keeps its since (and so the readable
-history) as usual.
+by default the DataFrame is made independent of the hold before it is released: on a
+``file://`` blob ``read_snapshot`` pins the parts (``spark.pins``: hard links that
+garbage collection does not delete) and returns the DataFrame lazily, reading the pinned
+files; otherwise the result is materialized (``localCheckpoint``: executor-local, no
+lineage back to the blob store). With ``read_snapshot(materialize=False)`` it stays lazy
+and the reader keeps the hold until ``release_splits``. The caller's ``ReadHandle`` keeps
+its since (and so the readable history) as usual.
 
 Caveat of the Spark-side consolidation: Spark groups ``-0.0`` with ``0.0`` and every
 NaN together, where persist keeps them apart. Only float key/value fields holding
@@ -21,6 +23,7 @@ those values are affected.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +44,9 @@ from persist_lib.spark._common import (
     sql_functions,
     table_batches,
 )
-from persist_lib.spark.direct_read import try_direct
+from persist_lib.spark.direct_read import local_root, try_direct
 from persist_lib.spark.disjoint_splits import key_range_splits
+from persist_lib.spark.pins import Pin, check_pin, pin_parts
 from persist_lib.spark.types import spark_arrow_schema, spark_schema, to_spark_arrow
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,6 +85,7 @@ def _fetcher(
         for rb in ids:
             for i in rb.column(0).to_pylist():
                 s = splits[i]
+                check_pin(s.blob_uri, s.shard_id)
                 blob = blobs.get(s.blob_uri)
                 if blob is None:
                     blob = blobs[s.blob_uri] = open_executor_blob(s.blob_uri)
@@ -214,7 +219,12 @@ def read_snapshot(
     Every ``ts`` is ``as_of`` (times forwarded, as ``ReadHandle.snapshot``); with
     ``consolidate`` (default) each ``(key, value)`` appears once with its summed diff.
     Fetched on executors in ``num_splits`` splits (default: twice the default
-    parallelism); the result is materialized before the splits' hold is released.
+    parallelism). The splits' hold is released before returning; the DataFrame does not
+    need it: on a ``file://`` blob the direct and key-range paths below read pinned part
+    files lazily (``spark.pins``: each action reads them again, exactly; an action after
+    ``pins.release_pins()``, the process's exit or the pins' TTL fails with
+    ``PinExpired`` or Spark's ``FileNotFoundException``), every other read is
+    materialized (``localCheckpoint``) first.
 
     When the parts at ``as_of`` need no consolidation and the blob is a local
     directory (``spark.direct_read``: key-disjoint consolidated parts, every time at or
@@ -231,21 +241,29 @@ def read_snapshot(
     """
     as_of = check_time(as_of, "as_of")
     check_session(spark, f"read_snapshot of shard {reader.shard_id}")
-    blob_uri_of(reader.client, f"shard {reader.shard_id}")
+    blob_uri = blob_uri_of(reader.client, f"shard {reader.shard_id}")
     spark_schema(reader.schemas)  # unsupported types fail before any hold is taken
     ReadPushdown.plan(reader.schemas, columns, filter, shard=reader.shard_id)  # bad names fail here
     n = num_splits or _default_splits(spark)
     planned = reader.snapshot_splits(as_of, n, timeout_s, filter=filter)
     splits: list[Split] = list(planned)
     keep_hold = False
+    pin: Pin | None = None
     try:
+        root = local_root(blob_uri) if materialize and consolidate else None
+        pin = pin_parts(root, [p for s in planned for p in s.parts]) if root is not None else None
+        if pin is not None:  # read through the pin: lazy, and the hold can go now
+            planned = [dataclasses.replace(s, blob_uri=pin.uri) for s in planned]
         if consolidate:
             direct = try_direct(
-                spark, reader.client.blob_uri, reader.shard_id, reader.schemas,
-                [p for s in splits for p in s.parts], as_of, filter=filter, columns=columns,
-                driver_blob=reader.client.blob,
+                spark, pin.uri if pin else blob_uri, reader.shard_id, reader.schemas,
+                [p for s in planned for p in s.parts], as_of, filter=filter, columns=columns,
+                driver_blob=pin.blob() if pin else reader.client.blob,
             )
             if direct is not None:
+                if pin is not None:
+                    pin = None  # the DataFrame reads through it: kept
+                    return direct
                 if materialize:
                     return _materialize(direct)
                 keep_hold = True
@@ -253,6 +271,9 @@ def read_snapshot(
         ranged = key_range_splits(planned, reader.schemas, num_splits or _range_splits(spark, planned)) if consolidate else None
         if ranged is not None:  # no record in two splits: nothing to group across them
             df = _projected(_fetched(spark, list(ranged), reader.schemas), reader.schemas, columns)
+            if pin is not None:
+                pin = None
+                return df
         elif materialize:
             return _read(spark, splits, reader.schemas, consolidate=consolidate, columns=columns)
         else:
@@ -262,6 +283,8 @@ def read_snapshot(
         keep_hold = True
         return df
     finally:
+        if pin is not None:  # taken, but the read went another way (or failed)
+            pin.release()
         if not keep_hold:
             reader.release_splits()
 
