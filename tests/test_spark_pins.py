@@ -93,3 +93,26 @@ def test_pins_link_every_blob_part_and_old_pins_are_swept(tmp_path: Path) -> Non
     assert not os.path.exists(pin.root)
     r.expire()
     client.close()
+
+
+def test_a_forked_child_leaves_the_parents_pins(tmp_path: Path) -> None:
+    """A child forked after a read inherits the list of pins and the ``atexit`` hook that
+    releases them; when it exits it must not remove the parent's pins (the parent's lazy
+    DataFrames still read through them)."""
+    from persist_lib.spark.direct_read import local_root
+    from persist_lib.spark.pins import pin_parts, release_pins
+
+    client, r = _shard(file_location(tmp_path), 34)
+    root = local_root(client.blob_uri)
+    assert root is not None
+    pin = pin_parts(root, _parts(client))
+    assert pin is not None
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        os._exit(release_pins())  # what its atexit hook runs
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # the child removed none ...
+    assert os.path.isdir(pin.root)  # ... and the parent's pin is still there
+    assert release_pins() == 1 and not os.path.exists(pin.root)
+    r.expire()
+    client.close()

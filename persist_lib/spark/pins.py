@@ -141,9 +141,12 @@ def pin_parts(root: str, parts: Sequence[PartMeta]) -> Pin | None:
 
 def release_pins() -> int:
     """Removes every pin this process took (the lazy DataFrames read through them fail
-    from then on); returns how many."""
+    from then on); returns how many. A forked child inherits the parent's list of pins
+    and its ``atexit`` hook, but the pins are the parent's: only pins whose name carries
+    this process's pid are removed."""
+    mine = f"-{os.getpid()}-"
     with _lock:
-        taken = list(_ours)
+        taken = [d for d in _ours if mine in os.path.basename(d)]
         _ours.clear()
     for d in taken:
         shutil.rmtree(d, ignore_errors=True)
