@@ -52,6 +52,7 @@ from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import T_COL, Schemas, check_updates
 from persist_lib.shard.consolidate import RangeConsolidation, consolidate
+from persist_lib.shard.part_fetch import remember_written_part
 from persist_lib.shard.parts import encode_part, part_blob_key, part_meta_for
 from persist_lib.shard.presorted import consolidate_presorted, cut_points, is_presorted
 from persist_lib.shard.stats import part_stats
@@ -415,9 +416,12 @@ class BatchBuilder:
         else:
             stats = part_stats(part, self.schemas) if self.record_stats else None
         if len(data) <= self.inline_threshold:
-            return part_meta_for(data, part, None, inline=True, sorted=not unsorted, stats=stats)
-        self.blob.set(key, data)
-        return part_meta_for(data, part, key, inline=False, sorted=not unsorted, stats=stats)
+            meta = part_meta_for(data, part, None, inline=True, sorted=not unsorted, stats=stats)
+        else:
+            self.blob.set(key, data)
+            meta = part_meta_for(data, part, key, inline=False, sorted=not unsorted, stats=stats)
+        remember_written_part(meta.sha256, self.schemas, part)
+        return meta
 
     def _shutdown(self) -> None:
         if self._own_executor:

@@ -72,6 +72,22 @@ class _DecodedCache:
 DECODED_CACHE = _DecodedCache()
 
 
+def remember_written_part(sha256: str, schemas: Schemas, table: pa.Table) -> None:
+    """Offers a part a writer just encoded (``table``: the rows it encoded, in the
+    internal layout) to the decoded-part cache under its bytes' SHA-256: the process's
+    next merge of a small part it wrote (in-process compaction of small commits) then
+    skips decoding it, as later merges skip decoding earlier merges' small output. A
+    lookup still fetches and verifies the bytes first, and a hit under that SHA-256 can
+    only be the table those bytes were encoded from. Skipped when the table's buffers
+    are larger than a cache entry (a slice of a large batch would keep all of it
+    alive) or its schema is not exactly what decoding the part yields."""
+    if table.get_total_buffer_size() > DECODED_CACHE.max_entry:
+        return
+    if not table.schema.equals(internal_schema(schemas), check_metadata=False):
+        return
+    DECODED_CACHE.put(sha256, schemas.fingerprint(), table)
+
+
 def _missing_part(shard: str, key: str, purpose: str) -> BlobNotFound:
     if purpose == "compaction":
         return BlobNotFound(
