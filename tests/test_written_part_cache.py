@@ -103,3 +103,40 @@ def test_a_small_slice_of_a_large_table_is_not_kept_alive_by_the_cache() -> None
     (p,) = batch.parts
     assert big.get_total_buffer_size() > DECODED_CACHE.max_entry
     assert DECODED_CACHE.get(p.sha256, schemas.fingerprint()) is None
+
+
+
+def test_a_caller_changing_its_buffers_after_the_append_changes_nothing() -> None:
+    """Batches built zero-copy from numpy arrays (sorted keys: the writer may keep slices
+    of the caller's buffers) and changed by their caller after ``compare_and_append``
+    returned (a loop reusing its arrays): the cached tables must not see the change, or
+    the next merge would write the caller's new values under the old parts' checksums."""
+    from test_key_range_parts import VAL, client
+
+    from persist_lib.ids import ShardId
+
+    c = client(key_ranges=True)
+    shard = ShardId.new()
+    w, r = c.open(shard, pa.schema([("k", pa.int64())]), VAL)
+    n = 200
+    keys = np.empty(n, dtype=np.int64)
+    ns = np.empty(n, dtype=np.int64)
+    for i in range(5):
+        keys[:] = np.arange(n) + 1000 * i  # one pair of arrays, refilled for every batch
+        ns[:] = np.arange(n) * 7 + i
+        w.compare_and_append(pa.table({
+            "k": pa.array(keys),  # zero-copy views of the numpy buffers
+            "v": pa.array(["v"] * n),
+            "n": pa.array(ns),
+            "ts": pa.array(np.full(n, i, dtype=np.int64)),
+            "diff": pa.array(np.ones(n, dtype=np.int64)),
+        }), i, i + 1)
+    want = sorted((1000 * i + j, j * 7 + i) for i in range(5) for j in range(n))
+    hits = DECODED_CACHE.hits
+    c.compact(shard)
+    assert DECODED_CACHE.hits > hits  # the merge did read the written parts from the cache
+    got = r.snapshot(4)
+    assert sorted(zip(got.column("k").to_pylist(), got.column("n").to_pylist(), strict=True)) == want
+    w.expire()
+    r.expire()
+    c.close()

@@ -80,12 +80,26 @@ def remember_written_part(sha256: str, schemas: Schemas, table: pa.Table) -> Non
     lookup still fetches and verifies the bytes first, and a hit under that SHA-256 can
     only be the table those bytes were encoded from. Skipped when the table's buffers
     are larger than a cache entry (a slice of a large batch would keep all of it
-    alive) or its schema is not exactly what decoding the part yields."""
+    alive) or its schema is not exactly what decoding the part yields.
+
+    The cache keeps a *copy*: the written table may share buffers with the caller's
+    batch (Arrow arrays made zero-copy from numpy, sorted input cut into slices), and a
+    caller may change those buffers once the append returned; a merge reading the
+    cached table would then write the new values under the old bytes' checksum."""
     if table.get_total_buffer_size() > DECODED_CACHE.max_entry:
         return
     if not table.schema.equals(internal_schema(schemas), check_metadata=False):
         return
-    DECODED_CACHE.put(sha256, schemas.fingerprint(), table)
+    if any(_has_dictionary(f.type) for f in table.schema):
+        return  # a dictionary would stay shared through ``take``
+    owned = table.take(pa.array(range(table.num_rows), pa.int64()))  # new buffers, same rows
+    DECODED_CACHE.put(sha256, schemas.fingerprint(), owned)
+
+
+def _has_dictionary(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        return True
+    return any(_has_dictionary(t.field(i).type) for i in range(t.num_fields))
 
 
 def _missing_part(shard: str, key: str, purpose: str) -> BlobNotFound:
