@@ -38,7 +38,7 @@ from persist_lib.errors import (
     InvalidUsage,
     PersistError,
 )
-from persist_lib.handles.compaction_planner import DeferralPolicy, PlannerThread
+from persist_lib.handles.merge_deferral import DeferralPolicy, SettleTimer
 from persist_lib.ids import ShardId
 from persist_lib.shard import gc as gcmod
 from persist_lib.shard import maintenance_transitions as mt
@@ -314,9 +314,7 @@ class _Failure:
 class BackgroundCompactor:
     """A small worker pool running the spine's merges for a client's shards.
 
-    Fed by ``Machine.on_commit``: each commit pokes the planner thread
-    (``compaction_planner.PlannerThread``), which re-derives the merges the newest
-    state needs off the commit path.
+    Fed by ``Machine.on_commit``: each committed state re-derives the merges it needs.
     The queue is bounded (``config.compaction_queue_max``); excess requests are dropped
     because a later commit re-derives them. A merge already queued or running for the
     same batches is not queued twice. A failed merge backs off exponentially (its
@@ -325,7 +323,7 @@ class BackgroundCompactor:
     docstring). When ``config.gc_in_background`` is set, a GC run is queued whenever
     one is due (``gc.gc_due``: deletable garbage, or rollups older than the oldest one
     still needed); a failed GC backs off the same way. Small merges wait out a burst of
-    commits (``compaction_planner``: ``deferral``, a ``DeferralPolicy``).
+    commits (``merge_deferral``: ``deferral``, a ``DeferralPolicy``).
     """
 
     def __init__(self, client: ShardContext, deferral: DeferralPolicy | None = None) -> None:
@@ -354,9 +352,7 @@ class BackgroundCompactor:
         self.quarantined = 0
         self.held_back = 0
         self.deferral = deferral if deferral is not None else DeferralPolicy()
-        self._planner = PlannerThread(
-            lambda m, settle: self.offer(m, m.cached(), settle=settle), self._notify_idle
-        )
+        self._settler = SettleTimer(lambda m: self.offer(m, m.cached(), settle=True), self._notify_idle)
 
     def _notify_idle(self) -> None:
         with self._idle:
@@ -366,8 +362,7 @@ class BackgroundCompactor:
         if getattr(m, "_background_compactor", None) is self:
             return
         m._background_compactor = self  # type: ignore[attr-defined]
-        # Planning runs on the planner's thread, not in the commit (compaction_planner).
-        m.on_commit.append(lambda s: self._planner.poke(m.shard_id, m))
+        m.on_commit.append(lambda s: self.offer(m, s))
 
     def _backing_off(self, shard: str, state: st.ShardState, now: float) -> set[int]:
         """Batch ids of failed merges not yet due again (pruning entries whose batches
@@ -385,7 +380,7 @@ class BackgroundCompactor:
     def offer(self, m: Machine, state: st.ShardState, *, settle: bool = False) -> None:
         """Queues the merges ``state`` needs (never raises: it runs inside a commit).
         Small merges are held back until the shard has been quiet for a while
-        (``compaction_planner``), unless ``settle`` (the quiet period has passed)."""
+        (``merge_deferral``), unless ``settle`` (the quiet period has passed)."""
         try:
             if self._closed or state.tombstone or state.schemas is None:
                 return
@@ -400,7 +395,7 @@ class BackgroundCompactor:
                 if held:
                     with self._lock:
                         self.held_back += len(held)
-                    self._planner.arm(m.shard_id, m, self.deferral.quiet_s)
+                    self._settler.arm(m.shard_id, m, self.deferral.quiet_s)
             for req in reqs:
                 self._submit(m, req)
         except Exception as e:  # maintenance must never fail the user's operation
@@ -554,7 +549,7 @@ class BackgroundCompactor:
         """Waits until nothing is queued or running (tests and benchmarks use this)."""
         with self._idle:
             return self._idle.wait_for(
-                lambda: not self._pending and not self._gc_pending and self._planner.idle(),
+                lambda: not self._pending and not self._gc_pending and self._settler.idle(),
                 timeout_s,
             )
 
@@ -596,5 +591,5 @@ class BackgroundCompactor:
             self._timers.clear()
         for t in timers:
             t.cancel()
-        self._planner.close()
+        self._settler.close()
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,7 +1,6 @@
-"""The background compactor's planner (``persist_lib.handles.compaction_planner``): planning
-runs off the commit path, and under a burst of small commits the tail merges several
-batches at a time instead of two at a time; once the commits stop the shard still ends
-fully compacted."""
+"""Burst deferral (``persist_lib.handles.merge_deferral``): under a burst of small commits
+the background compactor merges the tail several batches at a time instead of two at a
+time, and once the commits stop it still compacts the shard fully."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib.handles.compaction_planner import DeferralPolicy
+from persist_lib.handles.merge_deferral import DeferralPolicy
 from persist_lib.shard.spine import compaction_requests, healthy_batch_count
 
 KEY = pa.schema([("k", pa.int64())])
@@ -121,34 +120,6 @@ def test_close_with_a_merge_held_back_stops_the_timer(tmp_path: Path) -> None:
     for t in range(3):
         w.compare_and_append(updates(t), t, t + 1)
     assert bg.stats()["held_back"] > 0
-    assert any(t.name == "persist-compaction-planner" for t in threading.enumerate())
+    assert any(t.name == "persist-compaction-settle" for t in threading.enumerate())
     client.close()  # must not wait out the 60 s quiet period
-    assert not any(t.name == "persist-compaction-planner" for t in threading.enumerate())
-
-
-def test_a_commit_does_not_wait_for_compaction_planning(tmp_path: Path) -> None:
-    """Planning runs on the planner's thread: a commit returns while planning is blocked
-    (here: the compactor's lock held by the test), and the merge it asked for still runs
-    once planning can go on. (Before, each commit planned inline and waited for it.)"""
-    client = file_client(tmp_path)
-    bg = client.background_compactor()
-    bg.deferral = DeferralPolicy(max_fanin=2)  # no holds: every merge is queued at once
-    shard = ShardId.new()
-    w, _ = client.open(shard, KEY, VAL)
-    w.compare_and_append(updates(0), 0, 1)
-    assert bg.wait_idle(30)
-    done = threading.Event()
-
-    def commit() -> None:
-        w.compare_and_append(updates(1), 1, 2)
-        done.set()
-
-    with bg._lock:
-        t = threading.Thread(target=commit)
-        t.start()
-        committed_while_blocked = done.wait(30)
-    t.join(60)
-    assert committed_while_blocked, "the commit waited for the compactor's planning"
-    assert bg.wait_idle(60)
-    assert commit_spans(client, shard) == [2]
-    client.close()
+    assert not any(t.name == "persist-compaction-settle" for t in threading.enumerate())
