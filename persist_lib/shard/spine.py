@@ -91,10 +91,7 @@ class CompactionRequest:
 
 def level(b: HollowBatch) -> int:
     """``floor(log2(len))``; -1 for an empty batch."""
-    return _level_of(b.len)
-
-
-def _level_of(n: int) -> int:
+    n = b.len
     return n.bit_length() - 1 if n > 0 else -1
 
 
@@ -112,14 +109,14 @@ def _request(
     )
 
 
-def _needs_logical(b: HollowBatch, n: int, since: Antichain) -> bool:
+def _needs_logical(b: HollowBatch, since: Antichain) -> bool:
     """Whether forwarding ``b`` to ``since`` would fold distinct times together.
 
     True when every update time of ``b`` is at or below the since but they are not all
     one time. A rewrite forwards them all to one time, so a batch earns this at most
     once (until a merge mixes in newer history).
     """
-    if n < 2 or not b.parts or since.is_empty():
+    if b.len < 2 or not b.parts or since.is_empty():
         return False
     assert since.time is not None
     tmin = min(p.tmin for p in b.parts)
@@ -154,14 +151,12 @@ def compaction_requests(
     out: list[CompactionRequest] = []
     used: set[int] = {i for i, (bid, _) in enumerate(trace) if bid in claimed}
     n = len(trace)
-    # Each ``b.len`` sums the batch's parts: once per batch here (this runs on every commit).
-    lens = [b.len for _, b in trace]
     # 1. Empty batches: absorb into the older neighbour (or the newer one for the first).
     i = 0
     while i < n and n > 1:
-        if lens[i] == 0:
+        if trace[i][1].len == 0:
             j = i
-            while j + 1 < n and lens[j + 1] == 0:
+            while j + 1 < n and trace[j + 1][1].len == 0:
                 j += 1
             lo, hi = (i - 1, j) if i > 0 else (i, min(j + 1, n - 1))
             if lo != hi and not any(k in used for k in range(lo, hi + 1)):
@@ -171,7 +166,7 @@ def compaction_requests(
         else:
             i += 1
     # 2. Level rule: levels must strictly decrease from oldest to newest.
-    levels = [_level_of(x) for x in lens]
+    levels = [level(b) for _, b in trace]
     start = 0  # first index of the current strictly decreasing run
     for i in range(1, n):
         if i in used or (i - 1) in used:
@@ -183,26 +178,26 @@ def compaction_requests(
         # batches while they are not above the level of what the merge produces (the
         # whole binary-counter cascade in one merge, like Spine's roll-up).
         lo = i - 1
-        acc = lens[i] + lens[lo]
+        acc = trace[i][1].len + trace[lo][1].len
         # Newer batches at least as big as batch i would violate against it too: take
         # them now (one N-way merge rewrites each update once, pairs would do it twice).
         hi = i
         while hi + 1 < n and (hi + 1) not in used and levels[hi + 1] >= levels[i]:
             hi += 1
-            acc += lens[hi]
+            acc += trace[hi][1].len
         while (
             lo - 1 >= start
             and (lo - 1) not in used
             and levels[lo - 1] <= max(acc, 1).bit_length() - 1
         ):
             lo -= 1
-            acc += lens[lo]
+            acc += trace[lo][1].len
         out.append(_request(trace, lo, hi, since, "merge"))
         used.update(range(lo, hi + 1))
         start = hi + 1
     # 3. Logical rewrites of batches that fell below the since.
     for i, (_, b) in enumerate(trace):
-        if i not in used and _needs_logical(b, lens[i], since):
+        if i not in used and _needs_logical(b, since):
             out.append(_request(trace, i, i, since, "logical"))
             used.add(i)
     # 4. Batches holding parts a bulk write stored unsorted: sort them (one sorted run),
