@@ -38,6 +38,7 @@ from persist_lib.errors import (
     InvalidUsage,
     PersistError,
 )
+from persist_lib.handles.merge_deferral import DeferralPolicy, SettleTimer
 from persist_lib.ids import ShardId
 from persist_lib.shard import gc as gcmod
 from persist_lib.shard import maintenance_transitions as mt
@@ -321,10 +322,11 @@ class BackgroundCompactor:
     deterministically ``compaction_quarantine_after`` times is quarantined (module
     docstring). When ``config.gc_in_background`` is set, a GC run is queued whenever
     one is due (``gc.gc_due``: deletable garbage, or rollups older than the oldest one
-    still needed); a failed GC backs off the same way.
+    still needed); a failed GC backs off the same way. Small merges wait out a burst of
+    commits (``merge_deferral``: ``deferral``, a ``DeferralPolicy``).
     """
 
-    def __init__(self, client: ShardContext) -> None:
+    def __init__(self, client: ShardContext, deferral: DeferralPolicy | None = None) -> None:
         cfg = client.config
         self.client = client
         self.queue_max = cfg.compaction_queue_max
@@ -348,6 +350,13 @@ class BackgroundCompactor:
         self.gc_runs = 0
         self.gc_failed = 0
         self.quarantined = 0
+        self.held_back = 0
+        self.deferral = deferral if deferral is not None else DeferralPolicy()
+        self._settler = SettleTimer(lambda m: self.offer(m, m.cached(), settle=True), self._notify_idle)
+
+    def _notify_idle(self) -> None:
+        with self._idle:
+            self._idle.notify_all()
 
     def attach(self, m: Machine) -> None:
         if getattr(m, "_background_compactor", None) is self:
@@ -368,8 +377,10 @@ class BackgroundCompactor:
                     out.update(key[1])
         return out
 
-    def offer(self, m: Machine, state: st.ShardState) -> None:
-        """Queues the merges ``state`` needs (never raises: it runs inside a commit)."""
+    def offer(self, m: Machine, state: st.ShardState, *, settle: bool = False) -> None:
+        """Queues the merges ``state`` needs (never raises: it runs inside a commit).
+        Small merges are held back until the shard has been quiet for a while
+        (``merge_deferral``), unless ``settle`` (the quiet period has passed)."""
         try:
             if self._closed or state.tombstone or state.schemas is None:
                 return
@@ -379,6 +390,12 @@ class BackgroundCompactor:
             reqs = compaction_requests(state, claimed)
             if self.client.config.gc_in_background and gcmod.gc_due(state):
                 self._submit_gc(m)
+            if not settle:
+                reqs, held = self.deferral.split(reqs)
+                if held:
+                    with self._lock:
+                        self.held_back += len(held)
+                    self._settler.arm(m.shard_id, m, self.deferral.quiet_s)
             for req in reqs:
                 self._submit(m, req)
         except Exception as e:  # maintenance must never fail the user's operation
@@ -531,7 +548,10 @@ class BackgroundCompactor:
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
         """Waits until nothing is queued or running (tests and benchmarks use this)."""
         with self._idle:
-            return self._idle.wait_for(lambda: not self._pending and not self._gc_pending, timeout_s)
+            return self._idle.wait_for(
+                lambda: not self._pending and not self._gc_pending and self._settler.idle(),
+                timeout_s,
+            )
 
     def failures(self) -> list[dict[str, Any]]:
         """Merges currently backing off or quarantined in this process."""
@@ -560,6 +580,7 @@ class BackgroundCompactor:
                 "gc_runs": self.gc_runs,
                 "gc_failed": self.gc_failed,
                 "quarantined": self.quarantined,
+                "held_back": self.held_back,
                 "backing_off": sum(1 for f in self._failures.values() if not f.quarantined),
             }
 
@@ -570,4 +591,5 @@ class BackgroundCompactor:
             self._timers.clear()
         for t in timers:
             t.cancel()
+        self._settler.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
