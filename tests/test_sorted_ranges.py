@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from persist_lib.shard.consolidate import consolidate
+from persist_lib.shard.consolidate import _break_ties, _int_order, consolidate
 from persist_lib.shard.presorted import cut_points
-from persist_lib.shard.sorted_ranges import SortedKeyRanges, cuts_between_runs
+from persist_lib.shard.sorted_ranges import SortedKeyRanges, break_pair_ties, cuts_between_runs
 
 
 def reference(table: pa.Table) -> pa.Table:
@@ -150,3 +150,25 @@ def test_cuts_never_split_a_run_and_match_cut_points(runs: list[int], pieces: in
     assert len(cuts) <= pieces - 1
     for p in cuts:
         assert 0 < p < len(col) and col[p - 1] != col[p]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(3, 2000),
+    distinct=st.sampled_from([2, 50, 700, 5000]),
+    two_keys=st.booleans(),
+    null_rate=st.sampled_from([0.0, 0.3]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_pairs_first_orders_ties_as_the_column_by_column_break(
+    n: int, distinct: int, two_keys: bool, null_rate: float, seed: int
+) -> None:
+    """Groups of two, three and more rows tied on the leading key, equal or not on the
+    later columns (strings with nulls, a second key column, times): the same
+    permutation and the same duplicates as ``consolidate._break_ties``."""
+    t = updates(n, distinct, two_keys=two_keys, null_rate=null_rate, cancel=False, seed=seed)
+    cols = [t.column(c) for c in t.column_names if c != "d"]
+    perm, same = _int_order(t.column(0).to_numpy())
+    want = _break_ties(cols, perm.copy(), same.copy(), None)
+    got = break_pair_ties(cols, perm.copy(), same.copy(), None)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])

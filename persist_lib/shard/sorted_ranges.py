@@ -19,6 +19,12 @@ id, as the per-range sort did, so the slices, concatenated, are ``consolidate(ta
 row for row. Only the places of the cuts differ (exact quantiles instead of sampled
 ones). Leading columns that are not plain integers (strings, nulls, nested types) keep
 ``RangeConsolidation``.
+
+Ties of the leading key are mostly pairs (random keys: two rows of one key, an update
+and its retraction). ``break_pair_ties`` orders every such pair by all the later columns
+at once — one comparison per column, only of the pairs still equal — before the
+column-by-column tie-break (``consolidate._break_ties``) orders the larger groups: the
+same order, without a pass over the whole slice per column.
 """
 
 from __future__ import annotations
@@ -27,16 +33,18 @@ import numpy as np
 import pyarrow as pa
 
 from persist_lib.shard.consolidate import (
+    TakeFn,
     _break_ties,
     _flat_int_values,
     _int_order,
     _key_columns,
+    _pair_order,
     _sort_inputs,
     _summed,
     gather_updates,
 )
 from persist_lib.shard.kernels import MIN_POLARS_ROWS, RowSource
-from persist_lib.shard.ranks import as_chunked
+from persist_lib.shard.ranks import as_chunked, is_flat_comparable
 
 
 def cuts_between_runs(same: np.ndarray, pieces: int) -> list[int]:
@@ -102,6 +110,44 @@ class SortedKeyRanges:
         """Slice ``i``'s rows sorted by ``(k, v, t)``, equal rows summed, zeros dropped."""
         lo, hi = self._bounds[i], self._bounds[i + 1]
         # (a copy: the tie-break reorders it in place, and a second call starts afresh)
-        order, dup = _break_ties(self._cols, self._perm[lo:hi].copy(), self._same[lo : hi - 1], self._take)
+        order, dup = break_pair_ties(self._cols, self._perm[lo:hi].copy(), self._same[lo : hi - 1], self._take)
         rows, diffs = _summed(order, dup, self._d)
         return gather_updates(self._source if self._source is not None else self._table, rows, diffs)
+
+
+def break_pair_ties(
+    columns: list[pa.ChunkedArray], perm: np.ndarray, same: np.ndarray, take: TakeFn | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``consolidate._break_ties`` (same arguments, same result: ``perm`` reordered in
+    place within its ties, and ``dup``) with the groups of exactly two rows tied on the
+    leading column ordered first, by all later columns at once (module docstring)."""
+    n = len(perm)
+    if n < 3 or len(columns) < 2 or not all(is_flat_comparable(c.type) for c in columns[1:]):
+        return _break_ties(columns, perm, same, take)
+    alone = np.ones(n - 1, dtype=bool)  # same[i] with neither neighbour tie also set
+    alone[1:] &= ~same[:-1]
+    alone[:-1] &= ~same[1:]
+    i0 = np.flatnonzero(same & alone)  # the pairs (i0, i0 + 1) of sorted positions
+    if not len(i0):
+        return _break_ties(columns, perm, same, take)
+    r0, r1 = perm[i0], perm[i0 + 1]
+    swap = np.zeros(len(i0), dtype=bool)
+    open_ = np.arange(len(i0))  # pairs equal on every column compared so far
+    for ci in range(1, len(columns)):
+        a0, a1 = r0[open_], r1[open_]
+        if take is not None:
+            first, second = take(ci, a0), take(ci, a1)
+        else:
+            first, second = columns[ci].take(pa.array(a0)), columns[ci].take(pa.array(a1))
+        lt, eq = _pair_order(first, second)
+        swap[open_[lt]] = True
+        open_ = open_[eq]
+        if not len(open_):
+            break
+    perm[i0] = np.where(swap, r1, r0)
+    perm[i0 + 1] = np.where(swap, r0, r1)
+    rest = same.copy()
+    rest[i0] = False  # the pairs are ordered: the rest of the ties by column
+    perm, dup = _break_ties(columns, perm, rest, take)
+    dup[i0[open_] + 1] = True  # pairs equal on every column: consolidation sums them
+    return perm, dup
