@@ -71,15 +71,16 @@ class SortedKeyRanges:
     def __init__(
         self, table: pa.Table, perm: np.ndarray, same: np.ndarray, bounds: list[int], source: RowSource | None
     ) -> None:
-        self._table = table
-        self._perm = perm
-        self._same = same
-        self._bounds = bounds
-        self._source = source
+        """``perm``/``same``: the table's order by its leading key (``_int_order``);
+        ``bounds``: the slices' first rows in that order, then ``n``; ``source``: a
+        ``RowSource`` of ``table`` to gather from (prepared here, before threads share it)."""
+        self._order = (perm, same, bounds)
         self._cols, self._take, self._d = _sort_inputs(table, source)
+        self._gather_from: pa.Table | RowSource = table
         if source is not None:
+            self._gather_from = source
             for i in range(table.num_columns):
-                source.prepare(i)  # gathered from several threads
+                source.prepare(i)
 
     @classmethod
     def split(cls, table: pa.Table, k: int, *, shared_source: bool = True) -> SortedKeyRanges | None:
@@ -100,19 +101,21 @@ class SortedKeyRanges:
         return cls(table, perm, same, bounds, source)
 
     def __len__(self) -> int:
-        return len(self._bounds) - 1
+        return len(self._order[2]) - 1
 
     def rows(self, i: int) -> int:
         """How many input rows slice ``i`` holds."""
-        return self._bounds[i + 1] - self._bounds[i]
+        bounds = self._order[2]
+        return bounds[i + 1] - bounds[i]
 
     def table(self, i: int) -> pa.Table:
         """Slice ``i``'s rows sorted by ``(k, v, t)``, equal rows summed, zeros dropped."""
-        lo, hi = self._bounds[i], self._bounds[i + 1]
+        perm, same, bounds = self._order
+        lo, hi = bounds[i], bounds[i + 1]
         # (a copy: the tie-break reorders it in place, and a second call starts afresh)
-        order, dup = break_pair_ties(self._cols, self._perm[lo:hi].copy(), self._same[lo : hi - 1], self._take)
+        order, dup = break_pair_ties(self._cols, perm[lo:hi].copy(), same[lo : hi - 1], self._take)
         rows, diffs = _summed(order, dup, self._d)
-        return gather_updates(self._source if self._source is not None else self._table, rows, diffs)
+        return gather_updates(self._gather_from, rows, diffs)
 
 
 def break_pair_ties(
