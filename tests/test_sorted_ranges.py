@@ -9,6 +9,8 @@ each slice holds leading keys no other slice holds.
 
 from __future__ import annotations
 
+import uuid
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -16,7 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from persist_lib.location.mem import MemBlob
+from persist_lib.shard import sorted_ranges
+from persist_lib.shard.batch_builder import build_batch
+from persist_lib.shard.codec import Schemas, normalize_updates
 from persist_lib.shard.consolidate import _break_ties, _int_order, consolidate
+from persist_lib.shard.parts import fetch_part
 from persist_lib.shard.presorted import cut_points
 from persist_lib.shard.sorted_ranges import SortedKeyRanges, break_pair_ties, cuts_between_runs
 
@@ -172,3 +179,40 @@ def test_pairs_first_orders_ties_as_the_column_by_column_break(
     want = _break_ties(cols, perm.copy(), same.copy(), None)
     got = break_pair_ties(cols, perm.copy(), same.copy(), None)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("chunk_mib", [1, 3])
+def test_a_bulk_chunk_is_written_as_the_slices_in_order(chunk_mib: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the batch builder: an integer-keyed chunk cut into 3+ key ranges takes the
+    one-sort path, and its parts (fetched and checksum-verified), in order, are
+    ``consolidate`` of the chunk row for row; a chunk of two ranges keeps the old path."""
+    schemas = Schemas.create(
+        pa.schema([("id", pa.int64()), ("name", pa.string())]), pa.schema([("s", pa.string())])
+    )
+    rng = np.random.default_rng(chunk_mib)
+    n = chunk_mib * 24_000
+    ids = rng.integers(0, n, n)
+    data = normalize_updates(pa.table({
+        "id": ids, "name": pa.array(np.char.add("n", (ids % 3).astype(str))),
+        "s": pa.array([None if x % 5 == 0 else f"s{x % 4}" for x in rng.integers(0, 100, n)], pa.string()),
+        "ts": rng.integers(0, 4, n), "diff": rng.choice(np.array([-1, 1, 2]), n),
+    }), schemas, shard="s1")
+    calls: list[int] = []
+    real = sorted_ranges.SortedKeyRanges.split
+
+    def spy(table: pa.Table, k: int, **kw: bool) -> sorted_ranges.SortedKeyRanges | None:
+        calls.append(k)
+        return real(table, k, **kw)
+
+    monkeypatch.setattr(sorted_ranges.SortedKeyRanges, "split", staticmethod(spy))
+    blob = MemBlob(f"sr-{uuid.uuid4().hex}")
+    target = int(data.nbytes / (4 if chunk_mib == 3 else 1.5)) + 1  # 4 ranges, or 2
+    batch = build_batch(
+        blob, schemas, data, shard="s1", writer="w1", lower=0, upper=10,
+        key_range_min_bytes=0, target_part_bytes=target,
+    )
+    assert calls == ([4] if chunk_mib == 3 else [])
+    parts = [fetch_part(blob, p, schemas, "s1") for p in batch.parts]
+    assert len(parts) == (4 if chunk_mib == 3 else 2)
+    assert all(p.sorted for p in batch.parts)
+    assert pa.concat_tables(parts).combine_chunks().equals(consolidate(data).combine_chunks())
