@@ -30,6 +30,7 @@ from test_key_range_parts import (
 )
 
 from persist_lib.shard import consolidate as consolidate_mod
+from persist_lib.shard import sorted_ranges as sorted_ranges_mod
 from persist_lib.shard.codec import Schemas, normalize_checked
 from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.disjoint_runs import chain_disjoint_runs
@@ -58,15 +59,19 @@ def _sorted_rows(kind: str, rows: list[tuple[int | None, int, int, int]]) -> lis
 
 @pytest.fixture
 def no_sort(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the chunks the writer sorted into key ranges (``RangeConsolidation.split``)."""
+    """Counts the chunks the writer sorted into key ranges (``SortedKeyRanges.split``
+    for integer leading keys, else ``RangeConsolidation.split``)."""
     calls: list[int] = []
-    real = consolidate_mod.RangeConsolidation.split
+    for cls in (consolidate_mod.RangeConsolidation, sorted_ranges_mod.SortedKeyRanges):
+        real = cls.split
 
-    def counting(table: pa.Table, k: int, **kw: Any) -> Any:
-        calls.append(table.num_rows)
-        return real(table, k, **kw)
+        def counting(table: pa.Table, k: int, real: Any = real, **kw: Any) -> Any:
+            out = real(table, k, **kw)
+            if out is not None:
+                calls.append(table.num_rows)
+            return out
 
-    monkeypatch.setattr(consolidate_mod.RangeConsolidation, "split", staticmethod(counting))
+        monkeypatch.setattr(cls, "split", staticmethod(counting))
     return calls
 
 

@@ -21,7 +21,9 @@ keeps them cheap to merge).
 least that many Arrow bytes is instead cut at sampled quantiles of its leading key
 into ranges of about ``KEY_RANGE_PART_BYTES`` (at least one per upload thread;
 ``consolidate.RangeConsolidation``), and each range is sorted, consolidated, encoded and
-uploaded by its own task. The parts are sorted and hold disjoint leading-key ranges,
+uploaded by its own task. An integer leading key cut into three or more ranges is sorted
+once for the whole chunk and that order cut into slices instead (``sorted_ranges``:
+cheaper than the cut and the per-range sorts). The parts are sorted and hold disjoint leading-key ranges,
 which their recorded statistics show, so a read takes them as one sorted run laid end
 to end (``disjoint_runs``): no merge and no sort (issue 28). The sort costs the writer
 about what the smaller, sorted encoding saves on the two upload threads. A chunk that
@@ -55,6 +57,7 @@ from persist_lib.shard.consolidate import RangeConsolidation, consolidate
 from persist_lib.shard.part_fetch import remember_written_part
 from persist_lib.shard.parts import encode_part, part_blob_key, part_meta_for
 from persist_lib.shard.presorted import consolidate_presorted, cut_points, is_presorted
+from persist_lib.shard.sorted_ranges import SortedKeyRanges
 from persist_lib.shard.stats import part_stats
 from persist_lib.shard.thread_pools import SharedPool
 
@@ -75,6 +78,10 @@ KEY_RANGE_PART_BYTES = 32 << 20
 # Above this, ranges are gathered with Arrow's take instead of through a ``RowSource``,
 # which would hold a converted copy of the chunk's string columns.
 KEY_RANGE_SHARED_SOURCE_MAX_BYTES = 256 << 20
+# From this many key ranges on, an integer leading key is sorted once for the whole chunk
+# (``sorted_ranges``): measured on 4M rows in 5-8 ranges, the writer's CPU fell 16-29%;
+# on 1M rows in two ranges it did not change.
+SORTED_RANGES_MIN_PIECES = 3
 
 # (never the builder's own executor, whose threads may all be waiting on this work)
 _STATS = SharedPool(2, "persist-part-stats")
@@ -357,9 +364,16 @@ class BatchBuilder:
             for lo, hi in zip(bounds, bounds[1:], strict=False):
                 self._submit(self._write_presorted, table.slice(lo, hi - lo))
             return True
-        split = RangeConsolidation.split(
-            table, k, shared_source=table.nbytes <= KEY_RANGE_SHARED_SOURCE_MAX_BYTES
-        )
+        shared = table.nbytes <= KEY_RANGE_SHARED_SOURCE_MAX_BYTES
+        # An integer leading key cut into 3+ ranges: one sort of it, cut into slices
+        # (``sorted_ranges``); else cut at sampled quantiles, each range sorted on its own
+        # thread (two ranges: a cut at one pivot is as cheap as the one sort, and the two
+        # sorts run in parallel).
+        split: SortedKeyRanges | RangeConsolidation | None = None
+        if k >= SORTED_RANGES_MIN_PIECES:
+            split = SortedKeyRanges.split(table, k, shared_source=shared)
+        if split is None:
+            split = RangeConsolidation.split(table, k, shared_source=shared)
         if split is None:
             return False
         for i in range(len(split)):
@@ -379,7 +393,7 @@ class BatchBuilder:
         """Runs in the pool: consolidates a slice of a sorted chunk in place, then stores it."""
         return self._store_part(consolidate_presorted(piece), key, unsorted=False)
 
-    def _write_range(self, split: RangeConsolidation, i: int, key: str) -> PartMeta | None:
+    def _write_range(self, split: SortedKeyRanges | RangeConsolidation, i: int, key: str) -> PartMeta | None:
         """Runs in the pool: sorts and consolidates key range ``i``, then stores it."""
         return self._store_part(split.table(i), key, unsorted=False)
 

@@ -91,17 +91,31 @@ def is_var_binary(t: pa.DataType) -> bool:
     )
 
 
+def _to_polars_view(pl: Any, col: pa.Array | pa.ChunkedArray) -> Any:
+    """A string or binary column as a one-chunk polars Series. Through Arrow's view type:
+    polars holds strings as views, and Arrow builds the views without copying the bytes,
+    where polars' own conversion of offsets copies them (measured on 1M short strings:
+    1.9 ms of CPU against 5.8 ms)."""
+    view = pa.string_view() if pa.types.is_string(col.type) or pa.types.is_large_string(col.type) else pa.binary_view()
+    s = pl.from_arrow(col.cast(view))
+    assert isinstance(s, pl.Series)
+    return s.rechunk() if s.n_chunks() > 1 else s  # a gather across chunks is several times slower
+
+
+def _gathered(pl: Any, s: Any, idx: np.ndarray, n: int) -> pa.Array:
+    """``s`` (``_to_polars_view``) at the positions ``idx`` as an Arrow view array (no
+    conversion of the bytes out of polars: the caller's cast to its type builds them)."""
+    positions = pl.Series(idx, dtype=pl.UInt32 if n < (1 << 32) else pl.UInt64)
+    out: pa.Array = s.gather(positions).to_arrow(compat_level=pl.CompatLevel.newest())
+    return out
+
+
 def take_column(col: pa.Array | pa.ChunkedArray, idx: np.ndarray) -> pa.Array | pa.ChunkedArray:
     """``col.take(idx)``: strings and binaries through polars (same type and values)."""
     pl = polars()
     if pl is not None and len(idx) >= MIN_POLARS_ROWS and is_var_binary(col.type):
         try:
-            s = pl.from_arrow(col)
-            assert isinstance(s, pl.Series)
-            if s.n_chunks() > 1:
-                s = s.rechunk()
-            positions = pl.Series(idx, dtype=pl.UInt32 if len(col) < (1 << 32) else pl.UInt64)
-            out = s.gather(positions).to_arrow()
+            out = _gathered(pl, _to_polars_view(pl, col), idx, len(col))
             return out.cast(col.type) if not out.type.equals(col.type) else out
         except (pa.ArrowInvalid, OverflowError):
             pass  # e.g. more than 2 GiB of strings for 32-bit offsets: Arrow copes
@@ -134,9 +148,7 @@ class RowSource:
             col = self.table.column(i)
             pl = polars()
             if pl is not None and is_var_binary(col.type) and len(col) >= MIN_POLARS_ROWS:
-                c = pl.from_arrow(col)
-                if c.n_chunks() > 1:
-                    c = c.rechunk()  # a gather across chunks is several times slower
+                c = _to_polars_view(pl, col)
             else:
                 c = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
             self._cols[i] = c
@@ -147,9 +159,7 @@ class RowSource:
         c = self._column(i)
         if isinstance(c, (pa.Array, pa.ChunkedArray)):
             return c.take(pa.array(idx))
-        pl = polars()
-        positions = pl.Series(idx, dtype=pl.UInt32 if len(self.table) < (1 << 32) else pl.UInt64)
-        out = c.gather(positions).to_arrow()
+        out = _gathered(polars(), c, idx, len(self.table))
         typ = self.table.schema.field(i).type
         try:
             return out.cast(typ) if not out.type.equals(typ) else out

@@ -29,6 +29,7 @@ from persist_lib.shard.codec import D_COL, T_COL
 from persist_lib.shard.consolidate import consolidate, consolidate_sorted
 from persist_lib.shard.ranks import as_chunked, comparable
 from persist_lib.shard.sorted_checks import linear_kernels_apply, sorted_ties
+from persist_lib.shard.sorted_ranges import cuts_between_runs
 
 # Neighbouring pairs of the leading key the probe compares: the first ones, and as many
 # at random places (a fixed seed: deterministic).
@@ -92,13 +93,6 @@ def cut_points(col: pa.Array | pa.ChunkedArray, pieces: int) -> list[int]:
     ties = sorted_ties([col])
     if ties is None:  # (callers pass sorted columns)
         raise InvalidUsage("cut_points: the column is not sorted in persist's order")
-    allowed = np.ones(n, dtype=bool)  # allowed[p]: a cut before row p keeps values whole
-    allowed[0] = False
-    allowed[ties + 1] = False
-    candidates = np.flatnonzero(allowed)
-    if not len(candidates):
-        return []
-    targets = np.arange(1, pieces, dtype=np.int64) * n // pieces
-    at = np.searchsorted(candidates, targets, side="left")
-    cuts = candidates[at[at < len(candidates)]]
-    return [int(p) for p in np.unique(cuts)]
+    same = np.zeros(n - 1, dtype=bool)
+    same[ties] = True
+    return cuts_between_runs(same, pieces)
