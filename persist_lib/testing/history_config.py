@@ -78,6 +78,10 @@ class HistoryConfig:
     # Writer steps that replay committed times with divergent updates through a
     # verified append (``actors`` module docstring).
     verified_append_rate: float = 0.0
+    # Reader steps that downgrade the since forward and at once try a backward downgrade
+    # (which must fail), on top of the reader's usual mix; the planted ``since_regress``
+    # runs with it so one short history is enough to show the bug.
+    since_probe_rate: float = 0.0
 
     @property
     def lease_slack_ms(self) -> float:

@@ -42,6 +42,13 @@ class Reader(Actor):
             self.open()
             return
         r = self.r
+        if self.cfg.since_probe_rate > 0 and self.rng.random() < self.cfg.since_probe_rate:
+            e = self.downgrade() or self.backward_downgrade()
+            if isinstance(e, LeaseExpired):
+                self.r = None
+                self.listen = None
+            self.sleep(0.0, 0.03)
+            return
         x = self.rng.random()
         if x < 0.24:
             e = self.snapshot()
