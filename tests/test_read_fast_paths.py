@@ -299,6 +299,13 @@ def test_restartable_sorted_run_read_refuses_overlap_without_corruption() -> Non
     metas = [PartMeta(key=f"p{i}", size=0, count=1, sha256="", tmin=0, tmax=0) for i in range(2)]
     with pytest.raises(RunOrderViolation):
         list(stream_sorted_run(metas, 0, lambda p: a, "s", restartable=True))
+    # Also when the overlap comes right after a part boundary handed a held-back row on:
+    # parts a[:200], a[200] (one row, in order: the first part's last row goes out alone,
+    # the second part's only row is held back) and a[:100].
+    pieces = {"p0": a.slice(0, 200), "p1": a.slice(200, 1), "p2": a.slice(0, 100)}
+    three = [PartMeta(key=f"p{i}", size=0, count=1, sha256="", tmin=0, tmax=0) for i in range(3)]
+    with pytest.raises(RunOrderViolation):
+        list(stream_sorted_run(three, 0, lambda p: pieces[str(p.key)], "s", restartable=True))
     # A post filter runs on each part's forwarded rows before they are consolidated.
     got = list(stream_sorted_run(metas[:1], 0, lambda p: a, "s", post=lambda t: t.filter(pa.compute.greater(t["d"], 0))))
     want = consolidate(snapshot_at(a, 0))

@@ -125,7 +125,7 @@ def _fold_boundaries(
             elif len(ties):
                 t = _fold_into_first(carry, t)
             else:
-                yielded = True
+                yielded = not restartable
                 yield carry
             carry = None
             if t.num_rows == 0:
