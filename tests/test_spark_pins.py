@@ -116,3 +116,15 @@ def test_a_forked_child_leaves_the_parents_pins(tmp_path: Path) -> None:
     assert release_pins() == 1 and not os.path.exists(pin.root)
     r.expire()
     client.close()
+
+
+@pytest.mark.parametrize("raw", ["soon", "-5", "0", "nan", "inf"])
+def test_a_bad_pin_ttl_setting_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    from persist_lib.errors import InvalidUsage
+    from persist_lib.spark.pins import pin_ttl_s
+
+    monkeypatch.setenv("PERSIST_SPARK_PIN_TTL_S", raw)
+    with pytest.raises(InvalidUsage, match="PERSIST_SPARK_PIN_TTL_S"):
+        pin_ttl_s()
+    monkeypatch.setenv("PERSIST_SPARK_PIN_TTL_S", "90")
+    assert pin_ttl_s() == 90.0

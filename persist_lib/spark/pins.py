@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from persist_lib.errors import LeaseExpired
+from persist_lib.errors import InvalidUsage, LeaseExpired
 from persist_lib.location.file_blob import FileBlob, validate_key
 from persist_lib.shard.batch_meta import PartMeta
 
@@ -84,8 +84,20 @@ class Pin:
 
 
 def pin_ttl_s() -> float:
-    raw = os.environ.get("PERSIST_SPARK_PIN_TTL_S")
-    return float(raw) if raw else PIN_TTL_S
+    """``PIN_TTL_S``, or ``$PERSIST_SPARK_PIN_TTL_S`` (seconds, a positive number)."""
+    raw = os.environ.get("PERSIST_SPARK_PIN_TTL_S", "").strip()
+    if not raw:
+        return PIN_TTL_S
+    try:
+        ttl = float(raw)
+    except ValueError:
+        ttl = float("nan")
+    if not ttl > 0 or ttl == float("inf"):
+        raise InvalidUsage(
+            f"PERSIST_SPARK_PIN_TTL_S={raw!r}: expected how many seconds a Spark read's pinned "
+            f"parts may live, a positive number (e.g. 86400); unset it for the default {PIN_TTL_S:.0f}"
+        )
+    return ttl
 
 
 def _pin_age_s(name: str, now: float) -> float | None:
