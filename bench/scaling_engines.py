@@ -75,20 +75,34 @@ def interleaved(
     """Median wall seconds of ``ours`` and ``anchor`` run in alternation (``reps`` rounds,
     after one untimed call of each with ``warm``), and their last results: on a loaded
     machine, both sides then see the same load."""
+    got = paired(ours, anchor, reps, warm=warm)
+    return got["ours_s"], got["anchor_s"], got["ours_out"], got["anchor_out"]
+
+
+def paired(
+    ours: Callable[[], Any], anchor: Callable[[], Any], reps: int, *, warm: bool = False
+) -> dict[str, Any]:
+    """``interleaved``, with the median CPU seconds of each side too (every thread of the
+    process: persist's pools and DuckDB's threads alike). On a loaded machine the wall
+    times swing 2-4x from run to run; the CPU a query costs swings far less, so its
+    ratio tells what a change did when the wall ratio can't."""
     if warm:
         ours()
         anchor()
-    t_ours: list[float] = []
-    t_anchor: list[float] = []
-    out_ours = out_anchor = None
+    wall: dict[str, list[float]] = {"ours": [], "anchor": []}
+    cpu: dict[str, list[float]] = {"ours": [], "anchor": []}
+    out: dict[str, Any] = {"ours": None, "anchor": None}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        out_ours = ours()
-        t_ours.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        out_anchor = anchor()
-        t_anchor.append(time.perf_counter() - t0)
-    return statistics.median(t_ours), statistics.median(t_anchor), out_ours, out_anchor
+        for side, fn in (("ours", ours), ("anchor", anchor)):
+            t0, c0 = time.perf_counter(), time.process_time()
+            out[side] = fn()
+            wall[side].append(time.perf_counter() - t0)
+            cpu[side].append(time.process_time() - c0)
+    return {
+        "ours_s": statistics.median(wall["ours"]), "anchor_s": statistics.median(wall["anchor"]),
+        "ours_cpu_s": statistics.median(cpu["ours"]), "anchor_cpu_s": statistics.median(cpu["anchor"]),
+        "ours_out": out["ours"], "anchor_out": out["anchor"],
+    }
 
 
 def _check(what: str, ours: tuple[Any, ...], raw: tuple[Any, ...]) -> None:
@@ -182,19 +196,21 @@ def sql_figures(d: Path, shard: Any, files: list[str], *, fresh: bool = False) -
     client = persist_file_client(d)
     try:
         if fresh:
-            p_s, a_s, p_out, a_out = interleaved(
-                one_session, lambda: con.sql(q_raw).fetchall()[0], SQL_REPS, warm=True
-            )
+            got = paired(one_session, lambda: con.sql(q_raw).fetchall()[0], SQL_REPS, warm=True)
         else:
             with SqlSession(client, as_of=AS_OF) as s:
-                p_s, a_s, p_out, a_out = interleaved(
+                got = paired(
                     lambda: s.sql(q).fetchall()[0], lambda: con.sql(q_raw).fetchall()[0], SQL_REPS, warm=True
                 )
     finally:
         con.close()
         client.close()
+    p_out, a_out = got["ours_out"], got["anchor_out"]
     _check("sql", p_out, a_out)
-    return {"persist_s": p_s, "raw_s": a_s, "rows": int(p_out[0]), "raw_rows": int(a_out[0])}
+    return {
+        "persist_s": got["ours_s"], "raw_s": got["anchor_s"], "persist_cpu_s": got["ours_cpu_s"],
+        "raw_cpu_s": got["anchor_cpu_s"], "rows": int(p_out[0]), "raw_rows": int(a_out[0]),
+    }
 
 
 def drop_history(d: Path, shard: Any) -> None:
