@@ -47,6 +47,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
@@ -55,10 +56,11 @@ from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import T_COL, Schemas, check_updates
 from persist_lib.shard.consolidate import RangeConsolidation, consolidate
 from persist_lib.shard.part_fetch import remember_written_part
+from persist_lib.shard.part_index import INDEXED_ROW_GROUP_ROWS
 from persist_lib.shard.parts import encode_part, part_blob_key, part_meta_for
 from persist_lib.shard.presorted import consolidate_presorted, cut_points, is_presorted
 from persist_lib.shard.sorted_ranges import SortedKeyRanges
-from persist_lib.shard.stats import part_stats
+from persist_lib.shard.stats import StatsRecord, footer_part_stats, part_stats
 from persist_lib.shard.thread_pools import SharedPool
 
 log = logging.getLogger(__name__)
@@ -416,24 +418,34 @@ class BatchBuilder:
             return None
         # Sorted parts get the row-group index for ranged reads (with the statistics: a
         # builder told to record none writes parts as the writers before both did).
+        indexed = self.record_stats and not unsorted
+        # An indexed part's encode writes Parquet statistics per row group: its own
+        # statistics are read from those (``stats.footer_part_stats``), not computed again.
+        from_footer = indexed and part.num_rows > INDEXED_ROW_GROUP_ROWS
         pending: Future[Any] | None = None
-        if self.record_stats and part.num_rows >= MIN_PARALLEL_STATS_ROWS:
+        if self.record_stats and not from_footer and part.num_rows >= MIN_PARALLEL_STATS_ROWS:
             pending = _STATS.get().submit(part_stats, part, self.schemas)
         try:
-            data = encode_part(part, self.schemas, indexed=self.record_stats and not unsorted)
+            data = encode_part(part, self.schemas, indexed=indexed)
         except BaseException:
             if pending is not None:
                 pending.cancel()
             raise
-        if pending is not None:
+        md: pq.FileMetaData | None = None
+        stats: StatsRecord | None
+        if from_footer:
+            md = pq.read_metadata(pa.BufferReader(data))
+            stats = footer_part_stats(part, self.schemas, md)
+        elif pending is not None:
             stats = pending.result()
         else:
             stats = part_stats(part, self.schemas) if self.record_stats else None
-        if len(data) <= self.inline_threshold:
-            meta = part_meta_for(data, part, None, inline=True, sorted=not unsorted, stats=stats)
-        else:
+        inline = len(data) <= self.inline_threshold
+        if not inline:
             self.blob.set(key, data)
-            meta = part_meta_for(data, part, key, inline=False, sorted=not unsorted, stats=stats)
+        meta = part_meta_for(
+            data, part, None if inline else key, inline=inline, sorted=not unsorted, stats=stats, md=md
+        )
         remember_written_part(meta.sha256, self.schemas, part)
         return meta
 
