@@ -22,10 +22,15 @@ from persist_lib.location.mem import MemBlob
 from persist_lib.shard import sorted_ranges
 from persist_lib.shard.batch_builder import build_batch
 from persist_lib.shard.codec import Schemas, normalize_updates
-from persist_lib.shard.consolidate import _break_ties, _int_order, consolidate
+from persist_lib.shard.consolidate import RangeConsolidation, _break_ties, _int_order, consolidate
 from persist_lib.shard.parts import fetch_part
 from persist_lib.shard.presorted import cut_points
-from persist_lib.shard.sorted_ranges import SortedKeyRanges, break_pair_ties, cuts_between_runs
+from persist_lib.shard.sorted_ranges import (
+    SampledKeyRanges,
+    SortedKeyRanges,
+    break_pair_ties,
+    cuts_between_runs,
+)
 
 
 def reference(table: pa.Table) -> pa.Table:
@@ -216,3 +221,74 @@ def test_a_bulk_chunk_is_written_as_the_slices_in_order(chunk_mib: int, monkeypa
     assert len(parts) == (4 if chunk_mib == 3 else 2)
     assert all(p.sorted for p in batch.parts)
     assert pa.concat_tables(parts).combine_chunks().equals(consolidate(data).combine_chunks())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(2, 3000),
+    distinct=st.sampled_from([1, 2, 30, 500, 100_000]),
+    two_keys=st.booleans(),
+    null_rate=st.sampled_from([0.0, 0.1, 0.6]),
+    cancel=st.booleans(),
+    k=st.integers(1, 5),
+    shared=st.booleans(),
+    at=st.sampled_from([None, 0, 7, -(2**63), 2**63 - 1]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_sampled_ranges_and_one_time_concatenate_into_the_reference_consolidation(
+    n: int, distinct: int, two_keys: bool, null_rate: float, cancel: bool, k: int, shared: bool,
+    at: int | None, seed: int,
+) -> None:
+    """``SampledKeyRanges`` (and ``SortedKeyRanges``), with every row at one time
+    (``time``: the time column built, not gathered, and left out of the tie-break) or
+    not: row for row the reference consolidation, ``consolidate`` and
+    ``RangeConsolidation``'s ranges."""
+    t = updates(n, distinct, two_keys=two_keys, null_rate=null_rate, cancel=cancel, seed=seed)
+    if at is not None:
+        t = t.set_column(t.schema.get_field_index("t"), "t", pa.array(np.full(t.num_rows, at), pa.int64()))
+    want = reference(t)
+    assert want.equals(consolidate(t).combine_chunks())
+    old = RangeConsolidation.split(t, k, shared_source=shared)
+    assert old is not None
+    assert pa.concat_tables([old.table(i) for i in range(len(old))]).combine_chunks().equals(want)
+    for split in (
+        SampledKeyRanges.split(t, k, shared_source=shared, time=at),
+        SortedKeyRanges.split(t, k, shared_source=shared, time=at),
+    ):
+        assert split is not None
+        got = pa.concat_tables([split.table(i) for i in range(len(split))]).combine_chunks()
+        assert got.equals(want)
+        assert got.schema.equals(t.schema)
+
+
+def test_a_bulk_commit_builds_its_time_column_and_a_mixed_chunk_gathers_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the batch builder: a chunk whose rows are all at one time hands that time
+    to the key ranges (which build the column); a chunk of several times hands none.
+    Either way the parts, fetched and checksum-verified, are ``consolidate`` of it."""
+    schemas = Schemas.create(pa.schema([("id", pa.int64())]), pa.schema([("s", pa.string())]))
+    rng = np.random.default_rng(9)
+    n = 30_000
+    seen: list[int | None] = []
+    real = sorted_ranges.SliceConsolidation.__init__
+
+    def spy(self: sorted_ranges.SliceConsolidation, table: pa.Table, source: object, time: int | None = None) -> None:
+        seen.append(time)
+        real(self, table, source, time)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sorted_ranges.SliceConsolidation, "__init__", spy)
+    for times, want_time in ((np.full(n, 3), 3), (rng.integers(0, 4, n), None)):
+        ids = rng.integers(0, n // 2, n)
+        data = normalize_updates(pa.table({
+            "id": ids, "s": pa.array([None if x % 5 == 0 else f"s{x % 4}" for x in ids], pa.string()),
+            "ts": times, "diff": rng.choice(np.array([-1, 1, 2]), n),
+        }), schemas, shard="s1")
+        seen.clear()
+        blob = MemBlob(f"sr-{uuid.uuid4().hex}")
+        batch = build_batch(
+            blob, schemas, data, shard="s1", writer="w1", lower=0, upper=10,
+            key_range_min_bytes=0, target_part_bytes=int(data.nbytes / 1.5) + 1,
+        )
+        assert seen == [want_time]
+        parts = [fetch_part(blob, p, schemas, "s1") for p in batch.parts]
+        assert len(parts) == 2
+        assert pa.concat_tables(parts).combine_chunks().equals(consolidate(data).combine_chunks())
