@@ -81,13 +81,24 @@ def updates(n: int, distinct: int, *, two_keys: bool, null_rate: float, cancel: 
     cancel=st.booleans(),
     k=st.integers(1, 9),
     shared=st.booleans(),
+    at=st.sampled_from([None, 0, 7, -(2**63), 2**63 - 1]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_slices_concatenate_into_the_reference_consolidation(
-    n: int, distinct: int, two_keys: bool, null_rate: float, cancel: bool, k: int, shared: bool, seed: int
+    n: int, distinct: int, two_keys: bool, null_rate: float, cancel: bool, k: int, shared: bool,
+    at: int | None, seed: int,
 ) -> None:
+    """(``at``: every row at that time, handed to the split as ``time``: the time column
+    is then built, not gathered, and left out of the tie-break.) ``SampledKeyRanges``
+    gives the same rows as ``RangeConsolidation``, whose ranges they are."""
     t = updates(n, distinct, two_keys=two_keys, null_rate=null_rate, cancel=cancel, seed=seed)
-    split = SortedKeyRanges.split(t, k, shared_source=shared)
+    if at is not None:
+        t = t.set_column(t.schema.get_field_index("t"), "t", pa.array(np.full(t.num_rows, at), pa.int64()))
+    sampled, old = SampledKeyRanges.split(t, k, shared_source=shared, time=at), RangeConsolidation.split(t, k)
+    assert sampled is not None and old is not None and len(sampled) == len(old)
+    for i in range(len(old)):
+        assert sampled.table(i).equals(old.table(i))
+    split = SortedKeyRanges.split(t, k, shared_source=shared, time=at)
     assert split is not None
     assert 1 <= len(split) <= k
     assert sum(split.rows(i) for i in range(len(split))) == t.num_rows
@@ -96,6 +107,7 @@ def test_slices_concatenate_into_the_reference_consolidation(
     want = reference(t)
     assert got.equals(want)
     assert got.equals(consolidate(t).combine_chunks())
+    assert pa.concat_tables([sampled.table(i) for i in range(len(sampled))]).combine_chunks().equals(want)
     # Disjoint leading-key ranges, in order (an empty slice: everything cancelled there).
     bounds = [(pc.min(s.column(0)).as_py(), pc.max(s.column(0)).as_py()) for s in slices if s.num_rows]
     for (_, hi), (lo, _) in zip(bounds, bounds[1:], strict=False):
@@ -221,44 +233,6 @@ def test_a_bulk_chunk_is_written_as_the_slices_in_order(chunk_mib: int, monkeypa
     assert len(parts) == (4 if chunk_mib == 3 else 2)
     assert all(p.sorted for p in batch.parts)
     assert pa.concat_tables(parts).combine_chunks().equals(consolidate(data).combine_chunks())
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    n=st.integers(2, 3000),
-    distinct=st.sampled_from([1, 2, 30, 500, 100_000]),
-    two_keys=st.booleans(),
-    null_rate=st.sampled_from([0.0, 0.1, 0.6]),
-    cancel=st.booleans(),
-    k=st.integers(1, 5),
-    shared=st.booleans(),
-    at=st.sampled_from([None, 0, 7, -(2**63), 2**63 - 1]),
-    seed=st.integers(0, 2**32 - 1),
-)
-def test_sampled_ranges_and_one_time_concatenate_into_the_reference_consolidation(
-    n: int, distinct: int, two_keys: bool, null_rate: float, cancel: bool, k: int, shared: bool,
-    at: int | None, seed: int,
-) -> None:
-    """``SampledKeyRanges`` (and ``SortedKeyRanges``), with every row at one time
-    (``time``: the time column built, not gathered, and left out of the tie-break) or
-    not: row for row the reference consolidation, ``consolidate`` and
-    ``RangeConsolidation``'s ranges."""
-    t = updates(n, distinct, two_keys=two_keys, null_rate=null_rate, cancel=cancel, seed=seed)
-    if at is not None:
-        t = t.set_column(t.schema.get_field_index("t"), "t", pa.array(np.full(t.num_rows, at), pa.int64()))
-    want = reference(t)
-    assert want.equals(consolidate(t).combine_chunks())
-    old = RangeConsolidation.split(t, k, shared_source=shared)
-    assert old is not None
-    assert pa.concat_tables([old.table(i) for i in range(len(old))]).combine_chunks().equals(want)
-    for split in (
-        SampledKeyRanges.split(t, k, shared_source=shared, time=at),
-        SortedKeyRanges.split(t, k, shared_source=shared, time=at),
-    ):
-        assert split is not None
-        got = pa.concat_tables([split.table(i) for i in range(len(split))]).combine_chunks()
-        assert got.equals(want)
-        assert got.schema.equals(t.schema)
 
 
 def test_a_bulk_commit_builds_its_time_column_and_a_mixed_chunk_gathers_it(monkeypatch: pytest.MonkeyPatch) -> None:
