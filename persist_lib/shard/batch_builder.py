@@ -69,9 +69,10 @@ DEFAULT_TARGET_PART_BYTES = 128 << 20
 DEFAULT_INLINE_THRESHOLD = 4096
 # Chunks of at least twice this are split across the upload threads (see ``add``).
 MIN_PARALLEL_PART_BYTES = 8 << 20
-# Parts of at least this many rows compute their statistics on another thread while they
-# encode (both are Arrow kernels that release the GIL): ~10-15% of a 1M-row bulk part's
-# write, almost all of it the min/max of its string columns (docs/benchmarks.md).
+# Parts of at least this many rows that are not indexed (unsorted bulk parts) compute their
+# statistics on another thread while they encode (both are Arrow kernels that release the
+# GIL): almost all of it the min/max of string columns. Indexed parts read theirs from
+# the row-group statistics of their footer (``stats.footer_part_stats``).
 MIN_PARALLEL_STATS_ROWS = 1 << 16
 # Key-range parts (``key_range_min_bytes``) hold about this many Arrow bytes at most
 # (or ``target_part_bytes`` if less): small enough that a streaming read holds one per
