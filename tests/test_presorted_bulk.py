@@ -60,9 +60,11 @@ def _sorted_rows(kind: str, rows: list[tuple[int | None, int, int, int]]) -> lis
 @pytest.fixture
 def no_sort(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the chunks the writer sorted into key ranges (``SortedKeyRanges.split``
-    for integer leading keys, else ``RangeConsolidation.split``)."""
+    for integer leading keys in 3+ ranges, else ``SampledKeyRanges.split``)."""
     calls: list[int] = []
-    for cls in (consolidate_mod.RangeConsolidation, sorted_ranges_mod.SortedKeyRanges):
+    for cls in (
+        consolidate_mod.RangeConsolidation, sorted_ranges_mod.SampledKeyRanges, sorted_ranges_mod.SortedKeyRanges
+    ):
         real = cls.split
 
         def counting(table: pa.Table, k: int, real: Any = real, **kw: Any) -> Any:

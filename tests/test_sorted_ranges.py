@@ -22,10 +22,15 @@ from persist_lib.location.mem import MemBlob
 from persist_lib.shard import sorted_ranges
 from persist_lib.shard.batch_builder import build_batch
 from persist_lib.shard.codec import Schemas, normalize_updates
-from persist_lib.shard.consolidate import _break_ties, _int_order, consolidate
+from persist_lib.shard.consolidate import RangeConsolidation, _break_ties, _int_order, consolidate
 from persist_lib.shard.parts import fetch_part
 from persist_lib.shard.presorted import cut_points
-from persist_lib.shard.sorted_ranges import SortedKeyRanges, break_pair_ties, cuts_between_runs
+from persist_lib.shard.sorted_ranges import (
+    SampledKeyRanges,
+    SortedKeyRanges,
+    break_pair_ties,
+    cuts_between_runs,
+)
 
 
 def reference(table: pa.Table) -> pa.Table:
@@ -76,13 +81,24 @@ def updates(n: int, distinct: int, *, two_keys: bool, null_rate: float, cancel: 
     cancel=st.booleans(),
     k=st.integers(1, 9),
     shared=st.booleans(),
+    at=st.sampled_from([None, 0, 7, -(2**63), 2**63 - 1]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_slices_concatenate_into_the_reference_consolidation(
-    n: int, distinct: int, two_keys: bool, null_rate: float, cancel: bool, k: int, shared: bool, seed: int
+    n: int, distinct: int, two_keys: bool, null_rate: float, cancel: bool, k: int, shared: bool,
+    at: int | None, seed: int,
 ) -> None:
+    """(``at``: every row at that time, handed to the split as ``time``: the time column
+    is then built, not gathered, and left out of the tie-break.) ``SampledKeyRanges``
+    gives the same rows as ``RangeConsolidation``, whose ranges they are."""
     t = updates(n, distinct, two_keys=two_keys, null_rate=null_rate, cancel=cancel, seed=seed)
-    split = SortedKeyRanges.split(t, k, shared_source=shared)
+    if at is not None:
+        t = t.set_column(t.schema.get_field_index("t"), "t", pa.array(np.full(t.num_rows, at), pa.int64()))
+    sampled, old = SampledKeyRanges.split(t, k, shared_source=shared, time=at), RangeConsolidation.split(t, k)
+    assert sampled is not None and old is not None and len(sampled) == len(old)
+    for i in range(len(old)):
+        assert sampled.table(i).equals(old.table(i))
+    split = SortedKeyRanges.split(t, k, shared_source=shared, time=at)
     assert split is not None
     assert 1 <= len(split) <= k
     assert sum(split.rows(i) for i in range(len(split))) == t.num_rows
@@ -91,6 +107,7 @@ def test_slices_concatenate_into_the_reference_consolidation(
     want = reference(t)
     assert got.equals(want)
     assert got.equals(consolidate(t).combine_chunks())
+    assert pa.concat_tables([sampled.table(i) for i in range(len(sampled))]).combine_chunks().equals(want)
     # Disjoint leading-key ranges, in order (an empty slice: everything cancelled there).
     bounds = [(pc.min(s.column(0)).as_py(), pc.max(s.column(0)).as_py()) for s in slices if s.num_rows]
     for (_, hi), (lo, _) in zip(bounds, bounds[1:], strict=False):
@@ -216,3 +233,36 @@ def test_a_bulk_chunk_is_written_as_the_slices_in_order(chunk_mib: int, monkeypa
     assert len(parts) == (4 if chunk_mib == 3 else 2)
     assert all(p.sorted for p in batch.parts)
     assert pa.concat_tables(parts).combine_chunks().equals(consolidate(data).combine_chunks())
+
+
+def test_a_bulk_commit_builds_its_time_column_and_a_mixed_chunk_gathers_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the batch builder: a chunk whose rows are all at one time hands that time
+    to the key ranges (which build the column); a chunk of several times hands none.
+    Either way the parts, fetched and checksum-verified, are ``consolidate`` of it."""
+    schemas = Schemas.create(pa.schema([("id", pa.int64())]), pa.schema([("s", pa.string())]))
+    rng = np.random.default_rng(9)
+    n = 30_000
+    seen: list[int | None] = []
+    real = sorted_ranges.SliceConsolidation.__init__
+
+    def spy(self: sorted_ranges.SliceConsolidation, table: pa.Table, source: object, time: int | None = None) -> None:
+        seen.append(time)
+        real(self, table, source, time)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sorted_ranges.SliceConsolidation, "__init__", spy)
+    for times, want_time in ((np.full(n, 3), 3), (rng.integers(0, 4, n), None)):
+        ids = rng.integers(0, n // 2, n)
+        data = normalize_updates(pa.table({
+            "id": ids, "s": pa.array([None if x % 5 == 0 else f"s{x % 4}" for x in ids], pa.string()),
+            "ts": times, "diff": rng.choice(np.array([-1, 1, 2]), n),
+        }), schemas, shard="s1")
+        seen.clear()
+        blob = MemBlob(f"sr-{uuid.uuid4().hex}")
+        batch = build_batch(
+            blob, schemas, data, shard="s1", writer="w1", lower=0, upper=10,
+            key_range_min_bytes=0, target_part_bytes=int(data.nbytes / 1.5) + 1,
+        )
+        assert seen == [want_time]
+        parts = [fetch_part(blob, p, schemas, "s1") for p in batch.parts]
+        assert len(parts) == 2
+        assert pa.concat_tables(parts).combine_chunks().equals(consolidate(data).combine_chunks())

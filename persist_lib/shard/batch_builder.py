@@ -20,7 +20,7 @@ keeps them cheap to merge).
 **Key-range parts.** With ``key_range_min_bytes`` set (``PersistConfig``), a chunk of at
 least that many Arrow bytes is instead cut at sampled quantiles of its leading key
 into ranges of about ``KEY_RANGE_PART_BYTES`` (at least one per upload thread;
-``consolidate.RangeConsolidation``), and each range is sorted, consolidated, encoded and
+``sorted_ranges.SampledKeyRanges``), and each range is sorted, consolidated, encoded and
 uploaded by its own task. An integer leading key cut into three or more ranges is sorted
 once for the whole chunk and that order cut into slices instead (``sorted_ranges``:
 cheaper than the cut and the per-range sorts). The parts are sorted and hold disjoint leading-key ranges,
@@ -47,18 +47,20 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import T_COL, Schemas, check_updates
-from persist_lib.shard.consolidate import RangeConsolidation, consolidate
+from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.part_fetch import remember_written_part
+from persist_lib.shard.part_index import INDEXED_ROW_GROUP_ROWS
 from persist_lib.shard.parts import encode_part, part_blob_key, part_meta_for
 from persist_lib.shard.presorted import consolidate_presorted, cut_points, is_presorted
-from persist_lib.shard.sorted_ranges import SortedKeyRanges
-from persist_lib.shard.stats import part_stats
+from persist_lib.shard.sorted_ranges import SampledKeyRanges, SortedKeyRanges
+from persist_lib.shard.stats import StatsRecord, footer_part_stats, part_stats
 from persist_lib.shard.thread_pools import SharedPool
 
 log = logging.getLogger(__name__)
@@ -67,9 +69,10 @@ DEFAULT_TARGET_PART_BYTES = 128 << 20
 DEFAULT_INLINE_THRESHOLD = 4096
 # Chunks of at least twice this are split across the upload threads (see ``add``).
 MIN_PARALLEL_PART_BYTES = 8 << 20
-# Parts of at least this many rows compute their statistics on another thread while they
-# encode (both are Arrow kernels that release the GIL): ~10-15% of a 1M-row bulk part's
-# write, almost all of it the min/max of its string columns (docs/benchmarks.md).
+# Parts of at least this many rows that are not indexed (unsorted bulk parts) compute their
+# statistics on another thread while they encode (both are Arrow kernels that release the
+# GIL): almost all of it the min/max of string columns. Indexed parts read theirs from
+# the row-group statistics of their footer (``stats.footer_part_stats``).
 MIN_PARALLEL_STATS_ROWS = 1 << 16
 # Key-range parts (``key_range_min_bytes``) hold about this many Arrow bytes at most
 # (or ``target_part_bytes`` if less): small enough that a streaming read holds one per
@@ -194,7 +197,7 @@ class BatchBuilder:
         ):
             if self._buffer:
                 self._flush()  # earlier small chunks: a part of their own
-            if self._add_key_ranges(table):
+            if self._add_key_ranges(table, time=lo if lo == hi else None):
                 return
         bytes_per_row = max(table.nbytes / n, 1.0)
         # A large chunk is cut into at least ``max_inflight_uploads`` parts, so that its
@@ -353,10 +356,11 @@ class BatchBuilder:
             if not isinstance(e, Exception):
                 raise  # an interrupt: finish aborts the builder on its way out
 
-    def _add_key_ranges(self, table: pa.Table) -> bool:
+    def _add_key_ranges(self, table: pa.Table, *, time: int | None) -> bool:
         """Writes ``table`` as sorted parts of disjoint leading-key ranges, each range on
         its own task (module docstring); False (nothing done) when its leading column
-        can't be cut into ranges."""
+        can't be cut into ranges. ``time``: every row is at that time (``sorted_ranges``
+        then builds the time column instead of gathering it)."""
         cap = min(self.target_part_bytes, KEY_RANGE_PART_BYTES)
         k = max(self.max_inflight_uploads, math.ceil(table.nbytes / cap))
         if is_presorted(table):  # sorted already: cut where it lies (``presorted``)
@@ -366,14 +370,14 @@ class BatchBuilder:
             return True
         shared = table.nbytes <= KEY_RANGE_SHARED_SOURCE_MAX_BYTES
         # An integer leading key cut into 3+ ranges: one sort of it, cut into slices
-        # (``sorted_ranges``); else cut at sampled quantiles, each range sorted on its own
-        # thread (two ranges: a cut at one pivot is as cheap as the one sort, and the two
-        # sorts run in parallel).
-        split: SortedKeyRanges | RangeConsolidation | None = None
+        # (``SortedKeyRanges``); else cut at sampled quantiles, each range sorted on its
+        # own thread (``SampledKeyRanges``; two ranges: a cut at one pivot is as cheap as
+        # the one sort, and the two sorts run in parallel).
+        split: SortedKeyRanges | SampledKeyRanges | None = None
         if k >= SORTED_RANGES_MIN_PIECES:
-            split = SortedKeyRanges.split(table, k, shared_source=shared)
+            split = SortedKeyRanges.split(table, k, shared_source=shared, time=time)
         if split is None:
-            split = RangeConsolidation.split(table, k, shared_source=shared)
+            split = SampledKeyRanges.split(table, k, shared_source=shared, time=time)
         if split is None:
             return False
         for i in range(len(split)):
@@ -393,7 +397,7 @@ class BatchBuilder:
         """Runs in the pool: consolidates a slice of a sorted chunk in place, then stores it."""
         return self._store_part(consolidate_presorted(piece), key, unsorted=False)
 
-    def _write_range(self, split: SortedKeyRanges | RangeConsolidation, i: int, key: str) -> PartMeta | None:
+    def _write_range(self, split: SortedKeyRanges | SampledKeyRanges, i: int, key: str) -> PartMeta | None:
         """Runs in the pool: sorts and consolidates key range ``i``, then stores it."""
         return self._store_part(split.table(i), key, unsorted=False)
 
@@ -416,24 +420,34 @@ class BatchBuilder:
             return None
         # Sorted parts get the row-group index for ranged reads (with the statistics: a
         # builder told to record none writes parts as the writers before both did).
+        indexed = self.record_stats and not unsorted
+        # An indexed part's encode writes Parquet statistics per row group: its own
+        # statistics are read from those (``stats.footer_part_stats``), not computed again.
+        from_footer = indexed and part.num_rows > INDEXED_ROW_GROUP_ROWS
         pending: Future[Any] | None = None
-        if self.record_stats and part.num_rows >= MIN_PARALLEL_STATS_ROWS:
+        if self.record_stats and not from_footer and part.num_rows >= MIN_PARALLEL_STATS_ROWS:
             pending = _STATS.get().submit(part_stats, part, self.schemas)
         try:
-            data = encode_part(part, self.schemas, indexed=self.record_stats and not unsorted)
+            data = encode_part(part, self.schemas, indexed=indexed)
         except BaseException:
             if pending is not None:
                 pending.cancel()
             raise
-        if pending is not None:
+        md: pq.FileMetaData | None = None
+        stats: StatsRecord | None
+        if from_footer:
+            md = pq.read_metadata(pa.BufferReader(data))
+            stats = footer_part_stats(part, self.schemas, md)
+        elif pending is not None:
             stats = pending.result()
         else:
             stats = part_stats(part, self.schemas) if self.record_stats else None
-        if len(data) <= self.inline_threshold:
-            meta = part_meta_for(data, part, None, inline=True, sorted=not unsorted, stats=stats)
-        else:
+        inline = len(data) <= self.inline_threshold
+        if not inline:
             self.blob.set(key, data)
-            meta = part_meta_for(data, part, key, inline=False, sorted=not unsorted, stats=stats)
+        meta = part_meta_for(
+            data, part, None if inline else key, inline=inline, sorted=not unsorted, stats=stats, md=md
+        )
         remember_written_part(meta.sha256, self.schemas, part)
         return meta
 

@@ -284,8 +284,10 @@ def part_meta_for(
     *,
     sorted: bool = True,
     stats: tuple[tuple[str, Any, Any, int], ...] | None = None,
+    md: pq.FileMetaData | None = None,
 ) -> PartMeta:
-    """The state's record of an encoded part: size, update count, SHA-256, time bounds."""
+    """The state's record of an encoded part: size, update count, SHA-256, time bounds
+    (``md``: ``data``'s Parquet metadata when the caller read it already)."""
     if table.num_rows == 0:
         raise InvalidUsage("part_meta_for: a part must hold at least one update")
     if inline == (key is not None):
@@ -294,7 +296,8 @@ def part_meta_for(
             f"key={key!r} inline={inline}"
         )
     mm = pc.min_max(table.column(T_COL))
-    md = pq.read_metadata(pa.BufferReader(data)) if table.num_rows > part_index.INDEXED_ROW_GROUP_ROWS else None
+    if md is None and table.num_rows > part_index.INDEXED_ROW_GROUP_ROWS:
+        md = pq.read_metadata(pa.BufferReader(data))
     indexed = md is not None and META_INDEX in (md.metadata or {})
     return PartMeta(
         key=key,

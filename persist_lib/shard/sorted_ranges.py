@@ -32,7 +32,9 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from persist_lib.shard.codec import D_COL, T_COL
 from persist_lib.shard.consolidate import (
+    KeyRanges,
     TakeFn,
     _break_ties,
     _flat_int_values,
@@ -42,6 +44,7 @@ from persist_lib.shard.consolidate import (
     _sort_inputs,
     _summed,
     gather_updates,
+    split_key_ranges,
 )
 from persist_lib.shard.kernels import MIN_POLARS_ROWS, RowSource
 from persist_lib.shard.ranks import as_chunked, is_flat_comparable
@@ -62,32 +65,115 @@ def cuts_between_runs(same: np.ndarray, pieces: int) -> list[int]:
     return [int(p) for p in np.unique(candidates[at[at < len(candidates)]])]
 
 
-class SortedKeyRanges:
-    """``consolidate`` of an update table in contiguous slices of its order by the
-    leading key (module docstring): ``table(i)`` is slice ``i`` sorted by ``(k, v, t)``,
-    equal rows summed and zero sums dropped; the slices, in order, concatenate into
-    ``consolidate(table)`` and hold disjoint leading-key ranges."""
+def gather_at(
+    source: pa.Table | RowSource, rows: np.ndarray, diffs: np.ndarray, time: int | None
+) -> pa.Table:
+    """``gather_updates(source, rows, diffs)``; with ``time`` (every row of ``source`` is
+    at that time) the time column is built, not gathered."""
+    if time is None or not isinstance(source, RowSource):
+        return gather_updates(source, rows, diffs)
+    schema = source.table.schema
+    ti, di = schema.get_field_index(T_COL), schema.get_field_index(D_COL)
+    cols = [
+        pa.array(diffs, pa.int64()) if i == di
+        else pa.array(np.full(len(rows), time, dtype=np.int64)) if i == ti
+        else source.take_column(i, rows)
+        for i in range(len(schema))
+    ]
+    return pa.Table.from_arrays(cols, schema=schema)
 
-    def __init__(
-        self, table: pa.Table, perm: np.ndarray, same: np.ndarray, bounds: list[int], source: RowSource | None
-    ) -> None:
-        """``perm``/``same``: the table's order by its leading key (``_int_order``);
-        ``bounds``: the slices' first rows in that order, then ``n``; ``source``: a
-        ``RowSource`` of ``table`` to gather from (prepared here, before threads share it)."""
-        self._order = (perm, same, bounds)
-        self._cols, self._take, self._d = _sort_inputs(table, source)
+
+class SliceConsolidation:
+    """Consolidates sets of a table's rows that come sorted by its leading key (a slice of
+    its order, or one key range's rows), each e.g. on its own thread: the later columns
+    order the ties (``break_pair_ties``), equal rows are summed, and the rows gathered.
+    ``time``: every row of the table is at that time (a bulk commit's chunk), so the
+    time column orders nothing and ties nothing apart: it is left out of the tie-break
+    and built, not gathered."""
+
+    def __init__(self, table: pa.Table, source: RowSource | None, time: int | None = None) -> None:
+        """``source``: a ``RowSource`` of ``table`` to gather from (prepared here, before
+        threads share it)."""
+        cols, self._take, self._d = _sort_inputs(table, source)
+        self._cols = cols[:-1] if time is not None else cols  # (t is the last sort column)
+        self._time = time
         self._gather_from: pa.Table | RowSource = table
         if source is not None:
             self._gather_from = source
             for i in range(table.num_columns):
                 source.prepare(i)
 
+    def consolidated(self, perm: np.ndarray, same: np.ndarray) -> pa.Table:
+        """The rows ``perm`` (row ids sorted by the leading key; ``same``: which
+        neighbours tie on it; reordered in place) sorted by ``(k, v, t)``, equal rows
+        summed, zero sums dropped, gathered."""
+        order, dup = break_pair_ties(self._cols, perm, same, self._take)
+        rows, diffs = _summed(order, dup, self._d)
+        return gather_at(self._gather_from, rows, diffs, self._time)
+
+
+class SampledKeyRanges(SliceConsolidation):
+    """``consolidate.RangeConsolidation`` (the chunk cut at sampled quantiles of its
+    leading key, ``split_key_ranges``; each range sorted by it on its own thread) with
+    ``SliceConsolidation``'s tie-break and constant time: the same rows in the same
+    order. For chunks of one or two ranges, where one sort of the whole leading key
+    (``SortedKeyRanges``) saves nothing."""
+
+    def __init__(self, table: pa.Table, ranges: KeyRanges, source: RowSource | None, time: int | None) -> None:
+        super().__init__(table, source, time)
+        self._ranges = ranges
+
     @classmethod
-    def split(cls, table: pa.Table, k: int, *, shared_source: bool = True) -> SortedKeyRanges | None:
+    def split(
+        cls, table: pa.Table, k: int, *, shared_source: bool = True, time: int | None = None
+    ) -> SampledKeyRanges | None:
+        """``table`` cut into up to ``k`` key ranges; None when its leading column can't
+        be (``split_key_ranges``). ``shared_source``: as ``RangeConsolidation.split``;
+        ``time``: as ``SliceConsolidation``."""
+        _key_columns(table)
+        ranges = split_key_ranges(table.column(0), k) if table.num_rows else None
+        if ranges is None:
+            return None
+        source = RowSource(table) if shared_source and table.num_rows >= MIN_POLARS_ROWS else None
+        return cls(table, ranges, source, time)
+
+    def __len__(self) -> int:
+        return len(self._ranges.rows)
+
+    def rows(self, i: int) -> int:
+        """How many input rows range ``i`` holds."""
+        return len(self._ranges.rows[i])
+
+    def table(self, i: int) -> pa.Table:
+        """Range ``i``'s rows sorted by ``(k, v, t)``, equal rows summed, zeros dropped."""
+        return self.consolidated(*self._ranges.order(self._ranges.rows[i]))
+
+
+class SortedKeyRanges(SliceConsolidation):
+    """``consolidate`` of an update table in contiguous slices of its order by the
+    leading key (module docstring): ``table(i)`` is slice ``i`` sorted by ``(k, v, t)``,
+    equal rows summed and zero sums dropped; the slices, in order, concatenate into
+    ``consolidate(table)`` and hold disjoint leading-key ranges."""
+
+    def __init__(
+        self, table: pa.Table, perm: np.ndarray, same: np.ndarray, bounds: list[int], source: RowSource | None,
+        time: int | None = None,
+    ) -> None:
+        """``perm``/``same``: the table's order by its leading key (``_int_order``);
+        ``bounds``: the slices' first rows in that order, then ``n``; ``source``,
+        ``time``: as ``SliceConsolidation``."""
+        super().__init__(table, source, time)
+        self._order = (perm, same, bounds)
+
+    @classmethod
+    def split(
+        cls, table: pa.Table, k: int, *, shared_source: bool = True, time: int | None = None
+    ) -> SortedKeyRanges | None:
         """``table`` sorted by its leading key and cut into up to ``k`` slices; None when
-        the leading column is not plain integers without nulls (``RangeConsolidation``
+        the leading column is not plain integers without nulls (``SampledKeyRanges``
         handles those) or the table has fewer than two rows. ``shared_source``: gather
-        through a ``RowSource`` (as ``RangeConsolidation.split``)."""
+        through a ``RowSource`` (as ``RangeConsolidation.split``); ``time``: as
+        ``SliceConsolidation``."""
         _key_columns(table)
         n = table.num_rows
         if n < 2 or k < 1:
@@ -98,7 +184,7 @@ class SortedKeyRanges:
         perm, same = _int_order(vals)
         bounds = [0, *cuts_between_runs(same, k), n]
         source = RowSource(table) if shared_source and n >= MIN_POLARS_ROWS else None
-        return cls(table, perm, same, bounds, source)
+        return cls(table, perm, same, bounds, source, time)
 
     def __len__(self) -> int:
         return len(self._order[2]) - 1
@@ -113,9 +199,7 @@ class SortedKeyRanges:
         perm, same, bounds = self._order
         lo, hi = bounds[i], bounds[i + 1]
         # (a copy: the tie-break reorders it in place, and a second call starts afresh)
-        order, dup = break_pair_ties(self._cols, perm[lo:hi].copy(), same[lo : hi - 1], self._take)
-        rows, diffs = _summed(order, dup, self._d)
-        return gather_updates(self._gather_from, rows, diffs)
+        return self.consolidated(perm[lo:hi].copy(), same[lo : hi - 1])
 
 
 def break_pair_ties(

@@ -27,6 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from persist_lib.shard.codec import D_COL, KEY_PREFIX, T_COL, VAL_PREFIX, Schemas
 
@@ -149,6 +150,12 @@ def column_stats(col: pa.ChunkedArray | pa.Array, t: pa.DataType) -> ColumnStats
         # Only a part that bypassed the write-boundary UTF-8 check (old code) gets here;
         # readers refuse its bytes anyway (``InvalidUtf8InPart``): no bounds for it.
         return None
+    return _recorded(lo, hi, nulls, t)
+
+
+def _recorded(lo: Any, hi: Any, nulls: int, t: pa.DataType) -> ColumnStats | None:
+    """Exact bounds ``lo``/``hi`` (Python values, not None) as recorded in state, or None
+    when state keeps none for them (long strings, non-finite floats)."""
     if isinstance(lo, str | bytes) and max(len(lo), len(hi)) > MAX_STAT_BYTES:
         return None
     if isinstance(lo, float) and not (math.isfinite(lo) and math.isfinite(hi)):
@@ -166,6 +173,73 @@ def part_stats(table: pa.Table, schemas: Schemas) -> StatsRecord:
     out: list[tuple[str, Any, Any, int]] = []
     for name, t in stat_columns(schemas):
         s = column_stats(table.column(name), t)
+        if s is not None:
+            out.append((name, s.lo, s.hi, s.nulls))
+    return tuple(out)
+
+
+def footer_exact(t: pa.DataType) -> bool:
+    """Whether Parquet's statistics of a column of type ``t`` are its exact Arrow
+    ``min_max`` bounds: integers (unsigned included), booleans, strings and binaries
+    (Parquet orders byte arrays by unsigned bytes, as Arrow does). Not floats (NaN,
+    signed zeros) nor temporal types (Parquet may store another unit)."""
+    return pa.types.is_integer(t) or pa.types.is_boolean(t) or (
+        pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
+    )
+
+
+def _footer_bounds(md: pq.FileMetaData, names: set[str]) -> dict[str, tuple[Any, Any, int]]:
+    """``(lo, hi, nulls)`` over every row group of the columns ``names`` whose every row
+    group has Parquet statistics that bound all its non-null values (``lo``/``hi`` None
+    when all are null). A group without a min/max yet with values (a value past the
+    writer's statistics size limit) leaves its column out."""
+    acc: dict[str, tuple[Any, Any, int]] = {}
+    bad: set[str] = set()
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        for j in range(rg.num_columns):
+            c = rg.column(j)
+            name = c.path_in_schema
+            if name not in names or name in bad:
+                continue
+            st = c.statistics if c.is_stats_set else None
+            if st is None or not st.has_null_count:
+                bad.add(name)
+                continue
+            lo, hi, nulls = acc.get(name, (None, None, 0))
+            nulls += st.null_count
+            if st.has_min_max:
+                lo = st.min if lo is None else min(lo, st.min)
+                hi = st.max if hi is None else max(hi, st.max)
+            elif st.null_count != rg.num_rows:
+                bad.add(name)
+                continue
+            acc[name] = (lo, hi, nulls)
+        for name in names - bad - acc.keys():
+            bad.add(name)  # no chunk of it in this group: not a part of ours
+    return {n: v for n, v in acc.items() if n not in bad}
+
+
+def footer_part_stats(table: pa.Table, schemas: Schemas, md: pq.FileMetaData) -> StatsRecord:
+    """``part_stats(table, schemas)`` of a part encoded as ``md`` says (its Parquet
+    footer), the same record: the bounds of columns with exact Parquet statistics
+    (``footer_exact``) in every row group (an indexed part: ``part_index``) come from
+    the footer, which the writer filled while it encoded; the others (floats, temporal
+    types, columns without statistics) are computed from ``table`` as ``part_stats``
+    does. Measured on a 500k-row part of (int64, string): 4.4 ms of CPU -> 0.35 ms."""
+    cols = stat_columns(schemas)
+    if md.num_rows != table.num_rows:  # (not this table's encoding)
+        return part_stats(table, schemas)
+    bounds = _footer_bounds(md, {n for n, t in cols if footer_exact(t)})
+    out: list[tuple[str, Any, Any, int]] = []
+    for name, t in cols:
+        b = bounds.get(name)
+        if b is None:
+            s = column_stats(table.column(name), t)
+        elif b[2] == table.num_rows:
+            s = ColumnStats(None, None, b[2])
+        else:
+            s = _recorded(b[0], b[1], b[2], t)
         if s is not None:
             out.append((name, s.lo, s.hi, s.nulls))
     return tuple(out)
