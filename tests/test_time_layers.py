@@ -116,6 +116,7 @@ def _histories(draw: Any) -> dict[str, Any]:
         "min_rows": draw(st.integers(1, 40)),
         "in_memory": draw(st.booleans()),
         "first_share": draw(st.sampled_from([0.25, 1.0])),
+        "kv_whole": draw(st.booleans()),
         "seed": draw(st.integers(0, 2**32 - 1)),
     }
 
@@ -132,6 +133,7 @@ def test_snapshot_at_every_as_of_equals_the_model(h: dict[str, Any]) -> None:
     client = _client(
         compaction_time_layers=h["layers"], compaction_layer_min_rows=h["min_rows"],
         compaction_in_memory=h["in_memory"], compaction_layer_max_first_share=h["first_share"],
+        compaction_layer_kv_whole=h["kv_whole"],
     )
     shard = ShardId.new()
     w, r = client.open(shard, KEY, VAL)
@@ -157,8 +159,8 @@ def test_snapshot_at_every_as_of_equals_the_model(h: dict[str, Any]) -> None:
         for run in batch_runs(b):
             t = pa.concat_tables([fetch_part(client.blob, p, w.schemas, str(shard)) for p in run])
             assert is_consolidated(t), (b, run)
-            if b.run_splits is not None:
-                # Layers: each run's times after the previous run's, none below the
+            if b.run_splits is not None and not b.kv_disjoint:
+                # Layers by row time: each run's times after the previous run's, none below the
                 # time the merge forwarded history to.
                 times = t.column("t").to_pylist()
                 floor = forward_time(b.since, b.upper)
@@ -268,10 +270,14 @@ def test_history_below_the_since_collapses_into_one_layer(in_memory: bool) -> No
     r.expire()
 
 
-def test_a_key_range_merge_writes_time_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kv_whole", [False, True])
+def test_a_key_range_merge_writes_time_layers(monkeypatch: pytest.MonkeyPatch, kv_whole: bool) -> None:
     """The key-range merge (``range_merge``, two threads) routes its key-ordered output
-    by time into the layers: the batch is layered, each run consolidated and in its own
-    time range, and the snapshot at every as-of equals the model."""
+    into the layers: the batch is layered, each run consolidated and in its own time
+    range (row-time layers) or holding its own (k, v) whole ((k, v)-whole layers), and
+    the snapshot at every as-of equals the model."""
+    from tests.test_time_layers_kv import assert_kv_layers
+
     from persist_lib.shard import compactor, range_merge
 
     monkeypatch.setattr(range_merge, "RANGE_BYTES", 16 << 10)
@@ -285,7 +291,7 @@ def test_a_key_range_merge_writes_time_layers(monkeypatch: pytest.MonkeyPatch) -
         return out
 
     monkeypatch.setattr(compactor, "plan_by_ranges", counted)
-    client = _client()
+    client = _client(compaction_layer_kv_whole=kv_whole)
     shard = ShardId.new()
     w, r = client.open(shard, KEY, VAL)
     rng = random.Random(11)
@@ -297,9 +303,11 @@ def test_a_key_range_merge_writes_time_layers(monkeypatch: pytest.MonkeyPatch) -
     mn.compact(client, shard)
     assert any(calls), "the key-range merge was not taken"
     (b,) = [b for _, b in client.machine(shard).fetch_latest().trace_batches()]
-    assert b.run_splits and len(batch_runs(b)) >= 2
+    assert b.run_splits and len(batch_runs(b)) >= 2 and b.kv_disjoint == kv_whole
+    if kv_whole:
+        assert_kv_layers(b, client.blob, w.schemas, str(shard))
     prev = -1
-    for run in batch_runs(b):
+    for run in batch_runs(b) if not kv_whole else []:
         t = pa.concat_tables([fetch_part(client.blob, p, w.schemas, str(shard)) for p in run])
         assert is_consolidated(t)
         times = t.column("t").to_pylist()

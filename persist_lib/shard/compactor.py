@@ -212,8 +212,8 @@ def _merge(
         # grouped by time layer as they are cut.
         ranged = plan_by_ranges(
             blob, schemas, shard, runs_parts, since_t, stats, plan, budget,
-            layered.layer_of if layered is not None else None,
-            layered.num_layers if layered is not None else 1,
+            layered.cut_layer_of if layered is not None else None,
+            layered.cut_layers if layered is not None else 1,
         )
     planned = None
     if ranged is None and in_memory is not False and may_merge_in_memory(runs_parts, sources, schemas, budget, plan):
@@ -232,7 +232,7 @@ def _merge(
             try:
                 if ranged is not None:
                     for layer, merged in ranged.tables():
-                        layered.add(layer, merged)
+                        layered.add_merged(layer, merged)
                     del ranged
                     _finish_layers(layered, upper, since)
                 else:
@@ -362,7 +362,10 @@ def _metadata_only_output(req: CompactionRequest) -> HollowBatch:
     since = non_empty[0].since if non_empty else req.since
     parts = non_empty[0].parts if non_empty else ()
     splits = non_empty[0].run_splits if non_empty else None
-    return HollowBatch(lower=req.lower, upper=req.upper, since=since, parts=parts, run_splits=splits)
+    kv_disjoint = non_empty[0].kv_disjoint if non_empty else False
+    return HollowBatch(
+        lower=req.lower, upper=req.upper, since=since, parts=parts, run_splits=splits, kv_disjoint=kv_disjoint
+    )
 
 
 def request_time_layers(req: CompactionRequest, config: PersistConfig) -> tuple[int, ...]:
@@ -370,7 +373,7 @@ def request_time_layers(req: CompactionRequest, config: PersistConfig) -> tuple[
     return layer_bounds(
         [p for b in req.inputs for p in b.parts], forward_time(req.since, req.upper),
         max_layers=config.compaction_time_layers, min_rows=config.compaction_layer_min_rows,
-        max_first_share=config.compaction_layer_max_first_share,
+        max_first_share=config.compaction_layer_max_first_share, kv_whole=config.compaction_layer_kv_whole,
     )
 
 
