@@ -276,9 +276,8 @@ def test_a_key_range_merge_writes_time_layers(monkeypatch: pytest.MonkeyPatch, k
     into the layers: the batch is layered, each run consolidated and in its own time
     range (row-time layers) or holding its own (k, v) whole ((k, v)-whole layers), and
     the snapshot at every as-of equals the model."""
-    from tests.test_time_layers_kv import assert_kv_layers
-
     from persist_lib.shard import compactor, range_merge
+    from tests.test_time_layers_kv import assert_kv_layers
 
     monkeypatch.setattr(range_merge, "RANGE_BYTES", 16 << 10)
     monkeypatch.setattr(range_merge, "MIN_RANGE_MERGE_ROWS", 1_000)
