@@ -255,7 +255,14 @@ class SnapshotReader(LeasedReader):
         parts = [p for run in runs for p in run]
         if not merges_linearly(self.schemas) or not all(p.sorted for p in parts):
             return None
-        if sorted_run_read_bytes(parts, self.schemas, beyond_result=True) > budget:
+        # (the result is held anyway: beyond it, the read holds what one sorted run's
+        # read holds, whole or part by part; runs are read one after the other)
+        whole = max(sorted_run_read_bytes(run, self.schemas, beyond_result=True) for run in runs)
+        streamed = max(
+            sorted_run_stream_bytes([decoded_bytes(p, self.schemas) for p in run], [p.count for p in run])
+            for run in runs
+        )
+        if min(whole, streamed) > budget:
             return None
         blob, schemas, shard = self._client.blob, self.schemas, self.shard_id
 
