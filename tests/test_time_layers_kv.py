@@ -27,12 +27,20 @@ from persist_lib.handles import maintenance as mn
 from persist_lib.handles import snapshot as snapshot_mod
 from persist_lib.handles.read_plan import concatenating_read
 from persist_lib.location.base import Blob
+from persist_lib.shard import time_layers
 from persist_lib.shard.batch_meta import HollowBatch
 from persist_lib.shard.codec import D_COL, T_COL, Schemas
 from persist_lib.shard.consolidate import is_consolidated
 from persist_lib.shard.parts import fetch_part
 from persist_lib.shard.runs import batch_runs
-from persist_lib.shard.time_layers import KvWholeBounds, LayeredOutput, layer_bounds, oldest_layers
+from persist_lib.shard.time_layers import (
+    KvRouter,
+    KvWholeBounds,
+    LayeredOutput,
+    layer_bounds,
+    oldest_layers,
+    split_rows_by_layer,
+)
 
 VAL = pa.schema([("v", pa.string())])
 INT_KEY = pa.schema([("k", pa.int64())])
@@ -106,10 +114,19 @@ def test_rows_go_to_the_layer_of_their_kv_oldest_time_across_tables() -> None:
     assert got == want
     assert got != layer_of(table.column(T_COL).to_numpy()).tolist()  # (routing by row time differs)
     for cut in range(1, len(rows)):
-        out = LayeredOutput(bounds, lambda: None)  # type: ignore[arg-type,return-value]
-        a = out._route_kv_whole(table.slice(0, cut))
-        b = out._route_kv_whole(table.slice(cut))
+        router = KvRouter(layer_of)
+        a = router.route(table.slice(0, cut))
+        b = router.route(table.slice(cut))
         assert [*a.tolist(), *b.tolist()] == want, cut
+    # The in-memory merge's split (rows given as indices into a table), a slice at a time.
+    out = LayeredOutput(bounds, lambda: None)  # type: ignore[arg-type,return-value]
+    order = np.arange(len(rows))[::-1].copy()
+    flipped = table.take(pa.array(order))  # rows stored in reverse, read in order by index
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(time_layers, "ROUTE_ROWS", 7)
+        split = list(split_rows_by_layer(out, flipped, order, np.ones(len(rows), dtype=np.int64)))
+    for layer, (idx, _) in enumerate(split):
+        assert sorted(len(rows) - 1 - idx) == [i for i, w in enumerate(want) if w == layer]
 
 
 def test_kv_whole_bounds_drop_the_two_times_and_first_share_rules() -> None:

@@ -154,6 +154,10 @@ def _bounds(
     return tuple(bounds)
 
 
+# Rows routed at once by ``split_rows_by_layer`` (a (k, v)-whole layout).
+ROUTE_ROWS = 1 << 16
+
+
 def split_rows_by_layer(
     out: LayeredOutput, table: pa.Table, rows: np.ndarray, diffs: np.ndarray
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -161,8 +165,11 @@ def split_rows_by_layer(
     ``table``, in output order) that belong to it (by their time, or, (k, v)-whole, by
     their ``(k, v)``'s oldest time), and their ``diffs``."""
     if out.kv_whole:
-        keys = table.select([c for c in table.column_names if c != D_COL]).take(pa.array(rows))
-        layers = oldest_layers(keys, out.layer_of)
+        # Routed a slice at a time: a copy of the key columns of one slice, not of all.
+        keys, router = table.select([c for c in table.column_names if c != D_COL]), KvRouter(out.layer_of)
+        layers = np.concatenate([
+            router.route(keys.take(pa.array(rows[lo:lo + ROUTE_ROWS]))) for lo in range(0, len(rows), ROUTE_ROWS)
+        ] or [np.zeros(0, dtype=np.int64)])
     else:
         layers = out.layer_of(table.column(T_COL).to_numpy()[rows])
     for layer in range(out.num_layers):
@@ -207,6 +214,30 @@ def oldest_layers(
     return np.asarray(group_layer, dtype=np.int64)[group]
 
 
+class KvRouter:
+    """Routes consecutive tables of one ``(k, v, t)``-ordered stream to (k, v)-whole
+    layers (``oldest_layers``): a ``(k, v)`` continuing from the previous table keeps
+    the layer its first rows went to."""
+
+    def __init__(self, layer_of: Callable[[np.ndarray], np.ndarray]) -> None:
+        self.layer_of = layer_of
+        self._last: pa.Table | None = None  # the last row routed (k, v, t columns)
+        self._last_layer = 0
+
+    def route(self, table: pa.Table) -> np.ndarray:
+        """The layer of each row of ``table``, the next table of the stream."""
+        keys = table.select([c for c in table.column_names if c != D_COL])
+        if not keys.num_rows:
+            return np.zeros(0, dtype=np.int64)
+        if self._last is None:
+            layers = oldest_layers(keys, self.layer_of)
+        else:
+            layers = oldest_layers(pa.concat_tables([self._last, keys]), self.layer_of, self._last_layer)[1:]
+        self._last = keys.slice(keys.num_rows - 1)
+        self._last_layer = int(layers[-1])
+        return layers
+
+
 class LayeredOutput:
     """A merge output written as one sorted run per time layer: layer ``i`` holds the
     updates at times in ``[bounds[i-1], bounds[i])`` (open-ended at both ends), or, for
@@ -215,11 +246,8 @@ class LayeredOutput:
 
     def __init__(self, bounds: Sequence[int], new_builder: Callable[[], BatchBuilder]) -> None:
         self.kv_whole = isinstance(bounds, KvWholeBounds)
-        # (k, v)-whole routing across ``add_routed`` calls: the last row routed (its k, v
-        # and t columns) and its layer, for a (k, v) continuing in the next table.
-        self._last: pa.Table | None = None
-        self._last_layer = 0
         self.bounds = np.asarray(bounds, dtype=np.int64)
+        self._router = KvRouter(self.layer_of)  # (k, v)-whole routing across add_routed calls
         self._new = new_builder
         self._builders: list[BatchBuilder | None] = [None] * (len(bounds) + 1)
         self._done: list[HollowBatch | None] = [None] * (len(bounds) + 1)
@@ -267,7 +295,7 @@ class LayeredOutput:
             self.add(0, table)
             return
         if self.kv_whole:
-            layers = self._route_kv_whole(table)
+            layers = self._router.route(table)
         else:
             layers = self.layer_of(table.column(T_COL).to_numpy())
         lo, hi = int(layers.min()), int(layers.max())
@@ -278,19 +306,6 @@ class LayeredOutput:
             mask = layers == layer
             if mask.any():
                 self.add(layer, table.filter(pa.array(mask)))
-
-    def _route_kv_whole(self, table: pa.Table) -> np.ndarray:
-        keys = table.select([c for c in table.column_names if c != D_COL])
-        last = self._last
-        if last is None:
-            layers = oldest_layers(keys, self.layer_of)
-        else:
-            # Prefixed by the previous table's last row: whether the first row continues
-            # its (k, v), and so inherits its layer.
-            layers = oldest_layers(pa.concat_tables([last, keys]), self.layer_of, self._last_layer)[1:]
-        self._last = keys.slice(keys.num_rows - 1)
-        self._last_layer = int(layers[-1])
-        return layers
 
     def finish_layer(self, layer: int, upper: Antichain, since: Antichain) -> None:
         """Flushes ``layer`` (nothing more is added to it) and waits for its uploads."""
