@@ -243,11 +243,12 @@ def test_an_empty_batch_merged_into_a_layered_one_keeps_its_runs() -> None:
     req = CompactionRequest((1, 2), b.lower, empty.upper, Antichain([0]), (b, empty), kind="empty")
     widened = _metadata_only_output(req)
     assert widened.parts == b.parts and widened.run_splits == b.run_splits and widened.upper == Antichain([20])
+    assert b.kv_disjoint and widened.kv_disjoint  # (the (k, v)-disjoint mark goes with the runs)
     # An empty append widens the batch in place.
     w.compare_and_append([], 16, 17)
     mn.compact(client, shard)
     (b2,) = [b for _, b in client.machine(shard).fetch_latest().trace_batches()]
-    assert b2.upper == Antichain([17]) and b2.parts == b.parts and b2.run_splits == b.run_splits
+    assert b2.upper == Antichain([17]) and b2.parts == b.parts and b2.run_splits == b.run_splits and b2.kv_disjoint
     for as_of in (0, 5, 16):
         assert _rows(r.snapshot(as_of)) == _model(log, as_of)
     w.expire()
