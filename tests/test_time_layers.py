@@ -8,8 +8,6 @@ and a file-blob client for the skipped-parts check.
 from __future__ import annotations
 
 import random
-import uuid
-from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,29 +25,15 @@ from persist_lib.shard.consolidate import is_consolidated
 from persist_lib.shard.parts import fetch_part
 from persist_lib.shard.runs import LAYERED_WRITER_PREFIX, batch_runs
 from persist_lib.shard.time_layers import layer_bounds
+from tests.support.time_layers import Row, assert_kv_layers, mem_client, model, rows
 
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])
 
-Row = tuple[int, str, int, int]
 
 
 def _client(**cfg: Any) -> PersistClient:
-    name = uuid.uuid4().hex
-    base: dict[str, Any] = {"blob_target_size": 4 << 10, "inline_threshold": 0, "compaction_layer_min_rows": 1}
-    return PersistClient.open(f"mem://{name}", f"mem://{name}", PersistConfig.for_tests(**{**base, **cfg}))
-
-
-def _model(log: list[Row], as_of: int) -> list[tuple[int, str, int]]:
-    c: Counter[tuple[int, str]] = Counter()
-    for k, v, t, d in log:
-        if t <= as_of:
-            c[(k, v)] += d
-    return sorted((k, v, d) for (k, v), d in c.items() if d)
-
-
-def _rows(t: pa.Table) -> list[tuple[int, str, int]]:
-    return sorted((r["k"], r["v"], r["diff"]) for r in t.to_pylist())
+    return mem_client(**cfg)
 
 
 def _part(tmin: int, tmax: int, count: int) -> PartMeta:
@@ -167,7 +151,7 @@ def test_snapshot_at_every_as_of_equals_the_model(h: dict[str, Any]) -> None:
                 assert min(times) > prev_tmax and (floor is None or min(times) >= floor), b
                 prev_tmax = max(times)
     for as_of in range(since, upper):
-        assert _rows(r.snapshot(as_of)) == _model(log, as_of), as_of
+        assert rows(r.snapshot(as_of)) == model(log, as_of), as_of
     w.expire()
     r.expire()
 
@@ -204,7 +188,7 @@ def test_an_old_as_of_never_fetches_the_later_layers(tmp_path: Path) -> None:
     for p in later:
         assert p.key is not None
         client.blob.delete(p.key)
-    assert _rows(r.snapshot(as_of)) == _model(log, as_of)
+    assert rows(r.snapshot(as_of)) == model(log, as_of)
     w.expire()
     r.expire()
     client.close()
@@ -250,7 +234,7 @@ def test_an_empty_batch_merged_into_a_layered_one_keeps_its_runs() -> None:
     (b2,) = [b for _, b in client.machine(shard).fetch_latest().trace_batches()]
     assert b2.upper == Antichain([17]) and b2.parts == b.parts and b2.run_splits == b.run_splits and b2.kv_disjoint
     for as_of in (0, 5, 16):
-        assert _rows(r.snapshot(as_of)) == _model(log, as_of)
+        assert rows(r.snapshot(as_of)) == model(log, as_of)
     w.expire()
     r.expire()
 
@@ -266,7 +250,7 @@ def test_history_below_the_since_collapses_into_one_layer(in_memory: bool) -> No
     mn.compact(client, shard)
     (b,) = [b for _, b in client.machine(shard).fetch_latest().trace_batches()]
     assert len(batch_runs(b)) == 1 and {(p.tmin, p.tmax) for p in b.parts} == {(15, 15)}
-    assert _rows(r.snapshot(15)) == _model(log, 15)
+    assert rows(r.snapshot(15)) == model(log, 15)
     w.expire()
     r.expire()
 
@@ -278,7 +262,6 @@ def test_a_key_range_merge_writes_time_layers(monkeypatch: pytest.MonkeyPatch, k
     range (row-time layers) or holding its own (k, v) whole ((k, v)-whole layers), and
     the snapshot at every as-of equals the model."""
     from persist_lib.shard import compactor, range_merge
-    from tests.test_time_layers_kv import assert_kv_layers
 
     monkeypatch.setattr(range_merge, "RANGE_BYTES", 16 << 10)
     monkeypatch.setattr(range_merge, "MIN_RANGE_MERGE_ROWS", 1_000)
@@ -314,6 +297,6 @@ def test_a_key_range_merge_writes_time_layers(monkeypatch: pytest.MonkeyPatch, k
         assert min(times) > prev
         prev = max(times)
     for as_of in range(16):
-        assert _rows(r.snapshot(as_of)) == _model(log, as_of), as_of
+        assert rows(r.snapshot(as_of)) == model(log, as_of), as_of
     w.expire()
     r.expire()

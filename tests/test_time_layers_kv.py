@@ -9,8 +9,6 @@ where parts are corrupted or deleted on disk.
 from __future__ import annotations
 
 import random
-import uuid
-from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,12 +24,9 @@ from persist_lib.errors import CorruptionError
 from persist_lib.handles import maintenance as mn
 from persist_lib.handles import snapshot as snapshot_mod
 from persist_lib.handles.read_plan import concatenating_read
-from persist_lib.location.base import Blob
 from persist_lib.shard import time_layers
 from persist_lib.shard.batch_meta import HollowBatch
-from persist_lib.shard.codec import D_COL, T_COL, Schemas
-from persist_lib.shard.consolidate import is_consolidated
-from persist_lib.shard.parts import fetch_part
+from persist_lib.shard.codec import D_COL, T_COL
 from persist_lib.shard.runs import batch_runs
 from persist_lib.shard.time_layers import (
     KvRouter,
@@ -41,54 +36,11 @@ from persist_lib.shard.time_layers import (
     oldest_layers,
     split_rows_by_layer,
 )
+from tests.support.time_layers import Row, assert_kv_layers, kv_of, mem_client, model, rows
 
 VAL = pa.schema([("v", pa.string())])
 INT_KEY = pa.schema([("k", pa.int64())])
 STR_KEY = pa.schema([("k", pa.string())])
-
-Row = tuple[Any, str, int, int]
-
-
-def _mem_client(**cfg: Any) -> PersistClient:
-    name = uuid.uuid4().hex
-    base: dict[str, Any] = {"blob_target_size": 2 << 10, "inline_threshold": 0, "compaction_layer_min_rows": 1}
-    return PersistClient.open(f"mem://{name}", f"mem://{name}", PersistConfig.for_tests(**{**base, **cfg}))
-
-
-def _model(log: list[Row], as_of: int) -> list[tuple[Any, str, int]]:
-    c: Counter[tuple[Any, str]] = Counter()
-    for k, v, t, d in log:
-        if t <= as_of:
-            c[(k, v)] += d
-    return sorted((k, v, d) for (k, v), d in c.items() if d)
-
-
-def _rows(t: pa.Table) -> list[tuple[Any, str, int]]:
-    return sorted((r["k"], r["v"], r["diff"]) for r in t.to_pylist())
-
-
-def _kv(t: pa.Table) -> list[tuple[Any, ...]]:
-    names = [c for c in t.column_names if c not in (T_COL, D_COL)]
-    return list(zip(*(t.column(c).to_pylist() for c in names), strict=True))
-
-
-def assert_kv_layers(b: HollowBatch, blob: Blob, schemas: Schemas, shard: str) -> None:
-    """A marked batch's runs: each consolidated, no ``(k, v)`` in two runs, and every
-    ``(k, v)``'s oldest time in a run at or after the newest oldest time of the runs
-    before it (so a read as of an old time may skip a run by its parts' ``tmin``)."""
-    seen: set[tuple[Any, ...]] = set()
-    prev_oldest = -1
-    for run in batch_runs(b):
-        t = pa.concat_tables([fetch_part(blob, p, schemas, shard) for p in run])
-        assert is_consolidated(t), b
-        oldest: dict[tuple[Any, ...], int] = {}
-        for kv, time in zip(_kv(t), t.column(T_COL).to_pylist(), strict=True):
-            oldest.setdefault(kv, time)  # (k, v, t) order: the first is the oldest
-        assert not seen & oldest.keys(), "a (k, v) is in two runs of a kv_disjoint batch"
-        seen |= oldest.keys()
-        assert min(oldest.values()) >= prev_oldest, b
-        prev_oldest = max(oldest.values())
-
 
 # ----- routing ----------------------------------------------------------------------
 
@@ -166,9 +118,9 @@ def test_snapshot_at_every_as_of_equals_the_uncompacted_shard(h: dict[str, Any])
     cfg = {"compaction_time_layers": h["layers"], "compaction_in_memory": h["in_memory"],
            "compaction_layer_max_first_share": 1.0}
     clients = {
-        "plain": _mem_client(compaction_enabled=False),
-        "kv": _mem_client(**cfg, compaction_layer_kv_whole=True),
-        "time": _mem_client(**cfg, compaction_layer_kv_whole=False),
+        "plain": mem_client(compaction_enabled=False),
+        "kv": mem_client(**cfg, compaction_layer_kv_whole=True),
+        "time": mem_client(**cfg, compaction_layer_kv_whole=False),
     }
     handles = {name: (ShardId.new(), c) for name, c in clients.items()}
     opened = {name: c.open(s, key, VAL) for name, (s, c) in handles.items()}
@@ -198,9 +150,9 @@ def test_snapshot_at_every_as_of_equals_the_uncompacted_shard(h: dict[str, Any])
         if b.kv_disjoint:
             assert_kv_layers(b, kv_client.blob, opened["kv"][0].schemas, str(kv_shard))
     for as_of in range(since, upper):
-        want = _model(log, as_of)
+        want = model(log, as_of)
         for name, (_, r) in opened.items():
-            assert _rows(r.snapshot(as_of)) == want, (name, as_of)
+            assert rows(r.snapshot(as_of)) == want, (name, as_of)
     for w, r in opened.values():
         w.expire()
         r.expire()
@@ -256,13 +208,13 @@ def test_four_commits_compact_into_marked_layers_and_reads_concatenate(
 
     monkeypatch.setattr(snapshot_mod.SnapshotReader, "_concatenated_runs", spy)
     for as_of in range(4):
-        assert _rows(r.snapshot(as_of)) == _model(log, as_of), as_of
+        assert rows(r.snapshot(as_of)) == model(log, as_of), as_of
     assert calls and max(calls) >= 3
     # The streamed snapshot keeps its (k, v) order (it merges the runs).
     with r.snapshot_batches(3) as s:
         streamed = pa.Table.from_batches(list(s))
-    assert _rows(streamed) == _model(log, 3)
-    assert _kv(streamed) == sorted(_kv(streamed))
+    assert rows(streamed) == model(log, 3)
+    assert kv_of(streamed) == sorted(kv_of(streamed))
     w.expire()
     r.expire()
     client.close()
@@ -271,7 +223,7 @@ def test_four_commits_compact_into_marked_layers_and_reads_concatenate(
 def test_an_unmarked_batch_is_merged_not_concatenated() -> None:
     """A batch without the mark (older state, the row-time layout, or splits that don't
     fit) never takes the concatenating read; state without the key decodes unmarked."""
-    client = _mem_client()
+    client = mem_client()
     shard, w, r, log = _four_commits(client)
     b = _the_batch(client, shard)
     assert HollowBatch.from_json(b.to_json()) == b
@@ -308,7 +260,7 @@ def test_a_skipped_layer_is_never_fetched_and_a_read_one_is_verified(tmp_path: P
     for p in later:
         assert p.key is not None
         _corrupt(tmp_path, p.key)
-    assert _rows(r.snapshot(as_of)) == _model(log, as_of)
+    assert rows(r.snapshot(as_of)) == model(log, as_of)
     with pytest.raises(CorruptionError):
         r.snapshot(3)
     first = next(p for p in b.parts if p.tmin <= as_of)
