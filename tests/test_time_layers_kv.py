@@ -271,3 +271,28 @@ def test_a_skipped_layer_is_never_fetched_and_a_read_one_is_verified(tmp_path: P
     w.expire()
     r.expire()
     client.close()
+
+
+def test_layers_of_a_marked_batch_are_planned_by_their_oldest_times() -> None:
+    """A (k, v)-whole layer's parts reach late times (later updates of old (k, v)), but
+    their (k, v)'s oldest times end where the next run starts: the next merge plans
+    with that range, so an old layer stays small instead of being spread to the end."""
+    from persist_lib import Antichain
+    from persist_lib.shard.batch_meta import PartMeta
+    from persist_lib.shard.time_layers import planning_parts
+
+    def part(tmin: int, tmax: int, count: int) -> PartMeta:
+        return PartMeta(key="s/cml-x/p", size=1, count=count, sha256="", tmin=tmin, tmax=tmax)
+
+    layered = HollowBatch(
+        Antichain([0]), Antichain([64]), Antichain([0]),
+        parts=(part(0, 63, 1000), part(8, 63, 1000), part(16, 63, 2000), part(32, 63, 4000)),
+        run_splits=(1, 2, 3), kv_disjoint=True,
+    )
+    newer = HollowBatch(Antichain([64]), Antichain([72]), Antichain([0]), parts=(part(64, 71, 8000),))
+    planned = planning_parts([layered, newer], kv_whole=True)
+    assert [(p.tmin, p.tmax) for p in planned] == [(0, 7), (8, 15), (16, 31), (32, 63), (64, 71)]
+    assert planning_parts([replace(layered, kv_disjoint=False), newer], kv_whole=True) == [*layered.parts, *newer.parts]
+    kw: dict[str, Any] = {"max_layers": 5, "min_rows": 1, "kv_whole": True}
+    assert layer_bounds(planned, 0, **kw)[0] <= 8  # the first layer: the first run's (k, v)
+    assert layer_bounds([*layered.parts, *newer.parts], 0, **kw)[0] > 8  # (spread to 63, it would not be)

@@ -57,7 +57,12 @@ from persist_lib.shard.runs import (
 )
 from persist_lib.shard.spine import CompactionRequest
 from persist_lib.shard.thread_pools import SharedPool
-from persist_lib.shard.time_layers import LayeredOutput, layer_bounds, split_rows_by_layer
+from persist_lib.shard.time_layers import (
+    LayeredOutput,
+    layer_bounds,
+    planning_parts,
+    split_rows_by_layer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +376,7 @@ def _metadata_only_output(req: CompactionRequest) -> HollowBatch:
 def request_time_layers(req: CompactionRequest, config: PersistConfig) -> tuple[int, ...]:
     """Where the output of ``req`` starts a new time layer (``time_layers``); empty: one run."""
     return layer_bounds(
-        [p for b in req.inputs for p in b.parts], forward_time(req.since, req.upper),
+        planning_parts(req.inputs, kv_whole=config.compaction_layer_kv_whole), forward_time(req.since, req.upper),
         max_layers=config.compaction_time_layers, min_rows=config.compaction_layer_min_rows,
         max_first_share=config.compaction_layer_max_first_share, kv_whole=config.compaction_layer_kv_whole,
     )

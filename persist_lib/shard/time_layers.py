@@ -45,6 +45,7 @@ bounds are the geometric plan's.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -54,6 +55,7 @@ from persist_lib.shard.batch_builder import BatchBuilder
 from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import D_COL, T_COL
 from persist_lib.shard.ranks import row_keys, to_numpy
+from persist_lib.shard.runs import batch_runs
 from persist_lib.shard.sorted_checks import linear_kernels_apply, sorted_ties
 
 
@@ -90,6 +92,26 @@ def layer_bounds(
     if kv_whole:
         return KvWholeBounds(_bounds(parts, since_t, max_layers, min_rows, 1.0, min_times=1))
     return _bounds(parts, since_t, max_layers, min_rows, max_first_share, min_times=2)
+
+
+def planning_parts(batches: Sequence[HollowBatch], *, kv_whole: bool) -> list[PartMeta]:
+    """The parts of a merge of ``batches`` as ``layer_bounds`` weighs them. For a
+    (k, v)-whole layout what counts is where each ``(k, v)``'s *oldest* time falls: a
+    part of a (k, v)-disjoint batch holds the whole history of ``(k, v)`` whose oldest
+    times lie between its run's start and the next run's, so its ``tmax`` (a late update
+    of an old ``(k, v)``) is capped there, or its updates would be spread as far as that
+    late time and the first layers planned far too wide. Other parts as they are."""
+    out: list[PartMeta] = []
+    for b in batches:
+        if not kv_whole or not b.runs_concatenate:
+            out.extend(b.parts)
+            continue
+        runs = batch_runs(b)
+        starts = [min(p.tmin for p in run) for run in runs]
+        for i, run in enumerate(runs):
+            cap = starts[i + 1] - 1 if i + 1 < len(runs) else None
+            out.extend(p if cap is None or p.tmax <= cap else replace(p, tmax=max(p.tmin, cap)) for p in run)
+    return out
 
 
 def _bounds(
