@@ -85,6 +85,11 @@ class PersistConfig:
     compaction_time_layers: int = 6
     compaction_layer_min_rows: int = 4096
     compaction_layer_max_first_share: float = 0.25
+    # (k, v)-whole layers: each (k, v) goes whole into the layer of its oldest retained
+    # update, the batch is marked (k, v)-disjoint and reads concatenate its layers
+    # instead of merging them; max_first_share then does not apply. False: each update
+    # in the layer of its own time (reads merge the layers).
+    compaction_layer_kv_whole: bool = True
     # Background merge threads per client. One: merges then queue behind each other and
     # the spine plans N-way merges over what accumulated, instead of two threads
     # re-merging the tail concurrently; measured on 1,000-row appends (2 cores): ~35%

@@ -8,8 +8,6 @@ and a file-blob client for the skipped-parts check.
 from __future__ import annotations
 
 import random
-import uuid
-from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,29 +25,15 @@ from persist_lib.shard.consolidate import is_consolidated
 from persist_lib.shard.parts import fetch_part
 from persist_lib.shard.runs import LAYERED_WRITER_PREFIX, batch_runs
 from persist_lib.shard.time_layers import layer_bounds
+from tests.support.time_layers import Row, assert_kv_layers, mem_client, model, rows
 
 KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])
 
-Row = tuple[int, str, int, int]
 
 
 def _client(**cfg: Any) -> PersistClient:
-    name = uuid.uuid4().hex
-    base: dict[str, Any] = {"blob_target_size": 4 << 10, "inline_threshold": 0, "compaction_layer_min_rows": 1}
-    return PersistClient.open(f"mem://{name}", f"mem://{name}", PersistConfig.for_tests(**{**base, **cfg}))
-
-
-def _model(log: list[Row], as_of: int) -> list[tuple[int, str, int]]:
-    c: Counter[tuple[int, str]] = Counter()
-    for k, v, t, d in log:
-        if t <= as_of:
-            c[(k, v)] += d
-    return sorted((k, v, d) for (k, v), d in c.items() if d)
-
-
-def _rows(t: pa.Table) -> list[tuple[int, str, int]]:
-    return sorted((r["k"], r["v"], r["diff"]) for r in t.to_pylist())
+    return mem_client(**cfg)
 
 
 def _part(tmin: int, tmax: int, count: int) -> PartMeta:
@@ -116,6 +100,7 @@ def _histories(draw: Any) -> dict[str, Any]:
         "min_rows": draw(st.integers(1, 40)),
         "in_memory": draw(st.booleans()),
         "first_share": draw(st.sampled_from([0.25, 1.0])),
+        "kv_whole": draw(st.booleans()),
         "seed": draw(st.integers(0, 2**32 - 1)),
     }
 
@@ -132,6 +117,7 @@ def test_snapshot_at_every_as_of_equals_the_model(h: dict[str, Any]) -> None:
     client = _client(
         compaction_time_layers=h["layers"], compaction_layer_min_rows=h["min_rows"],
         compaction_in_memory=h["in_memory"], compaction_layer_max_first_share=h["first_share"],
+        compaction_layer_kv_whole=h["kv_whole"],
     )
     shard = ShardId.new()
     w, r = client.open(shard, KEY, VAL)
@@ -157,15 +143,15 @@ def test_snapshot_at_every_as_of_equals_the_model(h: dict[str, Any]) -> None:
         for run in batch_runs(b):
             t = pa.concat_tables([fetch_part(client.blob, p, w.schemas, str(shard)) for p in run])
             assert is_consolidated(t), (b, run)
-            if b.run_splits is not None:
-                # Layers: each run's times after the previous run's, none below the
+            if b.run_splits is not None and not b.kv_disjoint:
+                # Layers by row time: each run's times after the previous run's, none below the
                 # time the merge forwarded history to.
                 times = t.column("t").to_pylist()
                 floor = forward_time(b.since, b.upper)
                 assert min(times) > prev_tmax and (floor is None or min(times) >= floor), b
                 prev_tmax = max(times)
     for as_of in range(since, upper):
-        assert _rows(r.snapshot(as_of)) == _model(log, as_of), as_of
+        assert rows(r.snapshot(as_of)) == model(log, as_of), as_of
     w.expire()
     r.expire()
 
@@ -202,7 +188,7 @@ def test_an_old_as_of_never_fetches_the_later_layers(tmp_path: Path) -> None:
     for p in later:
         assert p.key is not None
         client.blob.delete(p.key)
-    assert _rows(r.snapshot(as_of)) == _model(log, as_of)
+    assert rows(r.snapshot(as_of)) == model(log, as_of)
     w.expire()
     r.expire()
     client.close()
@@ -241,13 +227,14 @@ def test_an_empty_batch_merged_into_a_layered_one_keeps_its_runs() -> None:
     req = CompactionRequest((1, 2), b.lower, empty.upper, Antichain([0]), (b, empty), kind="empty")
     widened = _metadata_only_output(req)
     assert widened.parts == b.parts and widened.run_splits == b.run_splits and widened.upper == Antichain([20])
+    assert b.kv_disjoint and widened.kv_disjoint  # (the (k, v)-disjoint mark goes with the runs)
     # An empty append widens the batch in place.
     w.compare_and_append([], 16, 17)
     mn.compact(client, shard)
     (b2,) = [b for _, b in client.machine(shard).fetch_latest().trace_batches()]
-    assert b2.upper == Antichain([17]) and b2.parts == b.parts and b2.run_splits == b.run_splits
+    assert b2.upper == Antichain([17]) and b2.parts == b.parts and b2.run_splits == b.run_splits and b2.kv_disjoint
     for as_of in (0, 5, 16):
-        assert _rows(r.snapshot(as_of)) == _model(log, as_of)
+        assert rows(r.snapshot(as_of)) == model(log, as_of)
     w.expire()
     r.expire()
 
@@ -263,15 +250,17 @@ def test_history_below_the_since_collapses_into_one_layer(in_memory: bool) -> No
     mn.compact(client, shard)
     (b,) = [b for _, b in client.machine(shard).fetch_latest().trace_batches()]
     assert len(batch_runs(b)) == 1 and {(p.tmin, p.tmax) for p in b.parts} == {(15, 15)}
-    assert _rows(r.snapshot(15)) == _model(log, 15)
+    assert rows(r.snapshot(15)) == model(log, 15)
     w.expire()
     r.expire()
 
 
-def test_a_key_range_merge_writes_time_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kv_whole", [False, True])
+def test_a_key_range_merge_writes_time_layers(monkeypatch: pytest.MonkeyPatch, kv_whole: bool) -> None:
     """The key-range merge (``range_merge``, two threads) routes its key-ordered output
-    by time into the layers: the batch is layered, each run consolidated and in its own
-    time range, and the snapshot at every as-of equals the model."""
+    into the layers: the batch is layered, each run consolidated and in its own time
+    range (row-time layers) or holding its own (k, v) whole ((k, v)-whole layers), and
+    the snapshot at every as-of equals the model."""
     from persist_lib.shard import compactor, range_merge
 
     monkeypatch.setattr(range_merge, "RANGE_BYTES", 16 << 10)
@@ -285,7 +274,7 @@ def test_a_key_range_merge_writes_time_layers(monkeypatch: pytest.MonkeyPatch) -
         return out
 
     monkeypatch.setattr(compactor, "plan_by_ranges", counted)
-    client = _client()
+    client = _client(compaction_layer_kv_whole=kv_whole)
     shard = ShardId.new()
     w, r = client.open(shard, KEY, VAL)
     rng = random.Random(11)
@@ -297,15 +286,17 @@ def test_a_key_range_merge_writes_time_layers(monkeypatch: pytest.MonkeyPatch) -
     mn.compact(client, shard)
     assert any(calls), "the key-range merge was not taken"
     (b,) = [b for _, b in client.machine(shard).fetch_latest().trace_batches()]
-    assert b.run_splits and len(batch_runs(b)) >= 2
+    assert b.run_splits and len(batch_runs(b)) >= 2 and b.kv_disjoint == kv_whole
+    if kv_whole:
+        assert_kv_layers(b, client.blob, w.schemas, str(shard))
     prev = -1
-    for run in batch_runs(b):
+    for run in batch_runs(b) if not kv_whole else []:
         t = pa.concat_tables([fetch_part(client.blob, p, w.schemas, str(shard)) for p in run])
         assert is_consolidated(t)
         times = t.column("t").to_pylist()
         assert min(times) > prev
         prev = max(times)
     for as_of in range(16):
-        assert _rows(r.snapshot(as_of)) == _model(log, as_of), as_of
+        assert rows(r.snapshot(as_of)) == model(log, as_of), as_of
     w.expire()
     r.expire()

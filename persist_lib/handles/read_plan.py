@@ -8,6 +8,8 @@ read's memory budget to choose between the simple whole read and the streaming m
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pyarrow as pa
 
 from persist_lib.shard import state as st
@@ -90,6 +92,21 @@ def parts_in_range(state: st.ShardState, lower: int, upper: int | None) -> list[
         for p in b.parts
         if part_overlaps(p, lower, upper)
     ]
+
+
+def concatenating_read(state: st.ShardState, as_of: int, keeps: Callable[[PartMeta], bool]) -> bool:
+    """Whether a snapshot at ``as_of`` may concatenate its runs instead of merging them:
+    the parts it keeps (times at or before ``as_of``, and ``keeps``) all belong to one
+    batch whose runs are (k, v)-disjoint (``HollowBatch.runs_concatenate``). Runs of
+    different batches may hold the same ``(k, v)``, so any second batch means a merge."""
+    found: HollowBatch | None = None
+    for _, b in state.trace_batches():
+        if not b.lower.less_equal(as_of) or not any(p.tmin <= as_of and keeps(p) for p in b.parts):
+            continue
+        if found is not None:
+            return False
+        found = b
+    return found is not None and found.runs_concatenate
 
 
 def concat_updates(tables: list[pa.Table], schemas: Schemas) -> pa.Table:

@@ -27,6 +27,7 @@ from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read_plan import (
     batch_overlaps,
     concat_updates,
+    concatenating_read,
     decoded_bytes,
     part_overlaps,
     parts_in_range,
@@ -122,7 +123,12 @@ class SnapshotReader(LeasedReader):
         ``result_held``: the caller holds the whole result anyway (``snapshot``): the
         budget bounds the memory beyond it (``read_plan.whole_read_bytes``).
 
-        Three ways, cheapest first (docs/benchmarks.md, issue 28):
+        Three ways, cheapest first (docs/benchmarks.md, issue 28), after one shortcut:
+        when the read keeps parts of one batch only and that batch's runs are marked
+        (k, v)-disjoint (``HollowBatch.runs_concatenate``: (k, v)-whole time layers),
+        each run is read as a sorted run below and the outputs concatenated, not
+        merged (the result is then not in (k, v) order across runs; the streamed
+        ``snapshot_batches``, which promises that order, merges);
         - one sorted run (a compacted shard, or a single sorted batch part) that fits the
           budget: its parts fetched, verified, decoded, times forwarded and each
           consolidated by ``consolidate_sorted`` on the fetch threads — a linear check
@@ -143,8 +149,18 @@ class SnapshotReader(LeasedReader):
             if b.lower.less_equal(as_of)
             for run in batch_runs(b)
         ]
-        # Runs whose statistics prove disjoint key ranges read as one (``disjoint_runs``).
         listed = [run for run in runs if run]
+        if result_held and len(listed) > 1 and concatenating_read(state, as_of, pd.keeps_part):
+            # One (k, v)-disjoint layered batch: each run read as a sorted run, their
+            # outputs concatenated (no merge); read as below if a run is not sorted.
+            got = self._concatenated_runs(listed, as_of, budget, pd)
+            if got is not None:
+                stats.runs += len(listed)
+                for t in got:
+                    stats.output_rows += t.num_rows
+                    yield t
+                return
+        # Runs whose statistics prove disjoint key ranges read as one (``disjoint_runs``).
         runs = chain_disjoint_runs(listed, self.schemas)
         chained = len(runs) < len(listed)  # (some runs' order rests on recorded ranges)
         parts = [p for run in runs for p in run]
@@ -227,6 +243,41 @@ class SnapshotReader(LeasedReader):
             )
         )
         yield from (f for f in (pd.filter_data(t) for t in streamed) if f.num_rows)
+
+    def _concatenated_runs(
+        self, runs: list[list[PartMeta]], as_of: int, budget: int, pd: ReadPushdown
+    ) -> list[pa.Table] | None:
+        """The snapshot of (k, v)-disjoint runs (``concatenating_read``): each run read
+        whole as one sorted run (fetched, verified, forwarded and consolidated on the
+        fetch threads), the outputs concatenated. None when that doesn't apply (types
+        without linear kernels, unsorted parts, over the budget) or a run turns out not
+        to be sorted: the caller reads the runs another way."""
+        parts = [p for run in runs for p in run]
+        if not merges_linearly(self.schemas) or not all(p.sorted for p in parts):
+            return None
+        # (the result is held anyway: beyond it, the read holds what one sorted run's
+        # read holds, whole or part by part; runs are read one after the other)
+        whole = max(sorted_run_read_bytes(run, self.schemas, beyond_result=True) for run in runs)
+        streamed = max(
+            sorted_run_stream_bytes([decoded_bytes(p, self.schemas) for p in run], [p.count for p in run])
+            for run in runs
+        )
+        if min(whole, streamed) > budget:
+            return None
+        blob, schemas, shard = self._client.blob, self.schemas, self.shard_id
+
+        def fetch(p: PartMeta) -> pa.Table:
+            return fetch_part_groups(blob, p, schemas, shard, pd.snapshot_groups(p, as_of))
+
+        tables: list[pa.Table] = []
+        try:
+            for run in runs:
+                tables.extend(self._guard_missing(stream_sorted_run(
+                    run, as_of, fetch, shard, self._fetch_pool(), post=pd.filter_data, restartable=True,
+                )))
+        except RunOrderViolation:
+            return None
+        return [t for t in tables if t.num_rows]
 
     def _footers_allow(self, parts: list[PartMeta]) -> bool:
         """Whether a chain may be streamed: False when its parts' verified footers

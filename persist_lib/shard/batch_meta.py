@@ -14,6 +14,13 @@ one time range, so a read as of an old time skips the later runs' parts by their
 ``tmin``. The field is optional: state without it reads as before, and code that
 predates it reads such a batch as one run per part (its parts are written under a
 writer id code of that age doesn't take for one sorted run: ``runs.batch_runs``).
+
+A layered batch may also carry the *(k, v)-disjoint* mark (``HollowBatch.kv_disjoint``):
+its runs were routed by each ``(k, v)``'s oldest retained time, so no ``(k, v)`` is in
+two runs and a read may concatenate the runs' consolidated outputs instead of merging
+them. The mark is only honoured together with valid ``run_splits`` (without them the
+runs are not known); state without it, or code that predates it, reads the runs by
+merging them, which is correct for any batch.
 """
 
 from __future__ import annotations
@@ -121,6 +128,15 @@ class HollowBatch:
     # increasing, each in ``(0, len(parts))``): a time-layered compactor output. None:
     # the runs follow from the parts' writer (``runs.batch_runs``).
     run_splits: tuple[int, ...] | None = None
+    # The runs hold disjoint sets of ``(k, v)`` (``time_layers``: each ``(k, v)`` whole in
+    # one layer): a read may concatenate them. False: merge them (any batch).
+    kv_disjoint: bool = False
+
+    @property
+    def runs_concatenate(self) -> bool:
+        """Whether a read may concatenate this batch's runs (consolidated one by one)
+        instead of merging them: marked (k, v)-disjoint with valid run splits."""
+        return self.kv_disjoint and self.run_splits is not None and run_splits_fit(self.run_splits, len(self.parts))
 
     @property
     def len(self) -> int:
@@ -144,17 +160,22 @@ class HollowBatch:
         }
         if self.run_splits is not None:
             d["run_splits"] = list(self.run_splits)  # optional: older readers ignore it
+        if self.kv_disjoint:
+            d["kv_disjoint"] = True  # optional: older readers merge the runs (correct)
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> HollowBatch:
         parts = tuple(PartMeta.from_json(p) for p in d["parts"])
+        splits = _run_splits_from_json(d.get("run_splits"), len(parts))
         return cls(
             lower=Antichain.from_json(d["lower"]),
             upper=Antichain.from_json(d["upper"]),
             since=Antichain.from_json(d["since"]),
             parts=parts,
-            run_splits=_run_splits_from_json(d.get("run_splits"), len(parts)),
+            run_splits=splits,
+            # (dropped with the splits: without them the runs are not known)
+            kv_disjoint=bool(d.get("kv_disjoint", False)) and splits is not None,
         )
 
 

@@ -57,7 +57,12 @@ from persist_lib.shard.runs import (
 )
 from persist_lib.shard.spine import CompactionRequest
 from persist_lib.shard.thread_pools import SharedPool
-from persist_lib.shard.time_layers import LayeredOutput, layer_bounds, split_rows_by_layer
+from persist_lib.shard.time_layers import (
+    LayeredOutput,
+    layer_bounds,
+    planning_parts,
+    split_rows_by_layer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +217,8 @@ def _merge(
         # grouped by time layer as they are cut.
         ranged = plan_by_ranges(
             blob, schemas, shard, runs_parts, since_t, stats, plan, budget,
-            layered.layer_of if layered is not None else None,
-            layered.num_layers if layered is not None else 1,
+            layered.cut_layer_of if layered is not None else None,
+            layered.cut_layers if layered is not None else 1,
         )
     planned = None
     if ranged is None and in_memory is not False and may_merge_in_memory(runs_parts, sources, schemas, budget, plan):
@@ -232,7 +237,7 @@ def _merge(
             try:
                 if ranged is not None:
                     for layer, merged in ranged.tables():
-                        layered.add(layer, merged)
+                        layered.add_merged(layer, merged)
                     del ranged
                     _finish_layers(layered, upper, since)
                 else:
@@ -362,15 +367,18 @@ def _metadata_only_output(req: CompactionRequest) -> HollowBatch:
     since = non_empty[0].since if non_empty else req.since
     parts = non_empty[0].parts if non_empty else ()
     splits = non_empty[0].run_splits if non_empty else None
-    return HollowBatch(lower=req.lower, upper=req.upper, since=since, parts=parts, run_splits=splits)
+    kv_disjoint = non_empty[0].kv_disjoint if non_empty else False
+    return HollowBatch(
+        lower=req.lower, upper=req.upper, since=since, parts=parts, run_splits=splits, kv_disjoint=kv_disjoint
+    )
 
 
 def request_time_layers(req: CompactionRequest, config: PersistConfig) -> tuple[int, ...]:
     """Where the output of ``req`` starts a new time layer (``time_layers``); empty: one run."""
     return layer_bounds(
-        [p for b in req.inputs for p in b.parts], forward_time(req.since, req.upper),
+        planning_parts(req.inputs, kv_whole=config.compaction_layer_kv_whole), forward_time(req.since, req.upper),
         max_layers=config.compaction_time_layers, min_rows=config.compaction_layer_min_rows,
-        max_first_share=config.compaction_layer_max_first_share,
+        max_first_share=config.compaction_layer_max_first_share, kv_whole=config.compaction_layer_kv_whole,
     )
 
 
