@@ -7,6 +7,7 @@ blob (moving an inline part to blob re-encodes it as Parquet) or DuckDB."""
 from __future__ import annotations
 
 import datetime as dt
+import decimal
 import hashlib
 import uuid
 from pathlib import Path
@@ -188,3 +189,37 @@ def test_persist_sql_reads_inline_ipc_parts_directly(tmp_path: Path) -> None:
         stream = s.sql(q).fetchall()
     assert direct == stream == [(i, f"n{i}", 3, 1) for i in range(40)]  # (as of 3)
     client.close()
+
+
+TYPES = {
+    "bool": (pa.bool_(), [True, None, False]),
+    "decimal": (pa.decimal128(10, 2), [decimal.Decimal("1.25"), None, decimal.Decimal("-3.10")]),
+    "large_string": (pa.large_string(), ["a", None, "ü"]),
+    "list": (pa.list_(pa.int32()), [[1, 2], None, []]),
+    "struct": (pa.struct([("x", pa.int16()), ("y", pa.string())]), [{"x": 1, "y": "a"}, None, {"x": None, "y": None}]),
+    "date32": (pa.date32(), [dt.date(2020, 1, 1), None, dt.date(1969, 12, 31)]),
+    "time64": (pa.time64("us"), [dt.time(1, 2, 3), None, dt.time(0)]),
+    "timestamp_ns": (pa.timestamp("ns"), [0, None, 10**18]),
+    "duration": (pa.duration("ms"), [1, None, -5]),
+    "fixed_binary": (pa.binary(3), [b"abc", None, b"\x00\x01\x02"]),
+    "uint64": (pa.uint64(), [2**64 - 1, None, 0]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_every_value_type_reads_back_from_an_inline_part_as_from_parquet(name: str) -> None:
+    t, vals = TYPES[name]
+    schemas = Schemas.create(pa.schema([("id", pa.int64())]), pa.schema([("c", t)]))
+    table = pa.table(
+        {"k.id": pa.array([1, 2, 3], pa.int64()), "v.c": pa.array(vals, t),
+         "t": pa.array([0, 0, 1], pa.int64()), "d": pa.array([1, 1, 1], pa.int64())},
+        schema=internal_schema(schemas),
+    )
+    got = []
+    for threshold in (1 << 20, 0):
+        blob = MemBlob(uuid.uuid4().hex)
+        batch = build_batch(blob, schemas, table, shard="s1", writer="w1", lower=0, upper=5, inline_threshold=threshold)
+        (p,) = batch.parts
+        assert (p.inline is not None) == (threshold > 0)
+        got.append(fetch_part(blob, p, schemas, "s1"))
+    assert got[0].equals(got[1]) and got[0].equals(table)
