@@ -51,6 +51,7 @@ import pyarrow.compute as pc
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.location.base import Blob
+from persist_lib.shard import part_index
 from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import T_COL, Schemas, check_updates
 from persist_lib.shard.consolidate import RangeConsolidation, consolidate
@@ -453,6 +454,8 @@ class BatchBuilder:
         than the copy the cache would need (``remember_written_part``) costs the writer."""
         if self.inline_threshold <= 0 or part.nbytes > INLINE_TRY_RATIO * self.inline_threshold:
             return None
+        if self.record_stats and part.num_rows > part_index.INDEXED_ROW_GROUP_ROWS:
+            return None  # it gets a row-group index (ranged reads): a Parquet part
         data = encode_inline_part(part, self.schemas)
         return data if len(data) <= self.inline_threshold else None
 
