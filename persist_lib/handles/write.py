@@ -28,7 +28,7 @@ from persist_lib.shard.batch_builder import BatchBuilder, build_batch, delete_ba
 from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import CheckedUpdates, Schemas, normalize_checked
 from persist_lib.shard.machine import ApplyProgress, Machine
-from persist_lib.shard.parts import part_blob_key
+from persist_lib.shard.parts import blob_form, part_blob_key
 from persist_lib.shard.state import ShardState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -357,9 +357,10 @@ class WriteHandle:
                     parts.append(p)
                     continue
                 key = part_blob_key(self.shard_id, self.writer_id)
-                moved = replace(p, key=key, inline=None)
+                data, as_blob = blob_form(p, self.shard_id)
+                moved = replace(as_blob, key=key, inline=None)
                 written.append(moved)  # before the upload: a partial upload is deleted too
-                self._client.blob.set(key, p.inline)
+                self._client.blob.set(key, data)
                 parts.append(moved)
         finally:
             uninlined.append(replace(batch, parts=tuple(written)))

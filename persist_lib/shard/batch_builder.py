@@ -52,12 +52,13 @@ import pyarrow.parquet as pq
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.location.base import Blob
+from persist_lib.shard import part_index
 from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import T_COL, Schemas, check_updates
 from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.part_fetch import remember_written_part
 from persist_lib.shard.part_index import INDEXED_ROW_GROUP_ROWS
-from persist_lib.shard.parts import encode_part, part_blob_key, part_meta_for
+from persist_lib.shard.parts import encode_inline_part, encode_part, part_blob_key, part_meta_for
 from persist_lib.shard.presorted import consolidate_presorted, cut_points, is_presorted
 from persist_lib.shard.sorted_ranges import SampledKeyRanges, SortedKeyRanges
 from persist_lib.shard.stats import StatsRecord, footer_part_stats, part_stats
@@ -67,6 +68,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TARGET_PART_BYTES = 128 << 20
 DEFAULT_INLINE_THRESHOLD = 4096
+# A part is tried as an inline IPC part when its table is at most this many times the
+# inline threshold (1,000 rows of int64 key + short string: ~40 KB raw, ~10 KB encoded).
+INLINE_TRY_RATIO = 8
 # Chunks of at least twice this are split across the upload threads (see ``add``).
 MIN_PARALLEL_PART_BYTES = 8 << 20
 # Parts of at least this many rows that are not indexed (unsorted bulk parts) compute their
@@ -418,6 +422,10 @@ class BatchBuilder:
         """Encodes a part (with its statistics), then uploads it or keeps it inline."""
         if part.num_rows == 0:
             return None
+        inline = self._inline_form(part)
+        if inline is not None:  # small: an IPC inline part, no Parquet encode at all
+            stats = part_stats(part, self.schemas) if self.record_stats else None
+            return part_meta_for(inline, part, None, inline=True, sorted=not unsorted, stats=stats)
         # Sorted parts get the row-group index for ranged reads (with the statistics: a
         # builder told to record none writes parts as the writers before both did).
         indexed = self.record_stats and not unsorted
@@ -450,6 +458,20 @@ class BatchBuilder:
         )
         remember_written_part(meta.sha256, self.schemas, part)
         return meta
+
+    def _inline_form(self, part: pa.Table) -> bytes | None:
+        """``part`` as an inline IPC part (``inline_format``) when it fits under the
+        inline threshold; None (write Parquet) when it doesn't. Tried only on tables at
+        most ``INLINE_TRY_RATIO`` times the threshold: zstd rarely shrinks more.
+
+        Not offered to the decoded-part cache: decoding an IPC part costs a merge less
+        than the copy the cache would need (``remember_written_part``) costs the writer."""
+        if self.inline_threshold <= 0 or part.nbytes > INLINE_TRY_RATIO * self.inline_threshold:
+            return None
+        if self.record_stats and part.num_rows > part_index.INDEXED_ROW_GROUP_ROWS:
+            return None  # it gets a row-group index (ranged reads): a Parquet part
+        data = encode_inline_part(part, self.schemas)
+        return data if len(data) <= self.inline_threshold else None
 
     def _shutdown(self) -> None:
         if self._own_executor:

@@ -46,7 +46,7 @@ from persist_lib.shard.machine import Machine
 from persist_lib.shard.memory_plan import MemoryPlan, MergeStats
 from persist_lib.shard.part_fetch import DECODED_CACHE
 from persist_lib.shard.part_writers import PartWriter
-from persist_lib.shard.parts import part_blob_key
+from persist_lib.shard.parts import blob_form, part_blob_key
 from persist_lib.shard.range_merge import may_merge_by_ranges, plan_by_ranges
 from persist_lib.shard.runs import (
     RunOrderViolation,
@@ -504,6 +504,7 @@ def _uninline(machine: Machine, batch: HollowBatch, writer: str | None) -> Hollo
             parts.append(p)
             continue
         key = part_blob_key(machine.shard_id, writer)
-        machine.blob.set(key, p.inline)
-        parts.append(replace(p, key=key, inline=None))
+        data, as_blob = blob_form(p, machine.shard_id)  # an IPC inline part: as Parquet
+        machine.blob.set(key, data)
+        parts.append(replace(as_blob, key=key, inline=None))
     return replace(batch, parts=tuple(parts))

@@ -22,12 +22,14 @@ from persist_lib.errors import BlobNotFound, CorruptionError
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import D_COL, T_COL, Schemas, internal_schema
+from persist_lib.shard.inline_format import is_ipc_part
 from persist_lib.shard.migrate import migrate, writing_schemas
 from persist_lib.shard.parts import (
     FORMAT_VERSION,
     META_FORMAT,
     META_SCHEMAS,
     check_part_strings,
+    read_stored,
     verify_part_bytes,
 )
 
@@ -217,15 +219,22 @@ def check_part_metadata(pf: pq.ParquetFile, reader: Schemas, shard: str, key: st
     """Checks a verified part's Parquet metadata: format version, schemas, columns;
     returns the schema version (``reader`` or an earlier one) it was written under."""
     try:
-        meta = pf.schema_arrow.metadata or {}
+        schema = pf.schema_arrow
     except Exception as e:
         raise _corrupt(shard, key, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
+    return check_stored_schema(schema, reader, shard, key)
+
+
+def check_stored_schema(schema: pa.Schema, reader: Schemas, shard: str, key: str) -> Schemas:
+    """``check_part_metadata`` on a stored schema (a Parquet part's or an inline IPC
+    part's): format version, schemas, columns."""
+    meta = schema.metadata or {}
     if meta.get(META_FORMAT) != FORMAT_VERSION.encode():
         raise _corrupt(shard, key, f"unknown part format {meta.get(META_FORMAT)!r}")
     schemas = writing_schemas(reader, meta.get(META_SCHEMAS), shard=shard, key=key)
     expected_cols = ["k", "v", T_COL, D_COL] if len(schemas.val) else ["k", T_COL, D_COL]
-    if pf.schema_arrow.names != expected_cols:
-        raise _corrupt(shard, key, f"columns {pf.schema_arrow.names}, expected {expected_cols}")
+    if schema.names != expected_cols:
+        raise _corrupt(shard, key, f"columns {schema.names}, expected {expected_cols}")
     return schemas
 
 
@@ -239,11 +248,16 @@ def decode_whole(
     ``use_threads``: decode columns in parallel (Arrow's pool), for a part decoded
     while nothing else is (a ~1 MB part: 1.7x faster).
     """
-    pf, written = _open_verified(data, part, schemas, shard)
-    try:
-        raw = pf.read(use_threads=use_threads)
-    except Exception as e:
-        raise _corrupt(shard, part.location, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
+    if is_ipc_part(data):  # an inline part (``inline_format``): no Parquet footer
+        verify_part_bytes(data, expected_sha256=part.sha256, expected_size=part.size, shard=shard, key=part.location)
+        raw = read_stored(data, shard, part.location)
+        written = check_stored_schema(raw.schema, schemas, shard, part.location)
+    else:
+        pf, written = _open_verified(data, part, schemas, shard)
+        try:
+            raw = pf.read(use_threads=use_threads)
+        except Exception as e:
+            raise _corrupt(shard, part.location, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
     table = raw_to_internal(raw, written, internal_schema(written), shard, part.location)
     check_part_strings(table, written, shard, part.location)  # (never merged into a new part)
     return migrate(table, written, schemas)  # an earlier version's part: to the reader's layout

@@ -568,7 +568,7 @@ def _delete_prefix(spec: _MergeSpec) -> None:
 
 
 def _uninline(machine: Machine, batch: HollowBatch, writer: str) -> HollowBatch:
-    from persist_lib.shard.parts import part_blob_key
+    from persist_lib.shard.parts import blob_form, part_blob_key
 
     parts: list[PartMeta] = []
     for p in batch.parts:
@@ -576,8 +576,9 @@ def _uninline(machine: Machine, batch: HollowBatch, writer: str) -> HollowBatch:
             parts.append(p)
             continue
         key = part_blob_key(machine.shard_id, writer)
-        machine.blob.set(key, p.inline)
-        parts.append(replace(p, key=key, inline=None))
+        data, as_blob = blob_form(p, machine.shard_id)  # an IPC inline part: as Parquet
+        machine.blob.set(key, data)
+        parts.append(replace(as_blob, key=key, inline=None))
     return replace(batch, parts=tuple(parts))
 
 

@@ -53,7 +53,7 @@ from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import D_COL, DIFF, TS, Schemas
 from persist_lib.shard.direct_parts import first_key_increases, plain_type
 from persist_lib.shard.part_fetch import check_part_metadata, fetch_part_bytes
-from persist_lib.shard.parts import verify_part_bytes
+from persist_lib.shard.parts import parquet_form, verify_part_bytes
 from persist_lib.shard.predicate import Predicate
 from persist_lib.sql.parallel_scan import ScanHolds, scan_pool, scan_workers
 
@@ -85,6 +85,7 @@ def _copy_one(blob: Blob, part: PartMeta, schemas: Schemas, shard: str, path: Pa
     """Fetches ``part``, verifies it and writes its verified bytes to ``path``."""
     data = fetch_part_bytes(blob, part, shard, purpose="persist sql")
     verify_part_bytes(data, expected_sha256=part.sha256, expected_size=part.size, shard=shard, key=part.location)
+    data = parquet_form(data, shard, part.location)  # an inline IPC part: as Parquet for DuckDB
     try:
         pf = pq.ParquetFile(pa.BufferReader(data), pre_buffer=False)
         rows = pf.metadata.num_rows
