@@ -223,3 +223,42 @@ def test_every_value_type_reads_back_from_an_inline_part_as_from_parquet(name: s
         assert (p.inline is not None) == (threshold > 0)
         got.append(fetch_part(blob, p, schemas, "s1"))
     assert got[0].equals(got[1]) and got[0].equals(table)
+
+
+def test_a_state_holding_an_ipc_inline_part_is_format_4_and_older_code_refuses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """3.x code would take an IPC inline part for corrupt Parquet: a state holding one is
+    written as 4.0 (diffs and rollups), which such code refuses with StateFormatTooNew
+    before it reads any part; once no IPC inline part is left, the format falls back."""
+    import json
+
+    from persist_lib.errors import StateFormatTooNew
+    from persist_lib.shard import machine as machine_mod
+    from persist_lib.shard import state as st
+
+    client = file_client(tmp_path, rollup_interval=0, compaction_enabled=False)
+    shard = ShardId.new()
+    key, val = pa.schema([("id", pa.int64())]), pa.schema([("name", pa.string())])
+    w, r = client.open(shard, key, val)
+    w.compare_and_append(user_rows(50, 0), 0, 1)
+    m = client.machine(shard)
+    s = m.fetch_latest()
+    assert s.has_ipc_inline and st.state_format(s) == [4, 0]
+    head = client.consensus.head(str(shard))
+    assert head is not None
+    assert json.loads(machine_mod.unframe(head.data, shard="x", what="h"))["format"] == [4, 0]
+    assert json.loads(s.encode_rollup())["format"] == [4, 0]
+    # The same state read by code that knows 3.x at most: refused, typed, naming the fix.
+    monkeypatch.setattr(st, "FORMAT_MAJOR", 3)
+    machine_mod.clear_state_cache()
+    older = PersistClient(client.raw_blob, client.raw_consensus, client.config)
+    with pytest.raises(StateFormatTooNew, match="upgrade persist_lib"):
+        older.open(shard, key, val)
+    older.close()
+    monkeypatch.undo()
+    # The inline part moved to blob (a Parquet file): nothing needs 4.0 any more.
+    moved = s.evolve(batches={i: _uninline(m, b, w.writer_id) for i, b in s.batches.items()})
+    assert not moved.has_ipc_inline and st.state_format(moved) == [2, 1]
+    assert r.snapshot(0).num_rows == 50
+    client.close()

@@ -21,6 +21,7 @@ from persist_lib.shard import machine as machine_mod
 from persist_lib.shard import state as st
 from persist_lib.shard.codec import Schemas
 from persist_lib.shard.compactor import compact_request
+from persist_lib.shard.inline_format import is_ipc_part, read_ipc_part
 from persist_lib.shard.part_fetch import fetch_part_bytes
 from persist_lib.shard.parts import META_SCHEMAS
 from persist_lib.shard.schema_registry import EvolveOutcome
@@ -100,6 +101,13 @@ EXPECTED = {
 }
 
 
+def stored_schema(data: bytes) -> pa.Schema:
+    """A part's stored schema: a Parquet file's, or an inline IPC part's (``inline_format``)."""
+    if is_ipc_part(data):
+        return read_ipc_part(data).schema
+    return pq.ParquetFile(pa.BufferReader(data)).schema_arrow
+
+
 def test_snapshot_listen_and_compaction_across_three_versions() -> None:
     client = mem_client()
     shard = ShardId.new()
@@ -127,10 +135,8 @@ def test_snapshot_listen_and_compaction_across_three_versions() -> None:
     # Compaction rewrites every part under the latest version; reads are unchanged.
     compact_all(client, shard)
     s = client.machine(shard).fetch_latest()
-    fps = {
-        pq.ParquetFile(pa.BufferReader(fetch_part_bytes(client.blob, p, str(shard)))).schema_arrow.metadata[META_SCHEMAS]
-        for b in s.batches.values() for p in b.parts
-    }
+    fps = {stored_schema(fetch_part_bytes(client.blob, p, str(shard))).metadata[META_SCHEMAS]
+           for b in s.batches.values() for p in b.parts}
     assert fps == {Schemas.create(KEY, V3).fingerprint().encode()}
     for t, want in EXPECTED.items():
         assert rows(r.snapshot(t)) == want, t
@@ -254,7 +260,8 @@ def test_expected_mismatch_changes_nothing_and_a_repeat_is_idempotent() -> None:
 
 
 def test_state_format_stays_2_1_until_the_schemas_evolve() -> None:
-    client = mem_client(rollup_interval=0)
+    # No inline parts: an inline IPC part makes the state 4.0 (test_inline_ipc_parts.py).
+    client = mem_client(rollup_interval=0, inline_threshold=0)
     shard = ShardId.new()
     w, _ = client.open(shard, KEY, V1)
     w.compare_and_append([(((1,), (1, "x")), 0, 1)], 0, 1)

@@ -32,6 +32,7 @@ from typing import Any
 from persist_lib.errors import CorruptionError, StateFormatTooNew
 from persist_lib.frontier import Antichain
 from persist_lib.shard.batch_meta import HollowBatch
+from persist_lib.shard.inline_format import is_ipc_part
 
 # 1.1: quarantined_merges. 2.0: parts may be unsorted (``PartMeta.sorted``): code that
 # assumes every part sorted must not read such a state, hence a major version.
@@ -39,16 +40,22 @@ from persist_lib.shard.batch_meta import HollowBatch
 # 3.0: the schemas evolved (``schemas`` carries earlier ``versions``): parts may be of an
 # earlier version, which 2.x code would take for corrupt. Only such a state is written
 # as 3.0; a shard whose schemas never changed keeps writing 2.1, byte for byte as before.
-FORMAT_MAJOR = 3
+# 4.0: inline parts may be Arrow IPC streams (``inline_format``), which 3.x code would
+# take for corrupt Parquet. Written only while the state holds such a part.
+FORMAT_MAJOR = 4
 FORMAT_MINOR = 0
+FORMAT_EVOLVED = (3, 0)
 FORMAT_UNEVOLVED = (2, 1)
 
 
 def state_format(state: ShardState) -> list[int]:
-    """The format a state is encoded in: 3.0 once its schemas evolved, else 2.1."""
+    """The format a state is encoded in: 4.0 while it holds an inline IPC part, else
+    3.0 once its schemas evolved, else 2.1 (each the oldest code that can read it)."""
+    if state.has_ipc_inline:
+        return [FORMAT_MAJOR, FORMAT_MINOR]
     sch = state.schemas
     if sch is not None and sch.get("versions"):
-        return [FORMAT_MAJOR, FORMAT_MINOR]
+        return list(FORMAT_EVOLVED)
     return list(FORMAT_UNEVOLVED)
 CODE_VERSION = "0.1.0"
 
@@ -254,6 +261,18 @@ class ShardState:
             self.__dict__["_inline_bytes"] = n
         return n
 
+    @property
+    def has_ipc_inline(self) -> bool:
+        """Whether an inline part of this state is an Arrow IPC stream (format 4.0:
+        ``state_format``); computed once per state value."""
+        found: bool | None = self.__dict__.get("_ipc_inline")
+        if found is None:
+            found = any(
+                p.inline is not None and is_ipc_part(p.inline) for b in self.batches.values() for p in b.parts
+            )
+            self.__dict__["_ipc_inline"] = found
+        return found
+
     def seqno_since(self) -> int:
         """The oldest seqno some leased reader may still read: GC must not pass it."""
         holds = [r.seqno for r in self.leased_readers.values()]
@@ -337,7 +356,7 @@ _SCALAR_ORDER = tuple(
 )
 _FIELD_NAMES = frozenset(f.name for f in fields(ShardState))
 # Memoized views kept in a state's ``__dict__`` that depend on its batches.
-_BATCH_MEMOS = ("_trace", "_inline_bytes")
+_BATCH_MEMOS = ("_trace", "_inline_bytes", "_ipc_inline")
 
 
 def _from_parts(scalars: dict[str, Any], maps: dict[str, dict[str, Any]]) -> ShardState:
