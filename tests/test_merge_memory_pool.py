@@ -88,6 +88,7 @@ def every_part_decoded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _with_merge_pool(monkeypatch: pytest.MonkeyPatch, pool: pa.MemoryPool) -> None:
     monkeypatch.setattr(part_fetch, "_MERGE_POOL", [pool])
+    monkeypatch.setattr(part_fetch, "_MERGE_POOL_OWN", [pool.backend_name != pa.default_memory_pool().backend_name])
 
 
 @needs_jemalloc

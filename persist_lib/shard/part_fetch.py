@@ -157,7 +157,9 @@ def release_unused_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
+# The merge pool, once chosen, and whether it is a pool of its own (not the default).
 _MERGE_POOL: list[pa.MemoryPool] = []
+_MERGE_POOL_OWN: list[bool] = []
 _MERGE_POOL_LOCK = threading.Lock()
 
 
@@ -173,7 +175,9 @@ def merge_memory_pool() -> pa.MemoryPool:
             except NotImplementedError:
                 jemalloc = None
             backend = merge_pool_backend(default.backend_name, jemalloc is not None, os.environ.get(MERGE_POOL_ENV))
-            _MERGE_POOL.append(jemalloc if backend == "jemalloc" and jemalloc is not None else default)
+            own = backend == "jemalloc" and jemalloc is not None
+            _MERGE_POOL.append(jemalloc if own and jemalloc is not None else default)
+            _MERGE_POOL_OWN.append(own)
         return _MERGE_POOL[0]
 
 
@@ -181,9 +185,8 @@ def release_merge_memory() -> None:
     """Hands the merge pool's freed pages back to the OS (a merge calls it when it
     ends: between merges a process holds no more than with the default pool). A no-op
     while no merge chose a pool of its own."""
-    pool = _MERGE_POOL[0] if _MERGE_POOL else None
-    if pool is not None and pool is not pa.default_memory_pool():
-        pool.release_unused()
+    if _MERGE_POOL_OWN and _MERGE_POOL_OWN[0]:  # (pyarrow wraps the default pool anew per call)
+        _MERGE_POOL[0].release_unused()
 
 
 def _load_libc() -> Any:
