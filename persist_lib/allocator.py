@@ -33,8 +33,6 @@ import logging
 import os
 import sys
 
-from persist_lib.errors import InvalidUsage
-
 log = logging.getLogger(__name__)
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number
@@ -62,33 +60,3 @@ def configure_bounded_allocator() -> bool:
             pass
     os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
     return True
-
-
-# ``PERSIST_MERGE_MEMORY_POOL``: where merges decode their input parts.
-MERGE_POOL_ENV = "PERSIST_MERGE_MEMORY_POOL"
-_MERGE_POOL_CHOICES = ("auto", "default", "jemalloc")
-
-
-def merge_pool_backend(default_backend: str, jemalloc_available: bool, choice: str | None) -> str:
-    """Which pool a merge decodes its parts into: ``"jemalloc"`` or ``"default"``.
-
-    ``auto`` (unset): Arrow's jemalloc pool when the default pool is mimalloc (nobody
-    chose an allocator) and this pyarrow has jemalloc. mimalloc hands a freed page back
-    to the OS after 10 ms and faults it in again on the next allocation (in a merge,
-    about a fifth of its CPU was kernel time: docs/benchmarks.md); jemalloc reuses freed
-    pages for a second before returning them, and the merge returns them all when it
-    ends (``release_merge_memory``), so what a process holds between merges is the same.
-    An operator's or persist's own choice (the system allocator of
-    ``configure_bounded_allocator``) is kept: ``default``. Any other value of the
-    variable is a typed error naming it."""
-    picked = (choice or "auto").strip().lower()
-    if picked not in _MERGE_POOL_CHOICES:
-        raise InvalidUsage(
-            f"${MERGE_POOL_ENV}={choice!r} is not one of {', '.join(_MERGE_POOL_CHOICES)}; "
-            "unset it (auto) or pick one of these"
-        )
-    if picked == "jemalloc" and not jemalloc_available:
-        raise InvalidUsage(f"${MERGE_POOL_ENV}=jemalloc but this pyarrow was built without jemalloc; unset it")
-    if picked == "auto":
-        return "jemalloc" if default_backend == "mimalloc" and jemalloc_available else "default"
-    return picked

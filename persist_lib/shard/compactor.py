@@ -44,7 +44,7 @@ from persist_lib.shard.in_memory_merge import (
 from persist_lib.shard.kway_merge import MergeCtx
 from persist_lib.shard.machine import Machine
 from persist_lib.shard.memory_plan import MemoryPlan, MergeStats
-from persist_lib.shard.part_fetch import DECODED_CACHE, release_merge_memory
+from persist_lib.shard.part_fetch import DECODED_CACHE
 from persist_lib.shard.part_writers import PartWriter
 from persist_lib.shard.parts import part_blob_key
 from persist_lib.shard.range_merge import may_merge_by_ranges, plan_by_ranges
@@ -136,30 +136,13 @@ def merge_batches(
     budget (``may_merge_in_memory``); False forces the streaming k-way merge (tests).
     ``time_layers``: the output is one sorted run per time layer starting at these
     times (``time_layers.layer_bounds`` plans them; ``writer`` must then be a
-    layered writer id, ``runs.new_compactor_writer_id(layered=True)``). When it ends,
-    the pages its decoded inputs freed go back to the OS (``release_merge_memory``).
+    layered writer id, ``runs.new_compactor_writer_id(layered=True)``).
     """
     writer = writer or new_compactor_writer_id(layered=bool(time_layers))
     if time_layers and not is_layered_writer(writer):
         raise InvalidUsage(f"shard {shard}: a merge in time layers must write under a layered writer id, not {writer}")
     since_t = forward_time(since, upper)
     runs_parts: list[list[PartMeta]] = [run for b in inputs for run in batch_runs(b)]
-    try:
-        return _merge_runs(
-            blob, schemas, shard, inputs, runs_parts, lower, upper, since, since_t, memory_budget,
-            target_part_bytes, inline_threshold, writer, in_memory, time_layers,
-        )
-    finally:
-        release_merge_memory()
-
-
-def _merge_runs(
-    blob: Blob, schemas: Schemas, shard: str, inputs: tuple[HollowBatch, ...], runs_parts: list[list[PartMeta]],
-    lower: Antichain, upper: Antichain, since: Antichain, since_t: int | None, memory_budget: int,
-    target_part_bytes: int, inline_threshold: int, writer: str, in_memory: bool | None,
-    time_layers: tuple[int, ...],
-) -> MergeOutput:
-    """``merge_batches`` once the runs are known: by runs, or by part if they were not sorted."""
     try:
         return _merge(
             blob, schemas, shard, runs_parts, lower, upper, since, since_t, memory_budget,

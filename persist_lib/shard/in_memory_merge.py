@@ -37,7 +37,6 @@ from persist_lib.shard.part_fetch import (
     decode_whole,
     fetch_part_bytes,
     fetch_small_part,
-    merge_memory_pool,
     release_unused_memory,
 )
 from persist_lib.shard.runs import RunSource
@@ -131,17 +130,15 @@ def decode_parts(
     after the small ones), returned in the parts' order. ``limit``: the most the
     decoded tables may hold, counting their variable-width columns twice when
     ``count_views`` (polars copies them for the one-sort merge's gathers); past it,
-    None (the rest is not decoded). A compaction decodes its large parts into
-    ``merge_memory_pool()`` (the compactor releases it when the merge ends)."""
+    None (the rest is not decoded)."""
     parts = [p for run in runs for p in run]
-    pool = merge_memory_pool() if purpose == "compaction" else None
 
     def load(p: PartMeta, threads: bool) -> pa.Table:
         if estimate_decoded_bytes(p, schemas) <= DECODED_CACHE.max_entry:
             t = fetch_small_part(blob, p, schemas, shard, purpose)
         else:
             data = fetch_part_bytes(blob, p, shard, purpose)
-            t = decode_whole(data, p, schemas, shard, use_threads=threads, memory_pool=pool)
+            t = decode_whole(data, p, schemas, shard, use_threads=threads)
             del data
         if lower is not None or upper is not None:
             t = time_range(t, lower, upper)
@@ -163,13 +160,13 @@ def decode_parts(
             if limit is not None and total > limit:
                 return None
         return out
-    workers = _decode_pool()
+    pool = _decode_pool()
     groups = _decode_groups([p.size for p in parts])
 
     def load_group(group: list[int]) -> list[pa.Table]:
         return [load(parts[i], False) for i in group]
 
-    futures = [workers.submit(load_group, g) for g in groups]
+    futures = [pool.submit(load_group, g) for g in groups]
     decoded: dict[int, pa.Table] = {}
     total = 0
     try:

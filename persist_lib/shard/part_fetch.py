@@ -10,16 +10,14 @@ passed their checksum.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import Any
 
 import pyarrow as pa
-import pyarrow._parquet as pq_reader
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
-from persist_lib.allocator import MERGE_POOL_ENV, merge_pool_backend
 from persist_lib.errors import BlobNotFound, CorruptionError
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
@@ -152,41 +150,8 @@ def release_unused_memory() -> None:
         pa.default_memory_pool().release_unused()
     except Exception:  # noqa: BLE001 - best effort, older pyarrow
         pass
-    release_merge_memory()
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
-
-
-# The merge pool, once chosen, and whether it is a pool of its own (not the default).
-_MERGE_POOL: list[pa.MemoryPool] = []
-_MERGE_POOL_OWN: list[bool] = []
-_MERGE_POOL_LOCK = threading.Lock()
-
-
-def merge_memory_pool() -> pa.MemoryPool:
-    """The pool merges decode their input parts into (``allocator.merge_pool_backend``:
-    Arrow's jemalloc pool unless an allocator was chosen; ``$PERSIST_MERGE_MEMORY_POOL``
-    read once, at the first merge of the process)."""
-    with _MERGE_POOL_LOCK:
-        if not _MERGE_POOL:
-            default = pa.default_memory_pool()
-            try:
-                jemalloc: pa.MemoryPool | None = pa.jemalloc_memory_pool()
-            except NotImplementedError:
-                jemalloc = None
-            backend = merge_pool_backend(default.backend_name, jemalloc is not None, os.environ.get(MERGE_POOL_ENV))
-            own = backend == "jemalloc" and jemalloc is not None
-            _MERGE_POOL.append(jemalloc if own and jemalloc is not None else default)
-            _MERGE_POOL_OWN.append(own)
-        return _MERGE_POOL[0]
-
-
-def release_merge_memory() -> None:
-    """Hands the merge pool's freed pages back to the OS (a merge calls it when it
-    ends: between merges a process holds no more than with the default pool). A no-op
-    while no merge chose a pool of its own."""
-    if _MERGE_POOL_OWN and _MERGE_POOL_OWN[0]:  # (pyarrow wraps the default pool anew per call)
-        _MERGE_POOL[0].release_unused()
 
 
 def _load_libc() -> Any:
@@ -234,35 +199,21 @@ def raw_to_internal(raw: pa.Table, schemas: Schemas, target: pa.Schema, shard: s
     return table
 
 
-class _ArrowSchemaOf(Protocol):
-    """An opened Parquet file (``pq.ParquetFile`` or pyarrow's reader under it)."""
-
-    @property
-    def schema_arrow(self) -> pa.Schema: ...
-
-
-class _OpenedPart(_ArrowSchemaOf, Protocol):
-    def read_all(self, *, use_threads: bool = ...) -> pa.Table: ...
-
-
 def _open_verified(
-    data: bytes, part: PartMeta, reader: Schemas, shard: str, memory_pool: pa.MemoryPool | None = None
-) -> tuple[_OpenedPart, Schemas]:
+    data: bytes, part: PartMeta, reader: Schemas, shard: str
+) -> tuple[pq.ParquetFile, Schemas]:
     """Verifies a part's bytes (size and SHA-256) and its Parquet metadata, then opens
-    it (decoding into ``memory_pool``; None: Arrow's default pool); also returns the
-    schema version (``reader`` or an earlier one) it was written under. (``ParquetFile``
-    takes no pool: the reader under it does.)"""
+    it; also returns the schema version (``reader`` or an earlier one) it was written under."""
     key = part.location
     verify_part_bytes(data, expected_sha256=part.sha256, expected_size=part.size, shard=shard, key=key)
     try:
-        opened: _OpenedPart = pq_reader.ParquetReader(memory_pool=memory_pool)
-        opened.open(pa.BufferReader(data), pre_buffer=False)  # type: ignore[attr-defined]
+        pf = pq.ParquetFile(pa.BufferReader(data), pre_buffer=False)
     except Exception as e:
         raise _corrupt(shard, key, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
-    return opened, check_part_metadata(opened, reader, shard, key)
+    return pf, check_part_metadata(pf, reader, shard, key)
 
 
-def check_part_metadata(pf: _ArrowSchemaOf, reader: Schemas, shard: str, key: str) -> Schemas:
+def check_part_metadata(pf: pq.ParquetFile, reader: Schemas, shard: str, key: str) -> Schemas:
     """Checks a verified part's Parquet metadata: format version, schemas, columns;
     returns the schema version (``reader`` or an earlier one) it was written under."""
     try:
@@ -279,21 +230,18 @@ def check_part_metadata(pf: _ArrowSchemaOf, reader: Schemas, shard: str, key: st
 
 
 def decode_whole(
-    data: bytes, part: PartMeta, schemas: Schemas, shard: str, *, use_threads: bool = False,
-    memory_pool: pa.MemoryPool | None = None,
+    data: bytes, part: PartMeta, schemas: Schemas, shard: str, *, use_threads: bool = False
 ) -> pa.Table:
     """Verifies and decodes a whole (small) part into the internal layout.
 
     Same checks as ``parts.decode_part`` but through ``ParquetFile.read``, which costs
     ~0.3 ms for a tiny part against ~2 ms for ``pq.read_table`` (dataset machinery).
     ``use_threads``: decode columns in parallel (Arrow's pool), for a part decoded
-    while nothing else is (a ~1 MB part: 1.7x faster). ``memory_pool``: where the
-    decoded columns are allocated (None: Arrow's default pool; merges pass
-    ``merge_memory_pool()``).
+    while nothing else is (a ~1 MB part: 1.7x faster).
     """
-    pf, written = _open_verified(data, part, schemas, shard, memory_pool)
+    pf, written = _open_verified(data, part, schemas, shard)
     try:
-        raw = pf.read_all(use_threads=use_threads)
+        raw = pf.read(use_threads=use_threads)
     except Exception as e:
         raise _corrupt(shard, part.location, f"cannot decode Parquet ({type(e).__name__}: {e})") from e
     table = raw_to_internal(raw, written, internal_schema(written), shard, part.location)
