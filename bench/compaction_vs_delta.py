@@ -5,7 +5,11 @@ batch/commit (5M rows; quick: 1M) — written with compaction off.
 persist: ``client.compact(shard)`` — every round of the spine's merges until none is
 left; merges also consolidate (sum diffs of equal ``(k, v, t)``) and are applied with
 one CAS each. delta-rs: ``DeltaTable.optimize.compact()`` (bin-packing rewrite, no
-consolidation). rows/s = rows in the table / wall time of the compaction call.
+consolidation). rows/s = the rows both sides were given (the same input rows) / wall
+time of the compaction call, so the ratio is delta-rs's compaction time over persist's
+for the same data. (Until session 17 persist's side counted the updates its shard held,
+after its writes had summed equal ``(k, v, t)``: ~4.1M of the 5.2M input rows at 5M,
+which read persist ~20% slower than the same time did.)
 """
 
 from __future__ import annotations
@@ -128,7 +132,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     # equal (k, v, t) (the random keys repeat: ~4.1M of 5.2M at 5M, ~1.15M of 1.2M at
     # 1M); delta-rs's are every row written. Both sides were given the same rows: the
     # wall-time ratio on those is kept beside the rows/s ratio (docs/benchmarks.md).
-    det["input_rows"] = n_small * rows_small + n_big
+    # The goal row counts the input rows on both sides: the same data, each system's time.
+    det["input_rows"] = n_input = n_small * rows_small + n_big
     det["wall_ratio_same_input"] = round(dl["seconds"] / p["seconds"], 3) if p["seconds"] else None
     label = (
         f"{n_small}x{rows_small} + 1x{n_big / 1e6:g}M rows; persist {p['batches_before']}->"
@@ -137,11 +142,11 @@ def run(ctx: Ctx) -> dict[str, Any]:
     rows = [
         row(
             NAME,
-            f"rows/s ({label})",
-            p["rows_per_s"],
+            f"input rows/s ({label})",
+            int(n_input / p["seconds"]) if p["seconds"] else 0,
             "rows/s",
             "delta-rs optimize.compact()",
-            dl["rows_per_s"],
+            int(n_input / dl["seconds"]) if dl["seconds"] else 0,
             goal_ratio=(">=", 1.2),
         ),
     ]
