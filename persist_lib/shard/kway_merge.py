@@ -45,6 +45,7 @@ from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.equal_rows import consolidate_sorted_equal, has_adjacent_equal_rows
 from persist_lib.shard.memory_plan import (
     MIN_CHUNK_ROWS,
+    MIN_RUN_BYTES,
     PARALLEL_DECODE_BYTES,
     STEP_BYTES_PER_ROW,
     MemoryPlan,
@@ -101,6 +102,7 @@ class Run:
         self.m = merger
         self.parts = src.parts or []
         self.total_rows = src.rows  # for this run's share of a step
+        self.max_decoded = src.max_decoded  # (estimated) the most one decoded part holds
         self.check_order = check_order
         self.next_part = 0
         self.part: pa.Table | None = None  # the decoded current part
@@ -121,6 +123,7 @@ class Run:
         self._tied_with_prev = False  # (linear kernels) the last chunk's first row = the row before
         self._spill_file: pa.OSFile | None = None
         self._ahead: Future[Prepared] | None = None  # the next part, decoding on the prefetch pool
+        self._reserved = 0  # bytes of the plan's room reserved for it
         self._transformed = False  # the current part was filtered and forwarded ahead
         self._spill_reader: pa.ipc.RecordBatchFileReader | None = None
         if src.table is not None:  # already decoded (small runs folded in memory)
@@ -142,6 +145,8 @@ class Run:
         if self._ahead is not None:
             self._ahead.cancel()
             self._ahead = None
+            self.m.ahead_free += self._reserved
+            self._reserved = 0
         self._close_spill_file()
 
     def _close_spill_file(self) -> None:
@@ -203,14 +208,19 @@ class Run:
                 table = advance_to_since(table, m.since)
         return Prepared(table, n, rows, transform)
 
-    def start_ahead(self) -> None:
+    def start_ahead(self, *, reserve: bool = True) -> None:
         """Starts decoding the next part on the merge's prefetch pool (``Merger``), if
-        it has one and this run has a next part that is not already being decoded."""
+        it has one, this run has a next part not already being decoded and (``reserve``)
+        the plan has room for it beside the part this run holds (``Merger.reserve_ahead``;
+        a run's first part needs none: the plan counts one part per run)."""
         m = self.m
         if m.prefetch is None or self._ahead is not None or self.spill is not None:
             return
         if self.next_part >= len(self.parts):
             return
+        if reserve and not m.reserve_ahead(self.max_decoded):
+            return  # (decoded when its buffer runs dry, as without a pool)
+        self._reserved = self.max_decoded if reserve else 0
         self._ahead = m.prefetch.submit(self.prepare_next_part, transform=m.linear)
 
     def _load_next_part(self, prepared: Prepared | None = None) -> bool:
@@ -226,6 +236,8 @@ class Run:
         self.part = None  # let the previous part go before decoding the next
         if prepared is None and self._ahead is not None:
             ahead, self._ahead = self._ahead, None
+            m.ahead_free += self._reserved  # (the part is this run's current one now)
+            self._reserved = 0
             prepared = ahead.result()  # (its errors, e.g. a corrupt part, raise here)
             m.stats.parts_decoded_ahead += 1
         if prepared is None:
@@ -386,6 +398,7 @@ class Merger:
         # sliced into the buffer. None: on the merge's thread, when needed (compaction).
         # A task on it never waits on it.
         self.prefetch = prefetch
+        self.ahead_free = 0  # bytes of the plan's room left for parts decoded ahead
         # Large steps of the linear merge are merged in two key halves at once
         # (``step_split``): for reads, whose merge runs on the caller's thread alone.
         self.parallel_steps = parallel_steps
@@ -405,6 +418,13 @@ class Merger:
         # Flat key types: chunks are checked for order as they are read, and a step
         # finds each run's bound by a search instead of ranking every buffered row.
         self.linear = linear_kernels_apply(schema.field(n).type for n in self.key_cols)
+
+    def reserve_ahead(self, nbytes: int) -> bool:
+        """Takes ``nbytes`` of the room for parts decoded ahead, if that much is left."""
+        if nbytes > self.ahead_free:
+            return False
+        self.ahead_free -= nbytes
+        return True
 
     def part_needs_filter(self, p: PartMeta) -> bool:
         """Whether part ``p`` holds times outside ``[lower, upper)``."""
@@ -450,9 +470,14 @@ class Merger:
         self.total_rows = sum(r.total_rows for r in runs)
         try:
             if self.prefetch is not None:
+                # Room for parts decoded ahead: what the plan leaves beside one part per
+                # run, its minimum buffers and the steps.
+                self.ahead_free = self.plan.room - self.plan.step_bytes - sum(
+                    r.max_decoded + MIN_RUN_BYTES for r in runs
+                )
                 for r in runs:
                     if r.part is None:
-                        r.start_ahead()
+                        r.start_ahead(reserve=False)
             else:
                 self._load_unsorted_in_parallel(runs)
             for r in runs:
@@ -755,11 +780,6 @@ def fold_in_memory(
     if not tables:
         return internal_schema(schemas).empty_table()
     return _consolidate(pa.concat_tables(tables))
-
-
-# Bytes per row of the in-memory merge's working set beside the decoded rows, measured
-# (tracemalloc and RSS, 5.2M rows of (int64, string)): the sort's numpy arrays peak at
-# ~50 (packed keys, the permutation, tie groups, the diffs gathered and summed) with
 
 
 # Up to this many sorted runs of flat key types are merged (linear kernels) rather
