@@ -9,9 +9,7 @@ a forked child, ``shard.thread_pools.SharedPool``).
 
 Sharing is safe because nothing that runs on these threads waits on the same pool:
 a task fetches, verifies and decodes one part and filters it; the read that submitted
-the tasks waits for them on its own thread. (The streaming merge decodes its runs'
-next parts ahead on it, ``kway_merge.Merger``: only when the merge itself is not on a
-fetch thread, ``on_fetch_thread``.) Concurrent reads queue behind each other's
+the tasks waits for them on its own thread. Concurrent reads queue behind each other's
 parts, which bounds the process's fetch threads instead of multiplying them.
 """
 
@@ -26,18 +24,10 @@ _POOLS: dict[int, SharedPool] = {}
 _LOCK = threading.Lock()
 
 
-_PREFIX = "persist-read-fetch-"
-
-
-def on_fetch_thread() -> bool:
-    """Whether this thread is one of the fetch pools' (code on it must not wait on them)."""
-    return threading.current_thread().name.startswith(_PREFIX)
-
-
 def fetch_pool(workers: int) -> ThreadPoolExecutor:
     """The shared pool of ``workers`` threads (``PersistConfig.fetch_parallelism``)."""
     with _LOCK:
         pool = _POOLS.get(workers)
         if pool is None:
-            pool = _POOLS[workers] = SharedPool(workers, f"{_PREFIX}{workers}")
+            pool = _POOLS[workers] = SharedPool(workers, f"persist-read-fetch-{workers}")
     return pool.get()

@@ -22,7 +22,6 @@ import pyarrow as pa
 from persist_lib.errors import BlobNotFound
 from persist_lib.frontier import check_time
 from persist_lib.handles.batch_stream import BatchStream
-from persist_lib.handles.fetch_pool import on_fetch_thread
 from persist_lib.handles.leased_reader import LeasedReader
 from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read_plan import (
@@ -225,7 +224,6 @@ class SnapshotReader(LeasedReader):
             stream_merge(
                 self._client.blob, self.schemas, shard=self.shard_id, runs=runs, memory_budget=budget,
                 since=as_of, upper=as_of + 1, stats=stats, purpose="snapshot read",
-                prefetch=None if on_fetch_thread() else self._fetch_pool(),
             )
         )
         yield from (f for f in (pd.filter_data(t) for t in streamed) if f.num_rows)

@@ -29,7 +29,7 @@ The compactor (``compactor``) and the read path (``read_merge``) both drive it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,12 +40,10 @@ from persist_lib.errors import CorruptionError
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_builder import BatchBuilder
 from persist_lib.shard.batch_meta import PartMeta
-from persist_lib.shard.codec import D_COL, Schemas, internal_schema
+from persist_lib.shard.codec import D_COL, T_COL, Schemas, internal_schema
 from persist_lib.shard.consolidate import consolidate
-from persist_lib.shard.equal_rows import consolidate_sorted_equal, has_adjacent_equal_rows
 from persist_lib.shard.memory_plan import (
     MIN_CHUNK_ROWS,
-    MIN_RUN_BYTES,
     PARALLEL_DECODE_BYTES,
     STEP_BYTES_PER_ROW,
     MemoryPlan,
@@ -66,24 +64,54 @@ from persist_lib.shard.sorted_checks import (
     linear_kernels_apply,
     sorted_state,
 )
-from persist_lib.shard.step_split import PARALLEL_STEP_ROWS, on_two_threads, split_segments
 from persist_lib.shard.time_filters import advance_to_since, time_range
+
+
+def _consolidate_sorted_equal(t: pa.Table) -> pa.Table:
+    """Collapses a table whose rows are all equal in ``(k, v, t)`` to one row (or none)."""
+    if t.num_rows <= 1:
+        return t if t.num_rows == 0 or t.column(D_COL)[0].as_py() != 0 else t.slice(0, 0)
+    total = int(np.sum(to_numpy(t.column(D_COL)), dtype=np.int64))
+    if total == 0:
+        return t.slice(0, 0)
+    one = t.slice(0, 1)
+    di = one.schema.get_field_index(D_COL)
+    return one.set_column(di, one.schema.field(di), pa.array([total], pa.int64()))
+
+
+def _has_adjacent_equal_rows(t: pa.Table) -> bool:
+    """Whether two neighbouring rows of ``t`` (sorted by ``(k, v, t)``) may be equal in
+    ``(k, v, t)``: in a sorted table equal rows are neighbours, so when none are, the
+    table is already consolidated (given nonzero diffs) and consolidating it again —
+    a sort — would change nothing. A linear, vectorized comparison; conservative (True)
+    for nested types. Equality here may differ from the ranking's on floats (NaN, -0.0):
+    a missed duplicate is summed by the merge step anyway."""
+    n = t.num_rows
+    if n < 2:
+        return False
+    names = [T_COL] + [c for c in t.column_names if c not in (T_COL, D_COL)]
+    mask: pa.ChunkedArray | pa.Array | None = None
+    for name in names:
+        col = t.column(name)
+        if pa.types.is_nested(col.type):
+            return True
+        a, b = col.slice(0, n - 1), col.slice(1)
+        try:
+            eq = pc.equal(a, b)
+            if col.null_count:
+                eq = pc.or_kleene(pc.fill_null(eq, False), pc.and_(pc.is_null(a), pc.is_null(b)))
+            mask = eq if mask is None else pc.and_(mask, eq)
+            if not pc.any(mask).as_py():
+                return False
+        except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
+            return True  # a type Arrow can't compare: consolidate to be sure
+    return True
 
 
 def _consolidate(t: pa.Table) -> pa.Table:
     from persist_lib.shard.consolidate import consolidate
 
     return consolidate(t)
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A part fetched, verified and decoded (``Run.prepare_next_part``)."""
-
-    table: pa.Table
-    nbytes: int  # encoded bytes
-    rows: int  # rows decoded (before any time filter)
-    transformed: bool  # times filtered to [lower, upper) and forwarded to since
 
 
 class Run:
@@ -102,7 +130,6 @@ class Run:
         self.m = merger
         self.parts = src.parts or []
         self.total_rows = src.rows  # for this run's share of a step
-        self.max_decoded = src.max_decoded  # (estimated) the most one decoded part holds
         self.check_order = check_order
         self.next_part = 0
         self.part: pa.Table | None = None  # the decoded current part
@@ -122,9 +149,6 @@ class Run:
         self._may_collide = True
         self._tied_with_prev = False  # (linear kernels) the last chunk's first row = the row before
         self._spill_file: pa.OSFile | None = None
-        self._ahead: Future[Prepared] | None = None  # the next part, decoding on the prefetch pool
-        self._reserved = 0  # bytes of the plan's room reserved for it
-        self._transformed = False  # the current part was filtered and forwarded ahead
         self._spill_reader: pa.ipc.RecordBatchFileReader | None = None
         if src.table is not None:  # already decoded (small runs folded in memory)
             self.part, self.part_bytes = src.table, src.table.nbytes
@@ -139,14 +163,8 @@ class Run:
         return self.part_bytes + int(self.rows * self.m.row_width)
 
     def close(self) -> None:
-        """Drops the decoded data and closes a spilled run's file; a part being decoded
-        ahead is dropped when it is done (or never started)."""
+        """Drops the decoded data and closes a spilled run's file."""
         self.part = self.buf = self.prev_last = None
-        if self._ahead is not None:
-            self._ahead.cancel()
-            self._ahead = None
-            self.m.ahead_free += self._reserved
-            self._reserved = 0
         self._close_spill_file()
 
     def _close_spill_file(self) -> None:
@@ -184,12 +202,10 @@ class Run:
             and not self.parts[self.next_part].sorted
         )
 
-    def prepare_next_part(self, use_threads: bool = False, *, transform: bool = False) -> Prepared:
+    def prepare_next_part(self, use_threads: bool = False) -> tuple[pa.Table, int]:
         """Fetches, verifies, decodes (and sorts, if unsorted) the next part without
-        touching shared state: safe to run for several runs at once, on other threads
-        (then without ``use_threads``: see ``decode_whole``). ``transform``: also filter
-        the part's times to ``[lower, upper)`` and forward them to ``since`` (what
-        ``_next_chunk`` does chunk by chunk), for a part decoded ahead."""
+        touching shared state: safe to run for several runs at once (then without
+        ``use_threads``: see ``decode_whole``)."""
         m = self.m
         p = self.parts[self.next_part]
         data = m.fetch_bytes(p)
@@ -200,30 +216,9 @@ class Run:
             # A bulk write stored it in arrival order: sort and consolidate it now (the
             # sort moved here from the writer's path).
             table = consolidate(table)
-        rows = table.num_rows
-        if transform:
-            if m.part_needs_filter(p):
-                table = time_range(table, m.lower, m.upper)
-            if m.since is not None:
-                table = advance_to_since(table, m.since)
-        return Prepared(table, n, rows, transform)
+        return table, n
 
-    def start_ahead(self, *, reserve: bool = True) -> None:
-        """Starts decoding the next part on the merge's prefetch pool (``Merger``), if
-        it has one, this run has a next part not already being decoded and (``reserve``)
-        the plan has room for it beside the part this run holds (``Merger.reserve_ahead``;
-        a run's first part needs none: the plan counts one part per run)."""
-        m = self.m
-        if m.prefetch is None or self._ahead is not None or self.spill is not None:
-            return
-        if self.next_part >= len(self.parts):
-            return
-        if reserve and not m.reserve_ahead(self.max_decoded):
-            return  # (decoded when its buffer runs dry, as without a pool)
-        self._reserved = self.max_decoded if reserve else 0
-        self._ahead = m.prefetch.submit(self.prepare_next_part, transform=m.linear)
-
-    def _load_next_part(self, prepared: Prepared | None = None) -> bool:
+    def _load_next_part(self, prepared: tuple[pa.Table, int] | None = None) -> bool:
         m = self.m
         self.part, self.part_bytes = None, 0
         if self.spill is not None:
@@ -231,19 +226,10 @@ class Run:
         if self.next_part >= len(self.parts):
             return False
         p = self.parts[self.next_part]
-        self._filter = m.part_needs_filter(p)
+        self._filter = (m.lower is not None and p.tmin < m.lower) or (m.upper is not None and p.tmax >= m.upper)
         self._may_collide = p.tmin != p.tmax
         self.part = None  # let the previous part go before decoding the next
-        if prepared is None and self._ahead is not None:
-            ahead, self._ahead = self._ahead, None
-            m.ahead_free += self._reserved  # (the part is this run's current one now)
-            self._reserved = 0
-            prepared = ahead.result()  # (its errors, e.g. a corrupt part, raise here)
-            m.stats.parts_decoded_ahead += 1
-        if prepared is None:
-            prepared = self.prepare_next_part(use_threads=True)
-        table, nbytes = prepared.table, prepared.nbytes
-        self._transformed = prepared.transformed
+        table, nbytes = prepared if prepared is not None else self.prepare_next_part(use_threads=True)
         self.next_part += 1
         m.stats.bytes_read += nbytes
         m.observe_row_width(table)
@@ -252,10 +238,8 @@ class Run:
             m.stats.unsorted_parts_sorted += 1
         release_unused_memory()
         self.part, self.offset, self.part_bytes = table, 0, table.nbytes
-        m.stats.rows_read += prepared.rows
+        m.stats.rows_read += table.num_rows
         self._first_of_part = True
-        if table.num_rows == 0:  # (all filtered out ahead: the next part is wanted now)
-            self.start_ahead()
         return True
 
     def _next_chunk(self) -> pa.Table | None:
@@ -270,12 +254,19 @@ class Run:
             self.offset += c.num_rows
             if self.offset >= self.part.num_rows:
                 self.part, self.part_bytes = None, 0  # the slice keeps what it needs alive
-                # The buffer still holds rows of this part (it stays in memory until
-                # they are merged): decoding the next one now holds no more than
-                # decoding it when the buffer runs dry, and overlaps the merge.
-                self.start_ahead()
-            if not self._transformed:  # (else filtered and forwarded as decoded ahead)
-                c = self._filtered_forwarded(c)
+            if self._filter:
+                c = time_range(c, m.lower, m.upper)  # a filter: the chunk stays sorted
+            if m.since is not None:
+                before = c
+                c = advance_to_since(c, m.since)
+                if (
+                    not m.linear
+                    and c is not before
+                    and c.num_rows > 1
+                    and self._may_collide
+                    and _has_adjacent_equal_rows(c)
+                ):
+                    c = _consolidate(c)  # forwarding made equal rows: fold them now
             if c.num_rows == 0:
                 continue
             if m.linear:
@@ -290,24 +281,6 @@ class Run:
             if self.check_order:
                 self.prev_last = c.slice(c.num_rows - 1, 1)
             return c
-
-    def _filtered_forwarded(self, c: pa.Table) -> pa.Table:
-        """Chunk ``c`` filtered to times in ``[lower, upper)`` and forwarded to since."""
-        m = self.m
-        if self._filter:
-            c = time_range(c, m.lower, m.upper)  # a filter: the chunk stays sorted
-        if m.since is not None:
-            before = c
-            c = advance_to_since(c, m.since)
-            if (
-                not m.linear
-                and c is not before
-                and c.num_rows > 1
-                and self._may_collide
-                and has_adjacent_equal_rows(c)
-            ):
-                c = _consolidate(c)  # forwarding made equal rows: fold them now
-        return c
 
     def _order_error(self) -> Exception:
         if self.check_order:
@@ -362,7 +335,7 @@ class Run:
             self.buf = c
         elif self._tied_with_prev:
             nb = self.buf.num_rows
-            edge = consolidate_sorted_equal(pa.concat_tables([self.buf.slice(nb - 1, 1), c.slice(0, 1)]))
+            edge = _consolidate_sorted_equal(pa.concat_tables([self.buf.slice(nb - 1, 1), c.slice(0, 1)]))
             self.buf = pa.concat_tables([self.buf.slice(0, nb - 1), edge, c.slice(1)])
         else:
             self.buf = pa.concat_tables([self.buf, c])
@@ -389,19 +362,8 @@ class Merger:
         lower: int | None = None,
         upper: int | None = None,
         purpose: str = "compaction",
-        parallel_steps: bool = False,
-        prefetch: Executor | None = None,
     ) -> None:
         self.blob = blob
-        # Parts are decoded ahead on this pool (the read's fetch pool): every run's
-        # first part at once, then each run's next part once its current one is
-        # sliced into the buffer. None: on the merge's thread, when needed (compaction).
-        # A task on it never waits on it.
-        self.prefetch = prefetch
-        self.ahead_free = 0  # bytes of the plan's room left for parts decoded ahead
-        # Large steps of the linear merge are merged in two key halves at once
-        # (``step_split``): for reads, whose merge runs on the caller's thread alone.
-        self.parallel_steps = parallel_steps
         self.schemas = schemas
         self.shard = shard
         self.since = since
@@ -418,17 +380,6 @@ class Merger:
         # Flat key types: chunks are checked for order as they are read, and a step
         # finds each run's bound by a search instead of ranking every buffered row.
         self.linear = linear_kernels_apply(schema.field(n).type for n in self.key_cols)
-
-    def reserve_ahead(self, nbytes: int) -> bool:
-        """Takes ``nbytes`` of the room for parts decoded ahead, if that much is left."""
-        if nbytes > self.ahead_free:
-            return False
-        self.ahead_free -= nbytes
-        return True
-
-    def part_needs_filter(self, p: PartMeta) -> bool:
-        """Whether part ``p`` holds times outside ``[lower, upper)``."""
-        return (self.lower is not None and p.tmin < self.lower) or (self.upper is not None and p.tmax >= self.upper)
 
     def fetch_bytes(self, p: PartMeta) -> bytes:
         return fetch_part_bytes(self.blob, p, self.shard, self.purpose)
@@ -469,17 +420,7 @@ class Merger:
         self.runs = runs
         self.total_rows = sum(r.total_rows for r in runs)
         try:
-            if self.prefetch is not None:
-                # Room for parts decoded ahead: what the plan leaves beside one part per
-                # run, its minimum buffers and the steps.
-                self.ahead_free = self.plan.room - self.plan.step_bytes - sum(
-                    r.max_decoded + MIN_RUN_BYTES for r in runs
-                )
-                for r in runs:
-                    if r.part is None:
-                        r.start_ahead(reserve=False)
-            else:
-                self._load_unsorted_in_parallel(runs)
+            self._load_unsorted_in_parallel(runs)
             for r in runs:
                 r.refill()
             while True:
@@ -565,12 +506,10 @@ class Merger:
             idx = np.concatenate([np.arange(o, o + c, dtype=np.int64) for o, c in take_masks])
             if len(idx):
                 out = self._emit(cat, keys, idx)
-                if out is not None:
-                    self.stats.output_rows += out.num_rows
         # Runs whose last row is F hold only rows equal to F now: fold them, refill.
         for i, r in enumerate(active):
             if r.buf is not None and r.buf.num_rows and kf_end is not None and lasts[i] == kf_end:
-                r.buf = consolidate_sorted_equal(r.buf)
+                r.buf = _consolidate_sorted_equal(r.buf)
         # Top up every run below half a chunk, so that all runs advance together and a
         # step emits about half a chunk per run (refilling only the run that bounded F
         # would rank every buffer again to emit one chunk: O(runs) work per row).
@@ -615,47 +554,35 @@ class Merger:
                 segments.append(r.buf.slice(0, cnt))
                 r.buf = r.buf.slice(cnt)
         out: pa.Table | None = None
-        if segments:
-            n = sum(s.num_rows for s in segments)
-            if len(segments) > 1:
-                self._account(runs, extra_rows=n, extra_bytes=n * (int(self.row_width) + STEP_BYTES_PER_ROW))
-            halves = split_segments(segments, self.key_cols) if self.parallel_steps and n >= PARALLEL_STEP_ROWS else None
-            if halves is None:
-                out = self._merge_segments(segments)
-            else:
-                self.stats.split_steps += 1
-                lo, hi = on_two_threads(self._merge_segments, *halves)
-                both = [t for t in (lo, hi) if t is not None]
-                out = None if not both else both[0] if len(both) == 1 else pa.concat_tables(both)
-            if out is not None:
-                self.stats.output_rows += out.num_rows
+        if len(segments) == 1:
+            out = self._emit_consolidated(segments[0])
+        elif segments:
+            cat = pa.concat_tables(segments)
+            n = cat.num_rows
+            self._account(runs, extra_rows=n, extra_bytes=n * (int(self.row_width) + STEP_BYTES_PER_ROW))
+            keys, _ = row_keys_with_hint([cat.column(c) for c in self.key_cols], n, presorted_runs=True)
+            out = self._emit(cat, keys, None)
         # Runs whose last row is F hold only rows equal to F now (they are sorted): fold.
         for i, r in enumerate(active):
             if r.buf is not None and r.buf.num_rows and kf_end is not None and lasts[i] == kf_end:
-                r.buf = consolidate_sorted_equal(r.buf)
+                r.buf = _consolidate_sorted_equal(r.buf)
         for r in runs:
             if not r.exhausted and r.rows < max(2, self.chunk_rows(r) // 2):
                 r.refill()
         return out
 
-    def _merge_segments(self, segments: list[pa.Table]) -> pa.Table | None:
-        """The consolidated merge of sorted, consolidated segments (one step's rows
-        below its bound, or half of them: ``step_split``). Touches no shared state: it
-        may run on another thread. One segment is emitted as it is, minus zero diffs (a
-        writer that left some, or sums folded to zero)."""
-        if len(segments) == 1:
-            t = segments[0]
-            d = t.column(D_COL)
-            if pc.any(pc.equal(d, 0)).as_py():
-                t = t.filter(pc.not_equal(d, 0))
-            return t if t.num_rows else None
-        cat = pa.concat_tables(segments)
-        keys, _ = row_keys_with_hint([cat.column(c) for c in self.key_cols], cat.num_rows, presorted_runs=True)
-        return self._emit(cat, keys, None)
+    def _emit_consolidated(self, t: pa.Table) -> pa.Table | None:
+        """Rows of one run's consolidated buffer: emitted as they are, minus zero diffs
+        (a writer that left some, or sums folded to zero)."""
+        d = t.column(D_COL)
+        if pc.any(pc.equal(d, 0)).as_py():
+            t = t.filter(pc.not_equal(d, 0))
+        if t.num_rows == 0:
+            return None
+        self.stats.output_rows += t.num_rows
+        return t
 
     def _emit(self, cat: pa.Table, keys: np.ndarray, idx: np.ndarray | None) -> pa.Table | None:
-        """The rows ``idx`` of ``cat`` (all: None) in ``keys`` order, equal keys summed,
-        zero sums dropped (no shared state touched)."""
         if idx is None:
             idx = np.arange(cat.num_rows, dtype=np.int64)
         k = keys[idx]
@@ -674,7 +601,9 @@ class Merger:
         rows = idx[order[starts[keep]]]
         out = cat.take(pa.array(rows))
         di = out.schema.get_field_index(D_COL)
-        return out.set_column(di, out.schema.field(di), pa.array(sums[keep], pa.int64()))
+        out = out.set_column(di, out.schema.field(di), pa.array(sums[keep], pa.int64()))
+        self.stats.output_rows += out.num_rows
+        return out
 
 
 @dataclass
@@ -694,8 +623,6 @@ class MergeCtx:
     lower: int | None = None
     upper: int | None = None
     purpose: str = "compaction"
-    parallel_steps: bool = False  # (``Merger``: reads, not compaction)
-    prefetch: Executor | None = None  # (``Merger``: a read's fetch pool)
 
     def iter_pass(self, group: list[RunSource]) -> Iterator[pa.Table]:
         """One k-way merge pass of ``group`` (planned for just these runs)."""
@@ -707,8 +634,7 @@ class MergeCtx:
         self.stats.fan_in = max(self.stats.fan_in, len(group))
         merger = Merger(
             self.blob, self.schemas, self.shard, self.since, p, self.stats,
-            lower=self.lower, upper=self.upper, purpose=self.purpose, parallel_steps=self.parallel_steps,
-            prefetch=self.prefetch,
+            lower=self.lower, upper=self.upper, purpose=self.purpose,
         )
         return merger.iter_merge([Run(merger, src, self.check_order) for src in group])
 
@@ -780,6 +706,11 @@ def fold_in_memory(
     if not tables:
         return internal_schema(schemas).empty_table()
     return _consolidate(pa.concat_tables(tables))
+
+
+# Bytes per row of the in-memory merge's working set beside the decoded rows, measured
+# (tracemalloc and RSS, 5.2M rows of (int64, string)): the sort's numpy arrays peak at
+# ~50 (packed keys, the permutation, tie groups, the diffs gathered and summed) with
 
 
 # Up to this many sorted runs of flat key types are merged (linear kernels) rather

@@ -144,8 +144,6 @@ class MergeStats:
     unsorted_parts_sorted: int = 0  # parts a bulk write stored unsorted, sorted on load
     key_ranges: int = 0  # key ranges of a range merge (``range_merge``), consolidated in parallel
     presorted_rows: int = 0  # rows a range merge consolidated in linear time (key-disjoint sorted pieces)
-    parts_decoded_ahead: int = 0  # parts a read's merge decoded on its fetch pool (``kway_merge.Run``)
-    split_steps: int = 0  # merge steps merged as two key halves at once (``step_split``)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

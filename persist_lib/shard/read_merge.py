@@ -15,7 +15,6 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Executor
 from typing import Any
 
 import pyarrow as pa
@@ -46,7 +45,7 @@ def merge_decoded_runs(
     if not sources:
         return []
     plan = MemoryPlan.for_runs(memory_budget, [s.max_decoded for s in sources], 0, memory_budget)
-    merger = Merger(_NO_BLOB, schemas, shard, None, plan, stats, purpose="read", parallel_steps=True)
+    merger = Merger(_NO_BLOB, schemas, shard, None, plan, stats, purpose="read")
     try:
         return list(merger.iter_merge([Run(merger, src, True) for src in sources]))
     except RunOrderViolation:
@@ -76,7 +75,6 @@ def stream_merge(
     spill_dir: str | None = None,
     stats: MergeStats | None = None,
     purpose: str = "read",
-    prefetch: Executor | None = None,
 ) -> Iterator[pa.Table]:
     """The updates of ``runs`` (each a list of parts sorted across part boundaries)
     filtered to times in ``[lower, upper)``, forwarded to ``since`` and consolidated, as
@@ -88,9 +86,6 @@ def stream_merge(
     merged in groups into intermediate runs written to local Arrow IPC files under
     ``spill_dir`` (a temporary directory, deleted when the stream ends or is closed);
     a reader never writes to blob. Each yielded table is one merge step's output.
-
-    ``prefetch``: a pool (the read's fetch threads) the merge decodes parts ahead on,
-    beside merging (``kway_merge.Merger``); the caller must not be one of its threads.
 
     A generator: nothing is fetched before the first ``next``; ``close()`` (or dropping
     it) releases what it holds. A batch that claims to be one sorted run (a compactor
@@ -108,7 +103,7 @@ def stream_merge(
     try:
         for t in _coalesce(
             _stream_runs(blob, schemas, shard, runs, memory_budget, since, lower, upper,
-                         spill_dir, st, purpose, check_order=True, prefetch=prefetch),
+                         spill_dir, st, purpose, check_order=True),
             memory_budget // 64,
         ):
             yielded = True
@@ -126,7 +121,7 @@ def stream_merge(
         per_part = [[p] for run in runs for p in run]
         yield from _coalesce(
             _stream_runs(blob, schemas, shard, per_part, memory_budget, since, lower, upper,
-                         spill_dir, st, purpose, check_order=False, prefetch=prefetch),
+                         spill_dir, st, purpose, check_order=False),
             memory_budget // 64,
         )
 
@@ -149,7 +144,7 @@ def _coalesce(tables: Iterator[pa.Table], min_bytes: int) -> Iterator[pa.Table]:
 def _stream_runs(
     blob: Blob, schemas: Schemas, shard: str, runs_parts: list[list[PartMeta]], budget: int,
     since: int | None, lower: int | None, upper: int | None, spill_dir: str | None,
-    stats: MergeStats, purpose: str, *, check_order: bool, prefetch: Executor | None = None,
+    stats: MergeStats, purpose: str, *, check_order: bool,
 ) -> Iterator[pa.Table]:
     max_encoded = max((p.size for run in runs_parts for p in run), default=0)
     sources = [RunSource.of_parts(run, schemas) for run in runs_parts]
@@ -159,7 +154,7 @@ def _stream_runs(
     plan = MemoryPlan.for_runs(budget, [r.max_decoded for r in sources], max_encoded, target)
     ctx = MergeCtx(
         blob, schemas, shard, since, budget, max_encoded, target, stats, check_order,
-        lower=lower, upper=upper, purpose=purpose, parallel_steps=True, prefetch=prefetch,
+        lower=lower, upper=upper, purpose=purpose,
     )
     total_in = sum(p.size for run in runs_parts for p in run)
     if total_in <= budget // 64 and not few_linear_runs(len(runs_parts), schemas):
@@ -274,7 +269,6 @@ def merge_local_runs(
     which the caller removes."""
     ctx = MergeCtx(
         _NO_BLOB, schemas, shard, None, memory_budget, 0, memory_budget, stats, False, purpose=purpose,
-        parallel_steps=True,
     )
     plan = MemoryPlan.for_runs(memory_budget, [s.max_decoded for s in sources], 0, memory_budget)
     yield from merge_level(ctx, [s for s in sources if s.rows], plan, spill)
