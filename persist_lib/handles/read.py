@@ -16,11 +16,12 @@ from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import check_time
 from persist_lib.handles.listen import Listen
 from persist_lib.handles.pushdown import ReadPushdown
-from persist_lib.handles.read_plan import parts_in_range
+from persist_lib.handles.read_plan import concatenating_batch, parts_in_range
 from persist_lib.handles.snapshot import SnapshotReader
 from persist_lib.handles.splits import RangeSplit, SnapshotSplit, balance
 from persist_lib.shard.metrics import track_listen
 from persist_lib.shard.predicate import Predicate
+from persist_lib.shard.runs import batch_runs
 
 
 class ReadHandle(SnapshotReader):
@@ -60,9 +61,16 @@ class ReadHandle(SnapshotReader):
             for p in b.parts
             if p.tmin <= as_of and pd.keeps_part(p)
         ] if pd.snapshot_time_ok(as_of) else []
+        # All kept parts in one batch of (k, v)-disjoint runs: each split knows each
+        # part's run (parts of different runs share no record).
+        one = concatenating_batch(state, as_of, pd.keeps_part) if parts else None
+        run_of = {id(p): i for i, run in enumerate(batch_runs(one)) for p in run} if one is not None else None
         sj = self.schemas.to_json()
         return [
-            SnapshotSplit(self._client.blob_uri, self.shard_id, sj, as_of, tuple(b), pred)
+            SnapshotSplit(
+                self._client.blob_uri, self.shard_id, sj, as_of, tuple(b), pred,
+                runs=tuple(run_of[id(p)] for p in b) if run_of is not None else None,
+            )
             for b in balance(parts, num_splits)
         ]
 

@@ -94,19 +94,27 @@ def parts_in_range(state: st.ShardState, lower: int, upper: int | None) -> list[
     ]
 
 
-def concatenating_read(state: st.ShardState, as_of: int, keeps: Callable[[PartMeta], bool]) -> bool:
-    """Whether a snapshot at ``as_of`` may concatenate its runs instead of merging them:
-    the parts it keeps (times at or before ``as_of``, and ``keeps``) all belong to one
-    batch whose runs are (k, v)-disjoint (``HollowBatch.runs_concatenate``). Runs of
-    different batches may hold the same ``(k, v)``, so any second batch means a merge."""
+def concatenating_batch(
+    state: st.ShardState, as_of: int, keeps: Callable[[PartMeta], bool]
+) -> HollowBatch | None:
+    """The batch a snapshot at ``as_of`` may read by concatenating its runs instead of
+    merging them: the parts it keeps (times at or before ``as_of``, and ``keeps``) all
+    belong to this one batch, and its runs are (k, v)-disjoint
+    (``HollowBatch.runs_concatenate``). None otherwise: runs of different batches may
+    hold the same ``(k, v)``, so any second batch means a merge."""
     found: HollowBatch | None = None
     for _, b in state.trace_batches():
         if not b.lower.less_equal(as_of) or not any(p.tmin <= as_of and keeps(p) for p in b.parts):
             continue
         if found is not None:
-            return False
+            return None
         found = b
-    return found is not None and found.runs_concatenate
+    return found if found is not None and found.runs_concatenate else None
+
+
+def concatenating_read(state: st.ShardState, as_of: int, keeps: Callable[[PartMeta], bool]) -> bool:
+    """Whether a snapshot at ``as_of`` may concatenate its runs (``concatenating_batch``)."""
+    return concatenating_batch(state, as_of, keeps) is not None
 
 
 def concat_updates(tables: list[pa.Table], schemas: Schemas) -> pa.Table:

@@ -147,3 +147,36 @@ def disjoint_overlaps(
     # A value spanning several parts ([1, 5], [5, 5], [5, 9]) is shared by each of them.
     out = [SplitOverlap(name, tuple(sorted(s)), tuple(sorted(s)), False) for s in shared]
     return [p for _, _, p in ranged], out
+
+
+def run_groups(parts: Sequence[PartMeta], runs: Sequence[int] | None) -> list[list[PartMeta]]:
+    """``parts`` grouped by their run index (groups in run order, parts in their given
+    order within a group); one group of them all when ``runs`` is None."""
+    if runs is None:
+        return [list(parts)] if parts else []
+    by_run: dict[int, list[PartMeta]] = {}
+    for p, r in zip(parts, runs, strict=True):
+        by_run.setdefault(r, []).append(p)
+    return [by_run[r] for r in sorted(by_run)]
+
+
+def grouped_overlaps(
+    parts: Sequence[PartMeta], runs: Sequence[int] | None, schemas: Schemas
+) -> tuple[list[PartMeta], list[SplitOverlap]] | None:
+    """``disjoint_overlaps`` for parts that know their run (``SnapshotSplit.runs``: runs
+    of one batch whose runs share no ``(k, v)``): the key ranges need to be disjoint
+    only *within* each run, since a part of one run shares no record with a part of
+    another. The parts come run by run (key order within a run), each with the
+    overlap of its own run's parts; None when a run's parts overlap (or lack bounds).
+    With ``runs`` None it is ``disjoint_overlaps`` itself."""
+    if runs is None:
+        return disjoint_overlaps(parts, schemas)
+    ordered: list[PartMeta] = []
+    overlaps: list[SplitOverlap] = []
+    for group in run_groups(parts, runs):
+        planned = disjoint_overlaps(group, schemas)
+        if planned is None:
+            return None
+        ordered += planned[0]
+        overlaps += planned[1]
+    return ordered, overlaps

@@ -12,8 +12,10 @@ from typing import Any
 
 import pyarrow as pa
 
+from persist_lib.errors import InvalidUsage
 from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read_plan import concat_updates
+from persist_lib.handles.split_overlap import run_groups
 from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import KEY_PREFIX, Schemas, to_user_table
@@ -38,14 +40,27 @@ class SnapshotSplit:
     # The read's filter (``shard.predicate.Predicate``): parts were pruned by it when
     # planning, rows are filtered by it before consolidation when fetching.
     filter: Any = None
+    # Per part (same length as ``parts``), the index of the run it belongs to in one
+    # batch whose runs share no ``(k, v)`` (``read_plan.concatenating_batch``): parts of
+    # different runs never hold the same record. None: nothing known (any two parts
+    # may share records; splits pickled by code that predates the field read so too).
+    runs: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.runs is not None and len(self.runs) != len(self.parts):
+            raise InvalidUsage(
+                f"shard {self.shard_id}: a snapshot split's run indices ({len(self.runs)}) must match its "
+                f"parts ({len(self.parts)}); replace both together, or pass runs=None"
+            )
 
     def __repr__(self) -> str:
         # The URI may carry credentials (an S3 secret key): never show it unredacted.
         from persist_lib.location.redaction import SensitiveUrl
 
+        runs = "" if self.runs is None else f", runs={len(set(self.runs))}"
         return (
             f"SnapshotSplit(blob_uri={SensitiveUrl(self.blob_uri).redacted!r}, shard_id={self.shard_id!r}, "
-            f"as_of={self.as_of}, parts={len(self.parts)})"
+            f"as_of={self.as_of}, parts={len(self.parts)}{runs})"
         )
 
     def fetch(self, blob: Blob | None = None) -> pa.Table:
@@ -56,22 +71,26 @@ class SnapshotSplit:
         pd = ReadPushdown.plan(schemas, None, self.filter, shard=self.shard_id)
         if not pd.snapshot_time_ok(self.as_of):
             return to_user_table(concat_updates([], schemas), schemas)
-        parts = _in_key_order(self.parts)
-        tables = [
-            pd.filter_data(snapshot_at(
-                fetch_part_groups(b, p, schemas, self.shard_id, pd.snapshot_groups(p, self.as_of)),
-                self.as_of, all_at_or_before=p.tmax <= self.as_of,
-            ))
-            for p in parts
-        ]
-        whole = concat_updates(tables, schemas)
-        # Parts of one sorted run (a compacted shard's), in key order: consolidated in
-        # one linear pass (``consolidate_sorted`` checks the order and says None when
-        # the rows are not sorted: then one sort).
-        internal = (
-            consolidate_sorted(whole) if all(p.sorted for p in parts) and merges_linearly(schemas) else None
-        )
-        return to_user_table(internal if internal is not None else consolidate(whole), schemas)
+        linear = merges_linearly(schemas)
+        out: list[pa.Table] = []
+        # Parts of different (k, v)-disjoint runs share no record: each run's parts are
+        # consolidated on their own and the outputs concatenated (no merge across runs).
+        for group in run_groups(self.parts, self.runs):
+            parts = _in_key_order(tuple(group))
+            tables = [
+                pd.filter_data(snapshot_at(
+                    fetch_part_groups(b, p, schemas, self.shard_id, pd.snapshot_groups(p, self.as_of)),
+                    self.as_of, all_at_or_before=p.tmax <= self.as_of,
+                ))
+                for p in parts
+            ]
+            whole = concat_updates(tables, schemas)
+            # Parts of one sorted run (a compacted shard's), in key order: consolidated in
+            # one linear pass (``consolidate_sorted`` checks the order and says None when
+            # the rows are not sorted: then one sort).
+            internal = consolidate_sorted(whole) if all(p.sorted for p in parts) and linear else None
+            out.append(internal if internal is not None else consolidate(whole))
+        return to_user_table(concat_updates(out, schemas), schemas)
 
 
 @dataclass(frozen=True)

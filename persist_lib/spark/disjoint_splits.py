@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from persist_lib.handles.split_overlap import disjoint_overlaps
+from persist_lib.handles.split_overlap import disjoint_overlaps, run_groups
 from persist_lib.handles.splits import SnapshotSplit
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import KEY_PREFIX, Schemas
@@ -40,15 +40,42 @@ def key_range_splits(splits: Sequence[SnapshotSplit], schemas: Schemas, n: int) 
     """``splits``' parts regrouped into at most ``n`` key-contiguous splits that share
     no record, balanced by bytes; None when the parts' ranges can't show that (the
     caller consolidates across splits as before). ``splits`` must come from one
-    ``snapshot_splits`` call (one shard, one as-of, one filter)."""
+    ``snapshot_splits`` call (one shard, one as-of, one filter).
+
+    When the splits know their parts' runs (``SnapshotSplit.runs``: one batch of
+    (k, v)-disjoint time layers), each run is cut on its own (its parts' ranges need be
+    disjoint only within it) into a share of the ``n`` splits by its bytes; groups of
+    different runs share no record either, so when there are more groups than ``n``
+    they are packed together (a split then consolidates each run's parts on its own)."""
     parts = [p for s in splits for p in s.parts]
     if not splits or not parts or len({(s.shard_id, s.as_of) for s in splits}) != 1:
         return None
-    planned = disjoint_overlaps(parts, schemas)
-    if planned is None:
-        return None
-    ordered = planned[0]
-    column = KEY_PREFIX + schemas.key.field(0).name
+    known = [s.runs for s in splits]
+    runs = None if any(r is None for r in known) else [i for r in known for i in r or ()]
+    column = KEY_PREFIX + schemas.key.field(0).name if len(schemas.key) else ""
+    total = max(1, sum(p.size for p in parts))
+    ids = sorted(set(runs)) if runs is not None else [0]
+    groups: list[tuple[int, list[PartMeta]]] = []
+    for run_id, members in zip(ids, run_groups(parts, runs), strict=True):
+        planned = disjoint_overlaps(members, schemas)
+        if planned is None:
+            return None
+        share = n if runs is None else max(1, round(n * sum(p.size for p in members) / total))
+        groups += [(run_id, g) for g in _key_contiguous(planned[0], column, share)]
+    bins = _packed(groups, n) if len(groups) > n else [[g] for g in groups]
+    return [
+        dataclasses.replace(
+            splits[0], parts=tuple(p for _, g in b for p in g),
+            runs=tuple(r for r, g in b for _ in g) if runs is not None else None,
+        )
+        for b in bins
+    ]
+
+
+def _key_contiguous(ordered: list[PartMeta], column: str, n: int) -> list[list[PartMeta]]:
+    """``ordered`` (parts in key order, ranges disjoint but for shared endpoints) cut
+    into at most ``n`` key-contiguous groups balanced by bytes, cut only where the next
+    part starts strictly above every key before it (so no record is in two groups)."""
     ranges = [_range(p, column) for p in ordered]
     left = sum(p.size for p in ordered)  # bytes not yet in a closed group
     target = left / max(1, n)
@@ -66,4 +93,19 @@ def key_range_splits(splits: Sequence[SnapshotSplit], schemas: Schemas, n: int) 
         groups[-1].append(p)
         acc += p.size
         top = max(top, hi)
-    return [dataclasses.replace(splits[0], parts=tuple(g)) for g in groups]
+    return groups
+
+
+Group = tuple[int, list[PartMeta]]  # a run's index and a key-contiguous group of its parts
+
+
+def _packed(groups: list[Group], n: int) -> list[list[Group]]:
+    """``groups`` packed into ``n`` bins balanced by bytes (the largest group into the
+    lightest bin): groups of different runs share no record, so any packing is valid."""
+    bins: list[list[Group]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for g in sorted(groups, key=lambda g: -sum(p.size for p in g[1])):
+        i = sizes.index(min(sizes))
+        bins[i].append(g)
+        sizes[i] += sum(p.size for p in g[1])
+    return [b for b in bins if b]

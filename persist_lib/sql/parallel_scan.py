@@ -7,7 +7,8 @@ the caller's thread consolidates the current one, so a scan uses about one core 
 DuckDB's own Parquet reader uses all of them. When the parts' statistics prove them
 key-disjoint (``handles.split_overlap.disjoint_overlaps``: the ranges of an integer
 first key field meet at most at shared endpoints - a compacted shard's run, or
-key-disjoint bulk parts) every part is its own split (``ReadHandle.snapshot_splits``):
+key-disjoint bulk parts; for a batch of (k, v)-disjoint time layers, within each layer
+only, ``grouped_overlaps``: parts of different layers share no record) every part is its own split (``ReadHandle.snapshot_splits``):
 ``SnapshotSplit.fetch`` verifies its SHA-256, decodes it, forwards its times to the
 as-of, filters it and consolidates it on its own, on a pool of worker threads, a few
 parts ahead of the consumer. A row whose first key field is an endpoint another part
@@ -40,7 +41,7 @@ from persist_lib.handles.batch_stream import BatchStream
 from persist_lib.handles.pushdown import ReadPushdown
 from persist_lib.handles.read import ReadHandle
 from persist_lib.handles.read_plan import row_width
-from persist_lib.handles.split_overlap import SplitOverlap, disjoint_overlaps
+from persist_lib.handles.split_overlap import SplitOverlap, grouped_overlaps
 from persist_lib.handles.splits import SnapshotSplit
 from persist_lib.location.base import Blob
 from persist_lib.shard.codec import Schemas, internal_schema, to_user_table
@@ -157,7 +158,8 @@ def parallel_snapshot(
     try:
         splits = reader.snapshot_splits(as_of, 1, timeout_s, filter=filter)
         parts = [p for s in splits for p in s.parts]
-        planned = disjoint_overlaps(parts, schemas)
+        runs = splits[0].runs  # (one split: its parts' runs, when known)
+        planned = grouped_overlaps(parts, runs if len(splits) == 1 else None, schemas)
         budget = memory_budget if memory_budget is not None else reader.client.config.read_memory_budget
         biggest = max((estimate_decoded_bytes(p, schemas) for p in parts), default=0)
         w = workers or scan_workers()
@@ -166,7 +168,7 @@ def parallel_snapshot(
             return None
         ordered, overlaps = planned
         base = splits[0]
-        per_part = [dataclasses.replace(base, parts=(p,)) for p in ordered]
+        per_part = [dataclasses.replace(base, parts=(p,), runs=None) for p in ordered]
         max_rows = max(1024, (max(budget, 1 << 20) // 32) // max(1, row_width(schemas)))
         rows = _scan(per_part, overlaps, reader.client.blob, schemas, pd, in_flight, max_rows)
         stream = BatchStream(rows, pd.user_schema(), holds.end)
