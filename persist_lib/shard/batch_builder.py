@@ -422,10 +422,10 @@ class BatchBuilder:
         """Encodes a part (with its statistics), then uploads it or keeps it inline."""
         if part.num_rows == 0:
             return None
-        inline = self._inline_form(part)
-        if inline is not None:  # small: an IPC inline part, no Parquet encode at all
-            stats = part_stats(part, self.schemas) if self.record_stats else None
-            return part_meta_for(inline, part, None, inline=True, sorted=not unsorted, stats=stats)
+        ipc = self._inline_form(part)
+        if ipc is not None:  # small: an IPC inline part, no Parquet encode at all
+            ipc_stats = part_stats(part, self.schemas) if self.record_stats else None
+            return part_meta_for(ipc, part, None, inline=True, sorted=not unsorted, stats=ipc_stats)
         # Sorted parts get the row-group index for ranged reads (with the statistics: a
         # builder told to record none writes parts as the writers before both did).
         indexed = self.record_stats and not unsorted
