@@ -10,8 +10,10 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 
 from persist_lib import PersistClient, PersistConfig, ShardId
+from persist_lib.errors import LeaseExpired
 from persist_lib.handles.maintenance import _schemas
 from persist_lib.handles.merge_deferral import DeferralPolicy
 from persist_lib.shard import gc as gcmod
@@ -139,4 +141,25 @@ def test_a_crashed_compactors_output_is_kept_while_registered_and_swept_after_ex
     assert key not in swept()
     m.apply("expire_writer", lambda s, now: tr.expire_writer(s, now, writer_id=pw.writer_id))
     assert key in swept()
+    client.close()
+
+
+def test_a_shared_writer_found_expired_by_its_heartbeat_is_replaced(tmp_path: Path) -> None:
+    """If someone expired the shared registration (a lease sweep while heartbeats lagged),
+    its next heartbeat ends it (``LeaseExpired``, as for a handle) and the next merge
+    registers a fresh writer instead of merging under the dead one."""
+    client = file_client(tmp_path, background=False)
+    shard = ShardId.new()
+    w, _ = client.open(shard, KEY, VAL)
+    w.compare_and_append(updates(0), 0, 1)
+    m = client.machine(shard)
+    writers = CompactionWriters(client)
+    pw = writers.acquire(m, layered=False)
+    m.apply("expire_writer", lambda s, now: tr.expire_writer(s, now, writer_id=pw.writer_id))
+    with pytest.raises(LeaseExpired):
+        pw.heartbeat()
+    fresh = writers.acquire(m, layered=False)
+    assert fresh is not pw and fresh.writer_id in m.fetch_latest().writers
+    writers.close()
+    assert fresh.writer_id not in m.fetch_latest().writers
     client.close()

@@ -32,15 +32,33 @@ runs, and a heartbeat write per lease/4 for it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING
 
+from persist_lib.errors import LeaseExpired, ShardTombstoned
 from persist_lib.shard.part_writers import PartWriter
 from persist_lib.shard.runs import is_layered_writer, new_compactor_writer_id
 
 if TYPE_CHECKING:  # pragma: no cover
     from persist_lib.shard.context import ShardContext
     from persist_lib.shard.machine import Machine
+
+log = logging.getLogger(__name__)
+
+
+class SharedPartWriter(PartWriter):
+    """A ``PartWriter`` that outlives one merge: when a heartbeat finds it unregistered
+    (its lease was expired by someone, or the shard was finalized), it counts as
+    released, so the next merge registers a fresh writer instead of merging under a
+    dead one, and the heartbeat thread stops tracking it."""
+
+    def heartbeat(self) -> None:
+        try:
+            super().heartbeat()
+        except (LeaseExpired, ShardTombstoned) as e:
+            self.mark_released()
+            raise LeaseExpired(str(e)) from e
 
 
 class CompactionWriters:
@@ -50,12 +68,12 @@ class CompactionWriters:
     def __init__(self, context: ShardContext | None = None) -> None:
         self._context = context
         self._lock = threading.Lock()
-        self._writers: dict[tuple[str, bool], PartWriter] = {}
+        self._writers: dict[tuple[str, bool], SharedPartWriter] = {}
         self.registered = 0
         self.retired = 0
         self._closed = False
 
-    def acquire(self, machine: Machine, *, layered: bool) -> PartWriter:
+    def acquire(self, machine: Machine, *, layered: bool) -> SharedPartWriter:
         """The shard's live writer of this kind, registered now if there is none."""
         key = (machine.shard_id, layered)
         with self._lock:
@@ -64,14 +82,15 @@ class CompactionWriters:
                 return pw
             # Registering under the lock: at most one registration per shard and kind
             # (it happens once per shard, or after a retirement).
-            pw = PartWriter.register(
+            new = SharedPartWriter.register(
                 machine, purpose="compaction", context=self._context,
                 writer_id=new_compactor_writer_id(layered=layered),
             )
+            assert isinstance(new, SharedPartWriter)
             self.registered += 1
             if not self._closed:
-                self._writers[key] = pw
-            return pw
+                self._writers[key] = new
+            return new
 
     def retire(self, pw: PartWriter) -> None:
         """Releases ``pw`` (best effort, ``PartWriter.release``) and forgets it, so the
@@ -91,7 +110,10 @@ class CompactionWriters:
             writers = list(self._writers.values())
             self._writers.clear()
         for pw in writers:
-            pw.release()
+            try:
+                pw.release()
+            except Exception as e:  # noqa: BLE001 - closing must go on; the lease lapses
+                log.warning("releasing %r failed (its lease will lapse): %s", pw, e)
 
 
 def _layered(pw: PartWriter) -> bool:
