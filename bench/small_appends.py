@@ -67,6 +67,9 @@ def _persist(ctx: Ctx, data: list, *, fsync: bool, name: str) -> dict[str, Any]:
     out["seqno_at_end"] = info["seqno"]
     out["rollups_written"] = client.machine(shard).metrics.rollups_written
     out["cas_mismatches"] = client.machine(shard).metrics.cas_mismatches
+    # consensus writes by transition: the burst's merges (apply_merge_res) and their
+    # part-writer registrations (one per shard and kind since s17-small2, was one per merge)
+    out["consensus_writes_by"] = dict(client.machine(shard).metrics.committed_by)
     out["first10_last10_mean_ms"] = [
         round(sum(lat[:10]) / 10 * 1e3, 2),
         round(sum(lat[-10:]) / 10 * 1e3, 2),

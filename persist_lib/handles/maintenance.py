@@ -44,6 +44,7 @@ from persist_lib.shard import gc as gcmod
 from persist_lib.shard import maintenance_transitions as mt
 from persist_lib.shard import state as st
 from persist_lib.shard.codec import Schemas
+from persist_lib.shard.compaction_writers import CompactionWriters
 from persist_lib.shard.compactor import CompactionResult, compact_request
 from persist_lib.shard.context import ShardContext
 from persist_lib.shard.machine import Machine, describe_state_quarantine
@@ -353,6 +354,8 @@ class BackgroundCompactor:
         self.held_back = 0
         self.deferral = deferral if deferral is not None else DeferralPolicy()
         self._settler = SettleTimer(lambda m: self.offer(m, m.cached(), settle=True), self._notify_idle)
+        # One registered part writer per shard for all its merges (compaction_writers).
+        self.writers = CompactionWriters(client)
 
     def _notify_idle(self) -> None:
         with self._idle:
@@ -494,7 +497,9 @@ class BackgroundCompactor:
     def _run(self, m: Machine, req: CompactionRequest, key: tuple[str, tuple[int, ...]]) -> None:
         try:
             s = m.cached()
-            res = compact_request(m, _schemas(s), self.client.config, req, context=self.client)
+            res = compact_request(
+                m, _schemas(s), self.client.config, req, context=self.client, writers=self.writers
+            )
             with self._lock:
                 self.completed += 1
                 self.applied += int(res.applied)
@@ -593,3 +598,4 @@ class BackgroundCompactor:
             t.cancel()
         self._settler.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.writers.close()

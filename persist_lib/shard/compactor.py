@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import pyarrow as pa
@@ -33,6 +35,7 @@ from persist_lib.shard import maintenance_transitions as mt
 from persist_lib.shard.batch_builder import BatchBuilder
 from persist_lib.shard.batch_meta import HollowBatch, PartMeta
 from persist_lib.shard.codec import Schemas
+from persist_lib.shard.compaction_writers import CompactionWriters
 from persist_lib.shard.consolidate import gather_updates
 from persist_lib.shard.context import ShardContext
 from persist_lib.shard.in_memory_merge import (
@@ -389,6 +392,7 @@ def compact_request(
     req: CompactionRequest,
     *,
     context: ShardContext | None = None,
+    writers: CompactionWriters | None = None,
 ) -> CompactionResult:
     """Runs one merge and applies it with one transition (or deletes its output).
 
@@ -396,20 +400,27 @@ def compact_request(
     output is linked only while that registration holds, so the leaked-blob sweeper can
     never delete output that is about to be linked, however long the merge takes.
     ``context`` (optional; a ``PersistClient``) heartbeats the registration during long
-    merges.
+    merges. With ``writers`` (a background compactor's ``CompactionWriters``) the merge
+    uploads under the shard's shared registration instead, which the apply keeps; any
+    outcome but "applied" retires it.
     """
     t0 = time.monotonic()
     stats = MergeStats()
     pw: PartWriter | None = None
+    release: Callable[[], None] = _no_op
     if not req.rewrites_data or sum(1 for b in req.inputs if b.parts) == 0:
         output = _metadata_only_output(req)
         produced_keys: list[str] = []
     else:
         layers = request_time_layers(req, config)
-        pw = PartWriter.register(
-            machine, purpose="compaction", context=context,
-            writer_id=new_compactor_writer_id(layered=bool(layers)),
-        )
+        if writers is not None:
+            pw = writers.acquire(machine, layered=bool(layers))
+        else:
+            pw = PartWriter.register(
+                machine, purpose="compaction", context=context,
+                writer_id=new_compactor_writer_id(layered=bool(layers)),
+            )
+        release = pw.release if writers is None else partial(writers.retire, pw)
         try:
             merged = merge_batches(
                 machine.blob, schemas, shard=machine.shard_id, inputs=req.inputs, lower=req.lower,
@@ -422,34 +433,37 @@ def compact_request(
             # The compactor holds no seqno: an input may have been replaced by another
             # merge and collected meanwhile. Then this merge is moot (and wrote nothing:
             # the merge deletes its partial output); otherwise a live blob is missing.
-            pw.release()
+            release()
             if inputs_still_current(machine.fetch_latest(), req):
                 raise
             return CompactionResult(
                 req, mt.MergeOutcome.NOT_APPLIED_NO_MATCH, None, stats, time.monotonic() - t0, True
             )
         except Exception:
-            pw.release()
+            release()
             raise
         output, stats = merged.batch, merged.stats
         reused = {k for b in req.inputs for k in b.blob_keys()}
         produced_keys = [k for k in output.blob_keys() if k not in reused]
     writer_id = pw.writer_id if pw is not None else None
+    shared = pw is not None and writers is not None
     try:
-        res = _apply(machine, config, req, output, writer_id)
+        res = _apply(machine, config, req, output, writer_id, release_writer=not shared)
         if res.outcome is mt.MergeOutcome.NOT_APPLIED_INLINE_BUDGET:
             output = _uninline(machine, output, writer_id)
             reused = {k for b in req.inputs for k in b.blob_keys()}
             produced_keys = [k for k in output.blob_keys() if k not in reused]
-            res = _apply(machine, config, req, output, writer_id)
+            res = _apply(machine, config, req, output, writer_id, release_writer=not shared)
     except Exception:
         # It is unknown whether the merge landed: the output is kept (a leak, for the
         # sweeper once the registration is gone, beats a dangling reference).
         if pw is not None:
-            pw.release()  # a no-op if the merge landed (it released it)
+            release()  # harmless if the merge landed (its output is linked)
         raise
-    if pw is not None:
+    if pw is not None and not shared:
         pw.mark_released()  # every outcome of apply_merge_res released (or lost) it
+    elif pw is not None and not res.applied:
+        release()  # retire the shared writer: this merge's output is never linked
     # "Not applied" is definite: the transition ran against a state without our output
     # (our own earlier landed CAS would show as ALREADY_APPLIED), and our part writer is
     # unregistered now, so nothing can link the output any more.
@@ -458,6 +472,10 @@ def compact_request(
         _delete_keys(machine, produced_keys)
         deleted = True
     return CompactionResult(req, res.outcome, output, stats, time.monotonic() - t0, deleted)
+
+
+def _no_op() -> None:
+    pass
 
 
 def _delete_keys(machine: Machine, keys: list[str]) -> None:
@@ -480,12 +498,15 @@ def inputs_still_current(state: Any, req: CompactionRequest) -> bool:
 def _apply(
     machine: Machine, config: PersistConfig, req: CompactionRequest, output: HollowBatch,
     part_writer: str | None,
+    *,
+    release_writer: bool = True,
 ) -> mt.MergeResult:
     res, _ = machine.apply(
         "apply_merge_res",
         lambda s, now: mt.apply_merge_res(
             s, now, input_ids=req.batch_ids, inputs=req.inputs, output=output,
             inline_max_total=config.inline_max_total, part_writer=part_writer,
+            release_writer=release_writer,
         ),
     )
     assert isinstance(res, mt.MergeResult)
