@@ -49,6 +49,9 @@ def test_one_copy_equals_forward_then_consolidate(case: tuple[pa.Table, int]) ->
     got = consolidate_sorted_at(table, as_of)
     assert want is not None and got is not None
     assert got.equals(want), (got.to_pylist(), want.to_pylist())
+    if table.num_rows and max(table.column("t").to_pylist()) <= as_of:  # a latest read's hint
+        hinted = consolidate_sorted_at(table, as_of, all_at_or_before=True)
+        assert hinted is not None and hinted.equals(want)
 
 
 def test_the_layer_case_drops_later_history_and_sums_the_rest() -> None:

@@ -29,12 +29,16 @@ from persist_lib.shard.sorted_checks import sorted_ties
 from persist_lib.shard.time_filters import snapshot_at
 
 
-def consolidate_sorted_at(table: pa.Table, as_of: int) -> pa.Table | None:
+def consolidate_sorted_at(table: pa.Table, as_of: int, *, all_at_or_before: bool = False) -> pa.Table | None:
     """``consolidate_sorted(snapshot_at(table, as_of))`` for a table sorted by ``(k,
     v, t)`` (internal layout): the updates after ``as_of`` dropped, times forwarded to
     it, equal rows summed, zero sums dropped, order kept; None when the rows at or
     before ``as_of`` are not sorted by ``(k, v)``. Columns as for
-    ``consolidate_sorted``."""
+    ``consolidate_sorted``. ``all_at_or_before``: the caller knows from the part's
+    recorded bounds that no time is after ``as_of`` (a latest read): the two steps
+    run as they are, without looking at the times."""
+    if all_at_or_before:
+        return consolidate_sorted(snapshot_at(table, as_of, all_at_or_before=True))
     n = table.num_rows
     kv = [table.column(c) for c in table.column_names if c not in (T_COL, D_COL)]
     t = to_numpy(table.column(T_COL)) if n else np.zeros(0, dtype=np.int64)

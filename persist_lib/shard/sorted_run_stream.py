@@ -91,7 +91,7 @@ def stream_sorted_run(
         # (``post`` keeps rows by key and value only, so it commutes with forwarding and
         # consolidating: applied first, the one-copy pass below sees only its rows.)
         t = fetch(p)
-        return consolidate_sorted_at(post(t) if post is not None else t, as_of)
+        return consolidate_sorted_at(post(t) if post is not None else t, as_of, all_at_or_before=p.tmax <= as_of)
 
     with contextlib.ExitStack() as stack:
         if pool is None:
