@@ -40,11 +40,16 @@ def sorted_state(columns: Sequence[pa.Array | pa.ChunkedArray]) -> int:
     return SORTED_WITH_TIES if len(tied) else SORTED_STRICT
 
 
-def sorted_ties(columns: Sequence[pa.Array | pa.ChunkedArray]) -> np.ndarray | None:
+def sorted_ties(
+    columns: Sequence[pa.Array | pa.ChunkedArray], rows: np.ndarray | None = None
+) -> np.ndarray | None:
     """For rows sorted by ``columns``: the indices ``i`` of the neighbouring pairs
     ``(i, i + 1)`` equal on every column (empty when strictly increasing); None when
-    the rows are not sorted. The comparisons of ``sorted_state``."""
-    n = len(columns[0]) if columns else 0
+    the rows are not sorted. The comparisons of ``sorted_state``. ``rows``: check only
+    these rows, in this order (indices into the columns; ``i`` then indexes ``rows``),
+    as if the columns had been taken at them: only the pairs still tied are taken (an
+    integer column is gathered as numpy)."""
+    n = len(rows) if rows is not None else (len(columns[0]) if columns else 0)
     if n < 2:
         return np.zeros(0, dtype=np.int64)
     tied: np.ndarray | None = None  # indices i of the pairs (i, i+1) equal so far
@@ -53,13 +58,21 @@ def sorted_ties(columns: Sequence[pa.Array | pa.ChunkedArray]) -> np.ndarray | N
         if pa.types.is_integer(c.type) and not c.null_count:
             # One conversion (a view for one chunk), compared with itself shifted.
             v = to_numpy(c)
-            an, bn = (v[:-1], v[1:]) if tied is None else (v[tied], v[tied + 1])
+            if rows is None:
+                an, bn = (v[:-1], v[1:]) if tied is None else (v[tied], v[tied + 1])
+            else:
+                left = rows[:-1] if tied is None else rows[tied]
+                an, bn = v[left], v[rows[1:] if tied is None else rows[tied + 1]]
             gt, eq = an > bn, an == bn
         else:
-            a, b = c.slice(0, n - 1), c.slice(1)
-            if tied is not None:
-                ti = pa.array(tied)
-                a, b = a.take(ti), b.take(ti)
+            if rows is None:
+                a, b = c.slice(0, n - 1), c.slice(1)
+                if tied is not None:
+                    ti = pa.array(tied)
+                    a, b = a.take(ti), b.take(ti)
+            else:
+                left = rows[:-1] if tied is None else rows[tied]
+                a, b = c.take(pa.array(left)), c.take(pa.array(rows[1:] if tied is None else rows[tied + 1]))
             if c.null_count:
                 av, bv = to_numpy(a.is_valid()), to_numpy(b.is_valid())
                 gt = to_numpy(pc.fill_null(pc.greater(a, b), False)) | (av & ~bv)

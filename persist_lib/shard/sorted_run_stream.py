@@ -2,8 +2,9 @@
 
 A compacted shard is one sorted run (``runs.batch_runs``): its snapshot needs no merge.
 ``stream_sorted_run`` fetches, verifies and decodes its parts, forwards each part's
-times to the as-of and consolidates it with ``consolidate_sorted`` (a neighbour check;
-the decoded columns are handed on as they are when no two rows share a ``(k, v)``),
+times to the as-of and consolidates it (``sorted_as_of.consolidate_sorted_at``: a
+neighbour check, one copy of the rows kept when some are dropped; the decoded columns
+are handed on as they are when none is dropped and no two rows share a ``(k, v)``),
 two parts at a time on the read's pool (the process's shared fetch threads), so that
 both cores work while the caller takes the parts in order. Equal rows can also meet
 across a part boundary: the last row of each part is held back and summed into the
@@ -28,10 +29,9 @@ import pyarrow as pa
 from persist_lib.errors import CorruptionError
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import D_COL
-from persist_lib.shard.consolidate import consolidate_sorted
 from persist_lib.shard.runs import RunOrderViolation
+from persist_lib.shard.sorted_as_of import consolidate_sorted_at
 from persist_lib.shard.sorted_checks import sorted_ties
-from persist_lib.shard.time_filters import snapshot_at
 
 # Per row of the part being checked: its forwarded time and the comparison masks
 # (``read_plan.sorted_run_read_bytes`` counts the same).
@@ -88,8 +88,10 @@ def stream_sorted_run(
     ``RunOrderViolation`` however far it got, and the caller may read it another way."""
 
     def load(p: PartMeta) -> pa.Table | None:
-        t = snapshot_at(fetch(p), as_of, all_at_or_before=p.tmax <= as_of)
-        return consolidate_sorted(post(t) if post is not None else t)
+        # (``post`` keeps rows by key and value only, so it commutes with forwarding and
+        # consolidating: applied first, the one-copy pass below sees only its rows.)
+        t = fetch(p)
+        return consolidate_sorted_at(post(t) if post is not None else t, as_of, all_at_or_before=p.tmax <= as_of)
 
     with contextlib.ExitStack() as stack:
         if pool is None:
