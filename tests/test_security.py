@@ -451,6 +451,16 @@ def _one_shot(x: _World) -> list[Any]:
     return [OneShotSnapshot(x.client, m, ONE_SHOT_READER, Schemas.create(KEY, VAL), "one-shot snapshot")]
 
 
+def _compaction_writers(x: _World) -> list[Any]:
+    """A compactor's shared writers, holding one registered writer of each kind."""
+    from persist_lib.shard.compaction_writers import CompactionWriters
+
+    writers = CompactionWriters(x.client)
+    for layered in (False, True):
+        writers.acquire(x.client.machine(x.shard), layered=layered)
+    return [writers]
+
+
 def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
     """How to build each credential-holding class on a hostile world."""
     from persist_lib.handles.maintenance import BackgroundCompactor
@@ -472,6 +482,7 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
     from persist_lib.location.redaction import SensitiveUrl, _parse
     from persist_lib.shard.batch_builder import BatchBuilder
     from persist_lib.shard.codec import Schemas
+    from persist_lib.shard.compaction_writers import SharedPartWriter
     from persist_lib.shard.part_writers import PartWriter
     from persist_lib.spark.ingest import SparkIngestion
     from persist_lib.storage.controller import StorageController
@@ -564,6 +575,10 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
         "persist_lib.shard.part_writers.PartWriter": lambda x: [
             PartWriter.register(x.client.machine(x.shard), purpose="canary", context=x.client)
         ],
+        "persist_lib.shard.compaction_writers.SharedPartWriter": lambda x: [
+            SharedPartWriter.register(x.client.machine(x.shard), purpose="canary", context=x.client)
+        ],
+        "persist_lib.shard.compaction_writers.CompactionWriters": _compaction_writers,
         "persist_lib.testing.planted.HeadDeletingConsensus": lambda x: [
             HeadDeletingConsensus(x.client.raw_consensus)
         ],
