@@ -10,7 +10,6 @@ from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from persist_lib.config import PersistConfig
@@ -21,9 +20,8 @@ from persist_lib.shard import machine as machine_mod
 from persist_lib.shard import state as st
 from persist_lib.shard.codec import Schemas
 from persist_lib.shard.compactor import compact_request
-from persist_lib.shard.inline_format import is_ipc_part, read_ipc_part
 from persist_lib.shard.part_fetch import fetch_part_bytes
-from persist_lib.shard.parts import META_SCHEMAS
+from persist_lib.shard.parts import META_SCHEMAS, read_stored
 from persist_lib.shard.schema_registry import EvolveOutcome
 from persist_lib.shard.spine import CompactionRequest
 
@@ -101,13 +99,6 @@ EXPECTED = {
 }
 
 
-def stored_schema(data: bytes) -> pa.Schema:
-    """A part's stored schema: a Parquet file's, or an inline IPC part's (``inline_format``)."""
-    if is_ipc_part(data):
-        return read_ipc_part(data).schema
-    return pq.ParquetFile(pa.BufferReader(data)).schema_arrow
-
-
 def test_snapshot_listen_and_compaction_across_three_versions() -> None:
     client = mem_client()
     shard = ShardId.new()
@@ -135,7 +126,8 @@ def test_snapshot_listen_and_compaction_across_three_versions() -> None:
     # Compaction rewrites every part under the latest version; reads are unchanged.
     compact_all(client, shard)
     s = client.machine(shard).fetch_latest()
-    fps = {stored_schema(fetch_part_bytes(client.blob, p, str(shard))).metadata[META_SCHEMAS]
+    # (a part may be an inline Arrow IPC part: read_stored reads either format)
+    fps = {read_stored(fetch_part_bytes(client.blob, p, str(shard)), str(shard), p.location).schema.metadata[META_SCHEMAS]
            for b in s.batches.values() for p in b.parts}
     assert fps == {Schemas.create(KEY, V3).fingerprint().encode()}
     for t, want in EXPECTED.items():

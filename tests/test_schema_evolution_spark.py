@@ -8,13 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from persist_lib.shard.codec import Schemas
 from persist_lib.shard.maintenance_transitions import MergeOutcome
 from persist_lib.shard.part_fetch import fetch_part_bytes
-from persist_lib.shard.parts import META_SCHEMAS
+from persist_lib.shard.parts import META_SCHEMAS, read_stored
 from persist_lib.storage import StorageController
 from tests.test_schema_evolution import whole_trace
 from tests.test_spark_support import file_location, open_client
@@ -71,7 +70,8 @@ def test_spark_reads_and_merges_an_evolved_collection(spark: Any, tmp_path: Path
     out = spark_merge(spark, client, schemas, req, shard_id=shard, num_buckets=2)
     assert apply_merge(client, m, req, out).outcome is MergeOutcome.APPLIED
     fps = {
-        pq.ParquetFile(pa.BufferReader(fetch_part_bytes(client.blob, p, shard))).schema_arrow.metadata[META_SCHEMAS]
+        # (a part may be an inline Arrow IPC part: read_stored reads either format)
+        read_stored(fetch_part_bytes(client.blob, p, shard), shard, p.location).schema.metadata[META_SCHEMAS]
         for b in m.fetch_latest().batches.values() for p in b.parts
     }
     assert fps == {Schemas.create(K, V3).fingerprint().encode()}
