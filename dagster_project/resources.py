@@ -29,6 +29,7 @@ from dagster_pyspark.resources import spark_session_from_config
 from pydantic import PrivateAttr
 
 from persist_lib.config import PersistConfig
+from persist_lib.errors import InvalidConfig
 from persist_lib.handles.client import PersistClient, default_home, default_uris
 from persist_lib.ingest.landing_zone.stores import format_of
 from persist_lib.location.check import missing_parts, require_existing_location
@@ -59,6 +60,10 @@ class _Shown:
         return self.text
 
 
+#: PersistResource fields that set a ``PersistConfig`` field (named in its errors).
+RESOURCE_FIELDS = {"reader_lease_ms": "PersistResource.reader_lease_ms"}
+
+
 class PersistResource(dg.ConfigurableResource):
     """A persist location (Blob + Consensus) and its STORAGE controller.
 
@@ -85,14 +90,27 @@ class PersistResource(dg.ConfigurableResource):
     def client(self) -> PersistClient:
         """The (cached) client; opened on first use."""
         if self._client is None:
+            cfg = self.persist_config()  # checked before anything is created
             blob, consensus = self.uris()
             if blob.startswith("file://"):
                 Path(blob[len("file://") :]).mkdir(parents=True, exist_ok=True)
             if consensus.startswith("sqlite:///"):
                 Path(consensus[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
-            cfg = PersistConfig(reader_lease_ms=self.reader_lease_ms)
             self._client = PersistClient.open(blob, consensus, cfg)
         return self._client
+
+    def persist_config(self) -> PersistConfig:
+        """The client's configuration; a bad setting (``reader_lease_ms=-5``) is an
+        ``InvalidConfig`` naming the resource field."""
+        try:
+            return PersistConfig(reader_lease_ms=self.reader_lease_ms)
+        except InvalidConfig as e:
+            raise e.with_sources(RESOURCE_FIELDS, what="PersistResource config") from None
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        """Checks the configuration when a run initialises the resource, so a bad setting
+        fails resource initialisation with ``InvalidConfig``, before any step runs."""
+        self.persist_config()
 
     def controller(self) -> StorageController:
         """The (cached) STORAGE controller on this location (recovers on first use)."""

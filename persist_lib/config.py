@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from persist_lib.config_rules import FIELD_RULES, problems
+from persist_lib.errors import ConfigProblem, InvalidConfig
 
 MiB = 1 << 20
 
@@ -16,7 +21,20 @@ def system_clock_ms() -> int:
 
 @dataclass
 class PersistConfig:
-    """Tunables of a ``PersistClient``. Defaults follow docs/design.md and Materialize's persist."""
+    """Tunables of a ``PersistClient``. Defaults follow docs/design.md and Materialize's persist.
+
+    Every value is checked against its rule (``persist_lib.config_rules``: type, range,
+    the rules between fields, ``$PERSIST_METRICS_PORT``) when the config is built, and
+    again whenever a field is assigned afterwards (``cfg.x = ...``, ``setattr``): a bad
+    value raises ``InvalidConfig`` (an ``InvalidUsage`` and a ``ValueError``) naming every
+    bad setting, and the config keeps its old value. Checking on assignment, not only
+    when a client is opened, is deliberate: tests, benchmarks and the reliability harness
+    change fields after building a config, some after the client holds it; reads of a
+    field (the hot paths) are plain attribute reads and cost nothing extra. To change
+    fields that depend on each other (the heartbeat tick and the leases), use
+    ``update(**changes)``, which checks the changes together. An unknown field name is
+    an ``InvalidConfig`` too, not a silently ignored attribute.
+    """
 
     # Writes.
     blob_target_size: int = 128 * MiB  # a part is flushed when its Arrow buffer reaches this
@@ -117,16 +135,67 @@ class PersistConfig:
     now_ms: Callable[[], int] = field(default=system_clock_ms)
     rng: random.Random = field(default_factory=random.Random)
 
+    def __post_init__(self) -> None:
+        found = problems(self._values(), _DEFAULTS)
+        if found:
+            raise InvalidConfig(found)
+        object.__setattr__(self, "_checked", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # While ``__init__`` assigns the fields one by one nothing is checked:
+        # ``__post_init__`` checks them all at once.
+        if "_checked" in self.__dict__ and not name.startswith("_"):
+            self._check_changes({name: value})
+        object.__setattr__(self, name, value)
+
+    def update(self, **changes: Any) -> PersistConfig:
+        """Assigns several fields at once, checked together (so a change that is only valid
+        with another one, such as a shorter lease with a shorter heartbeat tick, does not
+        fail on the way): all of them, or none and ``InvalidConfig``. Returns ``self``."""
+        self._check_changes(changes)
+        for k, v in changes.items():
+            object.__setattr__(self, k, v)
+        return self
+
+    def _values(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in FIELD_RULES}
+
+    def _check_changes(self, changes: dict[str, Any]) -> None:
+        unknown = [_unknown_field(k, v) for k, v in changes.items() if k not in _DEFAULTS]
+        if unknown:
+            raise InvalidConfig(unknown)
+        found = problems({**self._values(), **changes}, _DEFAULTS, changed=changes)
+        if found:
+            raise InvalidConfig(found)
+
     @classmethod
-    def for_tests(cls, **overrides: object) -> PersistConfig:
-        """Small parts and no background threads: what most tests want."""
-        cfg = cls(
-            blob_target_size=1 * MiB,
-            background_heartbeats=False,
-            rollup_in_background=False,
-            retry_deadline_s=10.0,
-            snapshot_timeout_s=10.0,
-        )
-        for k, v in overrides.items():
-            setattr(cfg, k, v)
-        return cfg
+    def for_tests(cls, **overrides: Any) -> PersistConfig:
+        """Small parts and no background threads: what most tests want (``overrides``
+        checked together with them)."""
+        unknown = [_unknown_field(k, v) for k, v in overrides.items() if k not in _DEFAULTS]
+        if unknown:
+            raise InvalidConfig(unknown)
+        base: dict[str, Any] = {
+            "blob_target_size": 1 * MiB,
+            "background_heartbeats": False,
+            "rollup_in_background": False,
+            "retry_deadline_s": 10.0,
+            "snapshot_timeout_s": 10.0,
+        }
+        return cls(**{**base, **overrides})
+
+
+def _default(f: Any) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    return f"{f.default_factory.__name__}()" if f.default_factory is not MISSING else None
+
+
+#: Each field's default (for the messages; factories stand for their defaults).
+_DEFAULTS: dict[str, Any] = {f.name: _default(f) for f in fields(PersistConfig)}
+
+
+def _unknown_field(name: str, value: Any) -> ConfigProblem:
+    near = difflib.get_close_matches(name, list(_DEFAULTS), n=1)
+    hint = f"did you mean {near[0]!r}?" if near else "see the fields of PersistConfig"
+    return ConfigProblem(name, value, "is not a field of PersistConfig", f"fix: {hint}")

@@ -14,13 +14,15 @@ Every message names the shard, the values involved and what to do. The two roots
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 from persist_lib.error_base import InvalidUsage, PersistError
 from persist_lib.frontier import Antichain
 
 __all__ = [
     "BlobNotFound",
+    "ConfigProblem",
     "CorruptionError",
     "Determinate",
     "ExternalError",
@@ -28,6 +30,7 @@ __all__ = [
     "InvalidBlobKey",
     "InvalidUri",
     "IncompatibleSchemaChange",
+    "InvalidConfig",
     "InvalidUsage",
     "InvalidUtf8",
     "InvalidUtf8InPart",
@@ -113,6 +116,43 @@ class InvalidUtf8(InvalidUsage):
             "was written. Decode the source bytes with their real encoding, drop or repair the "
             "row, or declare the field as binary if it holds arbitrary bytes"
         )
+
+
+class ConfigProblem(NamedTuple):
+    """One bad setting of a configuration: the field, the value it was given, what is
+    allowed and how to fix it. ``source`` is how the user spelled the setting when it is
+    not the field itself (``--timeout``, ``$PERSIST_METRICS_PORT``)."""
+
+    field: str
+    value: Any
+    allowed: str
+    fix: str
+    source: str | None = None
+
+    def describe(self) -> str:
+        where = self.field if self.source is None else f"{self.source} (field {self.field})"
+        return f"{where} = {self.value!r}: {self.allowed}; {self.fix}"
+
+
+class InvalidConfig(InvalidUsage):
+    """A configuration (``PersistConfig``) was given bad settings: nothing was built
+    with them. ``problems`` lists every bad setting at once (the field, the bad value,
+    what is allowed, how to fix it). Also a ``ValueError``."""
+
+    def __init__(self, problems: Sequence[ConfigProblem], *, what: str = "PersistConfig") -> None:
+        if not problems:
+            raise ValueError("InvalidConfig needs at least one problem")
+        self.problems = tuple(problems)
+        self.what = what
+        n = len(self.problems)
+        lines = "; ".join(f"({i}) {p.describe()}" for i, p in enumerate(self.problems, 1))
+        super().__init__(f"invalid {what}: {n} bad setting{'s' if n > 1 else ''}: {lines}")
+
+    def with_sources(self, sources: Mapping[str, str], *, what: str | None = None) -> InvalidConfig:
+        """The same problems, each field named in ``sources`` reported as the setting the
+        user gave (a command-line option, a resource field) instead of the field."""
+        renamed = [p._replace(source=sources.get(p.field, p.source)) for p in self.problems]
+        return InvalidConfig(renamed, what=what or self.what)
 
 
 class UpperMismatch(PersistError):

@@ -30,7 +30,7 @@ from persist_lib.allocator import configure_bounded_allocator
 configure_bounded_allocator()
 
 from persist_lib.config import PersistConfig  # noqa: E402
-from persist_lib.errors import InvalidUsage, LocationNotFound, PersistError  # noqa: E402
+from persist_lib.errors import InvalidConfig, InvalidUsage, LocationNotFound, PersistError  # noqa: E402
 from persist_lib.handles.client import PersistClient, default_uris  # noqa: E402
 from persist_lib.location.check import require_existing_location  # noqa: E402
 from persist_lib.location.uri import redact  # noqa: E402
@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Background heartbeats: a long merge (compact), query (sql) or read (snapshot,
         # tail, a slow pipe) keeps its leases, instead of being expired and redone.
-        config = PersistConfig(retry_deadline_s=ns.timeout)
+        config = cli_config(ns)
         if _CREATES_LOCATION.get(ns.command, lambda ns: False)(ns):
             client = PersistClient.open(ns.blob, ns.consensus, config)
         else:
@@ -238,6 +238,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"persist {ns.command}: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+#: The command-line options that set a ``PersistConfig`` field (named in its errors).
+CONFIG_OPTIONS = {"retry_deadline_s": "--timeout"}
+
+
+def cli_config(ns: argparse.Namespace) -> PersistConfig:
+    """The client configuration the options ask for; a bad value (``--timeout -1``) is an
+    ``InvalidConfig`` naming the option (exit status 2)."""
+    try:
+        return PersistConfig(retry_deadline_s=ns.timeout)
+    except InvalidConfig as e:
+        raise e.with_sources(CONFIG_OPTIONS, what="persist options") from None
 
 
 def _render(doc: Any) -> str:

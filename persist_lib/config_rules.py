@@ -1,0 +1,267 @@
+"""What each ``PersistConfig`` setting may be: one rule per field, the rules that tie
+fields together, and the environment variable that stands in for a field.
+
+``PersistConfig`` (``persist_lib.config``) checks its values against these rules when it
+is built and when a field is changed, and raises ``InvalidConfig`` naming every bad
+setting at once. The ranges are those the code that reads each field relies on (for
+example ``BatchBuilder`` refuses ``max_inflight_uploads < 1`` when a write starts, the
+merge planner a ``compaction_memory_budget`` under 1 MiB when a background merge
+runs): checked here, a bad value fails where it was given, not deep inside later.
+
+Types are strict: a bool is not an int (``True`` is not a size), an int is accepted
+where a float is expected, a string never is, and ``None`` only where the field's
+annotation allows it. Floats must be finite.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import random
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from persist_lib.errors import ConfigProblem
+
+MiB = 1 << 20
+
+Kind = Literal["int", "float", "bool", "callable", "rng"]
+
+#: The environment variable that gives the metrics port when ``metrics_port`` is None.
+METRICS_PORT_ENV = "PERSIST_METRICS_PORT"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The type and range one field must have. ``lo``/``hi`` bound numbers (``lo_open``:
+    strictly greater); ``optional``: None is allowed too; ``unit`` and ``meaning`` go into
+    the message (what the value counts, what special values mean)."""
+
+    kind: Kind
+    lo: float | None = None
+    lo_open: bool = False
+    hi: float | None = None
+    unit: str = ""
+    optional: bool = False
+    meaning: str = ""
+
+    def allowed(self) -> str:
+        """What the rule allows, in words."""
+        if self.kind == "bool":
+            text = "must be True or False (a bool; not 0/1 or a string)"
+        elif self.kind == "callable":
+            text = "must be a callable returning ms since the epoch"
+        elif self.kind == "rng":
+            text = "must be a random.Random"
+        else:
+            noun = "an int (not a bool)" if self.kind == "int" else "a finite number (int or float)"
+            bounds = []
+            if self.lo is not None:
+                bounds.append(f"{'>' if self.lo_open else '>='} {_num(self.lo)}")
+            if self.hi is not None:
+                bounds.append(f"<= {_num(self.hi)}")
+            text = f"must be {noun}" + (f" {' and '.join(bounds)}" if bounds else "")
+            if self.unit:
+                text += f" ({self.unit})"
+        if self.optional:
+            text += ", or None"
+        if self.meaning:
+            text += f"; {self.meaning}"
+        return text
+
+    def is_bad(self, value: Any) -> bool:
+        """Whether ``value`` breaks the rule."""
+        if value is None:
+            return not self.optional
+        if self.kind == "bool":
+            return not isinstance(value, bool)
+        if self.kind == "callable":
+            return not callable(value)
+        if self.kind == "rng":
+            return not isinstance(value, random.Random)
+        if isinstance(value, bool):
+            return True
+        if self.kind == "int":
+            if not isinstance(value, numbers.Integral):
+                return True
+        elif not isinstance(value, numbers.Real) or not math.isfinite(value):
+            return True
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return True
+        return self.hi is not None and value > self.hi
+
+    def check(self, field: str, value: Any, default: Any) -> ConfigProblem | None:
+        if not self.is_bad(value):
+            return None
+        return ConfigProblem(field, value, self.allowed(), f"fix: give such a value (default {default!r})")
+
+
+def _num(x: float) -> str:
+    if x == int(x) and abs(x) >= MiB and int(x) % MiB == 0:
+        return f"{int(x) >> 20} MiB ({int(x)})"
+    return str(int(x)) if x == int(x) else str(x)
+
+
+def _bytes(lo: int = 0, meaning: str = "", *, optional: bool = False) -> Rule:
+    return Rule("int", lo=lo, unit="bytes", optional=optional, meaning=meaning)
+
+
+def _count(lo: int = 1, meaning: str = "") -> Rule:
+    return Rule("int", lo=lo, meaning=meaning)
+
+
+def _seconds(meaning: str = "") -> Rule:
+    return Rule("float", lo=0, lo_open=True, unit="seconds", meaning=meaning)
+
+
+def _ms(meaning: str = "") -> Rule:
+    return Rule("int", lo=0, lo_open=True, unit="milliseconds", meaning=meaning)
+
+
+_FLAG = Rule("bool")
+
+#: One rule per ``PersistConfig`` field (tests/test_config_validation.py checks that every
+#: field has one).
+FIELD_RULES: dict[str, Rule] = {
+    "blob_target_size": _bytes(1, "the Arrow bytes at which a part is flushed"),
+    "max_inflight_uploads": _count(1, "part uploads running at once per write"),
+    "inline_threshold": _bytes(0, "0 turns inlining off everywhere"),
+    "inline_append_threshold": _bytes(0, "0: appends never inline"),
+    "inline_max_total": _bytes(0, "0: nothing is inlined"),
+    "unsorted_min_bytes": _bytes(0, "None: every part is sorted on write", optional=True),
+    "key_range_min_bytes": _bytes(0, "None: chunks are cut in row order", optional=True),
+    "rollup_interval": _count(0, "seqnos between rollups; 0: no rollups"),
+    "rollup_in_background": _FLAG,
+    "reader_lease_ms": _ms(),
+    "writer_lease_ms": _ms(),
+    "background_heartbeats": _FLAG,
+    "heartbeat_tick_s": _seconds("how often the heartbeat thread looks for due handles"),
+    "retry_deadline_s": _seconds("how long a location call is retried"),
+    "apply_lock_wait_s": _seconds("how long a thread waits for its turn on a shard"),
+    "snapshot_timeout_s": _seconds("how long a read waits for its as-of time"),
+    "fetch_parallelism": _count(1, "fetch threads of the process's shared pool"),
+    "listen_poll_max_s": _seconds("the longest wait between polls of a listen"),
+    "read_memory_budget": _bytes(MiB, "what a streaming read holds at once"),
+    "compaction_enabled": _FLAG,
+    "compaction_memory_budget": _bytes(MiB, "what one merge holds at once"),
+    "compaction_in_memory": _FLAG,
+    "compaction_time_layers": _count(1, "1: one run, no time layers"),
+    "compaction_layer_min_rows": _count(1, "smaller layers are not split off"),
+    "compaction_layer_max_first_share": Rule(
+        "float", lo=0, lo_open=True, hi=1, unit="a share of a merge's updates",
+        meaning="to turn time layers off set compaction_time_layers=1",
+    ),
+    "compaction_layer_kv_whole": _FLAG,
+    "compaction_workers": _count(1, "background merge threads per client"),
+    "compaction_queue_max": _count(1, "queued merges per client"),
+    "gc_in_background": _FLAG,
+    "compaction_retry_backoff_s": _seconds("the first wait before a failed merge is retried"),
+    "compaction_retry_backoff_max_s": _seconds("the longest such wait"),
+    "compaction_quarantine_after": _count(1, "deterministic failures before a merge is quarantined"),
+    "leak_grace_ms": Rule("int", lo=0, unit="milliseconds", meaning="0: no extra guard"),
+    "max_cached_shards": _count(1, "shard machines a client keeps"),
+    "metrics": _FLAG,
+    "metrics_port": Rule(
+        "int", lo=0, hi=65535, unit="a TCP port", optional=True,
+        meaning=f"0: any free port; None: ${METRICS_PORT_ENV} decides",
+    ),
+    "now_ms": Rule("callable"),
+    "rng": Rule("rng"),
+}
+
+
+@dataclass(frozen=True)
+class CrossRule:
+    """A rule between fields: ``check`` gets the values (each already of its own field's
+    type and range) and returns the problem, if any."""
+
+    fields: tuple[str, ...]
+    check: Callable[[Mapping[str, Any]], ConfigProblem | None]
+
+
+def _heartbeat_within_leases(v: Mapping[str, Any]) -> ConfigProblem | None:
+    """A handle's heartbeat falls due a quarter of the way into its lease and the thread
+    looks for due heartbeats once a tick: a tick under half the shorter lease makes the
+    heartbeat by three quarters of it. A longer tick lets leases lapse between ticks."""
+    if not v["background_heartbeats"]:
+        return None
+    lease = min(v["reader_lease_ms"], v["writer_lease_ms"])
+    if v["heartbeat_tick_s"] * 1000.0 < lease / 2:
+        return None
+    return ConfigProblem(
+        "heartbeat_tick_s", v["heartbeat_tick_s"],
+        f"with background_heartbeats, must be under half the shorter lease (reader_lease_ms="
+        f"{v['reader_lease_ms']}, writer_lease_ms={v['writer_lease_ms']}): < {lease / 2000.0} s, "
+        "or leases lapse between heartbeats",
+        "fix: lower heartbeat_tick_s, lengthen the leases, or set background_heartbeats=False "
+        "(and heartbeat the handles yourself)",
+    )
+
+
+def _backoff_within_max(v: Mapping[str, Any]) -> ConfigProblem | None:
+    """The retry wait doubles from ``compaction_retry_backoff_s`` up to the max: a max
+    below the first wait would silently replace it."""
+    if v["compaction_retry_backoff_s"] <= v["compaction_retry_backoff_max_s"]:
+        return None
+    return ConfigProblem(
+        "compaction_retry_backoff_s", v["compaction_retry_backoff_s"],
+        f"must be <= compaction_retry_backoff_max_s ({v['compaction_retry_backoff_max_s']} s)",
+        "fix: lower compaction_retry_backoff_s or raise compaction_retry_backoff_max_s",
+    )
+
+
+CROSS_RULES: tuple[CrossRule, ...] = (
+    CrossRule(("background_heartbeats", "heartbeat_tick_s", "reader_lease_ms", "writer_lease_ms"),
+              _heartbeat_within_leases),
+    CrossRule(("compaction_retry_backoff_s", "compaction_retry_backoff_max_s"), _backoff_within_max),
+)
+
+
+def env_metrics_port_problem(metrics_port: Any) -> ConfigProblem | None:
+    """``$PERSIST_METRICS_PORT`` when it decides the port (``metrics_port`` None): an
+    int from 0 to 65535, or unset/empty."""
+    if metrics_port is not None:
+        return None
+    raw = os.environ.get(METRICS_PORT_ENV) or ""
+    if not raw:
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if 0 <= port <= 65535:
+        return None
+    return ConfigProblem(
+        "metrics_port", raw, f"${METRICS_PORT_ENV} must be a TCP port, an int from 0 to 65535 "
+        "(0: any free port)", f"fix: set ${METRICS_PORT_ENV} to a port, unset it (no metrics "
+        "endpoint), or give metrics_port", source=f"${METRICS_PORT_ENV}",
+    )
+
+
+def problems(
+    values: Mapping[str, Any], defaults: Mapping[str, Any], changed: Iterable[str] | None = None
+) -> list[ConfigProblem]:
+    """Every broken rule of ``values`` (a whole config's fields): the field rules of
+    ``changed`` (None: all fields), then the cross rules that involve a changed field
+    and whose fields are all valid, then the environment (on a whole check)."""
+    names = list(values) if changed is None else list(changed)
+    out: list[ConfigProblem] = []
+    for name in names:
+        p = FIELD_RULES[name].check(name, values[name], defaults.get(name))
+        if p is not None:
+            out.append(p)
+    bad = {p.field for p in out}
+    for rule in CROSS_RULES:
+        if any(f in names for f in rule.fields) and not any(
+            f in bad or FIELD_RULES[f].is_bad(values[f]) for f in rule.fields
+        ):
+            p = rule.check(values)
+            if p is not None:
+                out.append(p)
+    if changed is None or "metrics_port" in names:
+        p = env_metrics_port_problem(values["metrics_port"]) if "metrics_port" not in bad else None
+        if p is not None:
+            out.append(p)
+    return out
