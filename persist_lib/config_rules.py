@@ -219,10 +219,11 @@ CROSS_RULES: tuple[CrossRule, ...] = (
 )
 
 
-def env_metrics_port_problem(metrics_port: Any) -> ConfigProblem | None:
-    """``$PERSIST_METRICS_PORT`` when it decides the port (``metrics_port`` None): an
-    int from 0 to 65535, or unset/empty."""
-    if metrics_port is not None:
+def env_metrics_port_problem(metrics: Any, metrics_port: Any) -> ConfigProblem | None:
+    """``$PERSIST_METRICS_PORT`` when it decides the port (``metrics`` on and
+    ``metrics_port`` None: the client then serves on it): an int from 0 to 65535, or
+    unset/empty."""
+    if metrics is not True or metrics_port is not None:
         return None
     raw = os.environ.get(METRICS_PORT_ENV) or ""
     if not raw:
@@ -260,8 +261,8 @@ def problems(
             p = rule.check(values)
             if p is not None:
                 out.append(p)
-    if changed is None or "metrics_port" in names:
-        p = env_metrics_port_problem(values["metrics_port"]) if "metrics_port" not in bad else None
+    if changed is None or "metrics_port" in names or "metrics" in names:
+        p = env_metrics_port_problem(values["metrics"], values["metrics_port"]) if "metrics_port" not in bad else None
         if p is not None:
             out.append(p)
     return out

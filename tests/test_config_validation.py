@@ -200,6 +200,10 @@ def test_a_bad_metrics_port_variable_is_named(monkeypatch: pytest.MonkeyPatch, r
     assert [(p.field, p.source, p.value) for p in e.problems] == [("metrics_port", "$PERSIST_METRICS_PORT", raw)]
     assert "$PERSIST_METRICS_PORT" in str(e) and repr(raw) in str(e)
     PersistConfig(metrics_port=9100)  # an explicit port wins over the variable
+    off = PersistConfig(metrics=False)  # no metrics: the variable is not used
+    with pytest.raises(InvalidConfig):
+        off.metrics = True
+    assert off.metrics is False
     monkeypatch.setenv("PERSIST_METRICS_PORT", "")  # empty: unset
     cfg = PersistConfig(metrics_port=9100)
     monkeypatch.setenv("PERSIST_METRICS_PORT", raw)
@@ -253,8 +257,16 @@ def test_the_dagster_resource_names_its_bad_field(tmp_path: Path) -> None:
 
 
 def test_the_configs_the_code_base_builds_are_valid_and_checked(tmp_path: Path) -> None:
-    default_resource = PersistResource(home=str(tmp_path))
-    for cfg in (PersistConfig(), PersistConfig.for_tests(), bench_config(), default_resource.persist_config()):
+    from persist_lib.cli.main import build_parser, cli_config
+
+    built = (
+        PersistConfig(),
+        PersistConfig.for_tests(),
+        bench_config(),
+        PersistResource(home=str(tmp_path)).persist_config(),
+        cli_config(build_parser().parse_args(["shards"])),
+    )
+    for cfg in built:
         with pytest.raises(InvalidConfig):
             cfg.inline_threshold = -1
-        assert cfg.inline_threshold in (4096,)
+        assert cfg.inline_threshold == 4096
