@@ -148,10 +148,17 @@ class InvalidConfig(InvalidUsage):
         lines = "; ".join(f"({i}) {p.describe()}" for i, p in enumerate(self.problems, 1))
         super().__init__(f"invalid {what}: {n} bad setting{'s' if n > 1 else ''}: {lines}")
 
-    def with_sources(self, sources: Mapping[str, str], *, what: str | None = None) -> InvalidConfig:
+    def with_sources(
+        self, sources: Mapping[str, str], *, what: str | None = None, fixes: Mapping[str, str] | None = None
+    ) -> InvalidConfig:
         """The same problems, each field named in ``sources`` reported as the setting the
-        user gave (a command-line option, a resource field) instead of the field."""
-        renamed = [p._replace(source=sources.get(p.field, p.source)) for p in self.problems]
+        user gave (a command-line option, a resource field) instead of the field, with
+        its fix from ``fixes`` when given there (the option's own default, say)."""
+        fixes = fixes or {}
+        renamed = [
+            p._replace(source=sources[p.field], fix=fixes.get(p.field, p.fix)) if p.field in sources else p
+            for p in self.problems
+        ]
         return InvalidConfig(renamed, what=what or self.what)
 
 

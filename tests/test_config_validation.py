@@ -225,6 +225,7 @@ def test_the_cli_names_a_bad_option_or_variable(tmp_path: Path) -> None:
     out = _cli(["--timeout", "-1", "shards"], PERSIST_HOME=str(tmp_path))
     assert out.returncode == 2, out.stderr
     assert "--timeout (field retry_deadline_s) = -1.0" in out.stderr and "Traceback" not in out.stderr
+    assert "(default 30)" in out.stderr  # the option's default, not the field's
     out = _cli(["shards"], PERSIST_HOME=str(tmp_path), PERSIST_METRICS_PORT="http")
     assert out.returncode == 2, out.stderr
     assert "$PERSIST_METRICS_PORT" in out.stderr and "'http'" in out.stderr and "Traceback" not in out.stderr

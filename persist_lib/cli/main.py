@@ -250,7 +250,8 @@ def cli_config(ns: argparse.Namespace) -> PersistConfig:
     try:
         return PersistConfig(retry_deadline_s=ns.timeout)
     except InvalidConfig as e:
-        raise e.with_sources(CONFIG_OPTIONS, what="persist options") from None
+        fixes = {"retry_deadline_s": "fix: give --timeout a number of seconds > 0 (default 30)"}
+        raise e.with_sources(CONFIG_OPTIONS, what="persist options", fixes=fixes) from None
 
 
 def _render(doc: Any) -> str:
