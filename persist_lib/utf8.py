@@ -52,13 +52,13 @@ def _ascii_ok(arr: pa.Array) -> bool:
     if len(bufs) != 3 or bufs[1] is None:
         return False
     width = 8 if pa.types.is_large_string(t) else 4
-    odt = np.int64 if width == 8 else np.int32
+    odt = np.dtype(np.int64) if width == 8 else np.dtype(np.int32)
     if bufs[1].size < (arr.offset + n + 1) * width:
         return False
     off = np.frombuffer(bufs[1], dtype=odt, count=n + 1, offset=arr.offset * width)
     lo, hi = int(off[0]), int(off[-1])
     data = bufs[2]
-    if lo < 0 or hi > (0 if data is None else data.size) or bool(np.any(off[1:] < off[:-1])):
+    if lo < 0 or hi > (0 if data is None else data.size) or bool(np.any(np.less(off[1:], off[:-1]))):
         return False
     if lo == hi or data is None:
         return True  # every string empty
