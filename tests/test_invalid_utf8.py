@@ -122,6 +122,45 @@ def test_batch_builder_rejects_invalid_utf8_and_writes_nothing() -> None:
     client.close()
 
 
+def test_the_ascii_fast_path_finds_one_invalid_byte_wherever_it_is() -> None:
+    """The check's fast path (all bytes ASCII: every string valid) reads the data buffer
+    eight bytes at a time plus a tail: one bad byte in any position, in a string of any
+    length, of a sliced or large_string array, is still found and named by its row."""
+    from persist_lib import utf8
+
+    words = [b"val_" + str(i).encode() for i in range(40)]  # 5-6 bytes each: words straddle strings
+    total = sum(map(len, words))
+    for at in range(total):  # every byte of the data buffer, the last (tail) bytes included
+        raw = bytearray(b"".join(words))
+        raw[at] = 0xFF
+        row, pos = 0, at
+        while pos >= len(words[row]):
+            pos -= len(words[row])
+            row += 1
+        buf = bytes(raw)
+        offsets = [0]
+        for w_ in words:
+            offsets.append(offsets[-1] + len(w_))
+        for typ, width in ((pa.string(), "i"), (pa.large_string(), "q")):
+            off = pa.py_buffer(pa.array(offsets, pa.int32() if width == "i" else pa.int64()).buffers()[1])
+            arr = pa.Array.from_buffers(typ, len(words), [None, off, pa.py_buffer(buf)])
+            assert not utf8._ascii_ok(arr)
+            assert utf8.invalid_rows(arr) == [row]
+            assert utf8.first_invalid(arr.slice(row)) == 0
+            # a slice that leaves the bad row out is valid, and the fast path says so
+            others = arr.slice(row + 1) if row + 1 < len(words) else arr.slice(0, row)
+            assert utf8._ascii_ok(others) and utf8.invalid_rows(others) == []
+    good = pa.array(["a", None, "", "ascii only"] * 5)
+    assert utf8._ascii_ok(good) and utf8.invalid_rows(good) == []
+    accented = pa.array(["caf\u00e9", "na\u00efve", None])  # valid UTF-8, not ASCII: the full check
+    assert not utf8._ascii_ok(accented) and utf8.invalid_rows(accented) == []
+    chunked = pa.chunked_array([good, bad_strings([b"x", b"\xc3"])])
+    assert utf8.invalid_rows(chunked) == [len(good) + 1]
+    # offsets that go backwards are left to Arrow's full validation (which refuses them)
+    back = pa.Array.from_buffers(pa.string(), 2, [None, pa.py_buffer(pa.array([0, 3, 1], pa.int32()).buffers()[1]), pa.py_buffer(b"abc")])
+    assert not utf8._ascii_ok(back)
+
+
 # ----- a part written by older code ------------------------------------------------------
 
 

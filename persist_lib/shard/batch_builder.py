@@ -49,6 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from persist_lib.allocator import keep_freed_pages
 from persist_lib.errors import InvalidUsage
 from persist_lib.frontier import Antichain, FrontierLike, as_frontier
 from persist_lib.location.base import Blob
@@ -365,6 +366,7 @@ class BatchBuilder:
         its own task (module docstring); False (nothing done) when its leading column
         can't be cut into ranges. ``time``: every row is at that time (``sorted_ranges``
         then builds the time column instead of gathering it)."""
+        keep_freed_pages()  # the sort's few-MiB arrays reused, not faulted in again (``allocator``)
         cap = min(self.target_part_bytes, KEY_RANGE_PART_BYTES)
         k = max(self.max_inflight_uploads, math.ceil(table.nbytes / cap))
         if is_presorted(table):  # sorted already: cut where it lies (``presorted``)
