@@ -11,7 +11,6 @@ clients with real compaction into (k, v)-whole layers.
 from __future__ import annotations
 
 import pickle
-import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,9 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from persist_lib import PersistClient, PersistConfig, ShardId
+from persist_lib import PersistClient, PersistConfig
 from persist_lib.errors import BlobNotFound
-from persist_lib.handles import maintenance as mn
 from persist_lib.handles import snapshot as snapshot_mod
 from persist_lib.shard import sorted_run_stream as srs
 from persist_lib.shard import time_filters
@@ -31,7 +29,8 @@ from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.consolidate import consolidate
 from persist_lib.shard.runs import RunOrderViolation
 from persist_lib.shard.time_filters import constant_times, snapshot_at
-from tests.support.time_layers import Row, mem_client, model, rows
+from tests.support.time_layers import mem_client, model, rows
+from tests.test_time_layers_kv import _four_commits
 
 INT_KEY = pa.schema([("k", pa.int64())])
 VAL = pa.schema([("v", pa.string())])
@@ -158,21 +157,6 @@ def test_constant_times_share_a_buffer_only_for_large_slices() -> None:
 
 
 # ----- the snapshot of a layered batch ------------------------------------------------
-
-
-def _four_commits(client: PersistClient, n: int = 400, seed: int = 5) -> tuple[ShardId, Any, Any, list[Row]]:
-    """The bench's shape, small: four commits at times 0..3, keys updated again later,
-    compacted into (k, v)-whole layers."""
-    shard = ShardId.new()
-    w, r = client.open(shard, INT_KEY, VAL)
-    rng = random.Random(seed)
-    log: list[Row] = []
-    for t in range(4):
-        ups = [(rng.randrange(3000), f"v{rng.randrange(2)}", t, rng.choice([1, 1, -1])) for _ in range(n)]
-        w.compare_and_append([(((k,), (v,)), tt, d) for k, v, tt, d in ups], t, t + 1)
-        log += ups
-    mn.compact(client, shard)
-    return shard, w, r, log
 
 
 @pytest.mark.parametrize("budget", [None, 1])
