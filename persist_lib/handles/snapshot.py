@@ -45,7 +45,12 @@ from persist_lib.shard.memory_plan import MergeStats
 from persist_lib.shard.ranged_fetch import fetch_part_groups
 from persist_lib.shard.read_merge import merge_decoded_runs, stream_merge
 from persist_lib.shard.runs import RunOrderViolation, batch_runs
-from persist_lib.shard.sorted_run_stream import sorted_run_stream_bytes, stream_sorted_run
+from persist_lib.shard.sorted_run_stream import (
+    read_sorted_runs,
+    sorted_run_stream_bytes,
+    sorted_runs_read_bytes,
+    stream_sorted_run,
+)
 from persist_lib.shard.time_filters import snapshot_at, time_range
 
 # Whole (in-memory) snapshots of at most this many sorted runs merge them instead of
@@ -262,7 +267,9 @@ class SnapshotReader(LeasedReader):
             sorted_run_stream_bytes([decoded_bytes(p, self.schemas) for p in run], [p.count for p in run])
             for run in runs
         )
-        if min(whole, streamed) > budget:
+        workers = self._client.config.fetch_parallelism
+        at_once = sorted_runs_read_bytes([decoded_bytes(p, self.schemas) for p in parts], [p.count for p in parts], workers)
+        if min(whole, streamed, at_once) > budget:
             return None
         blob, schemas, shard = self._client.blob, self.schemas, self.shard_id
 
@@ -271,10 +278,19 @@ class SnapshotReader(LeasedReader):
 
         tables: list[pa.Table] = []
         try:
-            for run in runs:
-                tables.extend(self._guard_missing(stream_sorted_run(
-                    run, as_of, fetch, shard, self._fetch_pool(), post=pd.filter_data, restartable=True,
-                )))
+            if at_once <= budget:
+                # Every run's parts on the pool at once: no thread idles at a run's end.
+                try:
+                    got = read_sorted_runs(runs, as_of, fetch, shard, self._fetch_pool(), post=pd.filter_data)
+                except BlobNotFound:
+                    self._blob_missing()
+                    raise
+                tables = [t for run_tables in got for t in run_tables]
+            else:
+                for run in runs:
+                    tables.extend(self._guard_missing(stream_sorted_run(
+                        run, as_of, fetch, shard, self._fetch_pool(), post=pd.filter_data, restartable=True,
+                    )))
         except RunOrderViolation:
             return None
         return [t for t in tables if t.num_rows]

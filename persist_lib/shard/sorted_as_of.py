@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from persist_lib.shard.codec import D_COL, T_COL
 from persist_lib.shard.consolidate import consolidate_sorted
 from persist_lib.shard.ranks import comparable, to_numpy
 from persist_lib.shard.sorted_checks import sorted_ties
-from persist_lib.shard.time_filters import snapshot_at
+from persist_lib.shard.time_filters import constant_times, snapshot_at
 
 
 def consolidate_sorted_at(table: pa.Table, as_of: int, *, all_at_or_before: bool = False) -> pa.Table | None:
@@ -59,8 +60,9 @@ def consolidate_sorted_at(table: pa.Table, as_of: int, *, all_at_or_before: bool
         diffs[heads] += np.add.reduceat(diffs[tied + 1], np.flatnonzero(~cont))
     keep = diffs != 0
     keep[tied + 1] = False
-    out = table.take(pa.array(rows[keep]))
-    di = out.schema.get_field_index(D_COL)
-    out = out.set_column(di, out.schema.field(di), pa.array(diffs[keep], pa.int64()))
-    ti = out.schema.get_field_index(T_COL)
-    return out.set_column(ti, out.schema.field(ti), pa.array(np.full(out.num_rows, as_of, dtype=np.int64)))
+    # Only the key and value columns are taken (the times and diffs are new), and
+    # without a bounds check: the indices are positions of a mask over the table.
+    names = table.column_names
+    taken = pc.take(table.select([c for c in names if c not in (T_COL, D_COL)]), pa.array(rows[keep]), boundscheck=False)
+    new = {T_COL: constant_times(as_of, taken.num_rows), D_COL: pa.array(diffs[keep], pa.int64())}
+    return pa.Table.from_arrays([new[c] if c in new else taken.column(c) for c in names], schema=table.schema)

@@ -60,9 +60,11 @@ def sorted_ties(
             v = to_numpy(c)
             if rows is None:
                 an, bn = (v[:-1], v[1:]) if tied is None else (v[tied], v[tied + 1])
+            elif tied is None:
+                g = v[rows]  # (one gather, compared with itself shifted: ~5x cheaper than two)
+                an, bn = g[:-1], g[1:]
             else:
-                left = rows[:-1] if tied is None else rows[tied]
-                an, bn = v[left], v[rows[1:] if tied is None else rows[tied + 1]]
+                an, bn = v[rows[tied]], v[rows[tied + 1]]
             gt, eq = an > bn, an == bn
         else:
             if rows is None:

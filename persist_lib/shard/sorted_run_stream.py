@@ -88,33 +88,95 @@ def stream_sorted_run(
     ``RunOrderViolation`` however far it got, and the caller may read it another way."""
 
     def load(p: PartMeta) -> pa.Table | None:
-        # (``post`` keeps rows by key and value only, so it commutes with forwarding and
-        # consolidating: applied first, the one-copy pass below sees only its rows.)
-        t = fetch(p)
-        return consolidate_sorted_at(post(t) if post is not None else t, as_of, all_at_or_before=p.tmax <= as_of)
+        return _load(p, as_of, fetch, post)
 
     with contextlib.ExitStack() as stack:
         if pool is None:
             pool = stack.enter_context(ThreadPoolExecutor(max_workers=AHEAD, thread_name_prefix="persist-run-read"))
         pending: deque[Future[pa.Table | None]] = deque(pool.submit(load, p) for p in parts[:AHEAD])
         stack.callback(lambda: [f.cancel() for f in pending])
-        yield from _fold_boundaries(parts, pending, lambda i: pool.submit(load, parts[i]), shard, restartable)
+
+        def take(i: int) -> pa.Table | None:
+            t = pending.popleft().result()
+            if i + AHEAD < len(parts):
+                pending.append(pool.submit(load, parts[i + AHEAD]))
+            return t
+
+        yield from _fold_boundaries(len(parts), take, shard, restartable)
+
+
+def _load(
+    p: PartMeta, as_of: int, fetch: Callable[[PartMeta], pa.Table], post: Callable[[pa.Table], pa.Table] | None
+) -> pa.Table | None:
+    """Part ``p`` fetched, filtered by ``post``, forwarded to ``as_of`` and consolidated
+    (None: its rows are not sorted)."""
+    # (``post`` keeps rows by key and value only, so it commutes with forwarding and
+    # consolidating: applied first, the one-copy pass below sees only its rows.)
+    t = fetch(p)
+    return consolidate_sorted_at(post(t) if post is not None else t, as_of, all_at_or_before=p.tmax <= as_of)
+
+
+def sorted_runs_read_bytes(decoded: list[int], rows: list[int], workers: int) -> int:
+    """Peak memory of ``read_sorted_runs`` beyond its result, over parts of these decoded
+    sizes and row counts: the ``workers`` largest being loaded at once, each with a
+    filtered copy while it consolidates and its masks (a part's output is the result)."""
+    top = sorted(decoded, reverse=True)[: max(1, workers)]
+    return 2 * sum(top) + max(1, workers) * ROW_BYTES * max(rows, default=0)
+
+
+def read_sorted_runs(
+    runs: list[list[PartMeta]],
+    as_of: int,
+    fetch: Callable[[PartMeta], pa.Table],
+    shard: str,
+    pool: Executor,
+    *,
+    post: Callable[[pa.Table], pa.Table] | None = None,
+) -> list[list[pa.Table]]:
+    """The snapshot at ``as_of`` of several sorted runs read whole, per run its
+    consolidated tables in ``(k, v)`` order (``stream_sorted_run``'s, with
+    ``restartable``): for runs whose outputs the caller concatenates (a (k, v)-disjoint
+    layered batch, ``time_layers``). Every part of every run is submitted to ``pool``
+    at once, largest first, and each run's parts are then taken in order and folded at
+    their boundaries. Read run after run, ``AHEAD`` parts at a time, a run's last large
+    part was decoded alone while the other threads waited for the next run to start
+    (issue 28: the as-of-1 read of the 1M-row scaling shard is two layers of one large
+    and one small part each, so half its decode ran on one thread). Memory beyond the
+    result: the parts the pool's threads load at once (``sorted_runs_read_bytes``).
+    Raises ``RunOrderViolation`` when a run is not sorted (the parts not yet started
+    are cancelled; the caller may read the runs another way)."""
+    order = sorted(
+        ((r, i) for r, run in enumerate(runs) for i in range(len(run))),
+        key=lambda ri: -runs[ri[0]][ri[1]].count,
+    )
+    futures: dict[tuple[int, int], Future[pa.Table | None]] = {}
+    try:
+        for r, i in order:
+            futures[r, i] = pool.submit(_load, runs[r][i], as_of, fetch, post)
+        out: list[list[pa.Table]] = []
+        for r, run in enumerate(runs):
+
+            def take(i: int, r: int = r) -> pa.Table | None:
+                return futures[r, i].result()
+
+            out.append(list(_fold_boundaries(len(run), take, shard, True)))
+        return out
+    finally:
+        for f in futures.values():
+            f.cancel()
 
 
 def _fold_boundaries(
-    parts: list[PartMeta], pending: deque[Future[pa.Table | None]],
-    submit: Callable[[int], Future[pa.Table | None]], shard: str, restartable: bool,
+    n: int, take: Callable[[int], pa.Table | None], shard: str, restartable: bool,
 ) -> Iterator[pa.Table]:
-    """The consolidated parts from ``pending`` in order (each part's successor
-    ``AHEAD`` on submitted as it is taken), the last row of each held back and summed
-    into the next part's first row when they are equal. ``restartable``: see
+    """The ``n`` consolidated parts of one run in order (``take(i)``: part ``i``'s,
+    None when its rows are not sorted), the last row of each held back and summed into
+    the next part's first row when they are equal. ``restartable``: see
     ``stream_sorted_run``."""
     yielded = False  # (stays False for a restartable read: its caller holds the rows)
     carry: pa.Table | None = None  # the last row so far, held back
-    for i in range(len(parts)):
-        t = pending.popleft().result()
-        if i + AHEAD < len(parts):
-            pending.append(submit(i + AHEAD))
+    for i in range(n):
+        t = take(i)
         if t is None:
             _violation(shard, yielded)
         if t.num_rows == 0:
