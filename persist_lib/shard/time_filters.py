@@ -20,7 +20,7 @@ def _replace_t(table: pa.Table, t: pa.Array | pa.ChunkedArray) -> pa.Table:
 
 
 #: The largest constant time column kept per time (``constant_times``), in rows.
-CONSTANT_TIMES_MAX_ROWS = 1 << 20
+CONSTANT_TIMES_MAX_ROWS = 1 << 18  # (at most 4 x 2 MiB kept per process)
 _CONSTANT_TIMES: dict[int, pa.Array] = {}
 _CONSTANT_TIMES_KEPT = 4
 _CONSTANT_TIMES_LOCK = threading.Lock()
