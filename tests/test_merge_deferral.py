@@ -5,13 +5,14 @@ time, and once the commits stop it still compacts the shard fully."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
 
 from persist_lib import PersistClient, PersistConfig, ShardId
-from persist_lib.handles.merge_deferral import DeferralPolicy
+from persist_lib.handles.merge_deferral import DeferralPolicy, SettleTimer
 from persist_lib.shard.spine import compaction_requests, healthy_batch_count
 
 KEY = pa.schema([("k", pa.int64())])
@@ -123,3 +124,46 @@ def test_close_with_a_merge_held_back_stops_the_timer(tmp_path: Path) -> None:
     assert any(t.name == "persist-compaction-settle" for t in threading.enumerate())
     client.close()  # must not wait out the 60 s quiet period
     assert not any(t.name == "persist-compaction-settle" for t in threading.enumerate())
+
+
+def test_rearming_a_later_deadline_does_not_wake_the_timer_thread() -> None:
+    """Under a burst each commit re-arms its shard with a later deadline: the timer
+    thread, asleep until the earlier one, is not woken for it (waking it handed it the
+    GIL once per commit, inside the writer's commit). An earlier deadline (another
+    shard's shorter quiet period) still wakes it, and every target settles once."""
+    settled: list[str] = []
+    done = threading.Event()
+
+    def on_settle(target: str) -> None:
+        settled.append(target)
+        if len(settled) == 2:
+            done.set()
+
+    timer = SettleTimer(on_settle, lambda: None)
+    wakes = 0
+    cond = timer._cond
+    orig = cond.notify_all
+
+    def counting_notify_all() -> None:
+        nonlocal wakes
+        wakes += 1
+        orig()
+
+    cond.notify_all = counting_notify_all  # type: ignore[method-assign]
+    try:
+        for _ in range(200):
+            timer.arm("a", "a", 60.0)  # (the first starts the thread)
+        assert wakes == 0, f"{wakes} wake-ups for deadlines later than the one awaited"
+        give_up = time.monotonic() + 10
+        with cond:  # (polled: the thread notifies nobody when it goes to sleep)
+            while timer._sleep_until is None and time.monotonic() < give_up:
+                cond.wait(0.005)
+            assert timer._sleep_until is not None, "the timer thread never went to sleep"
+        # Earlier deadlines than the 60 s one the thread sleeps towards: each must wake
+        # it (or be found before it sleeps), so both fire long before 60 s.
+        timer.arm("b", "b", 0.0)
+        timer.arm("a", "a", 0.0)
+        assert done.wait(10), f"settled: {settled}"
+        assert sorted(settled) == ["a", "b"]
+    finally:
+        timer.close()

@@ -41,6 +41,7 @@ from persist_lib.errors import (
 from persist_lib.handles.merge_deferral import DeferralPolicy, SettleTimer
 from persist_lib.ids import ShardId
 from persist_lib.shard import gc as gcmod
+from persist_lib.shard import kernels
 from persist_lib.shard import maintenance_transitions as mt
 from persist_lib.shard import state as st
 from persist_lib.shard.codec import Schemas
@@ -325,6 +326,10 @@ class BackgroundCompactor:
     one is due (``gc.gc_due``: deletable garbage, or rollups older than the oldest one
     still needed); a failed GC backs off the same way. Small merges wait out a burst of
     commits (``merge_deferral``: ``deferral``, a ``DeferralPolicy``).
+
+    Merges never import polars inline (``kernels.no_polars_import``: ~0.1 s holding the
+    GIL, which landed in a writer's burst); the first time a shard settles the
+    compactor imports it in its pool (``kernels.warm``), counted by ``wait_idle``.
     """
 
     def __init__(self, client: ShardContext, deferral: DeferralPolicy | None = None) -> None:
@@ -353,9 +358,36 @@ class BackgroundCompactor:
         self.quarantined = 0
         self.held_back = 0
         self.deferral = deferral if deferral is not None else DeferralPolicy()
-        self._settler = SettleTimer(lambda m: self.offer(m, m.cached(), settle=True), self._notify_idle)
+        self._settler = SettleTimer(self._settle, self._notify_idle)
+        self._warm = "no"  # kernels.warm(): "no" | "pending" | "done"
         # One registered part writer per shard for all its merges (compaction_writers).
         self.writers = CompactionWriters(client)
+
+    def _settle(self, m: Machine) -> None:
+        """A shard was quiet for ``deferral.quiet_s``: its held-back merges run now, and
+        the merge kernels are warmed once per compactor (class docstring)."""
+        self.offer(m, m.cached(), settle=True)
+        with self._lock:
+            if self._warm != "no" or self._closed:
+                return
+            self._warm = "pending"
+        try:
+            self._pool.submit(self._run_warm)
+        except RuntimeError:  # the pool was shut down concurrently
+            self._warm_done()
+
+    def _run_warm(self) -> None:
+        try:
+            kernels.warm()
+        except Exception as e:  # noqa: BLE001 - a failed import leaves the exact numpy kernels
+            log.info("warming the merge kernels failed: %s", e)
+        finally:
+            self._warm_done()
+
+    def _warm_done(self) -> None:
+        with self._lock:
+            self._warm = "done"
+            self._idle.notify_all()
 
     def _notify_idle(self) -> None:
         with self._idle:
@@ -497,9 +529,10 @@ class BackgroundCompactor:
     def _run(self, m: Machine, req: CompactionRequest, key: tuple[str, tuple[int, ...]]) -> None:
         try:
             s = m.cached()
-            res = compact_request(
-                m, _schemas(s), self.client.config, req, context=self.client, writers=self.writers
-            )
+            with kernels.no_polars_import():
+                res = compact_request(
+                    m, _schemas(s), self.client.config, req, context=self.client, writers=self.writers
+                )
             with self._lock:
                 self.completed += 1
                 self.applied += int(res.applied)
@@ -554,7 +587,8 @@ class BackgroundCompactor:
         """Waits until nothing is queued or running (tests and benchmarks use this)."""
         with self._idle:
             return self._idle.wait_for(
-                lambda: not self._pending and not self._gc_pending and self._settler.idle(),
+                lambda: not self._pending and not self._gc_pending and self._warm != "pending"
+                and self._settler.idle(),
                 timeout_s,
             )
 

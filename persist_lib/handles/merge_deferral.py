@@ -25,6 +25,7 @@ asked for is queued.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -72,7 +73,13 @@ class SettleTimer:
     period; when it passes without another ``arm``, ``on_settle(target)`` runs on this
     timer's thread.
     One thread for all shards, started on first use; ``notify`` runs after each settle
-    (the compactor wakes its ``wait_idle`` waiters)."""
+    (the compactor wakes its ``wait_idle`` waiters).
+
+    ``arm`` wakes the thread only when the new deadline is earlier than the one it
+    sleeps until: under a burst every commit re-arms its shard with a *later* deadline,
+    and waking the thread for each (to go back to sleep) handed it the GIL once per
+    commit, in the middle of the writer's commit. The thread finds the moved deadline
+    when its old one passes, and sleeps again."""
 
     def __init__(
         self,
@@ -87,17 +94,22 @@ class SettleTimer:
         self._due: dict[str, tuple[float, Any]] = {}  # key -> (monotonic deadline, target)
         self._firing = 0
         self._closed = False
+        # The deadline the thread sleeps until (inf: until notified), None when it is
+        # not sleeping (it re-reads ``_due`` before it sleeps again).
+        self._sleep_until: float | None = None
         self._thread: threading.Thread | None = None
 
     def arm(self, key: str, target: Any, quiet_s: float) -> None:
         with self._cond:
             if self._closed:
                 return
-            self._due[key] = (time.monotonic() + quiet_s, target)
+            deadline = time.monotonic() + quiet_s
+            self._due[key] = (deadline, target)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
-            self._cond.notify_all()
+            elif self._sleep_until is not None and deadline < self._sleep_until:
+                self._cond.notify_all()
 
     def idle(self) -> bool:
         """Nothing armed and no settle running."""
@@ -109,7 +121,7 @@ class SettleTimer:
             with self._cond:
                 while not self._closed:
                     if not self._due:
-                        self._cond.wait()
+                        self._sleep(math.inf)
                         continue
                     now = time.monotonic()
                     key, (deadline, target) = min(self._due.items(), key=lambda kv: kv[1][0])
@@ -117,7 +129,7 @@ class SettleTimer:
                         del self._due[key]
                         self._firing += 1
                         break
-                    self._cond.wait(deadline - now)
+                    self._sleep(deadline)
                 else:
                     return
             try:
@@ -128,6 +140,14 @@ class SettleTimer:
                 with self._cond:
                     self._firing -= 1
                 self._notify()
+
+    def _sleep(self, until: float) -> None:
+        """Waits (holding ``_cond``) until ``until`` (monotonic; inf: until notified)."""
+        self._sleep_until = until
+        try:
+            self._cond.wait(None if until == math.inf else max(0.0, until - time.monotonic()))
+        finally:
+            self._sleep_until = None
 
     def close(self) -> None:
         with self._cond:

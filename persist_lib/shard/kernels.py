@@ -10,13 +10,22 @@ the numpy of issue 14).
 Both functions return exactly what the numpy/pyarrow versions return (same values, same
 types, same nulls): polars is only an engine, never part of a result's meaning. Set
 ``PERSIST_KERNELS=numpy`` to turn it off (tests run both).
+
+**Importing polars** costs ~0.1-0.15 s of CPU, almost all of it holding the GIL. Code
+that must not pay it inline (the background compactor's merges, which run beside a
+writer's burst of commits) runs under ``no_polars_import()``: there polars is used only
+if this process already imported it, else the numpy/pyarrow kernels run; ``warm()``
+imports it at a moment of the caller's choosing (the compactor: once it is idle).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -53,14 +62,42 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
+# Per thread: whether ``polars()`` may import polars (``no_polars_import``).
+_IMPORT_POLICY = threading.local()
+
+
+@contextmanager
+def no_polars_import() -> Iterator[None]:
+    """Within (on this thread): ``polars()`` returns polars only if the process has
+    already imported it, and None otherwise, so that the exact numpy/pyarrow kernels run
+    instead of an import that holds the GIL for ~0.1 s (module docstring)."""
+    prev = getattr(_IMPORT_POLICY, "deferred", False)
+    _IMPORT_POLICY.deferred = True
+    try:
+        yield
+    finally:
+        _IMPORT_POLICY.deferred = prev
+
+
+def warm() -> bool:
+    """Imports polars now, if it is used at all (``polars()``); whether it is loaded."""
+    prev = getattr(_IMPORT_POLICY, "deferred", False)
+    _IMPORT_POLICY.deferred = False
+    try:
+        return polars() is not None
+    finally:
+        _IMPORT_POLICY.deferred = prev
+
 
 def polars() -> Any:
-    """The polars module, or None (not installed, ``PERSIST_KERNELS=numpy``, or a child
-    forked after its parent used polars)."""
+    """The polars module, or None (not installed, ``PERSIST_KERNELS=numpy``, a child
+    forked after its parent used polars, or not imported yet under ``no_polars_import``)."""
     global _POLARS, _POLARS_CHECKED
     if _FORKED_AFTER_USE or os.environ.get("PERSIST_KERNELS", "").lower() == "numpy":
         return None
     if not _POLARS_CHECKED:
+        if getattr(_IMPORT_POLICY, "deferred", False) and "polars" not in sys.modules:
+            return None
         try:
             import polars as pl
 
