@@ -25,11 +25,18 @@ from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import Schemas, internal_schema
 from persist_lib.shard.kway_merge import MergeCtx, Merger, Run, few_linear_runs, fold_in_memory
 from persist_lib.shard.memory_plan import MemoryPlan, MergeStats
+from persist_lib.shard.range_stream import (
+    range_stream_applies,
+    range_stream_bytes,
+    stream_by_key_ranges,
+)
 from persist_lib.shard.runs import RunOrderViolation, RunSource, SpilledRun
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+# Streams of at most this many sorted runs go by key ranges (``range_stream``).
+RANGE_STREAM_MAX_RUNS = 8
 
 
 def merge_decoded_runs(
@@ -167,6 +174,14 @@ def _stream_runs(
             yield merged
         return
 
+    if check_order and 2 <= len(runs_parts) <= RANGE_STREAM_MAX_RUNS and range_stream_applies(schemas, runs_parts) \
+            and range_stream_bytes(runs_parts, schemas) <= budget:
+        # A few sorted runs: cut at leading keys, the key ranges consolidated on two
+        # threads (``range_stream``) rather than merged step by step on this one.
+        yield from stream_by_key_ranges(
+            blob, schemas, shard, runs_parts, since=since, lower=lower, upper=upper, stats=stats, purpose=purpose,
+        )
+        return
     spill = SpillDir(spill_dir)
     try:
         level = ctx.fold_smallest(sources)
