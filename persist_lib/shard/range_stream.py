@@ -25,7 +25,7 @@ of rows while the other core idles. Here the runs are cut at leading keys instea
 4. The runs whose current part ended at ``F`` keep their rows at ``F`` and append their
    next part; the loop goes on until every part is read.
 
-Memory (``range_stream_bytes``): per run its current part (and a remainder of it), one
+Memory (``range_stream_rows``): per run its current part (and a remainder of it), one
 part decoded ahead with its encoded bytes, and ``RANGES_IN_FLIGHT + 1`` ranges'
 working sets (the one yielded last is held by the caller).
 """
@@ -43,6 +43,7 @@ from persist_lib.location.base import Blob
 from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import D_COL, Schemas, internal_schema
 from persist_lib.shard.consolidate import consolidate_pieces, consolidate_sorted
+from persist_lib.shard.disjoint_runs import _part_bounds
 from persist_lib.shard.memory_plan import MergeStats, decoded_bytes_or_estimate, row_layout
 from persist_lib.shard.part_fetch import decode_whole, fetch_part_bytes
 from persist_lib.shard.range_merge import RANGES_IN_FLIGHT, applies, leading_keys, range_bytes
@@ -51,8 +52,9 @@ from persist_lib.shard.sorted_checks import UNSORTED, linear_kernels_apply, sort
 from persist_lib.shard.thread_pools import SharedPool
 from persist_lib.shard.time_filters import advance_to_since, time_range
 
-#: Rows per key range consolidated as one task.
+#: Rows per key range consolidated as one task (fewer when the budget is tight).
 RANGE_ROWS = 1 << 17
+MIN_RANGE_ROWS = 1 << 10
 
 _RANGE_POOL = SharedPool(RANGES_IN_FLIGHT, "persist-stream-range")
 _DECODE_POOL = SharedPool(1, "persist-stream-decode")
@@ -70,21 +72,22 @@ def range_stream_applies(schemas: Schemas, runs: list[list[PartMeta]]) -> bool:
     )
 
 
-def range_stream_bytes(runs: list[list[PartMeta]], schemas: Schemas) -> int:
-    """The most ``stream_by_key_ranges`` is expected to hold: a decoded part per run (a
-    run's previous part is let go before its next one is taken: what is left of it, rows
-    at one leading key, is copied), one part decoded ahead with its encoded bytes, and
-    the ranges in flight plus the one yielded."""
+def range_stream_rows(runs: list[list[PartMeta]], schemas: Schemas, budget: int) -> int | None:
+    """Rows per key range for ``stream_by_key_ranges`` within ``budget`` (at most
+    ``RANGE_ROWS``), or None when even ``MIN_RANGE_ROWS`` would not fit. What the merge
+    holds: a decoded part per run (a run's previous part is let go before its next one
+    is taken: what is left of it, rows at one leading key, is copied), one part decoded
+    ahead with its encoded bytes, and the ranges in flight plus the one yielded."""
     parts = [p for run in runs for p in run]
     if not parts:
-        return 0
+        return None
     dec = [decoded_bytes_or_estimate(p, schemas) for p in parts]
-    biggest = max(dec)
     per_row = sum(dec) / max(1, sum(p.count for p in parts))
     held = sum(max(decoded_bytes_or_estimate(p, schemas) for p in run) for run in runs if run)
-    ahead = biggest + max(p.size for p in parts)
-    ranges = (RANGES_IN_FLIGHT + 1) * range_bytes(RANGE_ROWS, per_row, row_layout(schemas)[1])
-    return held + ahead + ranges
+    ahead = max(dec) + max(p.size for p in parts)
+    one_row = range_bytes(1_000, per_row, row_layout(schemas)[1]) / 1_000
+    rows = int((budget - held - ahead) / ((RANGES_IN_FLIGHT + 1) * max(one_row, 1.0)))
+    return min(rows, RANGE_ROWS) if rows >= MIN_RANGE_ROWS else None
 
 
 class _Cursor:
@@ -115,11 +118,11 @@ class _Cursor:
 class _KeyRangeStream:
     def __init__(
         self, blob: Blob, schemas: Schemas, shard: str, runs: list[list[PartMeta]], since: int | None,
-        lower: int | None, upper: int | None, stats: MergeStats, purpose: str, check_order: bool,
+        lower: int | None, upper: int | None, stats: MergeStats, purpose: str, range_rows: int,
     ) -> None:
         self.blob, self.schemas, self.shard = blob, schemas, shard
         self.since, self.lower, self.upper = since, lower, upper
-        self.stats, self.purpose, self.check_order = stats, purpose, check_order
+        self.stats, self.purpose, self.range_rows = stats, purpose, range_rows
         self.key_cols = [n for n in internal_schema(schemas).names if n != D_COL]
         self.cursors = [_Cursor(run) for run in runs if run]
 
@@ -179,7 +182,23 @@ class _KeyRangeStream:
 
     # -- the merge --------------------------------------------------------------------
 
+    def _recorded_order_broken(self) -> bool:
+        """Whether a run's parts are out of order by their recorded leading-key bounds
+        (a faulty writer's run, found before anything is read: the caller may then read
+        a run per part; the bounds are not trusted otherwise, every row is checked)."""
+        f = internal_schema(self.schemas).field(0)
+        for c in self.cursors:
+            prev = None
+            for p in c.parts:
+                b = _part_bounds(p, f.name, f.type)
+                if b is not None and prev is not None and prev[1] > b[0]:
+                    return True
+                prev = b
+        return False
+
     def tables(self) -> Iterator[pa.Table]:
+        if self._recorded_order_broken():
+            raise RunOrderViolation()
         pending: deque[Future[pa.Table]] = deque()
         pool = _RANGE_POOL.get()
         try:
@@ -207,7 +226,10 @@ class _KeyRangeStream:
                         pieces.append((c.table.slice(c.offset, end - c.offset), c.keys[c.offset:end]))
                         c.offset = end
                 self.stats.steps += 1
-                for rng in _key_ranges(pieces):
+                ranges = _key_ranges(pieces, self.range_rows)
+                self.stats.key_ranges += len(ranges)
+                self._account(pieces)
+                for rng in ranges:
                     pending.append(pool.submit(_consolidate_range, rng))
                     while len(pending) > RANGES_IN_FLIGHT:
                         yield from self._take(pending.popleft())
@@ -232,6 +254,14 @@ class _KeyRangeStream:
                         c.ahead.exception()
                 c.table = c.ahead = None
 
+    def _account(self, pieces: list[tuple[pa.Table, np.ndarray]]) -> None:
+        """Peak rows and bytes held by the runs' current rows (the region's pieces are
+        slices of them; the ranges' working sets are not counted here)."""
+        s = self.stats
+        held = [c.table for c in self.cursors if c.table is not None]
+        s.peak_rows_held = max(s.peak_rows_held, sum(t.num_rows for t in held))
+        s.peak_bytes_held = max(s.peak_bytes_held, sum(t.get_total_buffer_size() for t in held))
+
     def _take(self, f: Future[pa.Table]) -> Iterator[pa.Table]:
         out = f.result()
         if out.num_rows:
@@ -239,14 +269,14 @@ class _KeyRangeStream:
             yield out
 
 
-def _key_ranges(pieces: list[tuple[pa.Table, np.ndarray]]) -> list[list[pa.Table]]:
+def _key_ranges(pieces: list[tuple[pa.Table, np.ndarray]], range_rows: int) -> list[list[pa.Table]]:
     """The region's pieces (each sorted, with its leading keys) cut into key ranges of
-    about ``RANGE_ROWS`` rows at leading keys taken from the largest piece: range ``r``
+    about ``range_rows`` rows at leading keys taken from the largest piece: range ``r``
     holds every piece's rows with a leading key in ``[pivot[r-1], pivot[r])``."""
     rows = sum(len(k) for _, k in pieces)
     if not pieces:
         return []
-    n_ranges = -(-rows // RANGE_ROWS)
+    n_ranges = -(-rows // range_rows)
     if n_ranges <= 1:
         return [[t for t, _ in pieces]]
     big = max(pieces, key=lambda p: len(p[1]))[1]
@@ -272,13 +302,14 @@ def _consolidate_range(pieces: list[pa.Table]) -> pa.Table:
 
 def stream_by_key_ranges(
     blob: Blob, schemas: Schemas, shard: str, runs: list[list[PartMeta]], *, since: int | None,
-    lower: int | None, upper: int | None, stats: MergeStats, purpose: str, check_order: bool = True,
+    lower: int | None, upper: int | None, stats: MergeStats, purpose: str, range_rows: int = RANGE_ROWS,
 ) -> Iterator[pa.Table]:
     """The consolidated updates of ``runs`` (each a list of sorted parts, sorted across
     part boundaries; ``range_stream_applies``) filtered to ``[lower, upper)`` and
-    forwarded to ``since``, in ``(k, v, t)`` order across tables (see the module doc).
+    forwarded to ``since``, in ``(k, v, t)`` order across tables (see the module doc),
+    consolidated in key ranges of about ``range_rows`` rows (``range_stream_rows``).
     Raises ``RunOrderViolation`` when a run turns out not to be sorted. A generator:
     nothing is fetched before the first ``next``."""
     stats.passes += 1
     stats.fan_in = max(stats.fan_in, len(runs))
-    yield from _KeyRangeStream(blob, schemas, shard, runs, since, lower, upper, stats, purpose, check_order).tables()
+    yield from _KeyRangeStream(blob, schemas, shard, runs, since, lower, upper, stats, purpose, range_rows).tables()

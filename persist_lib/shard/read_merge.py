@@ -27,7 +27,7 @@ from persist_lib.shard.kway_merge import MergeCtx, Merger, Run, few_linear_runs,
 from persist_lib.shard.memory_plan import MemoryPlan, MergeStats
 from persist_lib.shard.range_stream import (
     range_stream_applies,
-    range_stream_bytes,
+    range_stream_rows,
     stream_by_key_ranges,
 )
 from persist_lib.shard.runs import RunOrderViolation, RunSource, SpilledRun
@@ -174,12 +174,17 @@ def _stream_runs(
             yield merged
         return
 
-    if check_order and 2 <= len(runs_parts) <= RANGE_STREAM_MAX_RUNS and range_stream_applies(schemas, runs_parts) \
-            and range_stream_bytes(runs_parts, schemas) <= budget:
+    range_rows = (
+        range_stream_rows(runs_parts, schemas, budget)
+        if check_order and 2 <= len(runs_parts) <= RANGE_STREAM_MAX_RUNS and range_stream_applies(schemas, runs_parts)
+        else None
+    )
+    if range_rows is not None:
         # A few sorted runs: cut at leading keys, the key ranges consolidated on two
         # threads (``range_stream``) rather than merged step by step on this one.
         yield from stream_by_key_ranges(
-            blob, schemas, shard, runs_parts, since=since, lower=lower, upper=upper, stats=stats, purpose=purpose,
+            blob, schemas, shard, runs_parts, since=since, lower=lower, upper=upper, stats=stats,
+            purpose=purpose, range_rows=range_rows,
         )
         return
     spill = SpillDir(spill_dir)
