@@ -45,7 +45,7 @@ from persist_lib.shard.codec import D_COL, Schemas, internal_schema
 from persist_lib.shard.consolidate import consolidate_pieces, consolidate_sorted
 from persist_lib.shard.disjoint_runs import _part_bounds
 from persist_lib.shard.memory_plan import MergeStats, decoded_bytes_or_estimate, row_layout
-from persist_lib.shard.part_fetch import decode_whole, fetch_part_bytes
+from persist_lib.shard.part_fetch import decode_whole, fetch_part_bytes, release_unused_memory
 from persist_lib.shard.range_merge import RANGES_IN_FLIGHT, applies, leading_keys, range_bytes
 from persist_lib.shard.runs import RunOrderViolation
 from persist_lib.shard.sorted_checks import UNSORTED, linear_kernels_apply, sorted_state
@@ -155,6 +155,7 @@ class _KeyRangeStream:
             c.table, c.keys, c.offset = None, np.zeros(0, dtype=np.int64), 0
         self.stats.bytes_read += n
         self.stats.rows_read += t.num_rows
+        release_unused_memory()  # (the previous part's pages back to the OS)
         if t.num_rows == 0:
             return
         self._check_order(c, t)
