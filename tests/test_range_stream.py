@@ -27,8 +27,12 @@ from persist_lib.shard.codec import Schemas
 from persist_lib.shard.consolidate import consolidate, is_consolidated
 from persist_lib.shard.memory_plan import MergeStats
 from persist_lib.shard.parts import fetch_part
-from persist_lib.shard.range_stream import range_stream_applies, stream_by_key_ranges
-from persist_lib.shard.read_merge import stream_merge
+from persist_lib.shard.range_stream import (
+    merge_decoded_by_ranges,
+    range_stream_applies,
+    stream_by_key_ranges,
+)
+from persist_lib.shard.read_merge import merge_decoded_runs, stream_merge
 from persist_lib.shard.runs import batch_runs
 from persist_lib.shard.time_filters import forward_and_filter
 
@@ -103,6 +107,14 @@ class Runs:
                                                purpose="test read", range_rows=range_rows, **kw))
 
 
+def _decoded_runs(s: Runs, kw: dict[str, Any]) -> list[pa.Table]:
+    """Each run decoded whole, filtered and forwarded (as a whole read hands them on)."""
+    return [
+        pa.concat_tables([forward_and_filter(fetch_part(s.client.blob, p, s.schemas, "s"), **kw) for p in run])
+        for run in s.runs
+    ]
+
+
 def _windows(upper: int) -> list[dict[str, Any]]:
     """Every snapshot as-of below ``upper`` (times forwarded to it) and a few time ranges."""
     snaps = [{"since": a, "upper": a + 1} for a in range(upper)]
@@ -133,6 +145,40 @@ def test_key_ranges_equal_the_kway_merge_at_every_as_of(
         assert got.equals(s.whole(**{k: v for k, v in kw.items()}))
         assert st.bytes_read == sum(p.size for run in s.runs for p in run)
         assert st.output_rows == got.num_rows
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    seed=hs.integers(0, 10_000),
+    kind=hs.sampled_from(["int", "int_str"]),
+    domain=hs.sampled_from([3, 60, 5000]),
+    range_rows=hs.sampled_from([1, 7, 100, 1 << 17]),
+)
+def test_decoded_runs_by_key_ranges_equal_the_kway_merge(seed: int, kind: str, domain: int, range_rows: int) -> None:
+    """The whole read's merge of decoded runs (``merge_decoded_runs``) by key ranges
+    equals its k-way merge at every as-of."""
+    s = Runs(seed, kind, 3, 400, domain)
+    for kw in _windows(s.upper):
+        runs = _decoded_runs(s, kw)
+        st = MergeStats()
+        got = merge_decoded_by_ranges(runs, s.schemas, st, range_rows)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(read_merge, "RANGE_MERGE_MIN_ROWS", 1 << 62)
+            want = merge_decoded_runs(s.schemas, "s", runs, 64 * MiB, MergeStats())
+        assert got is not None and want is not None
+        g, w = s.table(iter(got)), s.table(iter(want))
+        assert is_consolidated(g)
+        assert g.equals(w), kw
+        assert g.equals(s.whole(**kw))
+        assert st.output_rows == g.num_rows
+
+
+def test_decoded_runs_out_of_order_are_left_to_the_caller() -> None:
+    s = Runs(2, "int", 2, 400, 5000)
+    runs = _decoded_runs(s, {"since": s.upper - 1, "upper": s.upper})
+    runs[0] = runs[0].take(pa.array(list(range(runs[0].num_rows - 1, -1, -1))))
+    assert merge_decoded_by_ranges(runs, s.schemas, MergeStats()) is None
+    assert merge_decoded_runs(s.schemas, "s", runs, 64 * MiB, MergeStats()) is None
 
 
 @pytest.mark.parametrize("kind", ["int", "int_str"])

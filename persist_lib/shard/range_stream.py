@@ -301,6 +301,27 @@ def _consolidate_range(pieces: list[pa.Table]) -> pa.Table:
     return consolidate_pieces(pa.concat_tables(pieces))
 
 
+def merge_decoded_by_ranges(
+    runs: list[pa.Table], schemas: Schemas, stats: MergeStats, range_rows: int = RANGE_ROWS
+) -> list[pa.Table] | None:
+    """Runs a read already decoded whole (each sorted by ``(k, v, t)``, times forwarded;
+    ``range_stream_applies``) merged by key ranges of ``range_rows`` rows consolidated on
+    the range pool: the consolidated rows in ``(k, v, t)`` order across tables. None
+    when a run turns out not to be sorted (the caller consolidates instead)."""
+    cols = [n for n in internal_schema(schemas).names if n != D_COL]
+    pieces = []
+    for t in runs:
+        if t.num_rows:
+            if sorted_state([t.column(n) for n in cols]) == UNSORTED:
+                return None
+            pieces.append((t, leading_keys(t.column(0))))
+    ranges = _key_ranges(pieces, range_rows)
+    stats.key_ranges += len(ranges)
+    out = [t for t in _RANGE_POOL.get().map(_consolidate_range, ranges) if t.num_rows]
+    stats.output_rows += sum(t.num_rows for t in out)
+    return out
+
+
 def stream_by_key_ranges(
     blob: Blob, schemas: Schemas, shard: str, runs: list[list[PartMeta]], *, since: int | None,
     lower: int | None, upper: int | None, stats: MergeStats, purpose: str, range_rows: int = RANGE_ROWS,

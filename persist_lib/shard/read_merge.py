@@ -26,6 +26,7 @@ from persist_lib.shard.codec import Schemas, internal_schema
 from persist_lib.shard.kway_merge import MergeCtx, Merger, Run, few_linear_runs, fold_in_memory
 from persist_lib.shard.memory_plan import MemoryPlan, MergeStats
 from persist_lib.shard.range_stream import (
+    merge_decoded_by_ranges,
     range_stream_applies,
     range_stream_rows,
     stream_by_key_ranges,
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 # Streams of at most this many sorted runs go by key ranges (``range_stream``).
 RANGE_STREAM_MAX_RUNS = 8
+# Decoded runs of at least this many rows are merged by key ranges (``range_stream``).
+RANGE_MERGE_MIN_ROWS = 1 << 17
 
 
 def merge_decoded_runs(
@@ -51,6 +54,9 @@ def merge_decoded_runs(
     sources = [RunSource.of_table(t) for t in runs if t.num_rows]
     if not sources:
         return []
+    if len(sources) >= 2 and sum(s.rows for s in sources) >= RANGE_MERGE_MIN_ROWS and range_stream_applies(schemas, []):
+        # (key ranges consolidated on two threads; every run checked sorted)
+        return merge_decoded_by_ranges(runs, schemas, stats)
     plan = MemoryPlan.for_runs(memory_budget, [s.max_decoded for s in sources], 0, memory_budget)
     merger = Merger(_NO_BLOB, schemas, shard, None, plan, stats, purpose="read")
     try:
