@@ -49,7 +49,7 @@ from persist_lib.shard.part_fetch import decode_whole, fetch_part_bytes, release
 from persist_lib.shard.range_merge import RANGES_IN_FLIGHT, applies, leading_keys, range_bytes
 from persist_lib.shard.runs import RunOrderViolation
 from persist_lib.shard.sorted_checks import UNSORTED, linear_kernels_apply, sorted_state
-from persist_lib.shard.thread_pools import SharedPool
+from persist_lib.shard.thread_pools import SharedPool, cancel_and_wait
 from persist_lib.shard.time_filters import advance_to_since, time_range
 
 #: Rows per key range consolidated as one task (fewer when the budget is tight).
@@ -242,17 +242,9 @@ class _KeyRangeStream:
                         self._load_next(c)
             while pending:
                 yield from self._take(pending.popleft())
-        finally:
-            for f in pending:
-                f.cancel()
-            for f in pending:
-                if not f.cancelled():
-                    f.exception()  # wait: the tables must outlive the threads reading them
+        finally:  # (the tables must outlive the threads reading them)
+            cancel_and_wait(list(pending) + [c.ahead for c in self.cursors if c.ahead is not None])
             for c in self.cursors:
-                if c.ahead is not None:
-                    c.ahead.cancel()
-                    if not c.ahead.cancelled():
-                        c.ahead.exception()
                 c.table = c.ahead = None
 
     def _account(self, pieces: list[tuple[pa.Table, np.ndarray]]) -> None:
