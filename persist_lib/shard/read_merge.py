@@ -49,13 +49,15 @@ def merge_decoded_runs(
     into consolidated tables, without sorting them again: the k-way merge over in-memory
     runs. For a few runs of flat key types (``merges_linearly``) this beats one
     ``consolidate`` of their concatenation, which sorts every row (a compacted shard is
-    one sorted run: its read then costs linear checks). Returns None when a run turns
-    out not to be sorted (the caller consolidates instead)."""
+    one sorted run: its read then costs linear checks). Two or more runs of
+    ``RANGE_MERGE_MIN_ROWS`` rows or more whose leading column maps to integers are cut
+    into key ranges consolidated on two threads instead (``range_stream``). Returns None
+    when a run turns out not to be sorted (the caller consolidates instead)."""
     sources = [RunSource.of_table(t) for t in runs if t.num_rows]
     if not sources:
         return []
-    if len(sources) >= 2 and sum(s.rows for s in sources) >= RANGE_MERGE_MIN_ROWS and range_stream_applies(schemas, []):
-        # (key ranges consolidated on two threads; every run checked sorted)
+    big = len(sources) >= 2 and sum(s.rows for s in sources) >= RANGE_MERGE_MIN_ROWS
+    if big and range_stream_applies(schemas, []):  # (no parts: each run is checked sorted)
         return merge_decoded_by_ranges(runs, schemas, stats)
     plan = MemoryPlan.for_runs(memory_budget, [s.max_decoded for s in sources], 0, memory_budget)
     merger = Merger(_NO_BLOB, schemas, shard, None, plan, stats, purpose="read")
