@@ -75,7 +75,7 @@ from persist_lib.shard.part_fetch import release_unused_memory
 from persist_lib.shard.ranks import comparable, to_numpy
 from persist_lib.shard.runs import RunSource
 from persist_lib.shard.sorted_checks import linear_kernels_apply
-from persist_lib.shard.thread_pools import SharedPool
+from persist_lib.shard.thread_pools import SharedPool, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -369,11 +369,7 @@ class RangeMerge:
                     self.stats.output_rows += out.num_rows
                     yield layer, out
         finally:
-            for f in pending:
-                f.cancel()
-            for f in pending:
-                if not f.cancelled():
-                    f.exception()  # wait: the tables must outlive the threads reading them
+            cancel_and_wait(pending)  # (the tables must outlive the threads reading them)
             self.cuts = []
 
 

@@ -25,11 +25,21 @@ from persist_lib.shard.batch_meta import PartMeta
 from persist_lib.shard.codec import Schemas, internal_schema
 from persist_lib.shard.kway_merge import MergeCtx, Merger, Run, few_linear_runs, fold_in_memory
 from persist_lib.shard.memory_plan import MemoryPlan, MergeStats
+from persist_lib.shard.range_stream import (
+    merge_decoded_by_ranges,
+    range_stream_applies,
+    range_stream_rows,
+    stream_by_key_ranges,
+)
 from persist_lib.shard.runs import RunOrderViolation, RunSource, SpilledRun
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+# Streams of at most this many sorted runs go by key ranges (``range_stream``).
+RANGE_STREAM_MAX_RUNS = 8
+# Decoded runs of at least this many rows are merged by key ranges (``range_stream``).
+RANGE_MERGE_MIN_ROWS = 1 << 17
 
 
 def merge_decoded_runs(
@@ -39,11 +49,16 @@ def merge_decoded_runs(
     into consolidated tables, without sorting them again: the k-way merge over in-memory
     runs. For a few runs of flat key types (``merges_linearly``) this beats one
     ``consolidate`` of their concatenation, which sorts every row (a compacted shard is
-    one sorted run: its read then costs linear checks). Returns None when a run turns
-    out not to be sorted (the caller consolidates instead)."""
+    one sorted run: its read then costs linear checks). Two or more runs of
+    ``RANGE_MERGE_MIN_ROWS`` rows or more whose leading column maps to integers are cut
+    into key ranges consolidated on two threads instead (``range_stream``). Returns None
+    when a run turns out not to be sorted (the caller consolidates instead)."""
     sources = [RunSource.of_table(t) for t in runs if t.num_rows]
     if not sources:
         return []
+    big = len(sources) >= 2 and sum(s.rows for s in sources) >= RANGE_MERGE_MIN_ROWS
+    if big and range_stream_applies(schemas, []):  # (no parts: each run is checked sorted)
+        return merge_decoded_by_ranges(runs, schemas, stats)
     plan = MemoryPlan.for_runs(memory_budget, [s.max_decoded for s in sources], 0, memory_budget)
     merger = Merger(_NO_BLOB, schemas, shard, None, plan, stats, purpose="read")
     try:
@@ -167,6 +182,19 @@ def _stream_runs(
             yield merged
         return
 
+    range_rows = (
+        range_stream_rows(runs_parts, schemas, budget)
+        if check_order and 2 <= len(runs_parts) <= RANGE_STREAM_MAX_RUNS and range_stream_applies(schemas, runs_parts)
+        else None
+    )
+    if range_rows is not None:
+        # A few sorted runs: cut at leading keys, the key ranges consolidated on two
+        # threads (``range_stream``) rather than merged step by step on this one.
+        yield from stream_by_key_ranges(
+            blob, schemas, shard, runs_parts, since=since, lower=lower, upper=upper, stats=stats,
+            purpose=purpose, range_rows=range_rows,
+        )
+        return
     spill = SpillDir(spill_dir)
     try:
         level = ctx.fold_smallest(sources)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 
 class SharedPool:
@@ -32,3 +34,14 @@ class SharedPool:
     def _forget(self) -> None:
         self._pool = None
         self._lock = threading.Lock()  # (a lock held by a parent's thread stays held in the child)
+
+
+def cancel_and_wait(futures: Iterable[Future[Any]]) -> None:
+    """Cancels ``futures`` and waits for those already running (their errors dropped):
+    what they read must outlive the threads reading it."""
+    fs = list(futures)
+    for f in fs:
+        f.cancel()
+    for f in fs:
+        if not f.cancelled():
+            f.exception()
