@@ -394,6 +394,19 @@ def _merge_ctx(x: _World) -> list[Any]:
     ]
 
 
+def _key_range_stream(x: _World) -> list[Any]:
+    from persist_lib.shard.codec import Schemas
+    from persist_lib.shard.memory_plan import MergeStats
+    from persist_lib.shard.range_stream import _KeyRangeStream
+
+    return [
+        _KeyRangeStream(
+            x.client.blob, Schemas.create(KEY, VAL), str(x.shard), [], None, None, None, MergeStats(),
+            "canary", 1 << 10,
+        )
+    ]
+
+
 def _spark_specs(x: _World, which: str) -> list[Any]:
     from persist_lib.ingest.landing_zone import LandingZoneSource
     from persist_lib.spark.compact import _MergeSpec
@@ -531,6 +544,7 @@ def _exhibits() -> dict[str, Callable[[_World], list[Any]]]:
         ],
         "persist_lib.shard.kway_merge.Merger": _merger,
         "persist_lib.shard.kway_merge.MergeCtx": _merge_ctx,
+        "persist_lib.shard.range_stream._KeyRangeStream": _key_range_stream,
         "persist_lib.handles.maintenance.BackgroundCompactor": lambda x: [x.keep(BackgroundCompactor(x.client))],
         "persist_lib.storage.controller.StorageController": lambda x: [x.keep(StorageController(x.client))],
         "persist_lib.txn.txns.Txns": lambda x: [_txns(x)],
