@@ -104,7 +104,9 @@ class Rule:
     def check(self, field: str, value: Any, default: Any) -> ConfigProblem | None:
         if not self.is_bad(value):
             return None
-        return ConfigProblem(field, value, self.allowed(), f"fix: give such a value (default {default!r})")
+        # a non-optional field whose default is None is a required one: no default to name
+        fix = "fix: give such a value" + ("" if default is None and not self.optional else f" (default {default!r})")
+        return ConfigProblem(field, value, self.allowed(), fix)
 
 
 def field_default(f: Any) -> Any:

@@ -109,3 +109,63 @@ def test_the_cli_names_its_options(tmp_path: Path) -> None:
     assert "--poll (field poll_interval_s) = 0.0" in out.stderr, out.stderr
     assert "--records-per-binding (field max_records_per_binding) = 0" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+# ----- the sources' settings --------------------------------------------------------------
+
+def _kafka(**kw: Any) -> Any:
+    from persist_lib.ingest import KafkaSource
+
+    return KafkaSource("localhost:9092", kw.pop("topic", "orders"), **kw)
+
+
+def _zone(tmp_path: Path, **kw: Any) -> Any:
+    from persist_lib.ingest import LandingZoneSource
+
+    return LandingZoneSource(str(tmp_path), **kw)
+
+
+def _cdc(**kw: Any) -> Any:
+    from persist_lib.ingest import PgCdcSource
+
+    return PgCdcSource("postgresql://u:secret@localhost:5432/db", kw.pop("table", "public.orders"), **kw)
+
+
+@pytest.mark.parametrize(
+    ("build", "what", "bad", "good"),
+    [
+        (_kafka, "KafkaSource", {"timeout_s": 0, "poll_s": "0.2", "metadata_interval_s": -1.0, "prefetch": -1,
+                                 "commit_offsets": "yes", "ranges": 1, "group_id": 7, "topic": ""},
+         {"timeout_s": 0.5, "poll_s": 1, "metadata_interval_s": 2.0, "prefetch": 0, "commit_offsets": False,
+          "ranges": True, "group_id": "g"}),
+        (_cdc, "PgCdcSource", {"table": "", "slot": 5, "create": "no", "snapshot": 0},
+         {"table": "orders", "slot": "s", "create": False, "snapshot": False}),
+    ],
+)
+def test_a_source_names_every_bad_setting_at_once(build: Any, what: str, bad: dict[str, Any], good: dict[str, Any]) -> None:
+    with pytest.raises(InvalidIngestConfig) as info:
+        build(**bad)
+    assert isinstance(info.value, IngestConfigError)
+    assert sorted(p.field for p in info.value.problems) == sorted(bad)
+    assert str(info.value).startswith(f"invalid {what}: {len(bad)} bad settings")
+    assert "secret" not in str(info.value)
+    src = build(**good)
+    assert all(getattr(src, k) == v for k, v in good.items())
+
+
+def test_a_landing_zone_names_its_bad_settings(tmp_path: Path) -> None:
+    with pytest.raises(InvalidIngestConfig) as info:
+        _zone(tmp_path, pattern=["*.csv"], csv_delimiter=9)
+    assert [p.field for p in info.value.problems] == ["pattern", "csv_delimiter"]
+    with pytest.raises(IngestConfigError, match="one character"):
+        _zone(tmp_path, csv_delimiter=";;")
+    assert _zone(tmp_path, pattern="*.csv", csv_delimiter=";").csv_delimiter == ";"
+
+
+def test_a_kafka_bootstrap_url_that_is_not_a_string_is_refused_without_showing_it() -> None:
+    from persist_lib.ingest import KafkaSource
+
+    with pytest.raises(IngestConfigError) as info:
+        KafkaSource(b"kafka://u:secret@h:9092", "t")  # type: ignore[arg-type]
+    assert "bootstrap_url must be a non-empty string, not a bytes" in str(info.value)
+    assert "secret" not in str(info.value)

@@ -8,6 +8,7 @@ A bad value raises ``InvalidIngestConfig`` (an ``InvalidConfig`` and an
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -109,3 +110,12 @@ def ingest_config_of(config: object) -> IngestConfig:
         "config", config, f"must be an IngestConfig or None, not a {type(config).__name__}",
         "fix: pass IngestConfig(**settings)",
     )], what="Ingestion config")
+
+
+def require_valid_settings(obj: object, rules: Mapping[str, Rule], what: str) -> None:
+    """Checks the fields of the dataclass ``obj`` (a source's settings) that ``rules``
+    names: every broken rule at once, as an ``InvalidIngestConfig`` about ``what``."""
+    defaults = {f.name: field_default(f) for f in fields(obj) if f.name in rules}  # type: ignore[arg-type]
+    found = rule_problems(rules, {n: getattr(obj, n) for n in rules}, defaults)
+    if found:
+        raise InvalidIngestConfig(found, what=what)
