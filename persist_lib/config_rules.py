@@ -53,7 +53,7 @@ class Rule:
         if self.kind == "bool":
             text = "must be True or False (a bool; not 0/1 or a string)"
         elif self.kind == "callable":
-            text = "must be a callable returning ms since the epoch"
+            text = "must be a callable"
         elif self.kind == "rng":
             text = "must be a random.Random"
         elif self.kind == "choice":
@@ -185,7 +185,7 @@ FIELD_RULES: dict[str, Rule] = {
         "int", lo=0, hi=65535, unit="a TCP port", optional=True,
         meaning=f"0: any free port; None: ${METRICS_PORT_ENV} decides",
     ),
-    "now_ms": Rule("callable"),
+    "now_ms": Rule("callable", meaning="one returning ms since the epoch"),
     "rng": Rule("rng"),
 }
 

@@ -14,7 +14,11 @@ import pytest
 
 from dagster_project.io_manager import IOManagerConfigError, PersistIOManager
 from dagster_project.io_manager.errors import InvalidIOManagerConfig
-from dagster_project.io_manager.factory_config import IO_MANAGER_DEFAULTS, IO_MANAGER_RULES
+from dagster_project.io_manager.factory_config import (
+    IO_MANAGER_DEFAULTS,
+    IO_MANAGER_RULES,
+    check_io_manager_settings,
+)
 from dagster_project.resources import PersistResource
 from persist_lib.errors import InvalidConfig
 
@@ -38,6 +42,7 @@ def test_every_field_has_a_rule_and_a_default() -> None:
     fields = [f for f in PersistIOManager.model_fields if f != "persist"]
     assert fields == list(IO_MANAGER_RULES) == list(IO_MANAGER_DEFAULTS)
     assert all(PersistIOManager.model_fields[f].default == IO_MANAGER_DEFAULTS[f] for f in fields)
+    check_io_manager_settings(IO_MANAGER_DEFAULTS)  # the defaults (what the code location uses) are valid
 
 
 def test_bad_settings_fail_the_run_at_init_naming_every_field(tmp_path: Path) -> None:
@@ -67,3 +72,33 @@ def test_each_bad_setting_is_a_typed_error(field: str, bad: Any) -> None:
 def test_good_settings_still_materialize(tmp_path: Path) -> None:
     result, ran = _materialize(tmp_path, prefix="analytics", ledger="io.writes", num_shards=2, read_memory_budget=1 << 20)
     assert result.success and ran == [True]
+
+
+# ----- SourceSpec: checked where the source is declared (the code location's load) -----
+
+
+def test_a_source_spec_names_every_bad_setting_at_once() -> None:
+    import dataclasses
+
+    from dagster_project.sources import ORDERS
+
+    with pytest.raises(InvalidConfig) as info:
+        dataclasses.replace(ORDERS, name="bad name", kind="kafka", num_shards=0, envelope="append_only",
+                            delete_field="_deleted", format="xml", on_schema_change="ignore")
+    assert sorted(p.field for p in info.value.problems) == sorted(
+        ["num_shards", "format", "on_schema_change", "name", "topic", "delete_field"]
+    )
+    text = str(info.value)
+    assert text.startswith("invalid SourceSpec 'bad name': 6 bad settings")
+    assert "a kafka source needs its topic" in text and "only means something with envelope='upsert'" in text
+    with pytest.raises(InvalidConfig, match="a postgres_cdc source needs its table"):
+        dataclasses.replace(ORDERS, kind="postgres_cdc")
+
+
+def test_the_code_locations_sources_are_valid() -> None:
+    import dataclasses
+
+    from dagster_project.sources import CUSTOMERS, EVENTS, ORDERS
+
+    for spec in (ORDERS, CUSTOMERS, EVENTS):
+        assert dataclasses.replace(spec) == spec
