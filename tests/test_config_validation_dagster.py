@@ -11,6 +11,7 @@ from typing import Any
 import dagster as dg
 import pyarrow as pa
 import pytest
+from dagster_aws.s3 import S3Resource
 
 from dagster_project.io_manager import IOManagerConfigError, PersistIOManager
 from dagster_project.io_manager.errors import InvalidIOManagerConfig
@@ -19,7 +20,7 @@ from dagster_project.io_manager.factory_config import (
     IO_MANAGER_RULES,
     check_io_manager_settings,
 )
-from dagster_project.resources import PersistResource
+from dagster_project.resources import LandingZoneResource, PersistResource
 from persist_lib.errors import InvalidConfig
 
 
@@ -102,3 +103,41 @@ def test_the_code_locations_sources_are_valid() -> None:
 
     for spec in (ORDERS, CUSTOMERS, EVENTS):
         assert dataclasses.replace(spec) == spec
+
+
+# ----- LandingZoneResource: its URI is checked at resource initialisation ---------------
+
+
+@pytest.mark.parametrize(("uri", "env", "named"), [
+    ("ftp://host/zone", "", "LandingZoneResource.uri"),
+    ("", "s3://?region=x", "$PERSIST_LANDING_URI"),
+])
+def test_a_bad_landing_uri_fails_the_run_at_init(
+    monkeypatch: pytest.MonkeyPatch, uri: str, env: str, named: str
+) -> None:
+    monkeypatch.setenv("PERSIST_LANDING_URI", env)
+    ran: list[bool] = []
+
+    @dg.asset
+    def lands(landing: LandingZoneResource) -> None:
+        ran.append(True)
+
+    result = dg.materialize(
+        [lands], resources={"landing": LandingZoneResource(uri=uri, s3=S3Resource())}, raise_on_error=False
+    )
+    assert not result.success and not ran
+    failure = next(e for e in result.all_events if e.event_type_value == "RESOURCE_INIT_FAILURE")
+    text = str(failure.event_specific_data)
+    assert "IngestConfigError" in text and named in text
+
+
+def test_a_good_landing_uri_initialises(tmp_path: Path) -> None:
+    @dg.asset
+    def lands(landing: LandingZoneResource) -> str:
+        return landing.source_uri("orders")
+
+    result = dg.materialize(
+        [lands], resources={"landing": LandingZoneResource(uri=str(tmp_path / "zone"), s3=S3Resource())}
+    )
+    assert result.success and result.output_for_node("lands") == str(tmp_path / "zone" / "orders")
+    assert not (tmp_path / "zone").exists()  # the check makes nothing
