@@ -19,6 +19,7 @@ import math
 import numbers
 import os
 import random
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal
@@ -285,6 +286,34 @@ def rule_problems(
             if p is not None:
                 out.append(p)
     return out
+
+
+class ConfigWarning(UserWarning):
+    """A process switch in the environment (``$PERSIST_KERNELS``, ...) has a value it does
+    not know: the switch keeps its default and this warning names the variable."""
+
+
+_warned_env: set[tuple[str, str]] = set()
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The value of the environment switch ``name`` (case-insensitive; unset or empty:
+    ``default``). A value outside ``choices`` is a typo that would otherwise be silently
+    ignored: a ``ConfigWarning`` (once per variable and value) names it and the default
+    is used -- a performance switch never stops the work."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if raw.lower() in choices:
+        return raw.lower()
+    if (name, raw) not in _warned_env:
+        _warned_env.add((name, raw))
+        warnings.warn(
+            f"ignoring ${name}={raw!r}: use one of {', '.join(choices)} (default {default!r}); "
+            f"fix: correct it or unset {name}",
+            ConfigWarning, stacklevel=2,
+        )
+    return default
 
 
 def problems(

@@ -60,3 +60,48 @@ def test_a_good_table_width_is_used_silently(
     monkeypatch.setenv("PERSIST_TABLE_WIDTH", raw)
     assert fit.line_width() == width
     assert capsys.readouterr().err == ""
+
+
+# ----- process switches: an unknown value is a warning naming the variable -------------
+
+
+def test_an_unknown_kernels_switch_warns_naming_it_and_keeps_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from persist_lib import config_rules
+    from persist_lib.config_rules import ConfigWarning
+    from persist_lib.shard import kernels
+
+    monkeypatch.setattr(config_rules, "_warned_env", set())
+    monkeypatch.setenv("PERSIST_KERNELS", "numpy")
+    assert kernels.polars() is None  # the known value still works
+    default = _polars_default(monkeypatch)
+    monkeypatch.setenv("PERSIST_KERNELS", "nmupy")
+    with pytest.warns(ConfigWarning, match=r"ignoring \$PERSIST_KERNELS='nmupy': use one of numpy, auto") as rec:
+        assert kernels.polars() is default  # the default: as if unset
+        assert kernels.polars() is default
+    assert len(rec) == 1  # once per variable and value
+
+
+def _polars_default(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from persist_lib.shard import kernels
+
+    monkeypatch.delenv("PERSIST_KERNELS")
+    return kernels.polars()
+
+
+@pytest.mark.parametrize(("name", "choices", "default"), [
+    ("PERSIST_KAFKA_NATIVE", ("0", "1"), "1"),
+    ("PERSIST_KEEP_FREED_PAGES", ("0", "1"), "1"),
+])
+def test_the_on_off_switches_warn_on_anything_but_0_or_1(
+    monkeypatch: pytest.MonkeyPatch, name: str, choices: tuple[str, ...], default: str
+) -> None:
+    from persist_lib import config_rules
+    from persist_lib.config_rules import ConfigWarning, env_choice
+
+    monkeypatch.setattr(config_rules, "_warned_env", set())
+    for good in ("0", "1", " 1 "):
+        monkeypatch.setenv(name, good)
+        assert env_choice(name, choices, default) == good.strip()
+    monkeypatch.setenv(name, "off")
+    with pytest.warns(ConfigWarning, match=rf"\${name}='off'"):
+        assert env_choice(name, choices, default) == default
