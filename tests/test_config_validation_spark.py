@@ -44,3 +44,25 @@ def test_a_bad_pin_ttl_variable_is_an_invalid_config_naming_it(monkeypatch: pyte
     assert "unset it for the default 86400" in p.fix
     monkeypatch.setenv(PIN_TTL_ENV, " 90 ")
     assert pin_ttl_s() == 90.0
+
+
+# ----- SparkIngestion's own options ---------------------------------------------------------
+
+
+def test_spark_ingestion_names_every_bad_option_before_touching_spark(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    from persist_lib.handles.client import PersistClient
+    from persist_lib.ingest import LandingZoneSource
+    from persist_lib.ingest.errors import IngestConfigError, InvalidIngestConfig
+    from persist_lib.spark.ingest import SparkIngestion
+
+    key = pa.schema([pa.field("id", pa.int64())])
+    zone = LandingZoneSource(str(tmp_path))
+    with PersistClient.default(tmp_path / "home") as client:
+        with pytest.raises(InvalidIngestConfig) as info:
+            SparkIngestion(None, client, "orders", zone, key, pa.schema([]),
+                           records_per_job="1M", min_piece_records=0, parallelism=0)
+        assert isinstance(info.value, IngestConfigError)
+        assert [p.field for p in info.value.problems] == ["records_per_job", "min_piece_records", "parallelism"]
+        assert str(info.value).startswith("invalid SparkIngestion options: 3 bad settings")
