@@ -31,7 +31,8 @@ from pydantic import PrivateAttr
 from persist_lib.config import PersistConfig
 from persist_lib.errors import InvalidConfig
 from persist_lib.handles.client import PersistClient, default_home, default_uris
-from persist_lib.ingest.landing_zone.stores import format_of
+from persist_lib.ingest.errors import IngestConfigError
+from persist_lib.ingest.landing_zone.stores import format_of, open_store
 from persist_lib.location.check import missing_parts, require_existing_location
 from persist_lib.location.redaction import redacted_value
 from persist_lib.storage import StorageController
@@ -244,6 +245,17 @@ class LandingZoneResource(dg.ConfigurableResource):
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:  # the URI and s3's secret key
         return _redacted_repr_args(super().__repr_args__())
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        """Checks the zone's URI when a run initialises the resource (its form only: a
+        local zone that does not exist yet is made by the ingestion), so a bad one fails
+        resource initialisation, before any step runs."""
+        uri = self.base_uri()
+        try:
+            open_store(uri)  # parses the URI; opens nothing
+        except IngestConfigError as e:
+            where = "LandingZoneResource.uri" if self.uri else "$PERSIST_LANDING_URI (LandingZoneResource.uri unset)"
+            raise IngestConfigError(f"{where}: {e}; fix: give a local directory, file:///DIR or s3://BUCKET/PREFIX") from None
 
     def base_uri(self) -> str:
         uri = self.uri or os.environ.get("PERSIST_LANDING_URI", "")

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import pyarrow as pa
 
 from dagster_project.checks import CollectionRules
+from dagster_project.source_rules import SOURCE_RULES, check_source_spec
+from persist_lib.config_rules import field_default
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ class SourceSpec:
     #: backfill) or ``"fail"`` (any change stops ingestion). ``schema_changes.py``.
     on_schema_change: str = "evolve"
 
+    def __post_init__(self) -> None:  # every setting checked where the source is declared
+        check_source_spec({f: getattr(self, f) for f in SOURCE_RULES}, _SPEC_DEFAULTS)
+
     @property
     def default_rendition_shards(self) -> int:
         return self.rendition_shards or self.num_shards
@@ -82,6 +87,8 @@ class SourceSpec:
         """The Kafka bootstrap URL, read from the environment when used (never stored)."""
         return os.environ.get(self.bootstrap_env, "")
 
+
+_SPEC_DEFAULTS = {f.name: field_default(f) for f in fields(SourceSpec)}
 
 ORDERS = SourceSpec(
     name="orders",

@@ -49,6 +49,8 @@ import logging
 import os
 import sys
 
+from persist_lib.config_rules import env_choice
+
 log = logging.getLogger(__name__)
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter numbers
@@ -105,7 +107,7 @@ def keep_freed_pages() -> bool:
     if _kept is not None:
         return _kept
     _kept = False
-    if os.environ.get("PERSIST_KEEP_FREED_PAGES", "1") == "0":
+    if env_choice("PERSIST_KEEP_FREED_PAGES", ("0", "1"), "1") == "0":
         return False
     if any(k in os.environ for k in _OPERATOR_KNOBS) or "glibc.malloc.mmap" in os.environ.get(
         "GLIBC_TUNABLES", ""

@@ -6,10 +6,10 @@ import difflib
 import random
 import time
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from persist_lib.config_rules import FIELD_RULES, problems
+from persist_lib.config_rules import FIELD_RULES, field_default, problems
 from persist_lib.errors import ConfigProblem, InvalidConfig
 
 MiB = 1 << 20
@@ -185,14 +185,8 @@ class PersistConfig:
         return cls(**{**base, **overrides})
 
 
-def _default(f: Any) -> Any:
-    if f.default is not MISSING:
-        return f.default
-    return f"{f.default_factory.__name__}()" if f.default_factory is not MISSING else None
-
-
 #: Each field's default (for the messages; factories stand for their defaults).
-_DEFAULTS: dict[str, Any] = {f.name: _default(f) for f in fields(PersistConfig)}
+_DEFAULTS: dict[str, Any] = {f.name: field_default(f) for f in fields(PersistConfig)}
 
 
 def _unknown_field(name: str, value: Any) -> ConfigProblem:

@@ -19,15 +19,16 @@ import math
 import numbers
 import os
 import random
+import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from typing import Any, Literal
 
 from persist_lib.errors import ConfigProblem
 
 MiB = 1 << 20
 
-Kind = Literal["int", "float", "bool", "callable", "rng"]
+Kind = Literal["int", "float", "bool", "callable", "rng", "choice", "str"]
 
 #: The environment variable that gives the metrics port when ``metrics_port`` is None.
 METRICS_PORT_ENV = "PERSIST_METRICS_PORT"
@@ -46,15 +47,20 @@ class Rule:
     unit: str = ""
     optional: bool = False
     meaning: str = ""
+    choices: tuple[str, ...] = ()  # kind "choice": the strings allowed
 
     def allowed(self) -> str:
         """What the rule allows, in words."""
         if self.kind == "bool":
             text = "must be True or False (a bool; not 0/1 or a string)"
         elif self.kind == "callable":
-            text = "must be a callable returning ms since the epoch"
+            text = "must be a callable"
         elif self.kind == "rng":
             text = "must be a random.Random"
+        elif self.kind == "choice":
+            text = f"must be one of {', '.join(repr(c) for c in self.choices)}"
+        elif self.kind == "str":
+            text = "must be a string" + (" (not empty)" if self.lo else "")
         else:
             noun = "an int (not a bool)" if self.kind == "int" else "a finite number (int or float)"
             bounds = []
@@ -81,6 +87,10 @@ class Rule:
             return not callable(value)
         if self.kind == "rng":
             return not isinstance(value, random.Random)
+        if self.kind == "choice":
+            return not isinstance(value, str) or value not in self.choices
+        if self.kind == "str":
+            return not isinstance(value, str) or len(value) < (self.lo or 0)
         if isinstance(value, bool):
             return True
         if self.kind == "int":
@@ -95,7 +105,16 @@ class Rule:
     def check(self, field: str, value: Any, default: Any) -> ConfigProblem | None:
         if not self.is_bad(value):
             return None
-        return ConfigProblem(field, value, self.allowed(), f"fix: give such a value (default {default!r})")
+        # a non-optional field whose default is None is a required one: no default to name
+        fix = "fix: give such a value" + ("" if default is None and not self.optional else f" (default {default!r})")
+        return ConfigProblem(field, value, self.allowed(), fix)
+
+
+def field_default(f: Any) -> Any:
+    """A dataclass field's default, for the messages (a factory stands for its default)."""
+    if f.default is not MISSING:
+        return f.default
+    return f"{f.default_factory.__name__}()" if f.default_factory is not MISSING else None
 
 
 def _num(x: float) -> str:
@@ -167,7 +186,7 @@ FIELD_RULES: dict[str, Rule] = {
         "int", lo=0, hi=65535, unit="a TCP port", optional=True,
         meaning=f"0: any free port; None: ${METRICS_PORT_ENV} decides",
     ),
-    "now_ms": Rule("callable"),
+    "now_ms": Rule("callable", meaning="one returning ms since the epoch"),
     "rng": Rule("rng"),
 }
 
@@ -241,26 +260,71 @@ def env_metrics_port_problem(metrics: Any, metrics_port: Any) -> ConfigProblem |
     )
 
 
-def problems(
-    values: Mapping[str, Any], defaults: Mapping[str, Any], changed: Iterable[str] | None = None
+def rule_problems(
+    rules: Mapping[str, Rule],
+    values: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    cross: Iterable[CrossRule] = (),
+    changed: Iterable[str] | None = None,
 ) -> list[ConfigProblem]:
-    """Every broken rule of ``values`` (a whole config's fields): the field rules of
-    ``changed`` (None: all fields), then the cross rules that involve a changed field
-    and whose fields are all valid, then the environment (on a whole check)."""
-    names = list(values) if changed is None else list(changed)
+    """Every broken rule of ``values`` against a table of ``rules`` (any config's: the
+    ingestion's, a source's, the Dagster I/O manager's): the field rules of ``changed``
+    (None: every field of ``rules``), then the ``cross`` rules that involve a changed
+    field and whose fields are all valid."""
+    names = list(rules) if changed is None else list(changed)
     out: list[ConfigProblem] = []
     for name in names:
-        p = FIELD_RULES[name].check(name, values[name], defaults.get(name))
+        p = rules[name].check(name, values[name], defaults.get(name))
         if p is not None:
             out.append(p)
     bad = {p.field for p in out}
-    for rule in CROSS_RULES:
+    for rule in cross:
         if any(f in names for f in rule.fields) and not any(
-            f in bad or FIELD_RULES[f].is_bad(values[f]) for f in rule.fields
+            f in bad or rules[f].is_bad(values[f]) for f in rule.fields
         ):
             p = rule.check(values)
             if p is not None:
                 out.append(p)
+    return out
+
+
+class ConfigWarning(UserWarning):
+    """A process switch in the environment (``$PERSIST_KERNELS``, ...) has a value it does
+    not know: the switch keeps its default and this warning names the variable."""
+
+
+_warned_env: set[tuple[str, str]] = set()
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The value of the environment switch ``name`` (case-insensitive; unset or empty:
+    ``default``). A value outside ``choices`` is a typo that would otherwise be silently
+    ignored: a ``ConfigWarning`` (once per variable and value) names it and the default
+    is used -- a performance switch never stops the work."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if raw.lower() in choices:
+        return raw.lower()
+    if (name, raw) not in _warned_env:
+        _warned_env.add((name, raw))
+        warnings.warn(
+            f"ignoring ${name}={raw!r}: use one of {', '.join(choices)} (default {default!r}); "
+            f"fix: correct it or unset {name}",
+            ConfigWarning, stacklevel=2,
+        )
+    return default
+
+
+def problems(
+    values: Mapping[str, Any], defaults: Mapping[str, Any], changed: Iterable[str] | None = None
+) -> list[ConfigProblem]:
+    """Every broken rule of ``values`` (a whole ``PersistConfig``'s fields): the field
+    rules of ``changed`` (None: all fields), then the cross rules that involve a changed
+    field and whose fields are all valid, then the environment (on a whole check)."""
+    names = list(values) if changed is None else list(changed)
+    out = rule_problems(FIELD_RULES, values, defaults, CROSS_RULES, names)
+    bad = {p.field for p in out}
     if changed is None or "metrics_port" in names or "metrics" in names:
         p = env_metrics_port_problem(values["metrics"], values["metrics_port"]) if "metrics_port" not in bad else None
         if p is not None:

@@ -159,7 +159,7 @@ class InvalidConfig(InvalidUsage):
             p._replace(source=sources[p.field], fix=fixes.get(p.field, p.fix)) if p.field in sources else p
             for p in self.problems
         ]
-        return InvalidConfig(renamed, what=what or self.what)
+        return type(self)(renamed, what=what or self.what)  # the same (sub)class
 
 
 class UpperMismatch(PersistError):

@@ -6,11 +6,22 @@ written when one is raised.
 
 from __future__ import annotations
 
-from persist_lib.errors import InvalidUsage, SchemaMismatch
+from collections.abc import Sequence
+
+from persist_lib.errors import ConfigProblem, InvalidConfig, InvalidUsage, SchemaMismatch
 
 
 class IOManagerConfigError(InvalidUsage):
     """The I/O manager or an asset's ``persist/*`` metadata is configured wrongly."""
+
+
+class InvalidIOManagerConfig(InvalidConfig, IOManagerConfigError):
+    """``PersistIOManager``'s own settings broke their rules (``factory_config``):
+    ``problems`` names every bad setting at once; the run fails at resource
+    initialisation, before any step."""
+
+    def __init__(self, problems: Sequence[ConfigProblem], *, what: str = "PersistIOManager config") -> None:
+        super().__init__(problems, what=what)
 
 
 class OutputSchemaMismatch(SchemaMismatch):

@@ -28,10 +28,11 @@ from dagster_project.io_manager.errors import (
     NoRecordedMaterialization,
     OutputSchemaMismatch,
 )
+from dagster_project.io_manager.factory_config import IO_MANAGER_RULES, check_io_manager_settings
 from dagster_project.io_manager.ledger import LandedWrite, WriteLedger, entry, now_ms
 from dagster_project.io_manager.partitions import PartitionSelection
 from dagster_project.io_manager.schema_follow import conform_output
-from dagster_project.io_manager.settings import InputSettings, OutputSettings, check_mode
+from dagster_project.io_manager.settings import InputSettings, OutputSettings
 from dagster_project.io_manager.type_handlers import (
     from_arrow,
     is_lazy_type,
@@ -39,7 +40,6 @@ from dagster_project.io_manager.type_handlers import (
     to_arrow,
 )
 from dagster_project.resources import PersistResource
-from persist_lib.config import MiB
 from persist_lib.errors import UpperMismatch
 from persist_lib.frontier import Antichain
 from persist_lib.shard.codec import Schemas
@@ -392,13 +392,7 @@ class PersistIOManager(dg.ConfigurableIOManagerFactory):
     read_memory_budget: int | None = None
 
     def create_io_manager(self, context: dg.InitResourceContext) -> PersistIOManagerImpl:
-        check_mode(self.default_mode, "PersistIOManager.default_mode")
-        if not 1 <= self.num_shards <= 1024:
-            raise IOManagerConfigError(f"PersistIOManager.num_shards must be in [1, 1024], got {self.num_shards}")
-        if self.read_memory_budget is not None and self.read_memory_budget < MiB:
-            raise IOManagerConfigError(
-                f"PersistIOManager.read_memory_budget must be at least 1 MiB ({MiB} bytes), got {self.read_memory_budget}"
-            )
+        check_io_manager_settings({f: getattr(self, f) for f in IO_MANAGER_RULES})  # all bad settings at once
         return PersistIOManagerImpl(
             self.persist, self.default_mode, self.num_shards, self.prefix, self.ledger, self.read_memory_budget
         )

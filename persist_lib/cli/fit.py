@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Sequence
 
 #: The width a table is fitted to when the terminal is not wider (or not a terminal).
@@ -18,14 +19,27 @@ DEFAULT_WIDTH = 120
 #: A text column is never narrowed below this.
 MIN_WIDTH = 12
 GAP = 2  # spaces between columns
+#: The environment variable that sets the width (0: never cut).
+WIDTH_ENV = "PERSIST_TABLE_WIDTH"
+
+_warned: set[str] = set()  # bad values of $PERSIST_TABLE_WIDTH already warned about
 
 
 def line_width() -> int:
     """120, or the terminal's width when stdout is a wider terminal; ``PERSIST_TABLE_WIDTH``
-    overrides both (0: never cut)."""
-    env = os.environ.get("PERSIST_TABLE_WIDTH", "").strip()
-    if env.isdigit():
+    overrides both (0: never cut). A value that is not a whole number >= 0 is only a
+    cosmetic mistake: one warning line on stderr (per value and process) names the
+    variable, and the width is what it would be without it."""
+    env = os.environ.get(WIDTH_ENV, "").strip()
+    if env.isascii() and env.isdigit():
         return int(env) or 10**9
+    if env and env not in _warned:
+        _warned.add(env)
+        print(
+            f"persist: warning: ignoring {WIDTH_ENV}={env!r}: it must be a whole number of columns "
+            f"(0: never cut long cells); fix: set e.g. {WIDTH_ENV}=160, or unset it",
+            file=sys.stderr,
+        )
     cols = shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns if os.isatty(1) else 0
     return max(DEFAULT_WIDTH, cols)
 

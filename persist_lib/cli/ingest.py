@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from persist_lib.cli.main import command
 from persist_lib.handles.client import PersistClient
-from persist_lib.ingest.errors import IngestConfigError
+from persist_lib.ingest.errors import IngestConfigError, InvalidIngestConfig
 
 _TYPES: dict[str, pa.DataType] = {
     "int8": pa.int8(), "int16": pa.int16(), "int32": pa.int32(), "int64": pa.int64(),
@@ -115,6 +115,10 @@ def _args(p: argparse.ArgumentParser) -> None:
     s.add_argument("name", help="ingestion name")
 
 
+#: The ``IngestConfig`` fields ``persist ingest`` sets, and the options that set them.
+INGEST_OPTIONS = {"max_records_per_binding": "--records-per-binding", "poll_interval_s": "--poll"}
+
+
 def _run(client: PersistClient, ns: argparse.Namespace, source: Any, envelope: str, delete_field: str | None) -> Any:
     from persist_lib.ingest.driver import IngestConfig, Ingestion
     from persist_lib.ingest.outputs import StorageOutputs
@@ -130,7 +134,10 @@ def _run(client: PersistClient, ns: argparse.Namespace, source: Any, envelope: s
         ctl = StorageController(client)
         outputs = StorageOutputs(ctl, ns.name, num_shards=ns.shards)
     show = ns.progress if ns.progress is not None else sys.stderr.isatty()
-    cfg = IngestConfig(max_records_per_binding=ns.records_per_binding, keep_raw=ns.keep_raw, poll_interval_s=ns.poll)
+    try:
+        cfg = IngestConfig(max_records_per_binding=ns.records_per_binding, keep_raw=ns.keep_raw, poll_interval_s=ns.poll)
+    except InvalidIngestConfig as e:  # named as the options the user gave
+        raise e.with_sources(INGEST_OPTIONS, what="persist ingest options") from None
     try:
         with Ingestion(
             client, ns.name, source, key, val, envelope=envelope, delete_field=delete_field,

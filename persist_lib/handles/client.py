@@ -28,7 +28,14 @@ from typing import Any
 import pyarrow as pa
 
 from persist_lib.config import PersistConfig
-from persist_lib.errors import InvalidUsage, LeaseExpired, SchemaMismatch, ShardTombstoned
+from persist_lib.errors import (
+    ConfigProblem,
+    InvalidConfig,
+    InvalidUsage,
+    LeaseExpired,
+    SchemaMismatch,
+    ShardTombstoned,
+)
 from persist_lib.handles.one_shot import ONE_SHOT_READER, OneShotSnapshot
 from persist_lib.handles.read import ReadHandle
 from persist_lib.handles.schema_evolve import evolve_shard_schemas, retry_fresh
@@ -63,6 +70,22 @@ def default_uris(home: str | os.PathLike[str] | None = None) -> tuple[str, str]:
     return blob, consensus
 
 
+def persist_config_of(config: object) -> PersistConfig:
+    """``config`` when it is a ``PersistConfig``, the defaults for None; anything else (a
+    dict of settings, a path, ``False``) is an ``InvalidConfig``, not silently replaced
+    by the defaults."""
+    if config is None:
+        return PersistConfig()
+    if isinstance(config, PersistConfig):
+        return config
+    hint = (
+        "fix: pass PersistConfig(**settings)" if isinstance(config, dict)
+        else "fix: pass a PersistConfig (e.g. PersistConfig(read_memory_budget=...)), or None for the defaults"
+    )
+    problem = ConfigProblem("config", config, f"must be a PersistConfig or None, not a {type(config).__name__}", hint)
+    raise InvalidConfig([problem], what="PersistClient config")
+
+
 class _OpenDescriptor:
     """``PersistClient.open(blob_uri, consensus_uri)`` on the class opens a location;
     ``client.open(shard, key_schema, val_schema)`` on an instance opens a shard."""
@@ -90,7 +113,7 @@ class PersistClient:
         blob_uri: str = "",
         consensus_uri: str = "",
     ) -> None:
-        self.config = config or PersistConfig()
+        self.config = persist_config_of(config)
         policy = RetryPolicy(deadline_s=self.config.retry_deadline_s)
         # Per-shard counters (persist_lib.shard.metrics); None: metrics off, nothing counted.
         self.metrics: PersistMetrics | None = PersistMetrics() if self.config.metrics else None
@@ -118,6 +141,7 @@ class PersistClient:
         cls, blob_uri: str, consensus_uri: str, config: PersistConfig | None = None
     ) -> PersistClient:
         """``PersistClient.open(blob_uri, consensus_uri)``: a client on a location."""
+        config = persist_config_of(config)  # before the location is opened (or created)
         return cls(
             open_blob(blob_uri),
             open_consensus(consensus_uri),
@@ -142,6 +166,7 @@ class PersistClient:
         cls, home: str | os.PathLike[str] | None = None, config: PersistConfig | None = None
     ) -> PersistClient:
         """The embedded default: file blob + SQLite consensus under ``$PERSIST_HOME``."""
+        config = persist_config_of(config)  # before a directory is made
         blob, consensus = default_uris(home)
         if blob.startswith("file://"):
             Path(blob[len("file://") :]).mkdir(parents=True, exist_ok=True)

@@ -9,11 +9,12 @@ Entry points: ``Ingestion(client, name, source, key_schema, val_schema, ...)`` w
 """
 
 from persist_lib.ingest.decode import DecodeSpec
-from persist_lib.ingest.driver import IngestConfig, Ingestion, run_once
+from persist_lib.ingest.driver import Ingestion, run_once
 from persist_lib.ingest.errors import (
     IngestConfigError,
     IngestError,
     IngestInvariantError,
+    InvalidIngestConfig,
     KafkaOffsetOutOfRange,
     KafkaTopicGone,
     NeedsNewRendition,
@@ -22,6 +23,7 @@ from persist_lib.ingest.errors import (
     SourceTimeout,
     SourceUnavailable,
 )
+from persist_lib.ingest.ingest_config import IngestConfig
 from persist_lib.ingest.kafka import KafkaSource
 from persist_lib.ingest.landing_zone import LandingZoneSource
 from persist_lib.ingest.outputs import ShardOutputs, StorageOutputs, shard_id_for
@@ -37,6 +39,7 @@ __all__ = [
     "IngestInvariantError",
     "IngestProgress",
     "Ingestion",
+    "InvalidIngestConfig",
     "KafkaOffsetOutOfRange",
     "KafkaSource",
     "KafkaTopicGone",

@@ -57,6 +57,7 @@ from persist_lib.ingest.errors import (
     SourceDataGone,
     SourceUnavailable,
 )
+from persist_lib.ingest.ingest_config import IngestConfig, ingest_config_of
 from persist_lib.ingest.outputs import Output, OutputFactory, ShardOutputs, shard_id_for, txns_of
 from persist_lib.ingest.progress import IngestProgress, ProgressCallback
 from persist_lib.ingest.remap import Binding, RemapShard
@@ -72,34 +73,6 @@ _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,95}")
 
 Clock = Callable[[], int]
 Transform = Callable[[pa.Table], pa.Table]
-
-
-@dataclass
-class IngestConfig:
-    """Tunables of an ingestion (none of them changes what a binding means)."""
-
-    max_records_per_binding: int = 100_000  # extent of a newly minted binding
-    read_chunk_records: int = 100_000  # replay reads in chunks of this many records
-    max_append_records: int = 250_000  # consecutive bindings share one append up to this
-    timestamp_interval_ms: int = 1  # minted times are rounded down to a multiple of this
-    since_window_ms: int | None = 3_600_000  # history kept readable below the upper (None: all)
-    poll_interval_s: float = 1.0  # continuous mode: how often to look for new data
-    replay_timeout_s: float = 30.0  # wait this long for bound data to become readable
-    keep_raw: bool = False  # also write the undecoded records (the raw collection)
-    # Output appends of at least this many Arrow bytes are written unsorted (the compactor
-    # sorts them; reads consolidate either way): a 100,000-record binding's append then
-    # costs its Parquet encoding but no sort. None: the client's PersistConfig decides.
-    unsorted_min_bytes: int | None = 1 << 20
-
-    def __post_init__(self) -> None:
-        for name in ("max_records_per_binding", "read_chunk_records", "max_append_records", "timestamp_interval_ms"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise IngestConfigError(f"IngestConfig.{name} must be an int >= 1, got {v!r}")
-        if self.unsorted_min_bytes is not None and (not isinstance(self.unsorted_min_bytes, int) or self.unsorted_min_bytes < 0):
-            raise IngestConfigError(f"IngestConfig.unsorted_min_bytes must be an int >= 0 or None, got {self.unsorted_min_bytes!r}")
-        if self.since_window_ms is not None and self.since_window_ms < 0:
-            raise IngestConfigError(f"IngestConfig.since_window_ms must be >= 0 or None, got {self.since_window_ms}")
 
 
 @dataclass
@@ -173,7 +146,7 @@ class Ingestion:
         self.client = client
         self.name = name
         self.source = source
-        self.config = config or IngestConfig()
+        self.config = ingest_config_of(config)
         self.spec = DecodeSpec(key_schema, val_schema, delete_field=delete_field, keep_raw=self.config.keep_raw)
         self.envelope = envelope if isinstance(envelope, Envelope) else make_envelope(envelope, self.spec)
         self.outputs_factory = outputs or ShardOutputs(client, name)

@@ -12,7 +12,9 @@ committed times that compaction has folded into the since, where no check is pos
 
 from __future__ import annotations
 
-from persist_lib.errors import InvalidUsage, PersistError, Timeout
+from collections.abc import Sequence
+
+from persist_lib.errors import ConfigProblem, InvalidConfig, InvalidUsage, PersistError, Timeout
 
 
 class IngestError(PersistError):
@@ -21,6 +23,16 @@ class IngestError(PersistError):
 
 class IngestConfigError(InvalidUsage, IngestError):
     """The ingestion is misconfigured (bad URI, missing directory, unknown format, ...)."""
+
+
+class InvalidIngestConfig(InvalidConfig, IngestConfigError):
+    """An ingestion's or a source's settings (``IngestConfig``, ``KafkaSource``,
+    ``LandingZoneSource``, ``PgCdcSource``) broke their rules: ``problems`` names every
+    bad setting at once (the field, the value, what is allowed, how to fix it); nothing
+    was built with them."""
+
+    def __init__(self, problems: Sequence[ConfigProblem], *, what: str = "IngestConfig") -> None:
+        super().__init__(problems, what=what)
 
 
 class SourceUnavailable(IngestError):

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 from psycopg.adapt import Loader
 
+from persist_lib.config_rules import Rule
 from persist_lib.ingest.addresses import Address, Frontier, Note
 from persist_lib.ingest.decode import (
     Decoded,
@@ -50,6 +51,7 @@ from persist_lib.ingest.decode import (
     raw_table,
 )
 from persist_lib.ingest.errors import IngestConfigError, SourceDataGone, SourceUnavailable
+from persist_lib.ingest.ingest_config import require_valid_settings
 from persist_lib.ingest.pg_types import (
     SESSION_OPTIONS,
     check_column_types,
@@ -224,6 +226,17 @@ class CdcChunk(Chunk):
         return f"CdcChunk([{self.start[0]}, {self.end[0]}), {len(self.txns)} txns)"
 
 
+#: The rules of a CDC source's plain settings (the DSN is checked apart: its value, which
+#: holds a password, is never shown).
+CDC_RULES: dict[str, Rule] = {
+    "table": Rule("str", lo=1, meaning="TABLE or SCHEMA.TABLE"),
+    "slot": Rule("str", optional=True, meaning="None: persist_NAME"),
+    "publication": Rule("str", optional=True, meaning="None: persist_NAME"),
+    "create": Rule("bool"),
+    "snapshot": Rule("bool"),
+}
+
+
 @dataclass
 class PgCdcSource:
     """Change data capture of one Postgres table (see the module docstring).
@@ -256,6 +269,7 @@ class PgCdcSource:
         problem = SensitiveUrl(self.dsn).problem
         if problem:
             raise IngestConfigError(f"the CDC source DSN {SensitiveUrl(self.dsn)} is ambiguous: {problem}")
+        require_valid_settings(self, CDC_RULES, "PgCdcSource")
         parts = self.table.split(".")
         if len(parts) == 1:
             self._schema, self._relname = "public", parts[0]

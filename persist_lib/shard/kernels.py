@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from persist_lib.config_rules import env_choice
+
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -93,7 +95,7 @@ def polars() -> Any:
     """The polars module, or None (not installed, ``PERSIST_KERNELS=numpy``, a child
     forked after its parent used polars, or not imported yet under ``no_polars_import``)."""
     global _POLARS, _POLARS_CHECKED
-    if _FORKED_AFTER_USE or os.environ.get("PERSIST_KERNELS", "").lower() == "numpy":
+    if _FORKED_AFTER_USE or env_choice("PERSIST_KERNELS", ("numpy", "auto"), "auto") == "numpy":
         return None
     if not _POLARS_CHECKED:
         if getattr(_IMPORT_POLICY, "deferred", False) and "polars" not in sys.modules:

@@ -51,11 +51,17 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from persist_lib.config_rules import Rule, rule_problems
 from persist_lib.ingest import errors as ingest_errors
 from persist_lib.ingest.addresses import Address
 from persist_lib.ingest.decode import Decoded, DecodeSpec
 from persist_lib.ingest.driver import Ingestion, _Acc
-from persist_lib.ingest.errors import IngestConfigError, IngestError, SourceDataGone
+from persist_lib.ingest.errors import (
+    IngestConfigError,
+    IngestError,
+    InvalidIngestConfig,
+    SourceDataGone,
+)
 from persist_lib.ingest.kafka import KafkaSource
 from persist_lib.ingest.kafka.ranges import KafkaRangeChunk, read_range
 from persist_lib.ingest.landing_zone import LandingZoneSource
@@ -75,6 +81,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 DEFAULT_RECORDS_PER_JOB = 1_000_000
 MIN_PIECE_RECORDS = 20_000  # smaller ranges aren't worth a task of their own
+
+#: ``SparkIngestion``'s own options, checked together (``persist_lib.config_rules``).
+SPARK_INGEST_RULES: dict[str, Rule] = {
+    "records_per_job": Rule("int", lo=1, unit="records", meaning="bound records decoded per Spark job"),
+    "min_piece_records": Rule("int", lo=1, unit="records", meaning="the smallest piece a bound range is cut into"),
+    "parallelism": Rule("int", lo=1, optional=True, meaning="None: the session's default parallelism"),
+}
 RESULT_PIECE_BYTES = 8 << 20  # a decoded result travels to the driver in rows of this size
 
 _RESULT_SCHEMA = "idx int, piece int, seq int, data binary"
@@ -305,10 +318,13 @@ class SparkIngestion(Ingestion):
                 f"Spark ingestion reads file landing zones (LandingZoneSource) and Kafka topics "
                 f"(KafkaSource), got {type(source).__name__}; ingest other sources with ingest.Ingestion"
             )
-        if records_per_job < 1:
-            raise IngestConfigError(f"records_per_job must be >= 1, got {records_per_job}")
-        if parallelism is not None and parallelism < 1:
-            raise IngestConfigError(f"parallelism must be >= 1, got {parallelism}")
+        found = rule_problems(
+            SPARK_INGEST_RULES,
+            {"records_per_job": records_per_job, "min_piece_records": min_piece_records, "parallelism": parallelism},
+            {"records_per_job": DEFAULT_RECORDS_PER_JOB, "min_piece_records": MIN_PIECE_RECORDS, "parallelism": None},
+        )
+        if found:
+            raise InvalidIngestConfig(found, what="SparkIngestion options")
         super().__init__(client, name, source, key_schema, val_schema, **kwargs)
         self.spark = spark
         self.parallelism = parallelism
@@ -316,7 +332,7 @@ class SparkIngestion(Ingestion):
         self._zone = source if isinstance(source, LandingZoneSource) else None
         self._kafka = source if isinstance(source, KafkaSource) else None
         self.records_per_job = records_per_job
-        self.min_piece_records = max(1, min_piece_records)
+        self.min_piece_records = min_piece_records
         self._group: list[tuple[Binding, list[Chunk]]] = []
         self._group_records = 0
         self._collected_t = 0

@@ -42,7 +42,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from persist_lib.errors import InvalidUsage, LeaseExpired
+from persist_lib.config_rules import Rule
+from persist_lib.errors import ConfigProblem, InvalidConfig, LeaseExpired
 from persist_lib.location.file_blob import FileBlob, validate_key
 from persist_lib.shard.batch_meta import PartMeta
 
@@ -83,21 +84,40 @@ class Pin:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+#: The environment variable that overrides ``PIN_TTL_S``.
+PIN_TTL_ENV = "PERSIST_SPARK_PIN_TTL_S"
+_TTL_RULE = Rule(
+    "float", lo=0, lo_open=True, unit="seconds",
+    meaning="how long a Spark read's pinned parts may live before any new pin removes them",
+)
+
+
 def pin_ttl_s() -> float:
-    """``PIN_TTL_S``, or ``$PERSIST_SPARK_PIN_TTL_S`` (seconds, a positive number)."""
-    raw = os.environ.get("PERSIST_SPARK_PIN_TTL_S", "").strip()
+    """``PIN_TTL_S``, or ``$PERSIST_SPARK_PIN_TTL_S`` (seconds, a positive number); a bad
+    value is an ``InvalidConfig`` naming the variable."""
+    raw = os.environ.get(PIN_TTL_ENV, "").strip()
     if not raw:
         return PIN_TTL_S
     try:
         ttl = float(raw)
     except ValueError:
         ttl = float("nan")
-    if not ttl > 0 or ttl == float("inf"):
-        raise InvalidUsage(
-            f"PERSIST_SPARK_PIN_TTL_S={raw!r}: expected how many seconds a Spark read's pinned "
-            f"parts may live, a positive number (e.g. 86400); unset it for the default {PIN_TTL_S:.0f}"
-        )
+    if _TTL_RULE.is_bad(ttl):
+        raise InvalidConfig([ConfigProblem(
+            "ttl_s", raw, f"${PIN_TTL_ENV} {_TTL_RULE.allowed()}",
+            f"fix: set it to a number of seconds (e.g. 86400), or unset it for the default {PIN_TTL_S:.0f}",
+            source=f"${PIN_TTL_ENV}",
+        )], what="Spark pin TTL")
     return ttl
+
+
+def _checked_ttl(ttl_s: object) -> float:
+    """``sweep``'s ``ttl_s``: a zero, negative or non-number TTL would remove the pins that
+    running reads still use (every pin is older than that)."""
+    problem = _TTL_RULE.check("ttl_s", ttl_s, PIN_TTL_S)
+    if problem is not None:
+        raise InvalidConfig([problem], what="Spark pin TTL")
+    return float(ttl_s)  # type: ignore[arg-type]
 
 
 def _pin_age_s(name: str, now: float) -> float | None:
@@ -108,7 +128,7 @@ def _pin_age_s(name: str, now: float) -> float | None:
 def sweep(root: str, ttl_s: float | None = None) -> int:
     """Removes the pins under the blob directory ``root`` older than ``ttl_s`` (default
     ``pin_ttl_s()``); returns how many."""
-    ttl = pin_ttl_s() if ttl_s is None else ttl_s
+    ttl = pin_ttl_s() if ttl_s is None else _checked_ttl(ttl_s)
     base = os.path.join(root, PIN_DIR)
     try:
         names = os.listdir(base)

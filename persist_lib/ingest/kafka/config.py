@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from persist_lib.config_rules import Rule
 from persist_lib.ingest.errors import IngestConfigError
 from persist_lib.location.redaction import SensitiveUrl
 
@@ -31,6 +32,27 @@ FETCH_SETTINGS: dict[str, Any] = {
     "queued.min.messages": 200_000,
     "fetch.queue.backoff.ms": 50,
     "reconnect.backoff.ms": 10,
+}
+
+
+def _positive_seconds(meaning: str) -> Rule:
+    return Rule("float", lo=0, lo_open=True, unit="seconds", meaning=meaning)
+
+
+#: The rules of a Kafka source's plain settings, checked together (every bad one named)
+#: before the formats, the URL and the librdkafka settings are parsed. The bootstrap URL
+#: is checked apart: it may hold a SASL password, and a problem shows the bad value.
+KAFKA_RULES: dict[str, Rule] = {
+    "topic": Rule("str", lo=1, meaning="the topic's name"),
+    "key_field": Rule("str", optional=True, meaning="None: the only candidate field"),
+    "value_field": Rule("str", optional=True, meaning="None: the only candidate field"),
+    "group_id": Rule("str", optional=True, meaning="None: persist_NAME"),
+    "commit_offsets": Rule("bool"),
+    "timeout_s": _positive_seconds("how long an unreachable broker is retried"),
+    "poll_s": _positive_seconds("the longest wait of one poll for messages"),
+    "metadata_interval_s": _positive_seconds("how often partition metadata is refreshed"),
+    "prefetch": Rule("int", lo=0, unit="messages", meaning="read and decoded ahead; 0: only when asked"),
+    "ranges": Rule("bool"),
 }
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import importlib
 import logging
 import operator
-import os
 from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from persist_lib.config_rules import env_choice
 from persist_lib.ingest.decode import DecodeSpec
 from persist_lib.ingest.kafka.messages import _Batch, _Decoded, _Held, _Msgs
 
@@ -74,7 +74,7 @@ def _native_split(msgs: list[Any]) -> list[tuple[int, int, int, list[int], list[
     global _native
     if _native is None:
         _native = False
-        if os.environ.get("PERSIST_KAFKA_NATIVE", "1") != "0":
+        if env_choice("PERSIST_KAFKA_NATIVE", ("0", "1"), "1") != "0":
             try:
                 from confluent_kafka import Message
 

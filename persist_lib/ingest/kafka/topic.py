@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from persist_lib.ingest.addresses import Frontier
 from persist_lib.ingest.errors import IngestConfigError, SourceTimeout, SourceUnavailable
+from persist_lib.ingest.ingest_config import require_valid_settings
 from persist_lib.ingest.kafka.config import (
     FETCH_SETTINGS,
     FORMATS,
+    KAFKA_RULES,
     READERS,
     _bootstrap_of,
     _parse_include,
@@ -92,8 +94,12 @@ class KafkaTopic(KafkaDecoding):
     _name: str = field(default="", init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.topic, str) or not self.topic:
-            raise IngestConfigError("KafkaSource needs a topic name")
+        if not isinstance(self.bootstrap_url, str) or not self.bootstrap_url:
+            raise IngestConfigError(  # the value itself is not shown: it may hold a password
+                f"KafkaSource bootstrap_url must be a non-empty string, not a {type(self.bootstrap_url).__name__}: "
+                "use HOST:PORT[,HOST:PORT] or kafka://[USER:PASSWORD@]HOST:PORT[?...]"
+            )
+        require_valid_settings(self, KAFKA_RULES, "KafkaSource")
         for what, v in (("key_format", self.key_format), ("value_format", self.value_format)):
             if v not in FORMATS or (what == "value_format" and v == "none"):
                 allowed = FORMATS if what == "key_format" else FORMATS[:3]

@@ -9,8 +9,10 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
+from persist_lib.config_rules import Rule
 from persist_lib.ingest.addresses import Address, Frontier, Note, encode_address
 from persist_lib.ingest.errors import IngestConfigError, SourceDataGone, SourceUnavailable
+from persist_lib.ingest.ingest_config import require_valid_settings
 from persist_lib.ingest.landing_zone.files import (
     PARTITION,
     FileChunk,
@@ -22,6 +24,13 @@ from persist_lib.ingest.landing_zone.files import (
 from persist_lib.ingest.landing_zone.stores import FORMATS, FileInfo, _Store, format_of, open_store
 from persist_lib.ingest.source import Chunk, Lag
 from persist_lib.location.redaction import redacted_dataclass_repr
+
+#: The rules of a landing zone's plain settings (the URI and format are checked apart,
+#: with messages that say how to spell them).
+LANDING_RULES: dict[str, Rule] = {
+    "pattern": Rule("str", optional=True, meaning="an fnmatch pattern; None: every file"),
+    "csv_delimiter": Rule("str", lo=1, meaning="one character"),
+}
 
 
 @dataclass
@@ -41,6 +50,7 @@ class LandingZoneSource:
     _store: _Store = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        require_valid_settings(self, LANDING_RULES, "LandingZoneSource")
         if self.format not in (*FORMATS, "auto"):
             raise IngestConfigError(
                 f"unknown file format {self.format!r}: use one of {', '.join(FORMATS)} or 'auto' "
