@@ -15,7 +15,9 @@ files one per update):
   aggregate, against
   ``spark.read.parquet(<the part files>)`` and the same aggregate (Spark's vectorized
   Parquet reader: no checksum, no consolidation, no materialization). Goal >= 0.8x of
-  the raw read's speed.
+  the raw read's speed. The CPU of each side counts the JVM and the Python workers
+  (``spark_floor.tree_cpu_s``), and the row with history also gives the ``mapInArrow``
+  hand-off floor (``bench.spark_floor``): what a Python read costs before persist's work.
 - **SQL**: ``SqlSession(client).sql("SELECT <the aggregate> FROM <shard>")`` (the query
   ``persist sql`` runs: DuckDB over the streamed snapshot) against DuckDB's
   ``read_parquet([<the part files>])``. Goal >= 0.8x.
