@@ -15,7 +15,9 @@ files one per update):
   aggregate, against
   ``spark.read.parquet(<the part files>)`` and the same aggregate (Spark's vectorized
   Parquet reader: no checksum, no consolidation, no materialization). Goal >= 0.8x of
-  the raw read's speed.
+  the raw read's speed. The CPU of each side counts the JVM and the Python workers
+  (``spark_floor.tree_cpu_s``), and the row with history also gives the ``mapInArrow``
+  hand-off floor (``bench.spark_floor``): what a Python read costs before persist's work.
 - **SQL**: ``SqlSession(client).sql("SELECT <the aggregate> FROM <shard>")`` (the query
   ``persist sql`` runs: DuckDB over the streamed snapshot) against DuckDB's
   ``read_parquet([<the part files>])``. Goal >= 0.8x.
@@ -44,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import spark_floor
 from bench.common import KEY_SCHEMA, VAL_SCHEMA, persist_file_client
 
 REPS = 3
@@ -80,28 +83,43 @@ def interleaved(
 
 
 def paired(
-    ours: Callable[[], Any], anchor: Callable[[], Any], reps: int, *, warm: bool = False
+    ours: Callable[[], Any], anchor: Callable[[], Any], reps: int, *, warm: bool = False,
+    cpu: Callable[[], float] = time.process_time,
 ) -> dict[str, Any]:
     """``interleaved``, with the median CPU seconds of each side too (every thread of the
-    process: persist's pools and DuckDB's threads alike). On a loaded machine the wall
+    process: persist's pools and DuckDB's threads alike; ``cpu``: another clock, e.g.
+    ``spark_floor.tree_cpu_s`` for Spark's JVM and Python workers). On a loaded machine the wall
     times swing 2-4x from run to run; the CPU a query costs swings far less, so its
     ratio tells what a change did when the wall ratio can't."""
+    got = sides({"ours": ours, "anchor": anchor}, reps, warm=warm, cpu=cpu)
+    return {
+        "ours_s": got["ours"]["s"], "anchor_s": got["anchor"]["s"],
+        "ours_cpu_s": got["ours"]["cpu_s"], "anchor_cpu_s": got["anchor"]["cpu_s"],
+        "ours_out": got["ours"]["out"], "anchor_out": got["anchor"]["out"],
+    }
+
+
+def sides(
+    fns: dict[str, Callable[[], Any]], reps: int, *, warm: bool = False,
+    cpu: Callable[[], float] = time.process_time,
+) -> dict[str, dict[str, Any]]:
+    """Each of ``fns`` ``reps`` times in alternation (after one untimed call of each
+    with ``warm``): per name, the median wall (``s``) and ``cpu`` seconds (``cpu_s``)
+    and the last result (``out``)."""
     if warm:
-        ours()
-        anchor()
-    wall: dict[str, list[float]] = {"ours": [], "anchor": []}
-    cpu: dict[str, list[float]] = {"ours": [], "anchor": []}
-    out: dict[str, Any] = {"ours": None, "anchor": None}
+        for fn in fns.values():
+            fn()
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    used: dict[str, list[float]] = {k: [] for k in fns}
+    out: dict[str, Any] = dict.fromkeys(fns)
     for _ in range(reps):
-        for side, fn in (("ours", ours), ("anchor", anchor)):
-            t0, c0 = time.perf_counter(), time.process_time()
+        for side, fn in fns.items():
+            t0, c0 = time.perf_counter(), cpu()
             out[side] = fn()
             wall[side].append(time.perf_counter() - t0)
-            cpu[side].append(time.process_time() - c0)
+            used[side].append(cpu() - c0)
     return {
-        "ours_s": statistics.median(wall["ours"]), "anchor_s": statistics.median(wall["anchor"]),
-        "ours_cpu_s": statistics.median(cpu["ours"]), "anchor_cpu_s": statistics.median(cpu["anchor"]),
-        "ours_out": out["ours"], "anchor_out": out["anchor"],
+        k: {"s": statistics.median(wall[k]), "cpu_s": statistics.median(used[k]), "out": out[k]} for k in fns
     }
 
 
@@ -129,7 +147,13 @@ def stop_spark() -> None:
         _SPARK.pop().stop()
 
 
-def spark_figures(d: Path, shard: Any, files: list[str], *, materialize: bool = True) -> dict[str, Any]:
+def spark_figures(
+    d: Path, shard: Any, files: list[str], *, materialize: bool = True, floor: bool = False
+) -> dict[str, Any]:
+    """One Spark row: ``read_snapshot`` + the aggregate against ``spark.read.parquet`` +
+    the same aggregate, interleaved, wall and CPU (the JVM and Python workers too:
+    ``spark_floor.tree_cpu_s``). ``floor``: also the ``mapInArrow`` hand-off floor of as
+    many rows (``spark_floor.floor_query``)."""
     from pyspark.sql import functions as F
 
     from persist_lib.spark import read_snapshot
@@ -160,13 +184,24 @@ def spark_figures(d: Path, shard: Any, files: list[str], *, materialize: bool = 
 
     try:
         raw()  # warm the JVM's Parquet path and the page cache once, as persist's first run
-        p_s, a_s, p_out, a_out = interleaved(persist, raw, REPS)
+        fns = {"persist": persist, "raw": raw}
+        if floor:
+            fns["floor"] = spark_floor.floor_query(spark, int(persist()[0]))
+            fns["floor"]()  # the workers build their rows once
+        got = sides(fns, REPS, cpu=spark_floor.tree_cpu_s)
     finally:
         release_pins()  # the default reads' pinned part files (spark.pins), if any
         r.expire()
         client.close()
+    p_out, a_out = got["persist"]["out"], got["raw"]["out"]
     _check("spark", p_out, a_out)
-    return {"persist_s": p_s, "raw_s": a_s, "rows": int(p_out[0]), "raw_rows": int(a_out[0])}
+    out = {
+        "persist_s": got["persist"]["s"], "raw_s": got["raw"]["s"], "persist_cpu_s": got["persist"]["cpu_s"],
+        "raw_cpu_s": got["raw"]["cpu_s"], "rows": int(p_out[0]), "raw_rows": int(a_out[0]),
+    }
+    if floor:
+        out |= {"floor_s": got["floor"]["s"], "floor_cpu_s": got["floor"]["cpu_s"]}
+    return out
 
 
 def sql_figures(d: Path, shard: Any, files: list[str], *, fresh: bool = False) -> dict[str, Any]:

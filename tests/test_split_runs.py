@@ -189,3 +189,25 @@ def test_spark_read_of_marked_layers_equals_the_snapshot(spark: Any, tmp_path: P
     w.expire()
     r.expire()
     client.close()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_key_range_splits_of_uneven_layers_are_balanced_by_bytes(n: int) -> None:
+    """Three layers of unequal sizes, each of several parts: the splits are cut at the
+    gaps inside every run and packed by bytes, so no split holds more than its share
+    plus one part (whole runs as the units left one split with most of the bytes)."""
+    client = mem_client(compaction_time_layers=3, compaction_layer_max_first_share=1.0,
+                        compaction_layer_kv_whole=True)
+    w, r, _ = _history(client, 5, 4, 3000, 2000)
+    planned = r.snapshot_splits(3, 4)
+    parts = [p for s in planned for p in s.parts]
+    assert planned[0].runs is not None and len(set(planned[0].runs)) > 1
+    ranged = key_range_splits(planned, r.schemas, n)
+    assert ranged is not None and len(ranged) == n
+    assert sorted(str(p.key) for s in ranged for p in s.parts) == sorted(str(p.key) for p in parts)
+    sizes = [sum(p.size for p in s.parts) for s in ranged]
+    assert max(sizes) <= sum(sizes) / n + max(p.size for p in parts), sizes
+    _check_splits(r, 3, n, client.blob)
+    r.release_splits()
+    w.expire()
+    r.expire()
