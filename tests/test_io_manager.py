@@ -311,7 +311,7 @@ def test_an_as_of_at_or_beyond_the_upper_fails_at_once(
         ({}, {}, "no key columns: add metadata {'persist/key'"),
         ({"persist/key": ["id"], "persist/mode": "merge"}, {}, "unknown write mode 'merge'"),
         ({"persist/key": ["nope"]}, {}, "columns ['nope'] (persist/key, persist/delete_column) are not in the output"),
-        ({"persist/key": ["id"]}, {"default_mode": "replace"}, "unknown write mode 'replace'"),
+        ({"persist/key": ["id"]}, {"default_mode": "replace"}, "PersistIOManager.default_mode (field default_mode) = 'replace'"),
     ],
 )
 def test_bad_configuration_fails_at_once_with_one_line(
