@@ -13,7 +13,7 @@ from persist_lib.config_rules import CrossRule, Rule, rule_problems
 from persist_lib.errors import ConfigProblem, InvalidConfig, InvalidUsage
 from persist_lib.ingest.kafka.config import FORMATS as KAFKA_FORMATS
 from persist_lib.ingest.landing_zone.stores import FORMATS as FILE_FORMATS
-from persist_lib.storage.controller import _check_name
+from persist_lib.storage.controller import check_name
 
 KINDS = ("landing_zone", "postgres_cdc", "kafka")
 ENVELOPES = ("upsert", "append_only", "append", "none")  # the last two: append_only's aliases
@@ -39,7 +39,7 @@ SOURCE_RULES: dict[str, Rule] = {
 
 def _name_is_a_collection_name(v: Mapping[str, Any]) -> ConfigProblem | None:
     try:
-        _check_name("source", v["name"])
+        check_name("source", v["name"])
     except InvalidUsage as e:
         return ConfigProblem("name", v["name"], f"must be a collection name ({str(e).split(': ', 1)[-1]})",
                              "fix: rename the source, e.g. 'orders'")

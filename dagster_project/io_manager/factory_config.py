@@ -13,7 +13,7 @@ from dagster_project.io_manager.errors import InvalidIOManagerConfig
 from dagster_project.io_manager.settings import MODES
 from persist_lib.config_rules import CrossRule, Rule, rule_problems
 from persist_lib.errors import ConfigProblem, InvalidUsage
-from persist_lib.storage.controller import _check_name
+from persist_lib.storage.controller import check_name
 
 MiB = 1 << 20
 
@@ -36,7 +36,7 @@ IO_MANAGER_DEFAULTS: dict[str, Any] = {
 
 def _name_problem(field: str, name: str, fix: str) -> ConfigProblem | None:
     try:
-        _check_name(field, name)
+        check_name(field, name)
     except InvalidUsage as e:
         return ConfigProblem(field, name, f"must be a valid collection name ({str(e).split(': ', 1)[-1]})", fix)
     return None

@@ -83,7 +83,9 @@ def _crit_id(shard: str) -> str:
     return _CRIT_PREFIX + shard[-12:]
 
 
-def _check_name(what: str, name: str) -> str:
+def check_name(what: str, name: str) -> str:
+    """``name`` if it is a valid collection, rendition or source name (``what`` says which),
+    else ``InvalidUsage`` saying the rule; public for the Dagster settings checks."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise InvalidUsage(
             f"{what} name {name!r} is not valid: use 1-128 characters, a letter first, then "
@@ -165,8 +167,8 @@ class StorageController:
         ``transaction()``; docs/architecture.md, "Transactions"). Default: transactional
         iff it has more than one shard (one shard is atomic with one compare-and-set)."""
         self._check_writable("create_collection")
-        _check_name("collection", name)
-        _check_name("rendition", rendition)
+        check_name("collection", name)
+        check_name("rendition", rendition)
         self._check_num_shards(num_shards)
         if transactional is None:
             transactional = num_shards > 1
@@ -240,7 +242,7 @@ class StorageController:
         non-transactional collection makes the collection transactional first
         (``make_transactional``), so its writes are atomic."""
         self._check_writable("create_rendition")
-        _check_name("rendition", rendition)
+        check_name("rendition", rendition)
         self._check_num_shards(num_shards)
         if num_shards > 1 and not self.is_transactional(name):
             self.make_transactional(name)
