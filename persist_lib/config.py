@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import difflib
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from persist_lib.config_rules import FIELD_RULES, field_default, problems
-from persist_lib.errors import ConfigProblem, InvalidConfig
+from persist_lib.config_rules import FIELD_RULES, CheckedConfig, problems
+from persist_lib.errors import ConfigProblem
 
 MiB = 1 << 20
 
@@ -20,7 +19,7 @@ def system_clock_ms() -> int:
 
 
 @dataclass
-class PersistConfig:
+class PersistConfig(CheckedConfig):
     """Tunables of a ``PersistClient``. Defaults follow docs/design.md and Materialize's persist.
 
     Every value is checked against its rule (``persist_lib.config_rules``: type, range,
@@ -135,46 +134,16 @@ class PersistConfig:
     now_ms: Callable[[], int] = field(default=system_clock_ms)
     rng: random.Random = field(default_factory=random.Random)
 
-    def __post_init__(self) -> None:
-        found = problems(self._values(), _DEFAULTS)
-        if found:
-            raise InvalidConfig(found)
-        object.__setattr__(self, "_checked", True)
+    RULES = FIELD_RULES  # (the cross rules and the environment: ``_problems``)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        # While ``__init__`` assigns the fields one by one nothing is checked:
-        # ``__post_init__`` checks them all at once.
-        if "_checked" in self.__dict__ and not name.startswith("_"):
-            self._check_changes({name: value})
-        object.__setattr__(self, name, value)
-
-    def update(self, **changes: Any) -> PersistConfig:
-        """Assigns several fields at once, checked together (so a change that is only valid
-        with another one, such as a shorter lease with a shorter heartbeat tick, does not
-        fail on the way): all of them, or none and ``InvalidConfig``. Returns ``self``."""
-        self._check_changes(changes)
-        for k, v in changes.items():
-            object.__setattr__(self, k, v)
-        return self
-
-    def _values(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in FIELD_RULES}
-
-    def _check_changes(self, changes: dict[str, Any]) -> None:
-        unknown = [_unknown_field(k, v) for k, v in changes.items() if k not in _DEFAULTS]
-        if unknown:
-            raise InvalidConfig(unknown)
-        found = problems({**self._values(), **changes}, _DEFAULTS, changed=changes)
-        if found:
-            raise InvalidConfig(found)
+    def _problems(self, values: Mapping[str, Any], changed: Iterable[str] | None) -> list[ConfigProblem]:
+        return problems(values, self.defaults(), changed)
 
     @classmethod
     def for_tests(cls, **overrides: Any) -> PersistConfig:
         """Small parts and no background threads: what most tests want (``overrides``
         checked together with them)."""
-        unknown = [_unknown_field(k, v) for k, v in overrides.items() if k not in _DEFAULTS]
-        if unknown:
-            raise InvalidConfig(unknown)
+        cls.unknown_fields(overrides)
         base: dict[str, Any] = {
             "blob_target_size": 1 * MiB,
             "background_heartbeats": False,
@@ -185,11 +154,3 @@ class PersistConfig:
         return cls(**{**base, **overrides})
 
 
-#: Each field's default (for the messages; factories stand for their defaults).
-_DEFAULTS: dict[str, Any] = {f.name: field_default(f) for f in fields(PersistConfig)}
-
-
-def _unknown_field(name: str, value: Any) -> ConfigProblem:
-    near = difflib.get_close_matches(name, list(_DEFAULTS), n=1)
-    hint = f"did you mean {near[0]!r}?" if near else "see the fields of PersistConfig"
-    return ConfigProblem(name, value, "is not a field of PersistConfig", f"fix: {hint}")

@@ -15,16 +15,17 @@ annotation allows it. Floats must be finite.
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 import os
 import random
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import MISSING, dataclass
-from typing import Any, Literal
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
-from persist_lib.errors import ConfigProblem
+from persist_lib.errors import ConfigProblem, InvalidConfig
 
 MiB = 1 << 20
 
@@ -330,3 +331,90 @@ def problems(
         if p is not None:
             out.append(p)
     return out
+
+
+class CheckedConfig:
+    """The checks of a dataclass config against its rule table (``PersistConfig``,
+    ``IngestConfig``): every field when it is built, and a field again whenever it is
+    assigned afterwards (``cfg.x = ...``; the config keeps its old value on a refusal),
+    as one ``ERROR`` naming every bad setting. Reads of a field stay plain attribute
+    reads. An unknown field name is refused too, not silently set and ignored. A
+    subclass sets ``RULES`` (one rule per field), ``CROSS`` and ``ERROR``, and may
+    extend ``_problems`` (``PersistConfig``: its environment variable)."""
+
+    RULES: ClassVar[Mapping[str, Rule]]
+    CROSS: ClassVar[tuple[CrossRule, ...]] = ()
+    ERROR: ClassVar[type[InvalidConfig]] = InvalidConfig
+
+    def __post_init__(self) -> None:
+        found = self._problems(self._values(), None)
+        if found:
+            raise self.ERROR(found)
+        object.__setattr__(self, "_checked", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # While ``__init__`` assigns the fields one by one nothing is checked:
+        # ``__post_init__`` checks them all at once.
+        if "_checked" in self.__dict__ and not name.startswith("_"):
+            self._check_changes({name: value})
+        object.__setattr__(self, name, value)
+
+    def update(self, **changes: Any) -> Self:
+        """Assigns several fields at once, checked together (so a change that is only valid
+        with another one, such as a shorter lease with a shorter heartbeat tick, does not
+        fail on the way): all of them, or none and ``ERROR``. Returns ``self``."""
+        self._check_changes(changes)
+        for k, v in changes.items():
+            object.__setattr__(self, k, v)
+        return self
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Each field's default (for the messages; factories stand for their defaults),
+        worked out once per class."""
+        got: dict[str, Any] | None = cls.__dict__.get("_DEFAULTS")
+        if got is None:
+            got = {f.name: field_default(f) for f in fields(cls)}  # type: ignore[arg-type]
+            cls._DEFAULTS = got  # type: ignore[attr-defined]
+        return got
+
+    @classmethod
+    def unknown_fields(cls, names: Mapping[str, Any]) -> None:
+        """``ERROR`` for the names in ``names`` that are not fields, with the nearest
+        field as a hint."""
+        unknown = []
+        for name, value in names.items():
+            if name not in cls.RULES:
+                near = difflib.get_close_matches(name, list(cls.RULES), n=1)
+                hint = f"did you mean {near[0]!r}?" if near else f"see the fields of {cls.__name__}"
+                unknown.append(ConfigProblem(name, value, f"is not a field of {cls.__name__}", f"fix: {hint}"))
+        if unknown:
+            raise cls.ERROR(unknown)
+
+    def _problems(self, values: Mapping[str, Any], changed: Iterable[str] | None) -> list[ConfigProblem]:
+        return rule_problems(self.RULES, values, self.defaults(), self.CROSS, changed)
+
+    def _values(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.RULES}
+
+    def _check_changes(self, changes: dict[str, Any]) -> None:
+        self.unknown_fields(changes)
+        found = self._problems({**self._values(), **changes}, changes)
+        if found:
+            raise self.ERROR(found)
+
+
+C = TypeVar("C")
+
+
+def config_of(config: object, cls: type[C], *, what: str, error: type[InvalidConfig], hint: str) -> C:
+    """``config`` when it is a ``cls``, the defaults for None; anything else (a dict of
+    settings, a path, ``False``) is an ``error``, not silently replaced by the defaults."""
+    if config is None:
+        return cls()
+    if isinstance(config, cls):
+        return config
+    name = cls.__name__
+    fix = f"fix: pass {name}(**settings)" if isinstance(config, dict) else hint
+    problem = ConfigProblem("config", config, f"must be a {name} or None, not a {type(config).__name__}", fix)
+    raise error([problem], what=what)

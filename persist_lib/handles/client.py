@@ -28,8 +28,8 @@ from typing import Any
 import pyarrow as pa
 
 from persist_lib.config import PersistConfig
+from persist_lib.config_rules import config_of
 from persist_lib.errors import (
-    ConfigProblem,
     InvalidConfig,
     InvalidUsage,
     LeaseExpired,
@@ -74,16 +74,10 @@ def persist_config_of(config: object) -> PersistConfig:
     """``config`` when it is a ``PersistConfig``, the defaults for None; anything else (a
     dict of settings, a path, ``False``) is an ``InvalidConfig``, not silently replaced
     by the defaults."""
-    if config is None:
-        return PersistConfig()
-    if isinstance(config, PersistConfig):
-        return config
-    hint = (
-        "fix: pass PersistConfig(**settings)" if isinstance(config, dict)
-        else "fix: pass a PersistConfig (e.g. PersistConfig(read_memory_budget=...)), or None for the defaults"
+    return config_of(
+        config, PersistConfig, what="PersistClient config", error=InvalidConfig,
+        hint="fix: pass a PersistConfig (e.g. PersistConfig(read_memory_budget=...)), or None for the defaults",
     )
-    problem = ConfigProblem("config", config, f"must be a PersistConfig or None, not a {type(config).__name__}", hint)
-    raise InvalidConfig([problem], what="PersistClient config")
 
 
 class _OpenDescriptor:

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
 
-from persist_lib.config_rules import CrossRule, Rule, field_default, rule_problems
-from persist_lib.errors import ConfigProblem
+from persist_lib.config_rules import (
+    CheckedConfig,
+    CrossRule,
+    Rule,
+    config_of,
+    field_default,
+    rule_problems,
+)
 from persist_lib.ingest.errors import InvalidIngestConfig
 
 _RECORDS = "records"
@@ -55,7 +60,7 @@ INGEST_CROSS_RULES: tuple[CrossRule, ...] = ()
 
 
 @dataclass
-class IngestConfig:
+class IngestConfig(CheckedConfig):
     """Tunables of an ingestion (none of them changes what a binding means). Checked
     against ``INGEST_RULES`` when built and when a field is assigned (the config keeps
     its old value); a bad value is an ``InvalidIngestConfig`` naming every bad setting."""
@@ -73,43 +78,18 @@ class IngestConfig:
     # costs its Parquet encoding but no sort. None: the client's PersistConfig decides.
     unsorted_min_bytes: int | None = 1 << 20
 
-    def __post_init__(self) -> None:
-        found = rule_problems(INGEST_RULES, self._values(), _DEFAULTS, INGEST_CROSS_RULES)
-        if found:
-            raise InvalidIngestConfig(found)
-        object.__setattr__(self, "_checked", True)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if "_checked" in self.__dict__ and not name.startswith("_"):
-            if name not in INGEST_RULES:
-                raise InvalidIngestConfig([ConfigProblem(
-                    name, value, "is not a field of IngestConfig", f"fix: use one of {', '.join(INGEST_RULES)}"
-                )])
-            found = rule_problems(
-                INGEST_RULES, {**self._values(), name: value}, _DEFAULTS, INGEST_CROSS_RULES, [name]
-            )
-            if found:
-                raise InvalidIngestConfig(found)
-        object.__setattr__(self, name, value)
-
-    def _values(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in INGEST_RULES}
-
-
-_DEFAULTS: dict[str, Any] = {f.name: field_default(f) for f in fields(IngestConfig)}
+    RULES = INGEST_RULES
+    CROSS = INGEST_CROSS_RULES
+    ERROR = InvalidIngestConfig
 
 
 def ingest_config_of(config: object) -> IngestConfig:
     """``config`` when it is an ``IngestConfig``, the defaults for None; anything else is
     an ``InvalidIngestConfig`` (not silently replaced by the defaults)."""
-    if config is None:
-        return IngestConfig()
-    if isinstance(config, IngestConfig):
-        return config
-    raise InvalidIngestConfig([ConfigProblem(
-        "config", config, f"must be an IngestConfig or None, not a {type(config).__name__}",
-        "fix: pass IngestConfig(**settings)",
-    )], what="Ingestion config")
+    return config_of(
+        config, IngestConfig, what="Ingestion config", error=InvalidIngestConfig,
+        hint="fix: pass IngestConfig(**settings)",
+    )
 
 
 def require_valid_settings(obj: object, rules: Mapping[str, Rule], what: str) -> None:
